@@ -1,0 +1,33 @@
+"""Region-feature extractors: a registry of detector presets (the bottom-up Faster R-CNN and its variants).
+
+An extractor module registers a factory with ``@EXTRACTORS.register("name")``; ``cli extract`` picks one by
+config (``extractor.name``) or from the checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from pipeline.registry import Registry
+
+EXTRACTORS: Registry = Registry("extractor")
+
+_LOADED = False
+
+
+def _import_all() -> None:
+    global _LOADED  # one-time import guard, not configuration
+    if _LOADED:
+        return
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    _LOADED = True
+
+
+def available_extractors() -> list[str]:
+    _import_all()
+    return EXTRACTORS.names()
+
+
+__all__ = ["EXTRACTORS", "available_extractors"]

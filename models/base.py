@@ -1,0 +1,85 @@
+"""The interface every captioner implements, and helpers shared by decoding code.
+
+Inputs (all batch-first):
+
+* ``feats``  ``(B, N, D)`` float region features, zero-padded,
+* ``mask``   ``(B, N)`` bool, True for real regions (padded regions must never be attended to),
+* ``boxes``  ``(B, N, 4)`` float pixel boxes ``x1, y1, x2, y2`` (the geometry input),
+* ``sizes``  ``(B, 2)`` float image ``width, height`` in pixels.
+
+Captions are id tensors using :mod:`pipeline.vocab`'s specials (``PAD=0, BOS=1, EOS=2``).
+
+Teacher forcing: ``forward(...)`` encodes each image **once** and decodes all its captions:
+``captions`` is ``(C, T)`` starting with BOS and ``caption_image`` ``(C,)`` maps each caption to its image.
+It returns log-probabilities ``(C, T, V)`` for the next token at every position.
+
+Incremental decoding (beam search, sampling): ``encode`` returns an encoder state, ``init_state`` a
+decoder state, and ``step`` consumes one token per row and returns ``(C, V)`` log-probabilities and the
+new state. States are nested dicts/tuples/lists of batch-first tensors, so :func:`index_state` can
+expand them to beams and reorder them without knowing the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+State = Any  # nested dict/tuple/list of tensors with the batch (row) dimension first
+
+
+def index_state(state: State, index: torch.Tensor) -> State:
+    """Select rows ``index`` along dim 0 of every tensor in a nested state (expand, reorder, prune beams)."""
+    if torch.is_tensor(state):
+        return state.index_select(0, index)
+    if isinstance(state, dict):
+        return {k: index_state(v, index) for k, v in state.items()}
+    if isinstance(state, tuple):
+        return tuple(index_state(v, index) for v in state)
+    if isinstance(state, list):
+        return [index_state(v, index) for v in state]
+    return state
+
+
+class Captioner(nn.Module, ABC):
+    """Base class of all captioners (see the module docstring for the tensor contract)."""
+
+    #: registry name, set by :func:`models.register_captioner`
+    name: str = ""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    @abstractmethod
+    def encode(self, feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor) -> State:
+        """Encode the regions of each image; the result is indexable by image along dim 0."""
+
+    @abstractmethod
+    def init_state(self, enc: State) -> State:
+        """A fresh decoder state for every row of ``enc`` (nothing generated yet)."""
+
+    @abstractmethod
+    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
+        """Consume ``tokens`` ``(C,)`` (the previous word, BOS first) and return ``(C, V)`` log-probs and the new state."""
+
+    @abstractmethod
+    def decode_teacher_forced(self, enc: State, captions: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``(C, T, V)`` for ``captions`` ``(C, T)`` given ``enc`` already expanded to ``C`` rows."""
+
+    def forward(
+        self,
+        feats: torch.Tensor,
+        mask: torch.Tensor,
+        boxes: torch.Tensor,
+        sizes: torch.Tensor,
+        captions: torch.Tensor,
+        caption_image: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher forcing: encode each image once, decode all its captions (see module docstring)."""
+        enc = self.encode(feats, mask, boxes, sizes)
+        if caption_image is not None:
+            enc = index_state(enc, caption_image.to(feats.device))
+        return self.decode_teacher_forced(enc, captions)

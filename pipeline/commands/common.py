@@ -1,0 +1,78 @@
+"""Shared CLI plumbing: the error boundary, common options, and printing the resolved config."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+
+from pipeline.config import Config, load_config
+from pipeline.console import get_logger, setup_logging, stderr_console
+from pipeline.errors import PipelineError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="YAML config (may use _base_); defaults to the stage's file in configs/."),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Dotted override KEY=VALUE (value read as YAML), repeatable: --set train.lr=1e-4"),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Redo a stage that already finished.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")]
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one line to stderr and exit with ``code`` (2 = usage error, 1 = runtime failure)."""
+    stderr_console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def guarded(fn: F) -> F:
+    """Turn :class:`PipelineError` into one clear line and its exit code; Ctrl-C exits 130 without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except PipelineError as exc:
+            fail(_escape(str(exc)), exc.exit_code)
+        except KeyboardInterrupt:
+            stderr_console().print("interrupted; finished work is kept and the stage resumes on the next run")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _escape(text: str) -> str:
+    return text.replace("[", "\\[")
+
+
+def resolve_config(stage: str, config: Path | None, overrides: list[str] | None, show: bool = True) -> Config:
+    """Load ``configs/<stage>.yaml`` (or the user's file) with overrides, and log the resolved config."""
+    cfg = load_config(stage, config, overrides or [])
+    if show:
+        get_logger("config").info("resolved config (%s):\n%s", config or f"configs/{stage}.yaml", cfg.to_yaml().rstrip())
+    return cfg
+
+
+def init(verbose: bool = False, quiet: bool = False) -> None:
+    setup_logging(verbose=verbose, quiet=quiet)
+
+
+def not_implemented(what: str, issue: str) -> None:
+    """Exit 2 with a clear message for a stage that a later issue builds."""
+    fail(f"{what} is not implemented yet in this version of butd-caption ({issue})", 2)
+
+
+def stdout_is_tty() -> bool:
+    return sys.stdout.isatty()

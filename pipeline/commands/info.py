@@ -1,0 +1,133 @@
+"""`cli info`: the environment, or what a run directory, store, checkpoint or weights file holds."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pipeline.commands.common import QuietOpt, SetOpt, VerboseOpt, guarded, init
+from pipeline.console import stdout_console
+from pipeline.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "info",
+        help=(
+            "Show the environment (versions, devices, Java), or inspect TARGET: a run directory "
+            "(stages and their status), a config file, or (later issues) a feature store, checkpoint or "
+            "detector weights.\n\n"
+            "Examples:\n\n"
+            "    butd-caption info\n\n"
+            "    butd-caption info runs/demo\n\n"
+            "    butd-caption info --model ngsan --set num_layers=6"
+        ),
+    )
+    @guarded
+    def info_command(
+        target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file.")] = None,
+        model: Annotated[Optional[str], typer.Option("--model", help="Build captioner NAME and print its parameter count.")] = None,
+        set_: SetOpt = None,
+        verbose: VerboseOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        init(verbose, quiet)
+        if model is not None:
+            _model_info(model, set_ or [])
+        elif target is None:
+            _environment()
+        elif not target.exists():
+            raise UsageError(f"no such file or directory: {target}")
+        elif target.is_dir():
+            _run_dir(target)
+        else:
+            raise UsageError(f"cannot inspect {target}: not a run directory (store/checkpoint/weights inspection comes with their issues)")
+
+
+def _java_version() -> str:
+    java = shutil.which("java")
+    if not java:
+        return "not found (METEOR and SPICE need Java 8+)"
+    try:
+        proc = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{java} (did not answer)"
+    first = (proc.stderr or proc.stdout).strip().splitlines()
+    return first[0] if first else java
+
+
+def _environment() -> None:
+    from rich.table import Table
+
+    import importlib.metadata as md
+
+    import torch
+
+    from pipeline import __version__
+
+    table = Table(title="butd-caption environment", show_header=False, show_edge=False)
+    table.add_row("butd-caption", __version__)
+    table.add_row("python", platform.python_version())
+    for pkg in ("torch", "torchvision", "numpy", "h5py", "opencv-python-headless", "pillow", "pycocotools", "pycocoevalcap", "typer", "rich"):
+        try:
+            table.add_row(pkg, md.version(pkg))
+        except md.PackageNotFoundError:
+            table.add_row(pkg, "not installed")
+    table.add_row("cuda available", str(torch.cuda.is_available()))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            table.add_row(f"cuda:{i}", torch.cuda.get_device_name(i))
+        table.add_row("cuda (torch build)", str(torch.version.cuda))
+    table.add_row("cpu threads", str(torch.get_num_threads()))
+    try:
+        import torchvision.ops  # noqa: F401
+        from torchvision.ops import nms
+
+        nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+        ops = "ok"
+    except Exception as exc:  # torchvision ops failing to load is what we need to report
+        ops = f"broken ({type(exc).__name__}): install the regular PyPI torch/torchvision builds"
+    table.add_row("torchvision ops", ops)
+    table.add_row("java", _java_version())
+    stdout_console().print(table)
+
+
+def _run_dir(path: Path) -> None:
+    from rich.table import Table
+
+    from pipeline.stages import RUNNING, read_manifest
+
+    stages = sorted(p for p in path.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or (p / RUNNING).exists()))
+    if (path / "manifest.json").exists():
+        stages = [path]
+    if not stages:
+        raise UsageError(f"{path} holds no pipeline stages (no manifest.json found)")
+    table = Table(title=f"run directory {path}", show_edge=False)
+    for col in ("stage", "status", "finished", "seconds", "config", "summary"):
+        table.add_column(col)
+    for st in stages:
+        m = read_manifest(st)
+        if m is None:
+            table.add_row(st.name, "interrupted / running", "-", "-", "-", "")
+        else:
+            summary = ", ".join(f"{k}={v}" for k, v in m.get("summary", {}).items())
+            table.add_row(st.name, "done", m.get("finished", "?"), str(m.get("seconds", "?")), m["config_digest"][:12], summary)
+    stdout_console().print(table)
+
+
+def _model_info(name: str, overrides: list[str]) -> None:
+    import models
+
+    cfg = models.model_config(name, overrides)
+    vocab_size = 10000
+    model = models.build_captioner(name, vocab_size, **cfg.to_dict())
+    n = sum(p.numel() for p in model.parameters())
+    con = stdout_console()
+    con.print(f"model: {name}")
+    con.print(f"parameters: {n} ({n / 1e6:.2f}M) at vocabulary size {vocab_size}")
+    con.print(cfg.to_yaml().rstrip())

@@ -1,0 +1,296 @@
+"""YAML configs with ``_base_`` inheritance, dotted ``--set`` overrides and schema validation.
+
+Conventions (docs/architecture.md):
+
+* Every stage has a default config ``configs/<stage>.yaml``; it is also the *schema*: a user config or an
+  override may only set keys that exist there, with a value of the same type. ``int`` is accepted where a
+  ``float`` is expected; a default of ``null`` accepts any value; a mapping written as ``{}`` in the
+  defaults is *open* (any keys inside).
+* A file may name ``_base_: other.yaml`` (or a list of them), resolved relative to the file itself. Bases
+  are merged first, in order, then the file's own keys on top (mappings merge recursively, everything
+  else replaces).
+* A :class:`Config` is immutable. Derive a changed copy with :meth:`Config.with_overrides`; there is no
+  global config object anywhere in the project.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+BASE_KEY = "_base_"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, not {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Return ``base`` updated recursively by ``top`` (mappings merge, other values replace)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_yaml_with_bases(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Load ``path`` and resolve its ``_base_`` chain (relative paths are relative to the file)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise ConfigError(f"config _base_ cycle: {chain}")
+    data = _read_yaml(path)
+    bases = data.pop(BASE_KEY, None)
+    if bases is None:
+        return data
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: _base_ must be a file name or a list of file names")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        merged = deep_merge(merged, load_yaml_with_bases(base_path, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, Mapping):
+        return "mapping"
+    return type(value).__name__
+
+
+def _compatible(default: Any, value: Any) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float) and isinstance(value, (int, float)):
+        return True
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, list):
+        return isinstance(value, list)
+    if isinstance(default, Mapping):
+        return isinstance(value, Mapping)
+    return type(default) is type(value)
+
+
+def validate_against(schema: Mapping[str, Any], data: Mapping[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    """Check ``data`` against ``schema`` (the stage defaults) and return the merged result.
+
+    Raises :class:`ConfigError` naming the first unknown key or the first type mismatch.
+    """
+    out = copy.deepcopy(dict(schema))
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            known = ", ".join(sorted(str(k) for k in schema)) or "(none)"
+            raise ConfigError(f"{source}: unknown config key '{dotted}' (known here: {known})")
+        default = schema[key]
+        if isinstance(default, Mapping) and len(default) == 0:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: '{dotted}' must be a mapping, got {_type_name(value)}")
+            out[key] = copy.deepcopy(dict(value))
+            continue
+        if isinstance(default, Mapping) and isinstance(value, Mapping):
+            out[key] = validate_against(default, value, source, prefix=f"{dotted}.")
+            continue
+        if not _compatible(default, value):
+            raise ConfigError(
+                f"{source}: '{dotted}' must be {_type_name(default)}, got {_type_name(value)} ({value!r})"
+            )
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse one ``key.sub=value`` override; the value is read as YAML (``1e-4``, ``true``, ``[1,2]``)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects KEY=VALUE, got '{text}'")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set has an empty key in '{text}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value '{raw}' is not valid YAML") from exc
+    return key.split("."), value
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(path):
+        out = {part: out}
+    return out
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return Config(value)
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Config):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+class Config(Mapping[str, Any]):
+    """An immutable, nested configuration with attribute and dotted access.
+
+    ``cfg.train.lr``, ``cfg["train"]["lr"]`` and ``cfg.get_path("train.lr")`` are equivalent.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_data", {str(k): _freeze(v) for k, v in (data or {}).items()})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise AttributeError(f"config has no key '{key}'") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("Config is immutable; use with_overrides()")
+
+    def __repr__(self) -> str:
+        return f"Config({self.to_dict()!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Config):
+            return self.to_dict() == other.to_dict()
+        if isinstance(other, Mapping):
+            return self.to_dict() == dict(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def get_path(self, dotted: str, default: Any = ...) -> Any:
+        """Value at ``a.b.c``; raises :class:`ConfigError` if missing and no default is given."""
+        node: Any = self
+        for part in dotted.split("."):
+            if isinstance(node, Config) and part in node:
+                node = node[part]
+            elif default is not ...:
+                return default
+            else:
+                raise ConfigError(f"config has no key '{dotted}'")
+        return node
+
+    def to_dict(self) -> dict[str, Any]:
+        """A deep, mutable copy as plain dicts and lists (for YAML/JSON)."""
+        return {k: _thaw(v) for k, v in self._data.items()}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    def digest(self) -> str:
+        """A stable SHA-256 of the resolved config (key order does not matter)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def with_overrides(self, overrides: Mapping[str, Any] | list[str] | None, source: str = "--set") -> "Config":
+        """Return a new config with ``overrides`` applied and validated against this one.
+
+        ``overrides`` is either a list of ``key.sub=value`` strings or a mapping of dotted keys to values.
+        """
+        if not overrides:
+            return self
+        items: list[tuple[list[str], Any]]
+        if isinstance(overrides, Mapping):
+            items = [(str(k).split("."), v) for k, v in overrides.items()]
+        else:
+            items = [parse_override(o) for o in overrides]
+        data = self.to_dict()
+        for path, value in items:
+            data = validate_against(data, _nest(path, value), f"{source} {'.'.join(path)}")
+        return Config(data)
+
+
+def default_config_path(stage: str) -> Path:
+    """``configs/<stage>.yaml`` inside the project."""
+    return CONFIG_DIR / f"{stage}.yaml"
+
+
+def load_config(
+    stage: str,
+    config_file: str | Path | None = None,
+    overrides: list[str] | Mapping[str, Any] | None = None,
+) -> Config:
+    """Resolve a stage config: defaults, then the user's file (validated), then ``--set`` overrides.
+
+    Args:
+        stage: stage name; ``configs/<stage>.yaml`` holds its defaults and schema.
+        config_file: optional user YAML (may use ``_base_``).
+        overrides: ``key=value`` strings or a mapping of dotted keys.
+    """
+    defaults = load_yaml_with_bases(default_config_path(stage))
+    data = defaults
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = validate_against(defaults, load_yaml_with_bases(path), str(path))
+    return Config(data).with_overrides(overrides)

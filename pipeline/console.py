@@ -1,0 +1,102 @@
+"""Logging and progress bars: rich on stderr, only on rank 0, quiet when not interactive.
+
+stdout stays machine-readable (tables and results only); everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+T = TypeVar("T")
+
+LOGGER_NAME = "butd"
+
+
+def get_rank() -> int:
+    """Process rank under torchrun (``RANK``), 0 otherwise."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, soft_wrap=True)
+
+
+def stdout_console() -> Console:
+    return Console(soft_wrap=True)
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False) -> logging.Logger:
+    """Configure the project logger once per process (idempotent). Non-zero ranks log warnings only."""
+    logger = logging.getLogger(LOGGER_NAME)
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    if not is_main_process():
+        level = max(level, logging.WARNING)
+    logger.setLevel(level)
+    if not any(getattr(h, "_butd", False) for h in logger.handlers):
+        handler = RichHandler(
+            console=stderr_console(), show_path=False, show_time=False, markup=False, rich_tracebacks=False
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._butd = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    return logger
+
+
+def get_logger(name: str | None = None) -> logging.Logger:
+    """A child of the project logger, e.g. ``get_logger(__name__)``."""
+    return logging.getLogger(LOGGER_NAME if not name else f"{LOGGER_NAME}.{name}")
+
+
+def progress_enabled() -> bool:
+    """Live bars only for an interactive stderr on rank 0, and never when ``CI`` or ``BUTD_NO_PROGRESS`` is set."""
+    if not is_main_process() or os.environ.get("BUTD_NO_PROGRESS") or os.environ.get("CI"):
+        return False
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def make_progress() -> Progress:
+    """A rich Progress on stderr; disabled (no output) when :func:`progress_enabled` is false."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=stderr_console(),
+        disable=not progress_enabled(),
+        transient=False,
+    )
+
+
+def track(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+    """Iterate with a progress bar on stderr (rank 0, interactive only)."""
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    with make_progress() as progress:
+        task = progress.add_task(description, total=total)
+        for item in items:
+            yield item
+            progress.advance(task)

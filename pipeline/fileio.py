@@ -1,0 +1,77 @@
+"""Crash-safe file writes and validated reads (JSON) shared by every stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pipeline.errors import PipelineError, UsageError
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it survives a power loss (best effort on odd filesystems)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Write a file atomically: ``write`` fills a temporary file in the same folder, then it is renamed.
+
+    A reader (or a crash at any instant) sees either the old file or the complete new one, never a part.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda fh: fh.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
+
+
+def read_json(path: str | Path, what: str = "JSON file", expect: type | None = dict) -> Any:
+    """Read and parse a JSON file; a missing file is a usage error, a corrupt one names the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{what} not found: {path}")
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if expect is not None and not isinstance(obj, expect):
+        raise PipelineError(f"{what} {path} must hold a JSON {expect.__name__}, not {type(obj).__name__}")
+    return obj

@@ -1,0 +1,50 @@
+"""A tiny name -> factory registry, used for captioners, extractors and stages.
+
+Adding a model is one module that decorates its factory with ``@CAPTIONERS.register("name")`` plus one
+YAML in ``configs/``; nothing else needs editing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from pipeline.errors import UsageError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to objects (usually classes or factory functions)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator registering ``obj`` under ``name``; a duplicate name is a programming error."""
+
+        def deco(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``; unknown names raise :class:`UsageError` listing the known ones."""
+        try:
+            return self._items[name]
+        except KeyError:
+            known = ", ".join(sorted(self._items)) or "(none)"
+            raise UsageError(f"unknown {self.kind} '{name}' (known: {known})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))

@@ -1,0 +1,129 @@
+"""Run directories and stage bookkeeping: how a stage records that it finished, and how it is skipped.
+
+Layout of a run directory (``--out DIR``)::
+
+    DIR/
+      <stage>/                 one folder per stage (world, detector, features, data, train-<model>, ...)
+        manifest.json          written atomically when the stage finishes: config digest, outputs, timings
+        running.json           present while the stage runs (or after it was killed)
+        ...                    the stage's own files (checkpoints, stores), each written crash-safely
+
+A stage whose ``manifest.json`` matches the resolved config digest is *done* and is skipped; a stage with
+a manifest from a different config is refused unless ``--force`` is given; an interrupted stage (only
+``running.json``) is re-entered and its function resumes from what it finds in its folder.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline import __version__
+from pipeline.config import Config
+from pipeline.console import get_logger
+from pipeline.errors import PipelineError, UsageError
+from pipeline.fileio import atomic_write_json, read_json
+
+log = get_logger("stages")
+
+MANIFEST = "manifest.json"
+RUNNING = "running.json"
+MANIFEST_VERSION = 1
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage run produced: its folder, outputs (name -> path relative to the folder) and timing."""
+
+    name: str
+    directory: Path
+    outputs: dict[str, Any]
+    seconds: float
+    skipped: bool
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """The stage's manifest, or None if it never finished; a corrupt manifest is an error naming the file."""
+    path = stage_dir / MANIFEST
+    if not path.exists():
+        return None
+    data = read_json(path, what="stage manifest")
+    for key in ("stage", "config_digest", "outputs"):
+        if key not in data:
+            raise PipelineError(f"stage manifest {path} lacks '{key}'; delete the folder to redo the stage")
+    if data.get("manifest_version") != MANIFEST_VERSION:
+        raise PipelineError(f"stage manifest {path} has unknown version {data.get('manifest_version')!r}")
+    return data
+
+
+def run_stage(
+    run_dir: str | Path,
+    name: str,
+    cfg: Config,
+    work: Callable[[Path, Config], Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]]],
+    force: bool = False,
+) -> StageResult:
+    """Run ``work(stage_dir, cfg)`` once per config; skip it when already done with the same config.
+
+    ``work`` returns ``outputs`` (name -> relative path or value) or ``(outputs, summary)``; it must be
+    resumable on its own (it is called again after a kill, with the partial files still in ``stage_dir``).
+    """
+    stage_dir = Path(run_dir) / name
+    digest = cfg.digest()
+    manifest = read_manifest(stage_dir)
+    if manifest is not None and not force:
+        if manifest["config_digest"] == digest:
+            log.info("stage %s: already done in %s (config %s), skipping", name, stage_dir, digest[:12])
+            return StageResult(
+                name, stage_dir, dict(manifest["outputs"]), 0.0, True, dict(manifest.get("summary", {}))
+            )
+        raise UsageError(
+            f"stage {name} in {stage_dir} was finished with a different config "
+            f"({manifest['config_digest'][:12]} != {digest[:12]}); pass --force to redo it or use another --out"
+        )
+    if manifest is not None and force:
+        log.info("stage %s: --force given, redoing it from scratch", name)
+        shutil.rmtree(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    running = stage_dir / RUNNING
+    if running.exists():
+        previous = read_json(running, what="stage marker")
+        if previous.get("config_digest") not in (None, digest):
+            raise UsageError(
+                f"stage {name} in {stage_dir} was interrupted under a different config; "
+                "pass --force to start it again or use another --out"
+            )
+        log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
+    atomic_write_json(running, {"stage": name, "config_digest": digest, "started": _now(), "config": cfg.to_dict()})
+    t0 = time.perf_counter()
+    result = work(stage_dir, cfg)
+    seconds = time.perf_counter() - t0
+    outputs, summary = (result if isinstance(result, tuple) else (result, {}))
+    atomic_write_json(
+        stage_dir / MANIFEST,
+        {
+            "manifest_version": MANIFEST_VERSION,
+            "stage": name,
+            "config_digest": digest,
+            "config": cfg.to_dict(),
+            "outputs": dict(outputs),
+            "summary": dict(summary),
+            "finished": _now(),
+            "seconds": round(seconds, 3),
+            "versions": {"butd_caption": __version__, "python": platform.python_version()},
+        },
+    )
+    running.unlink(missing_ok=True)
+    log.info("stage %s: done in %.1f s -> %s", name, seconds, stage_dir)
+    return StageResult(name, stage_dir, dict(outputs), seconds, False, dict(summary))
