@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,35 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_KEY = "_base_"
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` / ``3E5`` as floats (plain YAML 1.1 reads them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text_or_stream):  # type: ignore[no-untyped-def]
+    """``yaml.safe_load`` with scientific-notation floats."""
+    return yaml.load(text_or_stream, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with path.open("r", encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml_load(fh)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -156,7 +180,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set has an empty key in '{text}'")
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = yaml_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value '{raw}' is not valid YAML") from exc
     return key.split("."), value

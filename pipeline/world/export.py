@@ -67,7 +67,14 @@ def karpathy_json(records: Sequence[dict[str, Any]], image_dir: str) -> dict[str
 
 
 def _image_entry(rec: dict[str, Any]) -> dict[str, Any]:
-    return {"id": rec["id"], "file_name": rec["file_name"], "width": rec["width"], "height": rec["height"], "license": 0}
+    return {
+        "id": rec["id"],
+        "file_name": rec["file_name"],
+        "width": rec["width"],
+        "height": rec["height"],
+        "license": 0,
+        "background": rec["background"],  # extra key (texture name); COCO tools ignore it
+    }
 
 
 def _running_counts(recs: Sequence[dict[str, Any]]) -> list[int]:
