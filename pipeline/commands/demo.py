@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
             _report([("world", result)], None, out)
             return
         results = [("world", run_stage(out, "world", cfg.world, generate_world, force=force))]
-        missing = [f"{name} ({what})" for name, what in PLANNED_STAGES if name not in dict(results)]
+        missing = [(name, what) for name, what in PLANNED_STAGES if name not in dict(results)]
         _report(results, missing, out)
 
 
@@ -84,8 +84,8 @@ def _report(results, missing, out: Path) -> None:
     for name, r in results:
         summary = ", ".join(f"{k}={v}" for k, v in r.summary.items())
         table.add_row(name, "skipped (done)" if r.skipped else "ran", f"{r.seconds:.1f}", summary)
-    for m in missing or []:
-        table.add_row(m.split(" ")[0], "not built yet", "-", m.split(" ", 1)[1])
+    for name, what in missing or []:
+        table.add_row(name, "not built yet", "-", what)
     con = stdout_console()
     con.print(table)
     con.print(f"outputs in {out.resolve()}")
