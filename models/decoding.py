@@ -245,7 +245,7 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
     scores[:, 0] = 0.0  # one live hypothesis per image at the start
     tokens = torch.full((num_images * k,), BOS, dtype=torch.long, device=device)
     history = torch.zeros(num_images * k, 0, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, float, int, torch.Tensor]]] = [[] for _ in range(num_images)]
+    finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]] = [[] for _ in range(num_images)]
     for t in range(max_len):
         logp, state = model.step(tokens, cur_enc, state)
         vocab = logp.shape[-1]
@@ -262,8 +262,8 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
         src_rows = (torch.arange(alive, device=device)[:, None] * k + src_beam)  # rows of the current batch
         for a, c in final.nonzero().tolist():
             seq = torch.cat([history[src_rows[a, c]], words[a, c : c + 1]])
-            raw = float(top_scores[a, c])
-            norm = raw / float(length_penalty(t + 1, options.length_penalty, options.length_penalty_kind))
+            raw = top_scores[a, c]  # a 0-d tensor: keeps its graph when autograd is on (beam-based SCST)
+            norm = float(raw.detach()) / float(length_penalty(t + 1, options.length_penalty, options.length_penalty_kind))
             finished[int(images[a])].append((norm, raw, t + 1, seq))
         if last:
             break
@@ -285,23 +285,23 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
         state = index_state(state, flat_rows)
         history = torch.cat([history[flat_rows], new_words.flatten()[:, None]], 1)
         scores, tokens = new_scores, new_words.flatten()
-    return _collect(finished, n_best, max_len, device)
+    return _collect(finished, n_best, options, device)
 
 
-def _collect(finished: list[list[tuple[float, float, int, torch.Tensor]]], n_best: int, max_len: int, device: torch.device) -> Generated:
+def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]], n_best: int, options: DecodeOptions, device: torch.device) -> Generated:
+    """The ``n_best`` finished hypotheses of every image, best first (every image has >= beam_size)."""
     num_images = len(finished)
     steps = max((h[2] for hyps in finished for h in hyps), default=1)
     tokens = torch.full((num_images, n_best, steps), PAD, dtype=torch.long, device=device)
-    lengths = torch.zeros(num_images, n_best, dtype=torch.long, device=device)
-    logprob = torch.full((num_images, n_best), NEG_INF, device=device)
-    scores = torch.full((num_images, n_best), NEG_INF, device=device)
+    raws = []
     for i, hyps in enumerate(finished):
         hyps.sort(key=lambda h: -h[0])
-        for j, (norm, raw, length, seq) in enumerate(hyps[:n_best]):
+        for j, (_, raw, length, seq) in enumerate(hyps[:n_best]):
             tokens[i, j, :length] = seq
-            lengths[i, j] = length
-            logprob[i, j] = raw
-            scores[i, j] = norm
+            raws.append(raw)
+    lengths = torch.tensor([[h[2] for h in hyps[:n_best]] for hyps in finished], dtype=torch.long, device=device)
+    logprob = torch.stack(raws).view(num_images, n_best)
+    scores = logprob / length_penalty(lengths, options.length_penalty, options.length_penalty_kind).to(device)
     return Generated(tokens, lengths, logprob, scores)
 
 

@@ -181,7 +181,8 @@ def test_length_penalty_changes_ranking_as_its_formula_says() -> None:
     long_ = seq_logprob(model, 0, [4, EOS])  # length 2
     assert short > long_
     for alpha in (0.0, 0.5, 2.0, 8.0):
-        out = beam_search(model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=alpha))
+        with torch.no_grad():
+            out = beam_search(model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=alpha))
         s_short = short / float(length_penalty(1, alpha))
         s_long = long_ / float(length_penalty(2, alpha))
         best = [EOS] if s_short >= s_long else [4, EOS]
@@ -190,7 +191,9 @@ def test_length_penalty_changes_ranking_as_its_formula_says() -> None:
     # the formula flips the ranking somewhere between alpha = 0 and 8
     assert short / float(length_penalty(1, 8.0)) < long_ / float(length_penalty(2, 8.0))
     avg = beam_search(model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=1.0, length_penalty_kind="avg"))
-    assert abs(float(avg.scores[0, 0]) - max(short / 1, long_ / 2)) < 1e-5
+    assert abs(float(avg.scores[0, 0].detach()) - max(short / 1, long_ / 2)) < 1e-5
+    avg.logprob[0, 0].backward()  # beam scores keep their graph (beam-based SCST)
+    assert model.table.grad is not None and model.table.grad[4, EOS] != 0
 
 
 def test_trigram_blocking() -> None:
