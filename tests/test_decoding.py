@@ -193,7 +193,7 @@ def test_length_penalty_changes_ranking_as_its_formula_says() -> None:
     avg = beam_search(model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=1.0, length_penalty_kind="avg"))
     assert abs(float(avg.scores[0, 0].detach()) - max(short / 1, long_ / 2)) < 1e-5
     avg.logprob[0, 0].backward()  # beam scores keep their graph (beam-based SCST)
-    assert model.table.grad is not None and model.table.grad[4, EOS] != 0
+    assert model.table.grad is not None and float(model.table.grad[BOS].abs().sum()) > 0.1
 
 
 def test_trigram_blocking() -> None:
