@@ -34,8 +34,9 @@ from torch import nn
 from models import register_captioner
 from models.attention import MultiHeadAttention
 from models.base import Captioner, State
-from models.geometry import GeometricBias, absolute_box_encoding, relative_geometry
-from models.normalization import QueryNorm
+from models.geometry import GEOMETRY_VARIANTS, GeometricBias, absolute_box_encoding, relative_geometry
+from models.normalization import NORM_KINDS, QueryNorm
+from pipeline.errors import ConfigError
 from models.transformer import Decoder, Encoder, EncoderLayer
 
 
@@ -46,6 +47,29 @@ def trim_padding(feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor) -
     if n == mask.shape[1]:
         return feats, mask, boxes
     return feats[:, :n], mask[:, :n], boxes[:, :n]
+
+
+def _check_switches(
+    model: str, d_model: int, num_heads: int, num_layers: int, norm_kind: str | None, geometry: Sequence[str],
+    geometry_dim: int, geometry_head_proj: bool, absolute_position: bool,
+) -> None:
+    """Reject impossible settings with a :class:`ConfigError` naming the model key (CLI: one line, exit 2)."""
+    problems = []
+    if num_layers < 1:
+        problems.append(f"num_layers must be >= 1, got {num_layers}")
+    if num_heads < 1 or d_model % num_heads:
+        problems.append(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+    if norm_kind is not None and norm_kind not in NORM_KINDS:
+        problems.append(f"norm_kind must be one of {list(NORM_KINDS)}, got {norm_kind!r}")
+    bad = [v for v in geometry if v not in GEOMETRY_VARIANTS]
+    if bad or len(set(geometry)) != len(geometry):
+        problems.append(f"geometry must list distinct values of {list(GEOMETRY_VARIANTS)}, got {list(geometry)}")
+    elif any(v in ("query", "key") for v in geometry) and not geometry_head_proj and num_heads and geometry_dim != d_model // num_heads:
+        problems.append(f"geometry_head_proj: false needs geometry_dim == d_model / num_heads = {d_model // max(num_heads, 1)}")
+    if absolute_position and d_model % 8:
+        problems.append(f"absolute_position needs d_model divisible by 8, got {d_model}")
+    if problems:
+        raise ConfigError(f"model {model}: " + "; ".join(problems))
 
 
 class SelfAttentionCaptioner(Captioner):
@@ -75,8 +99,7 @@ class SelfAttentionCaptioner(Captioner):
         absolute_position: bool = False,
     ) -> None:
         super().__init__(vocab_size)
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        _check_switches(self.name or "san", d_model, num_heads, num_layers, norm_kind, geometry, geometry_dim, geometry_head_proj, absolute_position)
         self.feat_dim = feat_dim
         self.d_model = d_model
         self.geometry = tuple(geometry)
