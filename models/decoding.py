@@ -1,0 +1,348 @@
+"""Model-agnostic caption decoding over the :class:`~models.base.Captioner` interface.
+
+Every function here only calls ``model.encode / init_state / step`` and :func:`~models.base.index_state`,
+so it works for any registered captioner.
+
+* :func:`greedy`: the arg-max word at every step.
+* :func:`sample`: ancestral sampling with temperature, top-k and nucleus (top-p) filtering, ``n`` samples
+  per image; the returned token log-probabilities are the **model's** (temperature 1, unfiltered) and keep
+  their gradient when autograd is on (SCST).
+* :func:`beam_search`: batched beam search over all images at once (rows = images x beams), with a length
+  penalty, hard blocking of repeated trigrams, and the ``n_best`` hypotheses per image with their scores.
+
+Common rules: ``<pad>`` and ``<bos>`` are never generated (nor ``<unk>`` with ``suppress_unk``); a caption
+ends at ``<eos>`` (kept in the output and counted in its length) or after ``max_len`` tokens. Rows (greedy,
+sampling) or images (beam search) that have finished are dropped from the batch, so they stop costing
+compute. Beam indices are computed with integer division (``//``), never ``/``.
+
+Length penalty (ranking of finished hypotheses): ``score = sum log p / lp(len)`` where ``len`` counts the
+generated tokens including ``<eos>`` and ``lp = ((5 + len) / 6) ** alpha`` (``wu``, Wu et al. 2016) or
+``len ** alpha`` (``avg``); ``alpha = 0`` ranks by the plain summed log-probability. Beam search stops an
+image once ``beam_size`` hypotheses have ended (the fairseq rule); with ``beam_size = 1`` it returns exactly
+the greedy caption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from models.base import Captioner, State, index_state
+from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
+from pipeline.errors import ConfigError
+from pipeline.vocab import BOS, EOS, PAD, UNK
+
+METHODS = ("beam", "greedy", "sample")
+PENALTIES = ("wu", "avg")
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Decoding settings; the defaults and schema live in ``configs/decoding.yaml``."""
+
+    method: str = "beam"
+    beam_size: int = 3
+    max_len: int = 20
+    n_best: int = 1
+    length_penalty: float = 0.0
+    length_penalty_kind: str = "wu"
+    block_trigrams: bool = False
+    suppress_unk: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.method not in METHODS:
+            problems.append(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.length_penalty_kind not in PENALTIES:
+            problems.append(f"length_penalty_kind must be one of {PENALTIES}, got {self.length_penalty_kind!r}")
+        if self.beam_size < 1 or self.max_len < 1 or self.n_best < 1:
+            problems.append("beam_size, max_len and n_best must be >= 1")
+        if self.method == "beam" and self.n_best > self.beam_size:
+            problems.append(f"n_best ({self.n_best}) cannot exceed beam_size ({self.beam_size})")
+        if self.method == "greedy" and self.n_best != 1:
+            problems.append("greedy decoding returns one caption per image (n_best must be 1)")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            problems.append("need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+        if problems:
+            raise ConfigError("decoding: " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "DecodeOptions":
+        """Build from a (validated) ``decoding:`` mapping; unknown keys are a :class:`ConfigError`."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"decoding: unknown option(s) {unknown} (known: {sorted(known)})")
+        return cls(**dict(data))
+
+
+def decoding_config(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> Config:
+    """The ``decoding:`` section of ``configs/models/<model_name>.yaml`` over ``configs/decoding.yaml``."""
+    defaults = load_yaml_with_bases(CONFIG_DIR / "decoding.yaml")["decoding"]
+    data = dict(defaults)
+    if model_name is not None:
+        path = CONFIG_DIR / "models" / f"{model_name}.yaml"
+        section = load_yaml_with_bases(path).get("decoding", {}) if path.is_file() else {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{path}: 'decoding' must be a mapping")
+        data = validate_against(defaults, section, str(path), prefix="decoding.")
+    return Config(data).with_overrides(overrides, source="decoding")
+
+
+def decoding_options(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> DecodeOptions:
+    """:class:`DecodeOptions` for ``model_name`` (its paper's test-time setting) with ``overrides``."""
+    return DecodeOptions.from_mapping(decoding_config(model_name, overrides).to_dict())
+
+
+@dataclass
+class Generated:
+    """Decoded captions of ``B`` images, ``n`` per image, ``T <= max_len`` steps.
+
+    ``tokens`` ``(B, n, T)`` without BOS, ``<eos>`` included, ``<pad>`` after it; ``lengths`` ``(B, n)``
+    generated tokens including ``<eos>``; ``logprob`` ``(B, n)`` summed log-probability; ``scores``
+    ``(B, n)`` the ranking score (length-penalised for beam search, else ``logprob``), best first for beam
+    search; ``token_logprobs`` ``(B, n, T)`` per token (0 after the end; greedy and sampling only).
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    logprob: torch.Tensor
+    scores: torch.Tensor
+    token_logprobs: torch.Tensor | None = None
+
+
+# --- shared pieces --------------------------------------------------------------------------------------
+
+
+def length_penalty(lengths: torch.Tensor | int | float, alpha: float, kind: str = "wu") -> torch.Tensor:
+    """``((5 + len) / 6) ** alpha`` (``wu``) or ``len ** alpha`` (``avg``)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float32)
+    if kind == "wu":
+        return ((5.0 + lengths) / 6.0) ** alpha
+    if kind == "avg":
+        return lengths**alpha
+    raise ValueError(f"unknown length penalty {kind!r}")
+
+
+def trigram_block_mask(history: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``(R, V)`` bool: True for tokens that would complete a trigram already present in ``history`` ``(R, t)``."""
+    rows, t = history.shape
+    blocked = torch.zeros(rows, vocab_size, dtype=torch.bool, device=history.device)
+    if t < 3:
+        return blocked
+    a, b = history[:, -2:, None].unbind(1)  # the last bigram of every row: (R, 1) each
+    match = (history[:, :-2] == a) & (history[:, 1:-1] == b)  # positions j with (h_j, h_j+1) == (a, b)
+    hits = torch.zeros(rows, vocab_size, device=history.device).scatter_add_(1, history[:, 2:], match.float())
+    return hits > 0
+
+
+def constrain(logp: torch.Tensor, history: torch.Tensor, options: DecodeOptions) -> torch.Tensor:
+    """Forbid ``<pad>``, ``<bos>`` (``<unk>`` with ``suppress_unk``) and, if asked, repeated trigrams."""
+    banned = torch.zeros(logp.shape[-1], dtype=torch.bool, device=logp.device)
+    banned[PAD] = banned[BOS] = True
+    if options.suppress_unk and logp.shape[-1] > UNK:
+        banned[UNK] = True
+    mask = banned.expand_as(logp)
+    if options.block_trigrams:
+        mask = mask | trigram_block_mask(history, logp.shape[-1])
+    return logp.masked_fill(mask, NEG_INF)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and/or the smallest set whose probability reaches ``top_p``."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass strictly before each token
+        drop_sorted = before >= top_p  # never drops the first (most probable) token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, NEG_INF)
+    return logits
+
+
+# --- greedy and sampling ---------------------------------------------------------------------------------
+
+
+def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Callable[[torch.Tensor], torch.Tensor]) -> Generated:
+    """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch."""
+    rows = _rows(enc)
+    device = _device(enc)
+    state = model.init_state(enc)
+    tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
+    out = torch.full((rows, options.max_len), PAD, dtype=torch.long, device=device)
+    lengths = torch.full((rows,), options.max_len, dtype=torch.long, device=device)
+    picked: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+    active = torch.arange(rows, device=device)
+    history = torch.zeros(rows, 0, dtype=torch.long, device=device)
+    cur_enc = enc
+    for t in range(options.max_len):
+        logp, state = model.step(tokens, cur_enc, state)
+        nxt = choose(constrain(logp, history, options))
+        picked.append((active, t, logp.gather(1, nxt[:, None])[:, 0]))
+        out[active, t] = nxt
+        history = torch.cat([history, nxt[:, None]], 1)
+        done = nxt == EOS
+        if bool(done.any()):
+            lengths[active[done]] = t + 1
+            keep = (~done).nonzero()[:, 0]
+            if keep.numel() == 0:
+                break
+            active, nxt, history = active[keep], nxt[keep], history[keep]
+            cur_enc, state = index_state(cur_enc, keep), index_state(state, keep)
+        tokens = nxt
+    steps = int(lengths.max())
+    token_lp = torch.zeros(rows, steps, device=device, dtype=picked[0][2].dtype)
+    for idx, t, lp in picked:  # out-of-place so the log-probabilities keep their graph
+        token_lp = token_lp.index_put((idx, torch.full_like(idx, t)), lp)
+    total = token_lp.sum(1)
+    return Generated(out[:, :steps, None].transpose(1, 2), lengths[:, None], total[:, None], total[:, None], token_lp[:, None])
+
+
+def greedy(model: Captioner, enc: State, options: DecodeOptions | None = None) -> Generated:
+    """Arg-max decoding of one caption per row of ``enc``."""
+    options = options or DecodeOptions(method="greedy")
+    return _rollout(model, enc, options, lambda logp: logp.argmax(-1))
+
+
+def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None) -> Generated:
+    """``n`` sampled captions per image (default ``options.n_best``): ``(B, n, T)`` outputs."""
+    n = n or options.n_best
+    rows = _rows(enc)
+    if n > 1:
+        enc = index_state(enc, torch.arange(rows, device=_device(enc)).repeat_interleave(n))
+
+    def choose(logp: torch.Tensor) -> torch.Tensor:
+        logits = filter_logits(logp / options.temperature, options.top_k, options.top_p)
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+    g = _rollout(model, enc, options, choose)
+    return Generated(*(None if x is None else x.reshape(rows, n, *x.shape[2:]) for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)))
+
+
+# --- beam search -----------------------------------------------------------------------------------------
+
+
+def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
+    """Batched beam search; returns the ``options.n_best`` best hypotheses per image, best first."""
+    k, n_best, max_len = options.beam_size, options.n_best, options.max_len
+    num_images = _rows(enc)
+    device = _device(enc)
+    beam_offsets = torch.arange(k, device=device)
+    cur_enc = index_state(enc, torch.arange(num_images, device=device).repeat_interleave(k))
+    state = model.init_state(cur_enc)
+    images = torch.arange(num_images, device=device)  # the images still being decoded
+    scores = torch.full((num_images, k), NEG_INF, device=device)
+    scores[:, 0] = 0.0  # one live hypothesis per image at the start
+    tokens = torch.full((num_images * k,), BOS, dtype=torch.long, device=device)
+    history = torch.zeros(num_images * k, 0, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]] = [[] for _ in range(num_images)]
+    for t in range(max_len):
+        logp, state = model.step(tokens, cur_enc, state)
+        vocab = logp.shape[-1]
+        logp = constrain(logp.float(), history, options)
+        alive = images.numel()
+        cand = (scores[:, :, None] + logp.view(alive, k, vocab)).view(alive, k * vocab)
+        top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=-1)
+        src_beam = top_idx // vocab  # integer division: the beam each candidate extends
+        words = top_idx % vocab
+        rank = torch.arange(top_idx.shape[1], device=device)[None]
+        last = t == max_len - 1
+        ends = (words == EOS) | last
+        final = ends & (rank < k) & torch.isfinite(top_scores)
+        src_rows = (torch.arange(alive, device=device)[:, None] * k + src_beam)  # rows of the current batch
+        for a, c in final.nonzero().tolist():
+            seq = torch.cat([history[src_rows[a, c]], words[a, c : c + 1]])
+            raw = top_scores[a, c]  # a 0-d tensor: keeps its graph when autograd is on (beam-based SCST)
+            norm = float(raw.detach()) / float(length_penalty(t + 1, options.length_penalty, options.length_penalty_kind))
+            finished[int(images[a])].append((norm, raw, t + 1, seq))
+        if last:
+            break
+        # continue with the k best candidates that do not end (there are >= k: one EOS per beam at most)
+        cont = ~ends
+        take = cont & (cont.long().cumsum(-1) <= k)
+        pick = take.nonzero()[:, 1].view(alive, k)
+        new_scores = top_scores.gather(1, pick)
+        new_rows = src_rows.gather(1, pick)  # (alive, k)
+        new_words = words.gather(1, pick)
+        done = torch.tensor([len(finished[int(i)]) >= k for i in images.tolist()], device=device)
+        if bool(done.all()):
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero()[:, 0]
+            images, new_scores, new_rows, new_words = images[keep], new_scores[keep], new_rows[keep], new_words[keep]
+            cur_enc = index_state(cur_enc, (keep[:, None] * k + beam_offsets).flatten())
+        flat_rows = new_rows.flatten()
+        state = index_state(state, flat_rows)
+        history = torch.cat([history[flat_rows], new_words.flatten()[:, None]], 1)
+        scores, tokens = new_scores, new_words.flatten()
+    return _collect(finished, n_best, options, device)
+
+
+def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]], n_best: int, options: DecodeOptions, device: torch.device) -> Generated:
+    """The ``n_best`` finished hypotheses of every image, best first (every image has >= beam_size)."""
+    num_images = len(finished)
+    steps = max((h[2] for hyps in finished for h in hyps), default=1)
+    tokens = torch.full((num_images, n_best, steps), PAD, dtype=torch.long, device=device)
+    raws = []
+    for i, hyps in enumerate(finished):
+        hyps.sort(key=lambda h: -h[0])
+        for j, (_, raw, length, seq) in enumerate(hyps[:n_best]):
+            tokens[i, j, :length] = seq
+            raws.append(raw)
+    lengths = torch.tensor([[h[2] for h in hyps[:n_best]] for hyps in finished], dtype=torch.long, device=device)
+    logprob = torch.stack(raws).view(num_images, n_best)
+    scores = logprob / length_penalty(lengths, options.length_penalty, options.length_penalty_kind).to(device)
+    return Generated(tokens, lengths, logprob, scores)
+
+
+# --- entry point -----------------------------------------------------------------------------------------
+
+
+def generate(
+    model: Captioner,
+    feats: torch.Tensor,
+    mask: torch.Tensor,
+    boxes: torch.Tensor,
+    sizes: torch.Tensor,
+    options: DecodeOptions,
+    generator: torch.Generator | None = None,
+) -> Generated:
+    """Encode a batch of images and decode it with ``options.method``."""
+    enc = model.encode(feats, mask, boxes, sizes)
+    if options.method == "greedy":
+        return greedy(model, enc, options)
+    if options.method == "sample":
+        return sample(model, enc, options, generator=generator)
+    return beam_search(model, enc, options)
+
+
+def _first_tensor(state: State) -> torch.Tensor:
+    if torch.is_tensor(state):
+        return state
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for v in values:
+        found = _first_tensor(v)
+        if found is not None:
+            return found
+    return None  # type: ignore[return-value]
+
+
+def _rows(enc: State) -> int:
+    t = _first_tensor(enc)
+    if t is None:
+        raise ValueError("encoder state holds no tensor")
+    return int(t.shape[0])
+
+
+def _device(enc: State) -> torch.device:
+    return _first_tensor(enc).device

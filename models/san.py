@@ -1,0 +1,204 @@
+"""The NG-SAN family (Guo et al., CVPR 2020): ``san``, ``nsan``, ``gsan``, ``ngsan``.
+
+All four share the SAN baseline (NG-SAN §3.2, §5.1; exact structure: models.md §3.5 and §5):
+
+* region features ``(B, N, feat_dim)`` -> ``Linear(feat_dim, d) + ReLU + Dropout`` (padded rows set to 0);
+* ``L`` pre-norm encoder layers without positions ("regions have no natural order");
+* ``L`` pre-norm decoder layers, word embedding * sqrt(d) + sinusoidal positions (decoder only);
+* an untied output layer ``Linear(d, V)`` with bias, then log-softmax.
+
+The variants change only the encoder self-attention (the decoder is never modified, §4.3):
+
+* ``nsan``: NSA, the projected queries are instance-normalized over the regions of each image (Eq. 6;
+  :mod:`models.normalization`); switches: ``norm_kind`` (instance/batch/layer), ``norm_affine``,
+  ``norm_queries``, ``norm_keys``.
+* ``gsan``: GSA, a geometric bias from the relative box geometry added to the logits (Eqs. 8-13;
+  :mod:`models.geometry`); switches: ``geometry`` (any of content/query/key), ``geometry_dim``,
+  ``geometry_head_proj``, ``geometry_scale``, ``box_plus_one``, and ``absolute_position`` (Table 4's
+  "absolute" ablation; use it with ``geometry: []``).
+* ``ngsan``: both (Eq. 10 with Q replaced by IN(Q); the geometric query Q' is not normalized).
+
+Choices where the paper is silent (documented in the YAMLs): the input-embedding dropout is 0.1 (the
+paper's global dropout; ruotianluo uses 0.5), normalization statistics exclude padded regions, the
+parameters are Xavier-initialized except the input embedding (as in the ruotianluo baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import register_captioner
+from models.attention import MultiHeadAttention
+from models.base import Captioner, State
+from models.geometry import GEOMETRY_VARIANTS, GeometricBias, absolute_box_encoding, relative_geometry
+from models.normalization import NORM_KINDS, QueryNorm
+from pipeline.errors import ConfigError
+from models.transformer import Decoder, Encoder, EncoderLayer
+
+
+def trim_padding(feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop region columns that are padding in every image (they cannot change any output)."""
+    used = mask.any(0).nonzero()
+    n = int(used.max()) + 1 if used.numel() else 1
+    if n == mask.shape[1]:
+        return feats, mask, boxes
+    return feats[:, :n], mask[:, :n], boxes[:, :n]
+
+
+def _check_switches(
+    model: str, d_model: int, num_heads: int, num_layers: int, norm_kind: str | None, geometry: Sequence[str],
+    geometry_dim: int, geometry_head_proj: bool, absolute_position: bool,
+) -> None:
+    """Reject impossible settings with a :class:`ConfigError` naming the model key (CLI: one line, exit 2)."""
+    problems = []
+    if num_layers < 1:
+        problems.append(f"num_layers must be >= 1, got {num_layers}")
+    if num_heads < 1 or d_model % num_heads:
+        problems.append(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+    if norm_kind is not None and norm_kind not in NORM_KINDS:
+        problems.append(f"norm_kind must be one of {list(NORM_KINDS)}, got {norm_kind!r}")
+    bad = [v for v in geometry if v not in GEOMETRY_VARIANTS]
+    if bad or len(set(geometry)) != len(geometry):
+        problems.append(f"geometry must list distinct values of {list(GEOMETRY_VARIANTS)}, got {list(geometry)}")
+    elif any(v in ("query", "key") for v in geometry) and not geometry_head_proj and num_heads and geometry_dim != d_model // num_heads:
+        problems.append(f"geometry_head_proj: false needs geometry_dim == d_model / num_heads = {d_model // max(num_heads, 1)}")
+    if absolute_position and d_model % 8:
+        problems.append(f"absolute_position needs d_model divisible by 8, got {d_model}")
+    if problems:
+        raise ConfigError(f"model {model}: " + "; ".join(problems))
+
+
+class SelfAttentionCaptioner(Captioner):
+    """The shared implementation; the registered classes below fix which switches they expose."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        feat_dim: int = 2048,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_layers: int = 4,
+        dropout: float = 0.1,
+        embed_dropout: float = 0.1,
+        max_positions: int = 512,
+        norm_kind: str | None = None,
+        norm_affine: bool = False,
+        norm_queries: bool = True,
+        norm_keys: bool = False,
+        norm_eps: float = 1e-5,
+        geometry: Sequence[str] = (),
+        geometry_dim: int = 128,
+        geometry_head_proj: bool = True,
+        geometry_scale: bool = True,
+        box_plus_one: bool = True,
+        absolute_position: bool = False,
+    ) -> None:
+        super().__init__(vocab_size)
+        _check_switches(self.name or "san", d_model, num_heads, num_layers, norm_kind, geometry, geometry_dim, geometry_head_proj, absolute_position)
+        self.feat_dim = feat_dim
+        self.d_model = d_model
+        self.geometry = tuple(geometry)
+        self.box_plus_one = box_plus_one
+        self.absolute_position = absolute_position
+        self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(embed_dropout))
+
+        def make_norm(enabled: bool) -> QueryNorm | None:
+            if norm_kind is None or not enabled:
+                return None
+            return QueryNorm(d_model, norm_kind, norm_affine, norm_eps)
+
+        def make_layer() -> EncoderLayer:
+            attn = MultiHeadAttention(d_model, num_heads, dropout, make_norm(norm_queries), make_norm(norm_keys))
+            geo = GeometricBias(d_model, num_heads, self.geometry, geometry_dim, geometry_head_proj, geometry_scale) if self.geometry else None
+            return EncoderLayer(attn, d_model, d_ff, dropout, geo)
+
+        self.encoder = Encoder(make_layer, num_layers, d_model)
+        self.decoder = Decoder(vocab_size, d_model, num_heads, d_ff, num_layers, dropout, max_positions)
+        self.generator = nn.Linear(d_model, vocab_size)
+        for module in (self.encoder, self.decoder, self.generator):
+            for p in module.parameters():
+                if p.dim() > 1:
+                    nn.init.xavier_uniform_(p)
+
+    # --- Captioner interface -------------------------------------------------------------------------
+    def encode(self, feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor) -> State:
+        """Embed and encode the regions; returns the region mask and every decoder layer's memory keys/values."""
+        mask = mask.bool()
+        feats, mask, boxes = trim_padding(feats, mask, boxes)
+        keep = mask[..., None].to(feats.dtype)
+        x = self.att_embed(feats) * keep
+        if self.absolute_position:
+            x = x + absolute_box_encoding(boxes.float(), sizes, self.d_model, self.box_plus_one).to(x.dtype) * keep
+        rel = relative_geometry(boxes.float(), mask, self.box_plus_one).to(x.dtype) if self.geometry else None
+        memory = self.encoder(x, mask, rel)
+        return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
+
+    def init_state(self, enc: State) -> State:
+        mask = enc["mask"]
+        k0 = enc["memory_kv"][0][0]
+        return {"cache": self.decoder.empty_cache(mask.shape[0], mask.device, k0.dtype)}
+
+    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
+        h, cache = self.decoder.step(tokens, enc["memory_kv"], enc["mask"], state["cache"])
+        return F.log_softmax(self.generator(h), dim=-1), {"cache": cache}
+
+    def decode_teacher_forced(self, enc: State, captions: torch.Tensor) -> torch.Tensor:
+        h = self.decoder(captions, enc["memory_kv"], enc["mask"])
+        return F.log_softmax(self.generator(h), dim=-1)
+
+
+def _base_kwargs(feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, dropout: float, embed_dropout: float) -> dict[str, Any]:
+    return dict(feat_dim=feat_dim, d_model=d_model, num_heads=num_heads, d_ff=d_ff, num_layers=num_layers, dropout=dropout, embed_dropout=embed_dropout)
+
+
+@register_captioner("san")
+class SAN(SelfAttentionCaptioner):
+    """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
+                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1) -> None:
+        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout))
+
+
+@register_captioner("nsan")
+class NSAN(SelfAttentionCaptioner):
+    """N-SAN: SAN with normalized self-attention in the encoder (§4.1; no extra parameters without affine)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
+                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, norm_kind: str = "instance",
+                 norm_affine: bool = False, norm_queries: bool = True, norm_keys: bool = False, norm_eps: float = 1e-5) -> None:
+        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+                         norm_kind=norm_kind, norm_affine=norm_affine, norm_queries=norm_queries, norm_keys=norm_keys, norm_eps=norm_eps)
+
+
+@register_captioner("gsan")
+class GSAN(SelfAttentionCaptioner):
+    """G-SAN: SAN with geometry-aware self-attention in the encoder (§4.2; 41.5M at L = 4, query-dependent)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
+                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, geometry: Sequence[str] = ("query",),
+                 geometry_dim: int = 128, geometry_head_proj: bool = True, geometry_scale: bool = True,
+                 box_plus_one: bool = True, absolute_position: bool = False) -> None:
+        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+                         geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
+                         geometry_scale=geometry_scale, box_plus_one=box_plus_one, absolute_position=absolute_position)
+
+
+@register_captioner("ngsan")
+class NGSAN(SelfAttentionCaptioner):
+    """NG-SAN: GSA with the content query replaced by IN(Q) in every encoder self-attention (§4.3)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
+                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, norm_kind: str = "instance",
+                 norm_affine: bool = False, norm_queries: bool = True, norm_keys: bool = False, norm_eps: float = 1e-5,
+                 geometry: Sequence[str] = ("query",), geometry_dim: int = 128, geometry_head_proj: bool = True,
+                 geometry_scale: bool = True, box_plus_one: bool = True, absolute_position: bool = False) -> None:
+        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+                         norm_kind=norm_kind, norm_affine=norm_affine, norm_queries=norm_queries, norm_keys=norm_keys,
+                         norm_eps=norm_eps, geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
+                         geometry_scale=geometry_scale, box_plus_one=box_plus_one, absolute_position=absolute_position)
