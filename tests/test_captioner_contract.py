@@ -17,6 +17,7 @@ from pipeline.vocab import BOS
 V = 23
 SMALL = {  # small sizes so the contract runs fast; each model reads its own keys
     "san": {"num_layers": 2, "d_model": 64, "num_heads": 4, "d_ff": 128},
+    "ban": {"glimpses": 2, "word_dim": 32},
 }
 
 
