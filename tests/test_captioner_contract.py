@@ -17,6 +17,7 @@ from pipeline.vocab import BOS
 V = 23
 SMALL = {  # small sizes so the contract runs fast; each model reads its own keys
     "san": {"num_layers": 2, "d_model": 64, "num_heads": 4, "d_ff": 128},
+    "ban": {"glimpses": 2, "word_dim": 32},
 }
 
 
@@ -41,7 +42,7 @@ def make_batch(feat_dim: int, b: int = 3, n: int = 7, seed: int = 0):
     sizes = torch.full((b, 2), 200.0)
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, 5:] = False
-    if b > 2:  # make_batch(b=2) is used by the overfit test
+    if b > 2:  # the over-fitting test uses b = 2
         mask[2, 3:] = False
     feats = feats * mask[..., None]
     boxes = boxes * mask[..., None]

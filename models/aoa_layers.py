@@ -1,0 +1,87 @@
+"""Building blocks of AoANet (Huang et al., ICCV 2019; models.md §2.3-2.4).
+
+* :class:`BesselLayerNorm`: the Harvard-style LayerNorm of the official code,
+  ``a * (x - mean) / (std_unbiased + eps) + b`` (eps added to the *std*, Bessel-corrected std).
+* :func:`multi_head_attend`: ``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k), mask -1e9)) V_j`` with no output
+  projection (AoA replaces it).
+* :class:`AttentionOnAttention`: the AoA module of the paper (section "Attention on Attention"): information vector ``i = W_i [v; q] + b_i``,
+  attention gate ``g = sigmoid(W_g [v; q] + b_g)``, attended information ``i_hat = g * i``; implemented as one linear ``2d -> 2d`` followed
+  by ``GLU`` (first half = information, second half = gate), the input order being ``[attended; query]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+#: the official code masks with -1e9 (models.md §2.10 item 3), not -inf
+MASK_VALUE = -1e9
+
+
+class BesselLayerNorm(nn.Module):
+    """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (models.md §2.3, ``TransformerModel.LayerNorm``)."""
+
+    def __init__(self, features: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(features))
+        self.b = nn.Parameter(torch.zeros(features))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        std = x.std(-1, keepdim=True)  # unbiased (Bessel's correction)
+        return self.a * (x - mean) / (std + self.eps) + self.b
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, n, d) -> (B, h, n, d / h)``: head ``j`` owns channels ``[j d_k, (j + 1) d_k)``."""
+    return x.unflatten(-1, (num_heads, x.shape[-1] // num_heads)).transpose(1, 2)
+
+
+def multi_head_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, num_heads: int,
+    dropout: nn.Module,
+) -> torch.Tensor:
+    """``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k))) V_j`` for ``(B, nq, d)`` queries and ``(B, nk, d)`` keys/values.
+
+    ``allowed`` ``(B, nk)`` bool (True = real region); masked logits are set to -1e9 as in the official code.
+    There is deliberately no output projection (models.md §2.10 item 4).
+    """
+    qh, kh, vh = split_heads(q, num_heads), split_heads(k, num_heads), split_heads(v, num_heads)
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(qh.shape[-1])
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, None, :], MASK_VALUE)
+    out = dropout(torch.softmax(scores, dim=-1)) @ vh
+    return out.transpose(1, 2).flatten(-2)
+
+
+class AttentionOnAttention(nn.Module):
+    """AoA (paper section "Attention on Attention": ``i_hat = sigmoid(W_g [v; q] + b_g) * (W_i [v; q] + b_i)``): ``GLU(W [attended; query] + b)``, the first half information, the second the gate.
+
+    ``dropout`` acts on the concatenated input (0.3 in the refiner, none in the decoder; models.md §2.5).
+    """
+
+    def __init__(self, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * d_model, 2 * d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, attended: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        info_gate = self.linear(self.dropout(torch.cat([attended, query], dim=-1)))
+        info, gate = info_gate.chunk(2, dim=-1)
+        return info * torch.sigmoid(gate)
+
+
+class PositionwiseFeedForward(nn.Module):
+    """``W2 Drop(ReLU(W1 x + b1)) + b2``: only used when ``use_ff`` (the paper's refiner has none)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(self.dropout(torch.relu(self.w_1(x))))
