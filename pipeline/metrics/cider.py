@@ -161,6 +161,7 @@ class CiderD:
     # ------------------------------------------------------------------ candidates
 
     def _candidate_ids(self, candidates: Any, stop_ids: Sequence[int]) -> list[Sequence[int]] | tuple[np.ndarray, np.ndarray]:
+        """Token ids of the candidates: (flat ids, lengths), or a list of id sequences in id mode."""
         if hasattr(candidates, "cpu") and hasattr(candidates, "numpy"):  # a torch tensor, without importing torch
             candidates = candidates.detach().cpu().numpy()
         if isinstance(candidates, np.ndarray):
@@ -180,24 +181,20 @@ class CiderD:
                     raise ValueError("this CiderD was built from token ids; give candidates as token ids too")
                 out.append(c)
             return out
-        vocab = self.vocab
-        extra: dict[str, int] = {}
-        base = len(vocab)
-        out = []
-        for c in candidates:
-            words = c.split() if isinstance(c, str) else c
-            ids = []
-            for w in words:
-                i = vocab.get(w)
-                if i is None:
-                    i = extra.get(w)
-                    if i is None:
-                        i = extra[w] = base + len(extra)
-                ids.append(i)
-            out.append(ids)
-        if base + len(extra) > max_token_id(self.n) + 1:
-            raise ValueError(f"too many distinct words for packed {self.n}-grams")
-        return out
+        split = [c.split() if isinstance(c, str) else c for c in candidates]
+        get = self.vocab.get
+        flat_list = [get(w, -1) for c in split for w in c]
+        lengths = np.fromiter((len(c) for c in split), dtype=np.int64, count=len(split))
+        if -1 in flat_list:  # words unseen in the references get fresh ids for this call
+            extra: dict[str, int] = {}
+            base = len(self.vocab)
+            words = [w for c in split for w in c]
+            for k, i in enumerate(flat_list):
+                if i < 0:
+                    flat_list[k] = extra.setdefault(words[k], base + len(extra))
+            if base + len(extra) > max_token_id(self.n) + 1:
+                raise ValueError(f"too many distinct words for packed {self.n}-grams")
+        return np.asarray(flat_list, dtype=np.int64), lengths
 
     def image_index(self, image_ids: Sequence[Hashable]) -> np.ndarray:
         """Internal indices of ``image_ids``; raises ValueError naming the first unknown id."""

@@ -9,6 +9,7 @@ same key iff they are the same token sequence. Token ids must therefore be below
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,13 +30,7 @@ def max_token_id(n: int) -> int:
 def flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate integer sequences: (flat int64 tokens, int64 lengths)."""
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    total = int(lengths.sum())
-    flat = np.empty(total, dtype=np.int64)
-    pos = 0
-    for s, length in zip(seqs, lengths.tolist()):
-        if length:
-            flat[pos : pos + length] = s
-            pos += length
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths
 
 
