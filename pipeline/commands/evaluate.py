@@ -1,25 +1,105 @@
-"""`cli evaluate`: Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present)."""
+"""`cli evaluate`: Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).
+
+Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
+
+* ``--predictions RESULTS.json --references CAPTIONS.json``: score an existing COCO results file (built).
+* ``--model CKPT [--split test]``: decode a split with a trained captioner, then score it (comes with the
+  training stage; exits 2 with a clear message for now).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented
+from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented, resolve_config
+from pipeline.console import get_logger, stdout_console
+from pipeline.errors import UsageError
+
+log = get_logger("evaluate")
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "evaluate",
-        help="Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).\n\nExample:\n\n    butd-caption evaluate --predictions results.json --references captions_test.json",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help=(
+            "Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).\n\n"
+            "Examples:\n\n"
+            "    butd-caption evaluate --predictions results.json --references captions_test.json\n\n"
+            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider"
+        ),
     )
     @guarded
     def evaluate_command(
-        ctx: typer.Context,
+        predictions: Annotated[
+            Optional[Path], typer.Option("--predictions", "-p", help="COCO results file: [{image_id, caption}, ...].")
+        ] = None,
+        references: Annotated[
+            Optional[Path], typer.Option("--references", "-r", help="COCO captions file with the reference captions.")
+        ] = None,
+        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the metrics as JSON here.")] = None,
+        metrics: Annotated[
+            Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
+        ] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint to decode a split with (not built yet).")] = None,
+        split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model (evaluate.split).")] = None,
         config: ConfigOpt = None,
         set_: SetOpt = None,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        not_implemented("`evaluate`", "issue 5, evaluation")
+        overrides = list(set_ or [])
+        if metrics is not None:
+            names = [m.strip() for m in metrics.split(",") if m.strip()]
+            overrides.append(f"evaluate.metrics=[{','.join(names)}]")
+        if split is not None:
+            overrides.append(f"evaluate.split={split}")
+        cfg = resolve_config("evaluate", config, overrides, show=verbose)
+        if model is not None:
+            if predictions is not None:
+                raise UsageError("give either --model (decode and score a split) or --predictions, not both")
+            not_implemented("evaluating a checkpoint (--model); score an existing results file with --predictions/--references", "issue 5, training")
+        if predictions is None or references is None:
+            raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT)")
+        _score_files(predictions, references, output, cfg.evaluate)
+
+
+def _score_files(predictions: Path, references: Path, output: Path | None, section: Any) -> None:
+    from pipeline.fileio import atomic_write_json
+    from pipeline.metrics.coco import EvalOptions, evaluate_files
+
+    options = EvalOptions.from_config(section)
+    result = evaluate_files(
+        predictions,
+        references,
+        options,
+        duplicates=section.duplicates,
+        unknown_images=section.unknown_images,
+        empty_captions=section.empty_captions,
+    )
+    _print_table(result, predictions)
+    if output is not None:
+        payload = {"predictions": str(predictions), "references": str(references), **result.to_json(section.per_image)}
+        atomic_write_json(output, payload)
+        log.info("metrics written to %s", output)
+
+
+def _print_table(result: Any, predictions: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{predictions.name}: {len(result.image_ids)} images, {result.tokenizer} tokenizer", show_edge=False)
+    table.add_column("metric")
+    table.add_column("score", justify="right")
+    for key, value in result.metrics.items():
+        table.add_row(key, f"{value:.4f}")
+    for name in result.skipped:
+        table.add_row(name.upper(), "skipped")
+    con = stdout_console()
+    con.print(table)
+    for name, reason in result.skipped.items():
+        con.print(f"{name.upper()}: {reason}", style="dim", highlight=False, markup=False)
+    for note in result.notes:
+        con.print(f"note: {note}", style="dim", highlight=False, markup=False)
