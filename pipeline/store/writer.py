@@ -58,6 +58,7 @@ def validate_image(
     extras: dict[str, np.ndarray],
     feature_dim: int | None,
     where: str,
+    check_features: bool = True,
 ) -> None:
     """Check one image's arrays; raise a one-line :class:`PipelineError` naming ``where`` and the key."""
     if not isinstance(key, str) or not key:
@@ -69,7 +70,7 @@ def validate_image(
     n = features.shape[0]
     if boxes.shape != (n, 4):
         raise PipelineError(f"{where}: image {key}: boxes must be ({n}, 4), got {boxes.shape}")
-    if not np.isfinite(features).all():
+    if check_features and not np.isfinite(features).all():
         raise PipelineError(f"{where}: image {key}: features contain NaN or infinity")
     if not np.isfinite(boxes).all():
         raise PipelineError(f"{where}: image {key}: boxes contain NaN or infinity")
@@ -90,6 +91,30 @@ def validate_image(
             raise PipelineError(f"{where}: image {key}: {name} contain NaN or infinity")
         if name.endswith("_ids") and (arr < 0).any():
             raise PipelineError(f"{where}: image {key}: {name} has negative ids")
+
+
+class _RowBuffer:
+    """Pending rows of one field in one growing array (amortised doubling): add copies once, commit
+    writes one slice, no concatenation."""
+
+    def __init__(self, dtype: np.dtype, width: int | None) -> None:
+        self.width = width
+        self.data = np.empty((1024,) if width is None else (1024, width), dtype=dtype)
+        self.rows = 0
+
+    def append(self, arr: np.ndarray) -> None:
+        n = len(arr)
+        if self.rows + n > len(self.data):
+            cap = max(2 * len(self.data), self.rows + n)
+            grown = np.empty((cap,) + self.data.shape[1:], dtype=self.data.dtype)
+            grown[: self.rows] = self.data[: self.rows]
+            self.data = grown
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected (and reported) by the caller
+            self.data[self.rows : self.rows + n] = arr  # casts to the store dtype while copying
+        self.rows += n
+
+    def view(self) -> np.ndarray:
+        return self.data[: self.rows]
 
 
 class FeatureStoreWriter:
@@ -116,9 +141,13 @@ class FeatureStoreWriter:
         for seg in manifest["segments"]:
             idx = read_segment_index(path / seg["file"], seg["images"], seg["rows"])
             self._committed.update(idx.keys)
-        self._pending: list[tuple[str, dict[str, np.ndarray], tuple[int, int]]] = []
+        self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        self._pending: list[tuple[str, int, int, int]] = []  # key, rows, width, height
         self._pending_keys: set[str] = set()
         self._pending_bytes = 0
+        self._buffers: dict[str, _RowBuffer] = {}
 
     # -- queries -------------------------------------------------------------------------------------------
     @property
@@ -174,19 +203,30 @@ class FeatureStoreWriter:
                 f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has {sorted(fields)}"
             )
         box_arr = np.asarray(boxes, dtype=np.float32)
-        validate_image(key, feats, box_arr, int(image_w), int(image_h), given, self._manifest["feature_dim"], f"feature store {self.path}")
-        if dtype == np.float16 and np.abs(feats).max(initial=0.0) > 65504:
-            raise PipelineError(f"feature store {self.path}: image {key}: features exceed the float16 range; use float32")
+        where = f"feature store {self.path}"
+        validate_image(key, feats, box_arr, int(image_w), int(image_h), given, self._manifest["feature_dim"], where,
+                       check_features=False)
+        rows = {"features": feats, "boxes": box_arr, **given}
+        for name, arr in rows.items():
+            buf = self._buffers.get(name)
+            if buf is None:
+                width = arr.shape[1] if arr.ndim == 2 else None
+                buf = self._buffers[name] = _RowBuffer(dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width)
+            buf.append(arr)  # the one copy, casting to the store dtype
+        stored = self._buffers["features"].view()[-len(feats):]
+        if not np.isfinite(stored).all():
+            for name in rows:
+                self._buffers[name].rows -= len(feats)
+            if not np.isfinite(feats).all():
+                raise PipelineError(f"{where}: image {key}: features contain NaN or infinity")
+            raise PipelineError(f"{where}: image {key}: features exceed the {dtype.name} range; use float32")
         if self._manifest["feature_dim"] is None:
             self._manifest["feature_dim"] = int(feats.shape[1])
         if fields is None:
             self._manifest["fields"] = sorted(given)
-        rows = {"features": feats.astype(dtype, copy=False), "boxes": box_arr}
-        for name, arr in given.items():
-            rows[name] = arr.astype(OPTIONAL_FIELDS[name], copy=False)
-        self._pending.append((key, rows, (int(image_w), int(image_h))))
+        self._pending.append((key, len(feats), int(image_w), int(image_h)))
         self._pending_keys.add(key)
-        self._pending_bytes += sum(a.nbytes for a in rows.values())
+        self._pending_bytes += sum(len(feats) * self._buffers[n].data[0].nbytes for n in rows)
         if (self.commit_every and len(self._pending) >= self.commit_every) or (
             self.commit_bytes and self._pending_bytes >= self.commit_bytes
         ):
@@ -203,12 +243,12 @@ class FeatureStoreWriter:
         name = segment_name(seg_no)
         final = self.path / name
         tmp = self.path / (name + ".tmp")
-        counts = np.array([len(r["features"]) for _, r, _ in self._pending], dtype=np.int64)
+        counts = np.array([r for _, r, _, _ in self._pending], dtype=np.int64)
         block = Block(
-            keys=[k for k, _, _ in self._pending],
+            keys=[k for k, _, _, _ in self._pending],
             counts=counts,
-            sizes=np.array([s for _, _, s in self._pending], dtype=np.int32).reshape(-1, 2),
-            rows={f: np.concatenate([r[f] for _, r, _ in self._pending]) for f in ["features", "boxes"] + fields},
+            sizes=np.array([(w, h) for _, _, w, h in self._pending], dtype=np.int32).reshape(-1, 2),
+            rows={f: self._buffers[f].view() for f in ["features", "boxes"] + fields},
         )
         n, rows = len(self._pending), int(counts.sum())
         write_segment(
@@ -225,14 +265,14 @@ class FeatureStoreWriter:
         write_manifest(self.path, new)  # the commit point
         self._manifest = new
         self._committed.update(self._pending_keys)
-        self._pending, self._pending_keys, self._pending_bytes = [], set(), 0
+        self._reset_pending()
         log.debug("store %s: commit %d published %d images (%d rows) in %s", self.path, new["commit"], n, rows, name)
         return n
 
     def discard_pending(self) -> int:
         """Drop images added since the last commit (nothing on disk changes)."""
         n = len(self._pending)
-        self._pending, self._pending_keys, self._pending_bytes = [], set(), 0
+        self._reset_pending()
         return n
 
     def close(self) -> None:
