@@ -91,6 +91,11 @@ def test_restval_threshold_and_coco_route(world, tmp_path):
         tmp_path, *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")), name="d"
     ).directory)
     karp = PreparedCaptions.load(prep(tmp_path, f"prepare.karpathy_json={ann / 'dataset_coco.json'}", name="e").directory)
+    # COCO files + a split file: every image listed as train in the files, splits taken from the split file
+    resplit = PreparedCaptions.load(prep(
+        tmp_path, *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")),
+        f"prepare.split_file={path}", name="f").directory)
+    assert len(resplit.split_indices("train")) == 80 and {im["key"] for im in resplit.images} == {im["key"] for im in karp.images}
     assert coco.vocab.words == karp.vocab.words
     assert {im["key"]: im["split"] for im in coco.images} == {im["key"]: im["split"] for im in karp.images}
     assert coco.images[0]["width"] > 0
