@@ -230,3 +230,25 @@ def test_export_float16_store_and_identity_mismatch(shared_data, tmp_path):
     ident.write_text(json.dumps({"name": "butd-caffe", "weights_sha256": "ab" * 32}))
     proc = cli("import-features", "--format", "butd-tsv", str(src), "--store", str(tmp_path / "s"), "--identity", str(ident))
     assert proc.returncode == 2 and "different extractor" in proc.stderr and "butd-caffe" in " ".join(proc.stderr.split())
+
+
+def test_adaptive_box_counts_round_trip(tmp_path):
+    """Adaptive 10-100 box rows (BUTD ``trainval``) written by our encoder import with their own counts."""
+    from pipeline.importers.tsv import write_tsv
+
+    rng = np.random.default_rng(3)
+    recs = []
+    for key, k in (("1", 10), ("2", 100), ("3", 57)):
+        x1 = rng.uniform(0, 300, k)
+        recs.append({"key": key, "image_w": 640, "image_h": 480, "features": rng.uniform(0, 9, (k, 2048)).astype(np.float32),
+                     "boxes": np.stack([x1, x1 / 2, x1 + 5, x1 / 2 + 9], 1).astype(np.float32)})
+    src = tmp_path / "karpathy_val_resnet101_faster_rcnn_genome.tsv"
+    with src.open("wb") as fh:
+        assert write_tsv(fh, iter(recs), "butd") == 3
+    import_features("butd-tsv", [src], tmp_path / "s", feature_dtype="float32")
+    store = FeatureStore(tmp_path / "s")
+    assert [store.num_boxes(k) for k in ("1", "2", "3")] == [10, 100, 57]
+    for rec in recs:
+        np.testing.assert_array_equal(store.get(rec["key"])["features"], rec["features"])
+    export_tsv(tmp_path / "s", tmp_path / "back.tsv")
+    assert (tmp_path / "back.tsv").read_bytes() == src.read_bytes()

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_helpers import synthetic_image
+from store_helpers import IDENTITY, add_image, synthetic_image
 
 from pipeline.store import FeatureStore, open_writer
-from store_helpers import IDENTITY, add_image
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -12,8 +12,6 @@ import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 
 from pipeline.console import get_logger
@@ -169,4 +167,4 @@ def compact_store(path: str | Path, chunk_rows: int = 0, compression: str | None
         writer.close()
 
 
-__all__: list[Any] = ["check_exactly_once", "compact_store", "iter_blocks", "merge_stores"]
+__all__ = ["check_exactly_once", "compact_store", "iter_blocks", "merge_stores"]

@@ -111,8 +111,15 @@ class FeatureStore:
     def _st(self) -> _State:
         st = self._state
         if st is None or st.pid != os.getpid():
-            if st is not None and st.pid != os.getpid():
-                st.fds.clear()  # inherited across fork: do not close the parent's descriptors, just forget them
+            if st is not None:
+                # inherited across fork: the raw descriptors are this process's copies, close them; the
+                # HDF5 handles are left alone (closing a forked HDF5 state is what h5py warns against)
+                for fd in st.fds.values():
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                st.fds.clear()
                 st.h5.clear()
             st = self._open()
         return st
