@@ -1,25 +1,115 @@
-"""`cli import-features`: Import public feature files (BUTD TSV, LXMERT obj36, cocobu npz, M2 hdf5) into a store."""
+"""`cli import-features` (public feature files -> store), `cli export-features` (store -> TSV) and
+`cli merge-features` (shards -> one store, each image exactly once)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented
+from pipeline.commands.common import QuietOpt, VerboseOpt, guarded, init
+from pipeline.console import stdout_console
+from pipeline.errors import PipelineError, UsageError
+
+
+def _user_error(exc: PipelineError) -> UsageError:
+    """A bad input file named on the command line is the user's to fix: exit 2, one line."""
+    return exc if isinstance(exc, UsageError) else UsageError(str(exc))
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "import-features",
-        help="Import public feature files (BUTD TSV, LXMERT obj36, cocobu npz, M2 hdf5) into a store.\n\nExample:\n\n    butd-caption import-features --format butd-tsv trainval_36.tsv --store feats.h5",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help=(
+            "Import public feature files into a store (streaming, resumable).\n\n"
+            "Formats: butd-tsv (original bottom-up TSV, 36 or 10-100 boxes), obj36-tsv (LXMERT, with object and "
+            "attribute ids), cocobu (ATT_DIR [BOX_DIR] of ruotianluo npz/npy, needs --sizes), m2-hdf5 "
+            "(coco_detections.hdf5, needs --sizes).\n\n"
+            "Example:\n\n    butd-caption import-features --format butd-tsv trainval_36.tsv --store feats"
+        ),
     )
     @guarded
     def import_features_command(
-        ctx: typer.Context,
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
+        sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
+        fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv | cocobu | m2-hdf5")],
+        store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
+        dtype: Annotated[str, typer.Option("--dtype", help="float16 (default) or float32 (exact round trip).")] = "float16",
+        identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
+        keys: Annotated[Optional[str], typer.Option("--keys", help="raw (ids as in the file) or coco-id (COCO_train2014_000000123 -> 123).")] = None,
+        sizes: Annotated[Optional[Path], typer.Option("--sizes", help="COCO json with images[].id/width/height (cocobu, m2-hdf5).")] = None,
+        skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,
+        commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        not_implemented("`import-features`", "issue 4, the feature store")
+        from pipeline.importers import import_features, read_sizes
+        from pipeline.store import load_identity_file
+
+        try:
+            report = import_features(
+                fmt, list(sources), store,
+                identity=load_identity_file(identity) if identity else None,
+                feature_dtype=dtype, keys=keys, sizes=read_sizes(sizes) if sizes else None,
+                skip_bad=skip_bad, commit_every=commit_every,
+            )
+        except PipelineError as exc:
+            raise _user_error(exc) from None
+        con = stdout_console()
+        con.print(f"rows read: {report.seen}", highlight=False)
+        con.print(f"imported: {report.imported}", highlight=False)
+        con.print(f"already in store: {report.already_present}", highlight=False)
+        con.print(f"bad rows: {len(report.bad)}", highlight=False)
+        for where, message in report.bad:
+            con.print(f"  bad: {message}", highlight=False, markup=False)
+
+    @app.command(
+        "export-features",
+        help="Write a store back to a TSV (butd-tsv or obj36-tsv); a float32 store round-trips byte for byte.\n\n"
+        "Example:\n\n    butd-caption export-features feats --format butd-tsv --out feats.tsv",
+    )
+    @guarded
+    def export_features_command(
+        store: Annotated[Path, typer.Argument(help="Store directory or file.")],
+        out: Annotated[Path, typer.Option("--out", help="TSV file to write.")],
+        fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv")] = "butd-tsv",
+        verbose: VerboseOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        init(verbose, quiet)
+        from pipeline.importers import export_tsv
+
+        try:
+            n = export_tsv(store, out, fmt)
+        except PipelineError as exc:
+            raise _user_error(exc) from None
+        stdout_console().print(f"rows written: {n} -> {out}", highlight=False)
+
+    @app.command(
+        "merge-features",
+        help="Merge store shards (one per GPU or machine) into one store, checking that each image appears "
+        "exactly once. A destination ending in .h5 becomes a single-file store.\n\n"
+        "Example:\n\n    butd-caption merge-features shard-0 shard-1 --out feats",
+    )
+    @guarded
+    def merge_features_command(
+        shards: Annotated[list[Path], typer.Argument(help="Shard store directories.")],
+        out: Annotated[Path, typer.Option("--out", help="Destination store (must not exist).")],
+        expect: Annotated[Optional[Path], typer.Option("--expect", help="Text file of image ids that must be present, one per line.")] = None,
+        verbose: VerboseOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        init(verbose, quiet)
+        from pipeline.store import merge_stores
+
+        expected = None
+        if expect is not None:
+            if not expect.is_file():
+                raise UsageError(f"id list not found: {expect}")
+            expected = [line.strip() for line in expect.read_text().splitlines() if line.strip()]
+        try:
+            n = merge_stores(shards, out, expected_keys=expected)
+        except PipelineError as exc:
+            raise _user_error(exc) from None
+        stdout_console().print(f"images: {n} -> {out}", highlight=False)

@@ -43,10 +43,21 @@ def register(app: typer.Typer) -> None:
             _environment()
         elif not target.exists():
             raise UsageError(f"no such file or directory: {target}")
+        elif _is_feature_store(target):
+            from pipeline.store.report import print_store_info
+
+            print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
         else:
             raise UsageError(f"cannot inspect {target}: not a run directory (store/checkpoint/weights inspection comes with their issues)")
+
+
+def _is_feature_store(target: Path) -> bool:
+    """A store directory (``store.json``) or an HDF5 file (``.h5``/``.hdf5``) to open as a store."""
+    if target.is_dir():
+        return (target / "store.json").is_file()
+    return target.suffix.lower() in (".h5", ".hdf5")
 
 
 def _java_version() -> str:

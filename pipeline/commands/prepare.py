@@ -1,25 +1,44 @@
-"""`cli prepare`: Prepare captions and the vocabulary from Karpathy or COCO caption files."""
+"""`cli prepare`: captions and the vocabulary from Karpathy or COCO caption files (the `data` stage)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented
+from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.console import stdout_console
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "prepare",
-        help="Prepare captions and the vocabulary from Karpathy or COCO caption files.\n\nExample:\n\n    butd-caption prepare --set prepare.karpathy_json=dataset_coco.json --out runs/data",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help=(
+            "Prepare captions and the vocabulary from Karpathy or COCO caption files into RUN/data "
+            "(vocab.json, labels.npz, images.json, references.json, cider_df.json). Done once per config; "
+            "skipped when already done.\n\nExamples:\n\n"
+            "    butd-caption prepare --set prepare.karpathy_json=dataset_coco.json --out runs/coco\n\n"
+            "    butd-caption prepare --set prepare.coco_captions.train=world/annotations/captions_train.json "
+            "--set prepare.coco_captions.val=world/annotations/captions_val.json --out runs/world"
+        ),
     )
     @guarded
     def prepare_command(
-        ctx: typer.Context,
+        out: Annotated[Path, typer.Option("--out", "-o", help="Run directory; the stage writes OUT/data.")] = Path("runs/data"),
         config: ConfigOpt = None,
         set_: SetOpt = None,
+        force: ForceOpt = False,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        not_implemented("`prepare`", "issue 4, caption data")
+        from pipeline.captions.prepare import prepare_captions
+        from pipeline.stages import run_stage
+
+        cfg = resolve_config("prepare", config, set_)
+        result = run_stage(out, "data", cfg.prepare, prepare_captions, force=force)
+        con = stdout_console()
+        con.print(f"data: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
+        for key, value in result.summary.items():
+            con.print(f"{key}: {value}", highlight=False)

@@ -1,0 +1,75 @@
+"""ruotianluo ``cocobu_att`` / ``cocobu_box`` directories (``scripts/make_bu_data.py``; ``extractor.md`` §6.2).
+
+``<dir>_att/<image_id>.npz`` holds key ``feat`` (or ``z``, as in ``cocotest_bu``): float32 [K, 2048];
+``<dir>_box/<image_id>.npy``: float32 [K, 4] pixels. The files carry no image size, so sizes come from a
+COCO json (``--sizes``). Files are read one image at a time, never with pickle.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipelineError, UsageError
+
+
+def _load_npz(path: Path) -> np.ndarray:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            for name in ("feat", "z"):
+                if name in data.files:
+                    return np.asarray(data[name])
+            raise PipelineError(f"{path}: npz has no 'feat' (or 'z') array, only {data.files}")
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise PipelineError(f"{path}: not a readable npz file ({exc})") from None
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise PipelineError(f"box file {path} is missing")
+    try:
+        return np.asarray(np.load(path, allow_pickle=False))
+    except (OSError, ValueError, EOFError) as exc:
+        raise PipelineError(f"{path}: not a readable npy file ({exc})") from None
+
+
+def box_dir_for(att_dir: Path) -> Path:
+    """``.../cocobu_att`` -> ``.../cocobu_box``."""
+    name = att_dir.name
+    if not name.endswith("_att"):
+        raise UsageError(f"{att_dir}: cannot infer the box directory (name does not end in _att); pass both directories")
+    return att_dir.with_name(name[:-4] + "_box")
+
+
+def read_cocobu(
+    sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+    """Sources: ``ATT_DIR`` (box dir inferred) or ``ATT_DIR BOX_DIR``."""
+    if not sources or len(sources) > 2:
+        raise UsageError("cocobu import takes ATT_DIR [BOX_DIR]")
+    att_dir = sources[0]
+    box_dir = sources[1] if len(sources) == 2 else box_dir_for(att_dir)
+    for d in (att_dir, box_dir):
+        if not d.is_dir():
+            raise UsageError(f"cocobu directory not found: {d}")
+    if sizes is None:
+        raise UsageError("cocobu files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+    for path in sorted(att_dir.glob("*.npz")):
+        key = path.stem
+
+        def decode(path: Path = path, key: str = key) -> dict[str, Any]:
+            if key not in sizes:
+                raise PipelineError(f"{path}: image {key} has no size in the --sizes file")
+            feats = _load_npz(path)
+            boxes = _load_npy(box_dir / f"{key}.npy")
+            if feats.ndim != 2:
+                raise PipelineError(f"{path}: features must be 2-D, got shape {feats.shape}")
+            w, h = sizes[key]
+            return {"key": key, "features": feats, "boxes": boxes.reshape(-1, 4) if boxes.size % 4 == 0 else boxes,
+                    "image_w": w, "image_h": h}
+
+        yield str(path), decode

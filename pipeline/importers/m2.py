@@ -1,0 +1,62 @@
+"""M2 Transformer's ``coco_detections.hdf5``: datasets ``<id>_features`` [K, 2048], ``<id>_boxes`` [K, 4]
+and optionally ``<id>_cls_prob`` [K, C] (``peers.md`` §A.2.2). Read one image at a time.
+
+Class probabilities become ``class_ids``/``class_scores``: with C = 1601 column 0 is the Caffe background
+and is dropped, so ids are 0-based lines of the VG object vocabulary like the obj36 ``objects_id``.
+The file has no image sizes: they come from a COCO json (``--sizes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipelineError, UsageError
+
+SUFFIX = "_features"
+
+
+def read_m2(
+    sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+    import h5py
+
+    if sizes is None:
+        raise UsageError("M2 detection files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+    for path in sources:
+        if not path.is_file():
+            raise UsageError(f"M2 detections file not found: {path}")
+        try:
+            fh = h5py.File(path, "r", locking=False)
+        except OSError as exc:
+            raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+        with fh:
+            names = [n for n in fh.keys() if n.endswith(SUFFIX)]
+            if not names:
+                raise PipelineError(f"{path} is an HDF5 file but not M2 detections (no '<id>_features' datasets)")
+            keys = sorted((n[: -len(SUFFIX)] for n in names), key=lambda k: (len(k), k))
+            for key in keys:
+                where = f"{path}:{key}"
+
+                def decode(key: str = key, where: str = where) -> dict[str, Any]:
+                    if f"{key}_boxes" not in fh:
+                        raise PipelineError(f"{where}: dataset {key}_boxes is missing")
+                    if key not in sizes:
+                        raise PipelineError(f"{where}: image {key} has no size in the --sizes file")
+                    feats = np.asarray(fh[f"{key}_features"][()])
+                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": np.asarray(fh[f"{key}_boxes"][()]),
+                                           "image_w": sizes[key][0], "image_h": sizes[key][1]}
+                    if f"{key}_cls_prob" in fh:
+                        prob = np.asarray(fh[f"{key}_cls_prob"][()], dtype=np.float32)
+                        if prob.ndim != 2 or len(prob) != len(feats):
+                            raise PipelineError(f"{where}: {key}_cls_prob has shape {prob.shape}, expected ({len(feats)}, C)")
+                        if prob.shape[1] == 1601:
+                            prob = prob[:, 1:]
+                        rec["class_ids"] = prob.argmax(1)
+                        rec["class_scores"] = prob.max(1)
+                    return rec
+
+                yield where, decode

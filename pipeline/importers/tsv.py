@@ -1,0 +1,158 @@
+"""Bottom-up-attention TSV files: the original BUTD format and LXMERT's ``obj36`` format (read and write).
+
+Both are tab-separated, header-less, one image per ``\\r\\n``-terminated line, arrays as standard base64 of
+C-order little-endian buffers (``extractor.md`` §6.1, §6.3; ``shared/data/README.md``):
+
+* ``butd``:  image_id, image_w, image_h, num_boxes, boxes f32[K,4], features f32[K,D]   (width first)
+* ``obj36``: img_id, img_h, img_w, objects_id i64[K], objects_conf f32[K], attrs_id i64[K],
+  attrs_conf f32[K], num_boxes, boxes f32[K,4], features f32[K,D]                       (height first)
+
+Files are streamed line by line (a line is ~400 KB for 36 boxes); nothing else is held in memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+Record = dict[str, Any]
+
+BUTD_COLUMNS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
+OBJ36_COLUMNS = (
+    "img_id", "img_h", "img_w", "objects_id", "objects_conf", "attrs_id", "attrs_conf", "num_boxes", "boxes", "features",
+)
+COCO_STEM = re.compile(r"^COCO_[a-z]+\d{4}_0*(\d+)$")
+
+
+def _int(text: bytes, column: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise PipelineError(f"{where}: column {column} is not an integer: {text[:40]!r}") from None
+
+
+def _array(text: bytes, dtype: str, count: int | None, column: str, where: str) -> np.ndarray:
+    """Decode a base64 field; ``count`` (if given) is the exact number of elements expected."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise PipelineError(f"{where}: column {column} is not valid base64 ({exc})") from None
+    item = np.dtype(dtype).itemsize
+    if len(raw) % item or (count is not None and len(raw) != count * item):
+        want = f"{count * item}" if count is not None else f"a multiple of {item}"
+        raise PipelineError(f"{where}: column {column} decodes to {len(raw)} bytes, expected {want}")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _features(text: bytes, k: int, where: str) -> np.ndarray:
+    flat = _array(text, "<f4", None, "features", where)
+    if k <= 0 or flat.size % k or flat.size == 0:
+        raise PipelineError(f"{where}: features hold {flat.size} floats, not a multiple of num_boxes={k}")
+    return flat.reshape(k, -1)
+
+
+def coco_key(raw: str) -> str:
+    """``COCO_train2014_000000132417`` -> ``132417``; other ids unchanged."""
+    m = COCO_STEM.match(raw)
+    return str(int(m.group(1))) if m else raw
+
+
+def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes]]]:
+    """(``file:line``, tab-split fields) for every non-empty line, streaming."""
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.rstrip(b"\r\n")
+            if line:
+                yield f"{path}:{lineno}", line.split(b"\t")
+
+
+def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
+    """One original BUTD row -> record (float32 arrays as stored in the file)."""
+    if len(fields) != len(BUTD_COLUMNS):
+        raise PipelineError(f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), found {len(fields)} (truncated row?)")
+    key = fields[0].decode("utf-8", "replace")
+    k = _int(fields[3], "num_boxes", where)
+    where = f"{where} (image {key})"
+    return {
+        "key": coco_key(key) if keys == "coco-id" else key,
+        "image_w": _int(fields[1], "image_w", where),
+        "image_h": _int(fields[2], "image_h", where),
+        "boxes": _array(fields[4], "<f4", k * 4, "boxes", where).reshape(k, 4),
+        "features": _features(fields[5], k, where),
+    }
+
+
+def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
+    """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
+    if len(fields) != len(OBJ36_COLUMNS):
+        raise PipelineError(f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), found {len(fields)} (truncated row?)")
+    raw = fields[0].decode("utf-8", "replace")
+    k = _int(fields[7], "num_boxes", where)
+    where = f"{where} (image {raw})"
+    return {
+        "key": coco_key(raw) if keys == "coco-id" else raw,
+        "image_h": _int(fields[1], "img_h", where),
+        "image_w": _int(fields[2], "img_w", where),
+        "class_ids": _array(fields[3], "<i8", k, "objects_id", where),
+        "class_scores": _array(fields[4], "<f4", k, "objects_conf", where),
+        "attr_ids": _array(fields[5], "<i8", k, "attrs_id", where),
+        "attr_scores": _array(fields[6], "<f4", k, "attrs_conf", where),
+        "boxes": _array(fields[8], "<f4", k * 4, "boxes", where).reshape(k, 4),
+        "features": _features(fields[9], k, where),
+    }
+
+
+def tsv_reader(decode: Callable[[list[bytes], str, str], Record]) -> Callable[..., Iterator[tuple[str, Callable[[], Record]]]]:
+    """A source reader yielding (where, decode-thunk) per row, so a bad row can be skipped and reported."""
+
+    def read(sources: list[Path], keys: str, **_: Any) -> Iterator[tuple[str, Callable[[], Record]]]:
+        for path in sources:
+            if not path.is_file():
+                raise PipelineError(f"TSV file not found: {path}")
+            for where, fields in iter_lines(path):
+                yield where, (lambda f=fields, w=where: decode(f, w, keys))
+
+    return read
+
+
+def _b64(arr: np.ndarray, dtype: str) -> bytes:
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes())
+
+
+def encode_butd(rec: Record) -> bytes:
+    feats = np.asarray(rec["features"])
+    return b"\t".join([
+        rec["key"].encode(), str(rec["image_w"]).encode(), str(rec["image_h"]).encode(), str(len(feats)).encode(),
+        _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),
+    ]) + b"\r\n"
+
+
+def encode_obj36(rec: Record) -> bytes:
+    for name in ("class_ids", "class_scores", "attr_ids", "attr_scores"):
+        if name not in rec:
+            raise PipelineError(f"image {rec['key']}: the store has no {name}, which the obj36 format needs")
+    feats = np.asarray(rec["features"])
+    return b"\t".join([
+        rec["key"].encode(), str(rec["image_h"]).encode(), str(rec["image_w"]).encode(),
+        _b64(rec["class_ids"], "<i8"), _b64(rec["class_scores"], "<f4"),
+        _b64(rec["attr_ids"], "<i8"), _b64(rec["attr_scores"], "<f4"),
+        str(len(feats)).encode(), _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),
+    ]) + b"\r\n"
+
+
+def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
+    """Write records in ``fmt`` (``butd`` or ``obj36``) to ``out``; returns the row count."""
+    encode = {"butd": encode_butd, "obj36": encode_obj36}[fmt]
+    n = 0
+    for rec in records:
+        out.write(encode(rec))
+        n += 1
+    return n
