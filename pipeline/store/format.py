@@ -1,0 +1,157 @@
+"""On-disk format of the feature store: names, schema version, the commit record (``store.json``).
+
+A store is a directory::
+
+    STORE/
+      store.json          the commit record, replaced atomically (write tmp, fsync, rename) at each commit
+      seg-000000.h5       immutable HDF5 segments, one per commit; only those listed in store.json count
+      seg-000001.h5
+      .lock               advisory lock (flock) held by the one writer
+      *.tmp               leftovers of a killed writer: ignored by readers, deleted by the next writer
+
+``store.json`` holds the schema version, the extractor identity, the feature dimension and dtype, the
+optional per-box fields present, a commit counter and the list of segments with their image and row counts.
+
+A segment (``seg-*.h5``) holds the flat layout for the images of one commit (no per-image groups):
+
+==================  ===================  ==========================================================
+dataset             shape / dtype        meaning
+==================  ===================  ==========================================================
+``features``        (R, D) f16 or f32    region features of all images, concatenated by rows
+``boxes``           (R, 4) f32           x1, y1, x2, y2 in original-image pixels
+``class_ids``       (R,) i32 (optional)  detector class per box (0-based VG object line)
+``class_scores``    (R,) f32 (optional)  its confidence
+``attr_ids``        (R,) i32 (optional)  attribute per box (0-based VG attribute line)
+``attr_scores``     (R,) f32 (optional)  its confidence
+``keys``            (n,) utf-8 strings   image ids (COCO id as text, or a relative path)
+``offsets``         (n + 1,) i64         image i owns rows offsets[i] : offsets[i + 1]
+``image_size``      (n, 2) i32           width, height in pixels
+==================  ===================  ==========================================================
+
+Segment attributes: ``format``, ``schema_version``, ``identity`` (JSON), ``num_images``, ``num_rows``,
+``feature_dim``, ``feature_dtype``, ``fields`` (JSON list) and ``complete`` (set last). A segment file is
+also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store is
+shipped as one file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipelineError, UsageError
+from pipeline.fileio import atomic_write_json, read_json
+
+FORMAT = "butd-caption-feature-store"
+SCHEMA_VERSION = 1
+MANIFEST = "store.json"
+LOCK = ".lock"
+SEGMENT_GLOB = "seg-*.h5"
+
+FEATURE_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+BOX_DTYPE = np.dtype("<f4")
+OPTIONAL_FIELDS = {
+    "class_ids": np.dtype("<i4"),
+    "class_scores": np.dtype("<f4"),
+    "attr_ids": np.dtype("<i4"),
+    "attr_scores": np.dtype("<f4"),
+}
+ROW_FIELDS = ("features", "boxes") + tuple(OPTIONAL_FIELDS)
+
+
+def segment_name(index: int) -> str:
+    return f"seg-{index:06d}.h5"
+
+
+def canonical_identity(identity: Any, source: str = "extractor identity") -> dict[str, Any]:
+    """Validate an extractor identity (a JSON-serialisable dict with a ``name``) and return a plain copy."""
+    if not isinstance(identity, dict) or not identity:
+        raise UsageError(f"{source} must be a non-empty dict such as {{'name': ..., 'weights_sha256': ..., 'config': ...}}")
+    if not isinstance(identity.get("name"), str) or not identity["name"]:
+        raise UsageError(f"{source} must have a 'name' string")
+    try:
+        return json.loads(json.dumps(identity, sort_keys=True))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{source} is not JSON-serialisable: {exc}") from exc
+
+
+def identity_text(identity: dict[str, Any]) -> str:
+    """A compact one-line rendering of an identity for messages."""
+    return json.dumps(identity, sort_keys=True, separators=(",", ":"))
+
+
+def identity_mismatch(store: str, stored: dict[str, Any], given: dict[str, Any]) -> str:
+    """A one-line message naming both identities and the first keys that differ."""
+    keys = sorted(set(stored) | set(given))
+    differ = [k for k in keys if stored.get(k) != given.get(k)]
+    return (
+        f"feature store {store} was written by a different extractor (differs in {', '.join(differ)}): "
+        f"stored {identity_text(stored)} vs given {identity_text(given)}; use another store path"
+    )
+
+
+def new_manifest(identity: dict[str, Any], feature_dtype: str, feature_dim: int | None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "identity": identity,
+        "feature_dtype": feature_dtype,
+        "feature_dim": feature_dim,
+        "fields": None,
+        "commit": 0,
+        "num_images": 0,
+        "num_rows": 0,
+        "segments": [],
+    }
+
+
+def read_manifest(store: Path) -> dict[str, Any]:
+    """Read and validate ``STORE/store.json``; every problem is a one-line error naming the file."""
+    path = store / MANIFEST
+    try:
+        data = read_json(path, what="feature store record")
+    except UsageError:
+        raise UsageError(f"{store} is not a feature store (no {MANIFEST})") from None
+    if data.get("format") != FORMAT:
+        raise PipelineError(f"{path} is not a butd-caption feature store record (format {data.get('format')!r})")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PipelineError(
+            f"feature store {store} has schema version {version!r}; this butd-caption reads version {SCHEMA_VERSION}"
+        )
+    for key, kind in (("identity", dict), ("segments", list), ("commit", int), ("num_images", int), ("num_rows", int)):
+        if not isinstance(data.get(key), kind):
+            raise PipelineError(f"{path}: field '{key}' is missing or not a {kind.__name__}")
+    if data.get("feature_dtype") not in FEATURE_DTYPES:
+        raise PipelineError(f"{path}: unknown feature_dtype {data.get('feature_dtype')!r}")
+    for i, seg in enumerate(data["segments"]):
+        if not (isinstance(seg, dict) and isinstance(seg.get("file"), str) and isinstance(seg.get("images"), int)
+                and isinstance(seg.get("rows"), int) and "/" not in seg["file"]):
+            raise PipelineError(f"{path}: segment entry {i} is malformed")
+    if sum(s["images"] for s in data["segments"]) != data["num_images"]:
+        raise PipelineError(f"{path}: segment image counts do not add up to num_images")
+    return data
+
+
+def write_manifest(store: Path, manifest: dict[str, Any]) -> None:
+    """The commit point: atomically replace ``store.json`` (tmp file, fsync, rename, fsync dir)."""
+    atomic_write_json(store / MANIFEST, manifest, indent=1)
+
+
+def is_store(path: str | Path) -> bool:
+    """True when ``path`` looks like a feature store: a directory with ``store.json`` or one of our HDF5 files."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / MANIFEST).is_file()
+    if path.is_file():
+        try:
+            import h5py
+
+            with h5py.File(path, "r", locking=False) as fh:
+                return fh.attrs.get("format") == FORMAT
+        except (OSError, ValueError):
+            return False
+    return False

@@ -1,0 +1,298 @@
+"""Random-access reader of a feature store (a store directory or one segment file).
+
+The reader holds only the store path until first use, and (re)opens everything lazily in the process that
+uses it: it pickles to its path, so it works in DataLoader workers under ``fork``, ``forkserver`` and
+``spawn`` alike, and a reader inherited across ``fork`` reopens its files in the child.
+
+Reading one image touches only that image's rows: for contiguous segments each row field is one
+``os.pread`` at the dataset's byte offset (HDF5 reports it once, when the index is read); chunked or
+compressed segments are read through h5py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipelineError, UsageError
+from pipeline.store.format import MANIFEST, canonical_identity, identity_mismatch, read_manifest
+from pipeline.store.segment import SegmentIndex, read_segment_index
+
+
+class _State:
+    """Per-process state: the merged index and open file handles (never pickled)."""
+
+    def __init__(self, segments: list[SegmentIndex], manifest: dict[str, Any]) -> None:
+        self.pid = os.getpid()
+        self.segments = segments
+        self.manifest = manifest
+        keys: list[str] = []
+        seg_of, start, count, sizes = [], [], [], []
+        for si, seg in enumerate(segments):
+            keys.extend(seg.keys)
+            seg_of.append(np.full(seg.num_images, si, dtype=np.int32))
+            start.append(seg.offsets[:-1])
+            count.append(np.diff(seg.offsets))
+            sizes.append(seg.sizes)
+        self.keys = keys
+        self.index = {k: i for i, k in enumerate(keys)}
+        if len(self.index) != len(keys):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise PipelineError(f"feature store {manifest['path']} holds image id {dup!r} more than once")
+        self.seg_of = np.concatenate(seg_of) if seg_of else np.zeros(0, np.int32)
+        self.start = np.concatenate(start) if start else np.zeros(0, np.int64)
+        self.count = np.concatenate(count) if count else np.zeros(0, np.int64)
+        self.sizes = np.concatenate(sizes) if sizes else np.zeros((0, 2), np.int32)
+        self.fds: OrderedDict[int, int] = OrderedDict()
+        self.h5: OrderedDict[int, Any] = OrderedDict()
+        self.memory: dict[str, np.ndarray] | None = None
+        self.mem_start: np.ndarray | None = None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for fh in self.h5.values():
+            try:
+                fh.close()
+            except Exception:
+                pass
+        self.fds.clear()
+        self.h5.clear()
+
+
+class FeatureStore:
+    """Read-only view of a feature store.
+
+    Args:
+        path: a store directory (``store.json`` + segments) or a single segment file.
+        expect_identity: if given, the store's extractor identity must equal it (else a one-line error).
+        max_open: most segment files kept open at once per process (LRU).
+    """
+
+    def __init__(self, path: str | Path, expect_identity: dict[str, Any] | None = None, max_open: int = 64) -> None:
+        self.path = Path(path)
+        self.expect_identity = canonical_identity(expect_identity) if expect_identity is not None else None
+        self.max_open = max_open
+        self._state: _State | None = None
+        if not self.path.exists():
+            raise UsageError(f"feature store not found: {self.path}")
+        self._open()  # validate eagerly so errors surface where the store is named; dropped on pickling
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def _open(self) -> _State:
+        if self.path.is_dir():
+            manifest = read_manifest(self.path)
+            segments = [read_segment_index(self.path / s["file"], s["images"], s["rows"]) for s in manifest["segments"]]
+            for seg in segments:
+                if seg.identity != manifest["identity"] or seg.feature_dtype != manifest["feature_dtype"]:
+                    raise PipelineError(f"{seg.path}: identity or dtype differs from {self.path / MANIFEST}")
+        else:
+            seg = read_segment_index(self.path)
+            segments = [seg]
+            manifest = {
+                "identity": seg.identity, "feature_dtype": seg.feature_dtype, "feature_dim": seg.feature_dim,
+                "fields": seg.fields, "commit": 1, "num_images": seg.num_images, "num_rows": seg.num_rows,
+                "segments": [{"file": self.path.name, "images": seg.num_images, "rows": seg.num_rows}],
+            }
+        manifest = dict(manifest, path=str(self.path))
+        if self.expect_identity is not None and manifest["identity"] != self.expect_identity:
+            raise UsageError(identity_mismatch(str(self.path), manifest["identity"], self.expect_identity))
+        self._state = _State(segments, manifest)
+        return self._state
+
+    def _st(self) -> _State:
+        st = self._state
+        if st is None or st.pid != os.getpid():
+            if st is not None and st.pid != os.getpid():
+                st.fds.clear()  # inherited across fork: do not close the parent's descriptors, just forget them
+                st.h5.clear()
+            st = self._open()
+        return st
+
+    def close(self) -> None:
+        if self._state is not None and self._state.pid == os.getpid():
+            self._state.close()
+        self._state = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "expect_identity": self.expect_identity, "max_open": self.max_open}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        self.expect_identity = state["expect_identity"]
+        self.max_open = state["max_open"]
+        self._state = None  # opened lazily in the process that reads
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "FeatureStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- metadata ------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._st().keys)
+
+    def keys(self) -> list[str]:
+        return list(self._st().keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._st().index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return dict(self._st().manifest["identity"])
+
+    @property
+    def feature_dtype(self) -> str:
+        return str(self._st().manifest["feature_dtype"])
+
+    @property
+    def feature_dim(self) -> int | None:
+        dim = self._st().manifest["feature_dim"]
+        return int(dim) if dim is not None else None
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self._st().manifest.get("fields") or [])
+
+    @property
+    def commit_counter(self) -> int:
+        return int(self._st().manifest["commit"])
+
+    def num_boxes(self, key: str | None = None) -> np.ndarray | int:
+        """Boxes of one image, or (no key) an array of boxes per image in :meth:`keys` order."""
+        st = self._st()
+        if key is None:
+            return st.count.copy()
+        return int(st.count[self._position(key)])
+
+    def image_size(self, key: str) -> tuple[int, int]:
+        w, h = self._st().sizes[self._position(key)]
+        return int(w), int(h)
+
+    def info(self, sample: int = 256) -> dict[str, Any]:
+        """Counts, box statistics, dtype, size on disk and identity (see :mod:`pipeline.store.stats`)."""
+        from pipeline.store.stats import store_info
+
+        return store_info(self, sample=sample)
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _position(self, key: str) -> int:
+        try:
+            return self._st().index[key]
+        except KeyError:
+            raise KeyError(f"image {key!r} is not in feature store {self.path}") from None
+
+    def _fd(self, st: _State, si: int) -> int:
+        fd = st.fds.get(si)
+        if fd is None:
+            if len(st.fds) >= self.max_open:
+                _, old = st.fds.popitem(last=False)
+                os.close(old)
+            fd = os.open(st.segments[si].path, os.O_RDONLY)
+            st.fds[si] = fd
+        else:
+            st.fds.move_to_end(si)
+        return fd
+
+    def _h5(self, st: _State, si: int) -> Any:
+        fh = st.h5.get(si)
+        if fh is None:
+            import h5py
+
+            if len(st.h5) >= self.max_open:
+                _, old = st.h5.popitem(last=False)
+                old.close()
+            fh = h5py.File(st.segments[si].path, "r", locking=False)
+            st.h5[si] = fh
+        else:
+            st.h5.move_to_end(si)
+        return fh
+
+    def _read_rows(self, st: _State, si: int, name: str, start: int, count: int) -> np.ndarray:
+        seg = st.segments[si]
+        src = seg.sources[name]
+        shape = (count,) if src.width is None else (count, src.width)
+        if src.byte_offset is not None:
+            nbytes = count * src.row_bytes
+            buf = os.pread(self._fd(st, si), nbytes, src.byte_offset + start * src.row_bytes)
+            if len(buf) != nbytes:
+                raise PipelineError(f"{seg.path}: short read of '{name}' (file truncated?)")
+            return np.frombuffer(buf, dtype=src.dtype).reshape(shape)
+        return np.asarray(self._h5(st, si)[name][start : start + count])
+
+    def get_position(self, i: int) -> dict[str, Any]:
+        """The image at position ``i`` of :meth:`keys`."""
+        st = self._st()
+        si, start, count = int(st.seg_of[i]), int(st.start[i]), int(st.count[i])
+        w, h = st.sizes[i]
+        out: dict[str, Any] = {"key": st.keys[i], "image_w": int(w), "image_h": int(h)}
+        if st.memory is not None:
+            s = int(st.mem_start[i])  # type: ignore[index]
+            for name, arr in st.memory.items():
+                out[name] = arr[s : s + count]
+            return out
+        for name in st.segments[si].sources:
+            out[name] = self._read_rows(st, si, name, start, count)
+        return out
+
+    def get(self, key: str) -> dict[str, Any]:
+        """One image: ``features`` (N, D) store dtype, ``boxes`` (N, 4) float32, ``image_w``, ``image_h``,
+        and the optional fields the store has (``class_ids``, ``class_scores``, ``attr_ids``, ``attr_scores``).
+        Arrays are read-only views; copy before modifying. A missing key raises ``KeyError`` naming the store."""
+        return self.get_position(self._position(key))
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        return self.get(key)
+
+    def preload(self) -> "FeatureStore":
+        """Read every row of every field into memory once (per process); later reads are slices of it."""
+        st = self._st()
+        fields = list(st.segments[0].sources) if st.segments else ["features", "boxes"]
+        total = int(st.count.sum())
+        memory: dict[str, np.ndarray] = {}
+        for name in fields:
+            src = st.segments[0].sources[name]
+            memory[name] = np.empty((total,) if src.width is None else (total, src.width), dtype=src.dtype)
+        row = 0
+        for si, seg in enumerate(st.segments):
+            for name in fields:
+                memory[name][row : row + seg.num_rows] = self._read_rows(st, si, name, 0, seg.num_rows)
+            row += seg.num_rows
+        st.memory = memory
+        st.mem_start = np.concatenate([[0], np.cumsum(st.count)[:-1]]).astype(np.int64)
+        return self
+
+    def flat_arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """After :meth:`preload`: (field -> all rows), row start per image, row count per image."""
+        st = self._st()
+        if st.memory is None:
+            self.preload()
+        return st.memory, st.mem_start, st.count  # type: ignore[return-value]
+
+
+def load_identity_file(path: str | Path) -> dict[str, Any]:
+    """Read an extractor identity from a JSON file (for ``--identity`` options)."""
+    from pipeline.fileio import read_json
+
+    return canonical_identity(read_json(path, what="extractor identity"), source=str(path))
+
+

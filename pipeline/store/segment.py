@@ -1,0 +1,235 @@
+"""Writing and indexing one immutable HDF5 segment (the flat layout described in :mod:`pipeline.store.format`).
+
+Segments are written once, into a ``*.tmp`` file that is closed and fsynced before it is renamed, so a
+published segment is always complete. Because a segment is never appended to, its row arrays are stored
+*contiguous* by default: the reader can then fetch one image's rows with a single ``pread`` at the byte
+offset HDF5 reports for the dataset (no HDF5 call per read, no chunk cache, nothing else read). A chunked
+layout (rows per chunk, optional ``lzf``/``gzip`` compression for archival copies) is available too; the
+reader then goes through h5py for that dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
+
+STR_DTYPE = None  # set lazily (h5py import is deferred)
+
+
+def field_dtype(name: str, feature_dtype: str) -> np.dtype:
+    if name == "features":
+        return FEATURE_DTYPES[feature_dtype]
+    if name == "boxes":
+        return BOX_DTYPE
+    return OPTIONAL_FIELDS[name]
+
+
+def field_width(name: str, feature_dim: int) -> int | None:
+    return feature_dim if name == "features" else 4 if name == "boxes" else None
+
+
+@dataclass
+class Block:
+    """A run of consecutive images for :func:`write_segment`: row arrays are concatenated over images."""
+
+    keys: list[str]
+    counts: np.ndarray  # (n,) rows per image
+    sizes: np.ndarray  # (n, 2) width, height
+    rows: dict[str, np.ndarray]  # field -> (rows, ...) array
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_segment(
+    path: Path,
+    blocks: Iterable[Block],
+    *,
+    num_images: int,
+    num_rows: int,
+    identity: dict[str, Any],
+    feature_dtype: str,
+    feature_dim: int,
+    fields: Sequence[str],
+    chunk_rows: int = 0,
+    compression: str | None = None,
+) -> None:
+    """Write a complete segment file at ``path`` (normally a ``*.tmp`` name), then close and fsync it.
+
+    ``blocks`` must together hold exactly ``num_images`` images and ``num_rows`` rows. ``chunk_rows`` 0 means
+    contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows.
+    """
+    import h5py
+
+    row_fields = ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]
+    with h5py.File(path, "w", locking=False) as fh:
+        fh.attrs["format"] = FORMAT
+        fh.attrs["schema_version"] = SCHEMA_VERSION
+        fh.attrs["identity"] = json.dumps(identity, sort_keys=True)
+        fh.attrs["feature_dtype"] = feature_dtype
+        fh.attrs["feature_dim"] = feature_dim
+        fh.attrs["fields"] = json.dumps(list(fields))
+        fh.attrs["num_images"] = num_images
+        fh.attrs["num_rows"] = num_rows
+        fh.attrs["complete"] = False
+        dsets = {}
+        for name in row_fields:
+            width = field_width(name, feature_dim)
+            shape = (num_rows,) if width is None else (num_rows, width)
+            kwargs: dict[str, Any] = {}
+            if chunk_rows and num_rows:
+                kwargs["chunks"] = (min(chunk_rows, num_rows),) + shape[1:]
+                if compression:
+                    kwargs["compression"] = compression
+            dsets[name] = fh.create_dataset(name, shape=shape, dtype=field_dtype(name, feature_dtype), **kwargs)
+        keys_ds = fh.create_dataset("keys", shape=(num_images,), dtype=h5py.string_dtype("utf-8"))
+        offsets = np.zeros(num_images + 1, dtype="<i8")
+        sizes = np.zeros((num_images, 2), dtype="<i4")
+        img = row = 0
+        for block in blocks:
+            n = len(block.keys)
+            r = int(block.counts.sum())
+            if img + n > num_images or row + r > num_rows:
+                raise PipelineError(f"segment {path}: more data than announced")
+            for name in row_fields:
+                arr = block.rows[name]
+                if len(arr) != r:
+                    raise PipelineError(f"segment {path}: field {name} has {len(arr)} rows, expected {r}")
+                if r:
+                    dsets[name][row : row + r] = arr
+            if n:
+                keys_ds[img : img + n] = block.keys
+                offsets[img + 1 : img + n + 1] = row + np.cumsum(block.counts)
+                sizes[img : img + n] = block.sizes
+            img += n
+            row += r
+        if img != num_images or row != num_rows:
+            raise PipelineError(f"segment {path}: wrote {img} images / {row} rows, announced {num_images} / {num_rows}")
+        fh.create_dataset("offsets", data=offsets)
+        fh.create_dataset("image_size", data=sizes)
+        fh.attrs["complete"] = True
+    _fsync_file(path)
+
+
+@dataclass
+class RowSource:
+    """Where a row field lives: a byte offset for contiguous data (read with pread), else via h5py."""
+
+    name: str
+    dtype: np.dtype
+    width: int | None
+    byte_offset: int | None  # None -> read through h5py
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * (self.width or 1)
+
+
+@dataclass
+class SegmentIndex:
+    """The small, fully-read part of a segment: keys, offsets, sizes and where each row field lives."""
+
+    path: Path
+    identity: dict[str, Any]
+    feature_dtype: str
+    feature_dim: int
+    fields: list[str]
+    keys: list[str]
+    offsets: np.ndarray
+    sizes: np.ndarray
+    sources: dict[str, RowSource]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets[-1])
+
+
+def _attr(fh: Any, path: Path, name: str) -> Any:
+    if name not in fh.attrs:
+        raise PipelineError(f"{path} is not a butd-caption feature segment (attribute '{name}' missing)")
+    value = fh.attrs[name]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_segment_index(path: Path, expect_images: int | None = None, expect_rows: int | None = None) -> SegmentIndex:
+    """Open ``path`` read-only, validate it thoroughly, and read its index; errors name the file."""
+    import h5py
+
+    if not path.is_file():
+        raise PipelineError(f"feature segment {path} is missing")
+    try:
+        fh = h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+    try:
+        if _attr(fh, path, "format") != FORMAT:
+            raise PipelineError(f"{path} is an HDF5 file but not a butd-caption feature store")
+        version = int(_attr(fh, path, "schema_version"))
+        if version != SCHEMA_VERSION:
+            raise PipelineError(f"{path} has schema version {version}; this butd-caption reads version {SCHEMA_VERSION}")
+        if not bool(_attr(fh, path, "complete")):
+            raise PipelineError(f"{path} is an incomplete segment (its writer was interrupted)")
+        identity = json.loads(_attr(fh, path, "identity"))
+        feature_dtype = str(_attr(fh, path, "feature_dtype"))
+        feature_dim = int(_attr(fh, path, "feature_dim"))
+        fields = list(json.loads(_attr(fh, path, "fields")))
+        n = int(_attr(fh, path, "num_images"))
+        r = int(_attr(fh, path, "num_rows"))
+        if feature_dtype not in FEATURE_DTYPES:
+            raise PipelineError(f"{path}: unknown feature dtype {feature_dtype!r}")
+        if (expect_images is not None and n != expect_images) or (expect_rows is not None and r != expect_rows):
+            raise PipelineError(
+                f"{path} holds {n} images / {r} rows but the store record says {expect_images} / {expect_rows}"
+            )
+        for name in ("keys", "offsets", "image_size", "features", "boxes"):
+            if name not in fh:
+                raise PipelineError(f"{path}: dataset '{name}' is missing")
+        keys = [k.decode("utf-8") if isinstance(k, bytes) else str(k) for k in fh["keys"][()]]
+        offsets = np.asarray(fh["offsets"][()], dtype=np.int64)
+        sizes = np.asarray(fh["image_size"][()], dtype=np.int32)
+        if len(keys) != n or offsets.shape != (n + 1,) or sizes.shape != (n, 2):
+            raise PipelineError(f"{path}: index arrays do not match num_images={n}")
+        if offsets[0] != 0 or offsets[-1] != r or np.any(np.diff(offsets) < 0):
+            raise PipelineError(f"{path}: offsets are not increasing from 0 to {r}")
+        file_size = path.stat().st_size
+        sources: dict[str, RowSource] = {}
+        for name in ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]:
+            if name not in fh:
+                raise PipelineError(f"{path}: dataset '{name}' is missing")
+            ds = fh[name]
+            width = field_width(name, feature_dim)
+            want_shape = (r,) if width is None else (r, width)
+            want_dtype = field_dtype(name, feature_dtype)
+            if ds.shape != want_shape or ds.dtype != want_dtype:
+                raise PipelineError(f"{path}: dataset '{name}' is {ds.shape} {ds.dtype}, expected {want_shape} {want_dtype}")
+            offset = None
+            if ds.chunks is None and ds.compression is None and r:
+                offset = ds.id.get_offset()
+                if offset is None or offset + r * want_dtype.itemsize * (width or 1) > file_size:
+                    raise PipelineError(f"{path}: dataset '{name}' is truncated")
+            sources[name] = RowSource(name, want_dtype, width, offset)
+    except PipelineError:
+        raise
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        raise PipelineError(f"{path}: corrupt feature segment ({type(exc).__name__}: {exc})") from None
+    finally:
+        fh.close()
+    return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources)

@@ -1,0 +1,342 @@
+"""Crash-safe, resumable, append-only writer of a feature store.
+
+Commit protocol (the store stays valid if the process is SIGKILLed at any instant):
+
+1. ``add()`` validates an image and keeps it in memory (nothing on disk changes).
+2. ``commit()`` writes all pending images into a new segment ``seg-NNNNNN.h5.tmp``: data first, then the
+   index arrays, then the ``complete`` attribute; closes the file and ``fsync``\\ s it.
+3. It renames the file to ``seg-NNNNNN.h5`` (atomic) and fsyncs the directory.
+4. It atomically replaces ``store.json`` with a record listing the new segment and a commit counter one
+   higher (tmp file, fsync, ``os.replace``, fsync dir). **This rename is the commit point.**
+
+A kill before step 4 leaves the previous ``store.json``: readers see exactly the images committed before,
+and the next writer deletes the ``*.tmp`` and unlisted ``seg-*.h5`` files it finds. A kill after step 4
+loses nothing. HDF5 files are never modified after they are published, so the well-known failure of a
+killed HDF5 writer corrupting its whole file cannot touch committed data. One writer at a time is
+enforced with an ``flock`` on ``STORE/.lock`` (released by the kernel if the writer dies).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from pipeline.console import get_logger
+from pipeline.errors import PipelineError, UsageError
+from pipeline.fileio import fsync_dir
+from pipeline.store.format import (
+    FEATURE_DTYPES,
+    LOCK,
+    MANIFEST,
+    OPTIONAL_FIELDS,
+    SEGMENT_GLOB,
+    canonical_identity,
+    identity_mismatch,
+    new_manifest,
+    read_manifest,
+    segment_name,
+    write_manifest,
+)
+from pipeline.store.segment import Block, read_segment_index, write_segment
+
+log = get_logger("store")
+
+BOX_TOLERANCE = 1.0  # pixels a box may reach past the image border (Caffe clips at W-1 in the scaled image)
+
+
+def validate_image(
+    key: str,
+    features: np.ndarray,
+    boxes: np.ndarray,
+    image_w: int,
+    image_h: int,
+    extras: dict[str, np.ndarray],
+    feature_dim: int | None,
+    where: str,
+) -> None:
+    """Check one image's arrays; raise a one-line :class:`PipelineError` naming ``where`` and the key."""
+    if not isinstance(key, str) or not key:
+        raise PipelineError(f"{where}: image id must be a non-empty string, got {key!r}")
+    if features.ndim != 2 or features.shape[0] < 1:
+        raise PipelineError(f"{where}: image {key}: features must be (N>=1, D), got shape {features.shape}")
+    if feature_dim is not None and features.shape[1] != feature_dim:
+        raise PipelineError(f"{where}: image {key}: feature dimension {features.shape[1]} != store dimension {feature_dim}")
+    n = features.shape[0]
+    if boxes.shape != (n, 4):
+        raise PipelineError(f"{where}: image {key}: boxes must be ({n}, 4), got {boxes.shape}")
+    if not np.isfinite(features).all():
+        raise PipelineError(f"{where}: image {key}: features contain NaN or infinity")
+    if not np.isfinite(boxes).all():
+        raise PipelineError(f"{where}: image {key}: boxes contain NaN or infinity")
+    if int(image_w) <= 0 or int(image_h) <= 0:
+        raise PipelineError(f"{where}: image {key}: image size {image_w}x{image_h} is not positive")
+    t = BOX_TOLERANCE
+    x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+    bad = (x1 < -t) | (y1 < -t) | (x2 > image_w + t) | (y2 > image_h + t) | (x2 < x1) | (y2 < y1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PipelineError(
+            f"{where}: image {key}: box {i} {boxes[i].tolist()} lies outside the {image_w}x{image_h} image or is inverted"
+        )
+    for name, arr in extras.items():
+        if arr.shape != (n,):
+            raise PipelineError(f"{where}: image {key}: {name} must have shape ({n},), got {arr.shape}")
+        if name.endswith("_scores") and not np.isfinite(arr).all():
+            raise PipelineError(f"{where}: image {key}: {name} contain NaN or infinity")
+        if name.endswith("_ids") and (arr < 0).any():
+            raise PipelineError(f"{where}: image {key}: {name} has negative ids")
+
+
+class FeatureStoreWriter:
+    """Appends images to a store; ``commit()`` publishes them durably. Use :func:`open_writer` to make one."""
+
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        lock_fd: int,
+        commit_every: int,
+        commit_bytes: int,
+        chunk_rows: int,
+        compression: str | None,
+    ) -> None:
+        self.path = path
+        self._manifest = manifest
+        self._lock_fd: int | None = lock_fd
+        self.commit_every = commit_every
+        self.commit_bytes = commit_bytes
+        self.chunk_rows = chunk_rows
+        self.compression = compression
+        self._committed: set[str] = set()
+        for seg in manifest["segments"]:
+            idx = read_segment_index(path / seg["file"], seg["images"], seg["rows"])
+            self._committed.update(idx.keys)
+        self._pending: list[tuple[str, dict[str, np.ndarray], tuple[int, int]]] = []
+        self._pending_keys: set[str] = set()
+        self._pending_bytes = 0
+
+    # -- queries -------------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> dict[str, Any]:
+        return dict(self._manifest["identity"])
+
+    @property
+    def num_committed(self) -> int:
+        return len(self._committed)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def has(self, key: str) -> bool:
+        """True if ``key`` is committed or pending (added but not yet committed)."""
+        return key in self._committed or key in self._pending_keys
+
+    def committed_keys(self) -> set[str]:
+        return set(self._committed)
+
+    # -- writing -------------------------------------------------------------------------------------------
+    def add(
+        self,
+        key: str,
+        features: np.ndarray,
+        boxes: np.ndarray,
+        image_w: int,
+        image_h: int,
+        class_ids: np.ndarray | None = None,
+        class_scores: np.ndarray | None = None,
+        attr_ids: np.ndarray | None = None,
+        attr_scores: np.ndarray | None = None,
+    ) -> None:
+        """Validate and queue one image; it becomes durable at the next :meth:`commit` (or auto-commit).
+
+        ``features`` (N, D) any float dtype (cast to the store dtype), ``boxes`` (N, 4) x1 y1 x2 y2 in
+        original pixels. Optional per-box fields must be given for every image or for none.
+        """
+        self._check_open()
+        if self.has(key):
+            raise PipelineError(f"feature store {self.path}: duplicate image id {key!r}")
+        feats = np.asarray(features)
+        dtype = FEATURE_DTYPES[self._manifest["feature_dtype"]]
+        given = {
+            name: np.asarray(val).reshape(-1)
+            for name, val in (("class_ids", class_ids), ("class_scores", class_scores), ("attr_ids", attr_ids), ("attr_scores", attr_scores))
+            if val is not None
+        }
+        fields = self._manifest["fields"]
+        if fields is not None and sorted(given) != sorted(fields):
+            raise PipelineError(
+                f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has {sorted(fields)}"
+            )
+        box_arr = np.asarray(boxes, dtype=np.float32)
+        validate_image(key, feats, box_arr, int(image_w), int(image_h), given, self._manifest["feature_dim"], f"feature store {self.path}")
+        if dtype == np.float16 and np.abs(feats).max(initial=0.0) > 65504:
+            raise PipelineError(f"feature store {self.path}: image {key}: features exceed the float16 range; use float32")
+        if self._manifest["feature_dim"] is None:
+            self._manifest["feature_dim"] = int(feats.shape[1])
+        if fields is None:
+            self._manifest["fields"] = sorted(given)
+        rows = {"features": feats.astype(dtype, copy=False), "boxes": box_arr}
+        for name, arr in given.items():
+            rows[name] = arr.astype(OPTIONAL_FIELDS[name], copy=False)
+        self._pending.append((key, rows, (int(image_w), int(image_h))))
+        self._pending_keys.add(key)
+        self._pending_bytes += sum(a.nbytes for a in rows.values())
+        if (self.commit_every and len(self._pending) >= self.commit_every) or (
+            self.commit_bytes and self._pending_bytes >= self.commit_bytes
+        ):
+            self.commit()
+
+    def commit(self) -> int:
+        """Durably publish every pending image (one new segment). Returns the number of images committed."""
+        self._check_open()
+        if not self._pending:
+            return 0
+        m = self._manifest
+        fields = list(m["fields"] or [])
+        seg_no = 1 + max((int(s["file"][4:10]) for s in m["segments"]), default=-1)
+        name = segment_name(seg_no)
+        final = self.path / name
+        tmp = self.path / (name + ".tmp")
+        counts = np.array([len(r["features"]) for _, r, _ in self._pending], dtype=np.int64)
+        block = Block(
+            keys=[k for k, _, _ in self._pending],
+            counts=counts,
+            sizes=np.array([s for _, _, s in self._pending], dtype=np.int32).reshape(-1, 2),
+            rows={f: np.concatenate([r[f] for _, r, _ in self._pending]) for f in ["features", "boxes"] + fields},
+        )
+        n, rows = len(self._pending), int(counts.sum())
+        write_segment(
+            tmp, [block], num_images=n, num_rows=rows, identity=m["identity"], feature_dtype=m["feature_dtype"],
+            feature_dim=m["feature_dim"], fields=fields, chunk_rows=self.chunk_rows, compression=self.compression,
+        )
+        os.replace(tmp, final)
+        fsync_dir(self.path)
+        new = dict(m)
+        new["segments"] = list(m["segments"]) + [{"file": name, "images": n, "rows": rows}]
+        new["commit"] = m["commit"] + 1
+        new["num_images"] = m["num_images"] + n
+        new["num_rows"] = m["num_rows"] + rows
+        write_manifest(self.path, new)  # the commit point
+        self._manifest = new
+        self._committed.update(self._pending_keys)
+        self._pending, self._pending_keys, self._pending_bytes = [], set(), 0
+        log.debug("store %s: commit %d published %d images (%d rows) in %s", self.path, new["commit"], n, rows, name)
+        return n
+
+    def discard_pending(self) -> int:
+        """Drop images added since the last commit (nothing on disk changes)."""
+        n = len(self._pending)
+        self._pending, self._pending_keys, self._pending_bytes = [], set(), 0
+        return n
+
+    def close(self) -> None:
+        """Release the writer lock. Pending (uncommitted) images are dropped: call :meth:`commit` first."""
+        if self._lock_fd is None:
+            return
+        if self._pending:
+            log.warning("store %s: closing with %d uncommitted images (dropped)", self.path, len(self._pending))
+            self.discard_pending()
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise PipelineError(f"feature store writer for {self.path} is closed")
+
+    def __enter__(self) -> "FeatureStoreWriter":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if exc_type is None and self._lock_fd is not None:
+                self.commit()
+        finally:
+            self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+        except Exception:
+            pass
+
+
+def _clean_garbage(path: Path, manifest: dict[str, Any]) -> None:
+    """Delete leftovers of a killed writer: ``*.tmp`` files and segments not listed in ``store.json``."""
+    listed = {s["file"] for s in manifest["segments"]}
+    for p in list(path.glob("*.tmp")) + list(path.glob(".*.tmp")):
+        p.unlink(missing_ok=True)
+    for p in path.glob(SEGMENT_GLOB):
+        if p.name not in listed:
+            log.info("store %s: removing unpublished segment %s left by an interrupted writer", path, p.name)
+            p.unlink(missing_ok=True)
+
+
+def open_writer(
+    path: str | Path,
+    extractor: dict[str, Any],
+    feature_dtype: str = "float16",
+    *,
+    commit_every: int = 0,
+    commit_bytes: int = 256 << 20,
+    chunk_rows: int = 0,
+    compression: str | None = None,
+) -> FeatureStoreWriter:
+    """Create a store directory at ``path``, or resume the one there.
+
+    Args:
+        path: the store directory (created if missing).
+        extractor: identity of what produced the features, e.g. ``{"name", "weights_sha256", "config"}``;
+            resuming a store written under another identity (or dtype) fails naming both.
+        feature_dtype: ``float16`` (default) or ``float32``.
+        commit_every: also commit automatically every this many images (0: only by size/explicitly).
+        commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
+        chunk_rows: 0 writes contiguous segments (fastest reads); >0 chunks rows by this many.
+        compression: ``None`` (default), ``"lzf"`` or ``"gzip"`` (needs ``chunk_rows``; slower reads).
+    """
+    path = Path(path)
+    identity = canonical_identity(extractor)
+    if feature_dtype not in FEATURE_DTYPES:
+        raise UsageError(f"feature_dtype must be one of {sorted(FEATURE_DTYPES)}, not {feature_dtype!r}")
+    if compression not in (None, "lzf", "gzip"):
+        raise UsageError(f"compression must be lzf, gzip or none, not {compression!r}")
+    if compression and not chunk_rows:
+        raise UsageError("compression needs chunk_rows > 0")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path} is a file; a writer needs a store directory (single-file stores are read-only)")
+    if path.is_dir() and not (path / MANIFEST).exists() and any(p.name != LOCK for p in path.iterdir()):
+        raise UsageError(f"{path} exists, is not empty and is not a feature store; choose another path")
+    path.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise UsageError(f"feature store {path} is being written by another process") from None
+    try:
+        if (path / MANIFEST).exists():
+            manifest = read_manifest(path)
+            if manifest["identity"] != identity:
+                raise UsageError(identity_mismatch(str(path), manifest["identity"], identity))
+            if manifest["feature_dtype"] != feature_dtype:
+                raise UsageError(
+                    f"feature store {path} holds {manifest['feature_dtype']} features, the writer asked for {feature_dtype}"
+                )
+            _clean_garbage(path, manifest)
+            log.info("store %s: resuming, %d images already committed", path, manifest["num_images"])
+        else:
+            manifest = new_manifest(identity, feature_dtype, None)
+            _clean_garbage(path, manifest)
+            write_manifest(path, manifest)
+        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression)
+    except BaseException:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        os.close(lock_fd)
+        raise
