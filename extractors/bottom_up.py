@@ -104,7 +104,7 @@ class BottomUpDetector(nn.Module):
         rois_per_image: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         pooled_parts: list[tuple[list[int], torch.Tensor, list[int]]] = []
         for (h, w), idx in groups.items():
-            batch = torch.stack([blobs[i] for i in idx]).to(dev, non_blocking=True)
+            batch = torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev, non_blocking=True)
             feat = self.backbone(batch)
             if rule.mode == "given":
                 assert given_boxes is not None, "given-boxes mode needs boxes"
