@@ -259,7 +259,7 @@ def test_maxnms_picks_best_class_box_and_relaxes_threshold():
     cls_boxes = torch.stack([boxes, boxes + 100], 1)  # (R, K=2, 4)
     scores = torch.tensor([[0.9, 0.1], [0.2, 0.7], [0.3, 0.4]])
     keep, kept_boxes = selection.maxnms_select(cls_boxes, scores, 2, 36)
-    assert keep.tolist() == [0, 1, 2] or keep.tolist()[:1] == [0]
+    assert keep.tolist() == [0, 1, 2]  # score order 0.9, 0.7, 0.4; no overlap between the chosen boxes
     assert torch.equal(kept_boxes[0], boxes[0])  # class 0 is best for proposal 0
     assert torch.equal(kept_boxes[1], boxes[1] + 100)  # class 1 box for proposal 1
     keep, _ = selection.maxnms_select(torch.stack([boxes, boxes], 1), scores, 3, 36)
