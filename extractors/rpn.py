@@ -105,6 +105,10 @@ class RPN(nn.Module):
             boxes = box_coding.clip(boxes, h, w, legacy=True)
             min_size = s.rpn_min_size * scale
             keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= min_size)
+            if not bool(keep.any()):
+                # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
+                # would fail on it - we fall back to the whole image as the single proposal
+                return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
             boxes, scores = boxes[keep], scores[keep]
             order = torch.argsort(scores, descending=True, stable=True)[: s.pre_nms_topk]
             boxes, scores = boxes[order], scores[order]

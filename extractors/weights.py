@@ -325,12 +325,17 @@ def save_layout(model_sd: Mapping[str, torch.Tensor], layout: str, path: str | P
 
 
 def random_detector(spec: BottomUpSpec, seed: int = 0):
-    """A detector with seeded random weights and well-scaled frozen BN (smoke tests and benchmarks only)."""
+    """A detector with seeded random weights and well-scaled frozen BN (smoke tests and benchmarks only).
+
+    Built on the meta device and materialised once (no wasted default initialisation of 65M parameters).
+    """
     from extractors.bottom_up import BottomUpDetector
     from extractors.resnet_caffe import ConvNorm
 
     gen = torch.Generator().manual_seed(seed)
-    model = BottomUpDetector(spec)
+    with torch.device("meta"):
+        model = BottomUpDetector(spec)
+    model = model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -346,7 +351,14 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
                 gamma = 0.2 if name.endswith("conv3") or name.endswith("shortcut") else 1.0
                 m.norm.weight.copy_(gamma * (1.0 + 0.1 * torch.randn(n, generator=gen)))
                 m.norm.bias.copy_(torch.randn(n, generator=gen) * 0.1)
-        # a classifier with some confidence so that selection thresholds matter
+        # the anchors are data, not weights: the flavor's own table
+        from extractors.rpn import AnchorGenerator
+
+        model.proposal_generator.anchor_generator.cell_anchors[0].copy_(AnchorGenerator(spec).cell_anchors[0])
+        # small box deltas (proposals near their anchors, as in a trained RPN) and a classifier with some
+        # confidence so that the selection thresholds matter
+        model.proposal_generator.rpn_head.anchor_deltas.weight.mul_(0.02)
+        model.roi_heads.box_predictor.bbox_pred.weight.mul_(0.02)
         model.roi_heads.box_predictor.cls_score.weight.mul_(4.0)
     return model
 

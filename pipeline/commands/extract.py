@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -72,8 +73,8 @@ def register(app: typer.Typer) -> None:
         init(verbose, quiet)
         overrides = list(set_ or [])
         for key, val in (("boxes", boxes), ("preset", preset), ("device", device), ("precision", precision), ("batch_size", batch_size), ("workers", workers)):
-            if val is not None:
-                overrides.append(f"extract.{key}={val}")
+            if val is not None:  # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
+                overrides.append(f"extract.{key}={json.dumps(val)}")
         cfg = resolve_config("extract", config, overrides).extract
         if not weights:
             raise UsageError("--weights is required (a .pth/.pkl/.bin file, or 'random' for smoke tests)")
