@@ -49,6 +49,8 @@ def register(app: typer.Typer) -> None:
             print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
+        elif target.suffix in (".pth", ".pkl", ".bin"):
+            _weights_info(target)
         else:
             raise UsageError(f"cannot inspect {target}: not a run directory (store/checkpoint/weights inspection comes with their issues)")
 
@@ -142,3 +144,12 @@ def _model_info(name: str, overrides: list[str]) -> None:
     con.print(f"model: {name}")
     con.print(f"parameters: {n} ({n / 1e6:.2f}M) at vocabulary size {vocab_size}")
     con.print(cfg.to_yaml().rstrip())
+
+
+def _weights_info(path: Path) -> None:
+    """Detector weights: which public layout (MILVLG / airsplay / HF), architecture, SHA-256 (strict check)."""
+    from extractors.weights import describe
+
+    con = stdout_console()
+    for key, value in describe(path).items():
+        con.print(f"{key}: {value}", highlight=False)

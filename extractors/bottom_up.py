@@ -1,0 +1,231 @@
+"""The assembled bottom-up Faster R-CNN (Anderson et al. 2018, §3.1): C4 ResNet + RPN + res5 RoI head.
+
+Test time (extractor.md §1.3): backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 ->
+``pool5_flat`` -> class / box / attribute predictions -> box selection (Caffe per-class-NMS rule, the
+detectron2-port "maxnms", or user-given boxes) -> per-image :class:`RegionOutput` in original-image pixels.
+
+Batching: images whose blobs have the same size share one backbone pass (no padding, so a batched image gives
+the same numbers as the image alone); the res5 head runs once over the RoIs of the whole batch.
+Presets are registered in :data:`extractors.EXTRACTORS` as spec factories.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from extractors import EXTRACTORS, box_coding, selection
+from extractors.box_head import Res5ROIHeads
+from extractors.resnet_caffe import ResNetC4, fold_all
+from extractors.rpn import RPN
+from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
+
+BOX_MODES = ("adaptive", "36", "given")
+
+
+@dataclass
+class RegionOutput:
+    """One image's regions: ``features`` (N, D) float32, ``boxes`` (N, 4) float32 x1y1x2y2 original pixels,
+    0-based vocabulary ``class_ids``/``attr_ids`` (int64) with their probabilities (float32)."""
+
+    features: np.ndarray
+    boxes: np.ndarray
+    image_w: int
+    image_h: int
+    class_ids: np.ndarray
+    class_scores: np.ndarray
+    attr_ids: np.ndarray | None
+    attr_scores: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """How regions are chosen: ``mode`` adaptive / 36 / given, with the Caffe thresholds."""
+
+    mode: str = "adaptive"
+    min_boxes: int = 10
+    max_boxes: int = 100
+    conf_thresh: float = 0.2
+    nms_thresh: float = 0.3
+
+    @staticmethod
+    def for_mode(mode: str, **kw) -> "SelectionRule":
+        if mode not in BOX_MODES:
+            raise ValueError(f"box mode must be one of {BOX_MODES}, not {mode!r}")
+        if mode == "36":
+            kw.setdefault("min_boxes", 36)
+            kw.setdefault("max_boxes", 36)
+        return SelectionRule(mode=mode, **kw)
+
+
+class BottomUpDetector(nn.Module):
+    """``backbone`` + ``proposal_generator`` + ``roi_heads`` (state-dict keys = MILVLG caffe-mode layout)."""
+
+    def __init__(self, spec: BottomUpSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backbone = ResNetC4(spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps)
+        self.proposal_generator = RPN(spec, self.backbone.out_channels)
+        self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
+        self.roi_chunk = 0
+        self.eval()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def fold_batchnorm(self) -> "BottomUpDetector":
+        """Fold the frozen BNs into the convs (faster inference, same function)."""
+        fold_all(self)
+        return self
+
+    # ----------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def detect(
+        self,
+        blobs: list[torch.Tensor],
+        scales: list[float],
+        orig_sizes: list[tuple[int, int]],
+        rule: SelectionRule,
+        given_boxes: list[np.ndarray] | None = None,
+    ) -> list[RegionOutput]:
+        """Run the detector on mean-subtracted BGR blobs (3, H, W) and select regions per image.
+
+        ``scales`` are the resize factors, ``orig_sizes`` the original (height, width); ``given_boxes`` (mode
+        ``given``) are (N_i, 4) original-pixel boxes whose features are pooled instead of proposals.
+        """
+        dev = next(self.parameters()).device
+        n = len(blobs)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, b in enumerate(blobs):
+            groups[tuple(b.shape[-2:])].append(i)
+        rois_per_image: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        pooled_parts: list[tuple[list[int], torch.Tensor, list[int]]] = []
+        for (h, w), idx in groups.items():
+            batch = torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev, non_blocking=True)
+            feat = self.backbone(batch)
+            if rule.mode == "given":
+                assert given_boxes is not None, "given-boxes mode needs boxes"
+                props = [torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4) * scales[i] for i in idx]
+            else:
+                props = self.proposal_generator(feat, [(h, w)] * len(idx), [scales[i] for i in idx])
+            rois = torch.cat([torch.cat([torch.full((p.shape[0], 1), j, dtype=torch.float32, device=dev), p], 1) for j, p in enumerate(props)])
+            for j, i in enumerate(idx):
+                rois_per_image[i] = props[j]
+            pooled_parts.append((idx, self.roi_heads.pool(feat, rois), [p.shape[0] for p in props]))
+        # res5 over all RoIs of the batch at once
+        order: list[int] = []
+        counts: list[int] = []
+        pooled = []
+        for idx, pool, cnt in pooled_parts:
+            order += idx
+            counts += cnt
+            pooled.append(pool)
+        feats = self._res5(torch.cat(pooled))
+        logits, deltas, attr_logits = self.roi_heads.box_predictor(feats)
+        feats, logits, deltas = feats.float(), logits.float(), deltas.float()
+        attr_logits = attr_logits.float() if attr_logits is not None else None
+        per_image = {}
+        start = 0
+        for i, c in zip(order, counts):
+            per_image[i] = slice(start, start + c)
+            start += c
+        return self._select(rois_per_image, per_image, feats, logits, deltas, attr_logits, scales, orig_sizes, rule)
+
+    def _res5(self, pooled: torch.Tensor) -> torch.Tensor:
+        heads = self.roi_heads
+        if pooled.shape[0] == 0:
+            return pooled.new_zeros((0, heads.out_channels))
+        step = self.roi_chunk if self.roi_chunk > 0 else pooled.shape[0]
+        return torch.cat([heads.res5(pooled[i : i + step]).mean(dim=(2, 3)) for i in range(0, pooled.shape[0], step)])
+
+    def class_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Foreground class probabilities (R, C-1) in vocabulary order (softmax over all C, background dropped)."""
+        prob = torch.softmax(logits, dim=1)
+        bg = self.spec.background_index
+        return prob[:, 1:] if bg == 0 else prob[:, :bg]
+
+    def attr_probs(self, attr_logits: torch.Tensor) -> torch.Tensor:
+        """Attribute probabilities (R, A-1) without "no attribute": caffe = softmax over all A then drop index 0
+        (``attr_prob[:, 1:]``); d2 = softmax over the A-1 real attributes (HF ``ROIOutputs``)."""
+        if self.spec.flavor == "caffe":
+            return torch.softmax(attr_logits, dim=1)[:, 1:]
+        return torch.softmax(attr_logits[:, :-1], dim=1)
+
+    def _select(self, rois, per_image, feats, logits, deltas, attr_logits, scales, orig_sizes, rule) -> list[RegionOutput]:
+        spec = self.spec
+        n = len(rois)
+        fg = self.class_probs(logits)
+        attr = self.attr_probs(attr_logits) if attr_logits is not None else None
+        chosen: list[torch.Tensor] = []
+        out_boxes: list[torch.Tensor] = []
+        if rule.mode == "given":
+            for i in range(n):
+                chosen.append(torch.arange(rois[i].shape[0], device=feats.device))
+                out_boxes.append(rois[i] / scales[i])
+        elif spec.flavor == "caffe":
+            orig = [(rois[i] / scales[i]).float() for i in range(n)]
+            r_max = max((b.shape[0] for b in orig), default=0)
+            k = fg.shape[1]
+            boxes_pad = feats.new_zeros((n, r_max, 4))
+            scores_pad = feats.new_zeros((n, r_max, k))
+            valid = torch.zeros((n, r_max), dtype=torch.bool, device=feats.device)
+            for i in range(n):
+                r = orig[i].shape[0]
+                boxes_pad[i, :r] = orig[i]
+                scores_pad[i, :r] = fg[per_image[i]]
+                valid[i, :r] = True
+            max_conf = selection.max_conf_vectorized(boxes_pad, scores_pad, rule.nms_thresh, valid)
+            for i in range(n):
+                r = orig[i].shape[0]
+                keep = selection.clamp_selection(max_conf[i, :r], rule.conf_thresh, rule.min_boxes, rule.max_boxes)
+                chosen.append(keep)
+                out_boxes.append(orig[i][keep])
+        else:
+            for i in range(n):
+                sl = per_image[i]
+                h, w = orig_sizes[i]
+                cls_boxes = box_coding.decode(deltas[sl], rois[i], spec.box_reg_weights, legacy=False, scale_clamp=spec.scale_clamp)
+                cls_boxes = box_coding.clip(cls_boxes.view(-1, spec.bbox_classes, 4) / scales[i], h, w, legacy=False)
+                keep, boxes = selection.maxnms_select(cls_boxes, fg[sl], rule.min_boxes, rule.max_boxes)
+                chosen.append(keep)
+                out_boxes.append(boxes)
+        results = []
+        for i in range(n):
+            sl, keep = per_image[i], chosen[i]
+            cs, ci = fg[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
+            if attr is not None:
+                a_s, a_i = attr[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
+            h, w = orig_sizes[i]
+            results.append(
+                RegionOutput(
+                    features=feats[sl][keep].cpu().numpy().astype(np.float32),
+                    boxes=out_boxes[i].float().cpu().numpy().astype(np.float32),
+                    image_w=int(w),
+                    image_h=int(h),
+                    class_ids=ci.cpu().numpy().astype(np.int64),
+                    class_scores=cs.cpu().numpy().astype(np.float32),
+                    attr_ids=a_i.cpu().numpy().astype(np.int64) if attr is not None else None,
+                    attr_scores=a_s.cpu().numpy().astype(np.float32) if attr is not None else None,
+                )
+            )
+        return results
+
+
+# presets -------------------------------------------------------------------------------------------------
+@EXTRACTORS.register("bottom-up-caffe-r101")
+def preset_caffe_r101() -> BottomUpSpec:
+    """The Caffe / MILVLG caffe-mode ResNet-101 VG detector (1600 classes + background, 400 attributes)."""
+    return caffe_r101()
+
+
+@EXTRACTORS.register("bottom-up-d2-r101")
+def preset_d2_r101() -> BottomUpSpec:
+    """The airsplay / HF-lxmert port of the same network (detectron2 semantics, see :class:`BottomUpSpec`)."""
+    return d2_r101()
+
+
+def build_detector(spec: BottomUpSpec) -> BottomUpDetector:
+    return BottomUpDetector(spec)

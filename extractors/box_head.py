@@ -1,0 +1,82 @@
+"""The RoI head: ROIPool 14x14 on C4, res5 (stride 1, dilation 2), mean pooling, and the predictors.
+
+* ``roi_pool5`` (Caffe ROIPooling == torchvision ``roi_pool``): 14x14 max bins at ``1/16``.
+* res5: ``res5_blocks`` bottlenecks; with dilation > 1 the first block has stride 1 and every 3x3 conv has
+  dilation = pad = 2 (test.prototxt ``res5*_branch2b``), so a 14x14 RoI stays 14x14.
+* ``pool5_flat``: global average over the 14x14 map -> the 2048-d region feature (non-negative: after ReLU).
+* Predictor (``FastRCNNOutputLayers`` / ``BUACaffeFastRCNNOutputLayers``): ``cls_score`` (C logits),
+  class-specific ``bbox_pred``, and the attribute head of Anderson et al. 2018 §3.1:
+  ``a = softmax(W2 ReLU(W1 [f ; E[argmax_c s_c]] + b1) + b2)`` with E the 256-d class embedding (argmax over
+  all C logits, background included, as the ``ArgMax`` layer of test.prototxt).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import roi_pool
+
+from extractors.resnet_caffe import make_stage
+from extractors.spec import BottomUpSpec
+
+
+class BoxPredictor(nn.Module):
+    """Classifier, class-specific regression and attribute predictor (MILVLG key names)."""
+
+    def __init__(self, spec: BottomUpSpec, in_dim: int) -> None:
+        super().__init__()
+        self.cls_score = nn.Linear(in_dim, spec.num_classes)
+        self.bbox_pred = nn.Linear(in_dim, spec.bbox_classes * 4)
+        nn.init.normal_(self.cls_score.weight, std=0.01)
+        nn.init.normal_(self.bbox_pred.weight, std=0.001)
+        nn.init.zeros_(self.cls_score.bias)
+        nn.init.zeros_(self.bbox_pred.bias)
+        self.has_attributes = spec.has_attributes
+        if spec.has_attributes:
+            self.cls_embed = nn.Embedding(spec.num_classes, spec.attr_embed_dim)
+            self.attr_linear1 = nn.Linear(in_dim + spec.attr_embed_dim, spec.attr_hidden)
+            self.attr_linear2 = nn.Linear(spec.attr_hidden, spec.num_attributes)
+            nn.init.normal_(self.attr_linear2.weight, std=0.01)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(class logits (R, C), box deltas (R, 4K), attribute logits (R, A) or None)."""
+        logits = self.cls_score(x)
+        deltas = self.bbox_pred(x)
+        attr = None
+        if self.has_attributes:
+            labels = torch.argmax(logits, dim=1)
+            h = torch.cat([x, self.cls_embed(labels).to(x.dtype)], dim=1)
+            attr = self.attr_linear2(F.relu(self.attr_linear1(h)))
+        return logits, deltas, attr
+
+
+class Res5ROIHeads(nn.Module):
+    """``roi_heads``: pooling + res5 + predictor."""
+
+    def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
+        super().__init__()
+        self.spec = spec
+        bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
+        out = bottleneck * spec.expansion
+        first_stride = 1 if spec.res5_dilation > 1 else 2
+        self.res5 = make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps)
+        self.out_channels = out
+        self.box_predictor = BoxPredictor(spec, out)
+        self.spatial_scale = 1.0 / spec.feature_stride
+
+    def pool(self, feat: torch.Tensor, rois: torch.Tensor) -> torch.Tensor:
+        """ROIPool (K, C, 14, 14); ``rois`` = (K, 5) ``[batch_index, x1, y1, x2, y2]`` in blob pixels."""
+        r = self.spec.pooler_resolution
+        return roi_pool(feat, rois.to(feat.dtype), (r, r), self.spatial_scale)
+
+    def region_features(self, feat: torch.Tensor, rois: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """``pool5_flat``: res5 on pooled RoIs then the spatial mean -> (K, feature_dim) (in chunks of ``chunk``)."""
+        if rois.shape[0] == 0:
+            return feat.new_zeros((0, self.out_channels))
+        parts = []
+        step = chunk if chunk > 0 else rois.shape[0]
+        for i in range(0, rois.shape[0], step):
+            pooled = self.pool(feat, rois[i : i + step])
+            parts.append(self.res5(pooled).mean(dim=(2, 3)))
+        return torch.cat(parts)

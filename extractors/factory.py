@@ -1,0 +1,68 @@
+"""Building a detector for ``cli extract``: from a weights file (strict) or ``random`` (smoke tests only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from extractors import EXTRACTORS, available_extractors
+from extractors.spec import BottomUpSpec
+from extractors.weights import load_detector, random_detector
+from pipeline.console import get_logger
+from pipeline.errors import UsageError
+
+log = get_logger("extract")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {name} requested but CUDA is not available")
+    return dev
+
+
+def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSpec:
+    known = set(spec.to_dict())
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise UsageError(f"unknown extract.spec key {bad[0]!r} (known: {', '.join(sorted(known))})")
+    fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    try:
+        return spec.with_(**fixed)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"invalid extract.spec: {exc}") from None
+
+
+def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
+    """-> (detector on ``device`` with folded BN, extractor identity dict for the store)."""
+    if preset != "auto" and preset not in available_extractors():
+        EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
+    if weights == "random":
+        spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
+        spec = _spec_overrides(spec, dict(spec_overrides)).with_(min_size=min_size, max_size=max_size)
+        log.warning("=" * 60)
+        log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)
+        log.warning("use this for smoke tests and benchmarks only.")
+        log.warning("=" * 60)
+        model = random_detector(spec, seed)
+        info = {"layout": "random", "weights_sha256": f"random-seed-{seed}", "weights_file": "random"}
+        name = "bottom-up-random"
+    else:
+        spec = None if preset == "auto" else EXTRACTORS.get(preset)()
+        if spec_overrides:
+            raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
+        model, info = load_detector(weights, spec)
+        spec = model.spec.with_(min_size=min_size, max_size=max_size)
+        model.spec = spec
+        model.proposal_generator.spec = spec
+        model.roi_heads.spec = spec
+        name = f"bottom-up-{info['layout']}"
+    model = model.to(device).fold_batchnorm()
+    identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": spec.to_dict()}}
+    return model, identity

@@ -1,0 +1,142 @@
+"""Image loading (robust, per peers.md §B.7.3) and the Caffe test-time image blob (extractor.md §1.3 step 1).
+
+``load_rgb`` never lets a bad file crash a run: it raises :class:`ImageLoadError` with a short ``reason``
+(``empty``, ``unreadable``, ``not_an_image``, ``format_not_allowed``, ``too_large``, ``truncated``,
+``decode_error``) that the extraction loop writes to its failures manifest.
+
+``caffe_blob`` reproduces ``_get_image_blob``: BGR float32, pixel means subtracted **before** a linear resize
+by ``scale = min_size / min(h, w)`` (``max_size / max(h, w)`` if ``round(scale * max(h, w)) > max_size``),
+``cv2.resize(..., fx=scale, fy=scale, INTER_LINEAR)``, no std division, HWC -> CHW.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import cv2
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+DEFAULT_MAX_PIXELS = 100_000_000
+
+
+class ImageLoadError(Exception):
+    """A file that cannot be used as an image: ``reason`` (short code) and ``detail`` (one line)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _to_rgb_uint8(im: Image.Image) -> np.ndarray:
+    """Normalise any PIL mode to RGB uint8 (alpha composited on white; 16-bit / int / float rescaled)."""
+    mode = im.mode
+    if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info) or (mode in ("RGB", "L") and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        arr = np.asarray(im).astype(np.float64)
+        if mode.startswith("I;16"):
+            arr = arr / 257.0
+        else:
+            hi = float(arr.max(initial=0.0))
+            lo = float(arr.min(initial=0.0))
+            if lo < 0 or hi > 255:
+                span = hi - lo if hi > lo else 1.0
+                arr = (arr - lo) / span * 255.0
+        g = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
+        return np.repeat(g[:, :, None], 3, axis=2)
+    if mode != "RGB":
+        im = im.convert("RGB")
+    return np.asarray(im)
+
+
+def load_rgb(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Decode ``path`` into an (H, W, 3) RGB uint8 array in its EXIF-corrected orientation.
+
+    Policy: Pillow restricted to :data:`ALLOWED_FORMATS`; pixel count checked before decoding (decompression
+    bombs); truncated files are failures (never ``LOAD_TRUNCATED_IMAGES``); multi-frame images use frame 0.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ImageLoadError("unreadable", f"{type(exc).__name__}: {exc.strerror or exc}") from None
+    if size == 0:
+        raise ImageLoadError("empty", "zero-byte file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path, formats=ALLOWED_FORMATS) as im:
+                w, h = im.size
+                if w * h > max_pixels:
+                    raise ImageLoadError("too_large", f"{w}x{h} = {w * h} pixels exceeds the cap of {max_pixels}")
+                try:
+                    im.load()
+                except OSError as exc:
+                    raise ImageLoadError("truncated", str(exc).splitlines()[0] if str(exc) else "truncated data") from None
+                try:
+                    im2 = ImageOps.exif_transpose(im) or im
+                except Exception:  # a broken EXIF block: keep the unrotated image (detectron2 does the same)
+                    im2 = im
+                arr = _to_rgb_uint8(im2)
+    except ImageLoadError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageLoadError("too_large", str(exc).splitlines()[0]) from None
+    except UnidentifiedImageError:
+        raise ImageLoadError("not_an_image", f"not a decodable image in the allowed formats ({', '.join(ALLOWED_FORMATS)})") from None
+    except PermissionError as exc:
+        raise ImageLoadError("unreadable", f"permission denied ({exc.strerror})") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:  # decoder errors from odd files
+        raise ImageLoadError("decode_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if arr.ndim != 3 or arr.shape[2] != 3 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise ImageLoadError("decode_error", f"unexpected decoded shape {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def compute_scale(height: int, width: int, min_size: int = 600, max_size: int = 1000) -> float:
+    """``im_scale`` of ``_get_image_blob``: shortest side to ``min_size`` unless the longest exceeds ``max_size``."""
+    short, long = min(height, width), max(height, width)
+    scale = float(min_size) / float(short)
+    if np.round(scale * long) > max_size:
+        scale = float(max_size) / float(long)
+    return scale
+
+
+def caffe_blob(rgb: np.ndarray, min_size: int = 600, max_size: int = 1000, pixel_means=(102.9801, 115.9465, 122.7717)) -> tuple[np.ndarray, float]:
+    """(3, H', W') float32 mean-subtracted BGR blob and its scale, exactly as the Caffe test script."""
+    bgr = rgb[:, :, ::-1].astype(np.float32)
+    bgr -= np.asarray(pixel_means, dtype=np.float32)
+    scale = compute_scale(bgr.shape[0], bgr.shape[1], min_size, max_size)
+    resized = cv2.resize(bgr, None, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
+    return np.ascontiguousarray(resized.transpose(2, 0, 1)), scale
+
+
+def list_images(paths: list[str | Path]) -> list[Path]:
+    """Expand folders (recursive, sorted, hidden entries skipped, extension allowlist), files and globs."""
+    import glob
+
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = sorted(
+                q for q in p.rglob("*")
+                if q.is_file() and q.suffix.lower() in IMAGE_EXTENSIONS and not any(part.startswith(".") for part in q.relative_to(p).parts)
+            )
+        elif p.exists():
+            found = [p]
+        else:
+            found = sorted(Path(g) for g in glob.glob(str(p), recursive=True) if Path(g).is_file())
+        for q in found:
+            if q not in seen:
+                seen.add(q)
+                out.append(q)
+    return out

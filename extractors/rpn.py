@@ -1,0 +1,123 @@
+"""Region proposal network on C4 (Ren et al. 2015, §3.1) with the Caffe and detectron2 test-time recipes.
+
+Head: 3x3 conv (C4 -> ``rpn_channels``) + ReLU, then 1x1 ``objectness_logits`` and 1x1 ``anchor_deltas``
+(4 per anchor, channel ``4a + k``). Objectness:
+
+* caffe: 2A channels read as (2, A): channels ``0..A-1`` background, ``A..2A-1`` foreground, probability =
+  2-way softmax (``rpn_cls_prob_reshape``), score = foreground probability.
+* d2: A logits, score = the logit (sigmoid is monotone; detectron2 ranks by logits).
+
+Proposals (``ProposalLayer.forward`` / MILVLG ``find_top_bua_rpn_proposals``, extractor.md §1.3 step 3):
+caffe: decode (``+1``), clip to [0, W-1], drop boxes with ``w + 1 < min_size * scale``, top ``pre_nms`` by
+score, NMS 0.7 (``+1`` areas, ``>=``), first ``post_nms``. d2: top ``pre_nms`` by logit first, then decode, clip
+to [0, W], drop empty boxes, NMS 0.7 (torchvision), first ``post_nms``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from extractors import box_coding
+from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
+from extractors.spec import BottomUpSpec
+
+
+class _BufferList(nn.Module):
+    """Anchors as persistent buffers named ``0, 1, ...`` (state-dict key ``cell_anchors.0``)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        for i, t in enumerate(tensors):
+            self.register_buffer(str(i), t)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return getattr(self, str(i))
+
+
+class AnchorGenerator(nn.Module):
+    """Holds the cell anchors loaded from the checkpoint (defaults: the flavor's own table)."""
+
+    def __init__(self, spec: BottomUpSpec) -> None:
+        super().__init__()
+        if spec.flavor == "caffe":
+            cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, spec.anchor_scales)
+        else:
+            cell = d2_cell_anchors(spec.anchor_sizes, spec.anchor_ratios)
+        self.cell_anchors = _BufferList([cell])
+        self.stride = spec.anchor_stride
+
+    def forward(self, feat_h: int, feat_w: int) -> torch.Tensor:
+        return grid_anchors(self.cell_anchors[0], feat_h, feat_w, self.stride, 0.0)
+
+
+class RPNHead(nn.Module):
+    def __init__(self, in_channels: int, hidden: int, num_anchors: int, softmax_objectness: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, hidden, 3, padding=1)
+        self.objectness_logits = nn.Conv2d(hidden, num_anchors * (2 if softmax_objectness else 1), 1)
+        self.anchor_deltas = nn.Conv2d(hidden, num_anchors * 4, 1)
+        for m in (self.conv, self.objectness_logits, self.anchor_deltas):
+            nn.init.normal_(m.weight, std=0.01)
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.relu(self.conv(x))
+        return self.objectness_logits(h), self.anchor_deltas(h)
+
+
+class RPN(nn.Module):
+    """``proposal_generator`` of the detector: anchors + head + test-time proposal selection."""
+
+    def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.legacy = spec.flavor == "caffe"
+        self.anchor_generator = AnchorGenerator(spec)
+        self.rpn_head = RPNHead(in_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=self.legacy)
+
+    def scores_and_deltas(self, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per image (N, H*W*A) scores and (N, H*W*A, 4) deltas in the (h, w, a) anchor order."""
+        logits, deltas = self.rpn_head(feat)
+        n, _, h, w = logits.shape
+        a = self.spec.num_anchors
+        logits = logits.float()
+        if self.legacy:
+            prob = torch.softmax(logits.view(n, 2, a, h, w), dim=1)[:, 1]  # foreground = second half
+            scores = prob.permute(0, 2, 3, 1).reshape(n, -1)
+        else:
+            scores = logits.view(n, a, h, w).permute(0, 2, 3, 1).reshape(n, -1)
+        deltas = deltas.float().view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
+        return scores, deltas
+
+    def forward(self, feat: torch.Tensor, image_sizes: list[tuple[int, int]], scales: list[float]) -> list[torch.Tensor]:
+        """Proposal boxes (R_i, 4) in blob coordinates for each image of ``feat`` (equal-sized batch)."""
+        scores, deltas = self.scores_and_deltas(feat)
+        anchors = self.anchor_generator(feat.shape[-2], feat.shape[-1])
+        return [self._select(scores[i], deltas[i], anchors, image_sizes[i], scales[i]) for i in range(feat.shape[0])]
+
+    def _select(self, scores: torch.Tensor, deltas: torch.Tensor, anchors: torch.Tensor, size: tuple[int, int], scale: float) -> torch.Tensor:
+        s = self.spec
+        h, w = size
+        if self.legacy:
+            boxes = box_coding.decode(deltas, anchors, (1.0, 1.0, 1.0, 1.0), legacy=True, scale_clamp=s.scale_clamp)
+            boxes = box_coding.clip(boxes, h, w, legacy=True)
+            min_size = s.rpn_min_size * scale
+            keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= min_size)
+            if not bool(keep.any()):
+                # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
+                # would fail on it - we fall back to the whole image as the single proposal
+                return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
+            boxes, scores = boxes[keep], scores[keep]
+            order = torch.argsort(scores, descending=True, stable=True)[: s.pre_nms_topk]
+            boxes, scores = boxes[order], scores[order]
+        else:
+            order = torch.argsort(scores, descending=True, stable=True)[: s.pre_nms_topk]
+            boxes = box_coding.decode(deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), legacy=False, scale_clamp=s.scale_clamp)
+            scores = scores[order]
+            boxes = box_coding.clip(boxes, h, w, legacy=False)
+            keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)
+            boxes, scores = boxes[keep], scores[keep]
+        keep = box_coding.nms_boxes(boxes, scores, s.rpn_nms_thresh, legacy=self.legacy)[: s.post_nms_topk]
+        return boxes[keep]

@@ -1,0 +1,256 @@
+"""The extraction loop behind ``cli extract``: inputs -> DataLoader (parallel decoding) -> detector -> store.
+
+Resumable (images already committed are skipped), shardable (``shard = (i, n)`` takes every n-th image of the
+sorted input list), robust (a bad image goes to ``failures.jsonl`` in the store with its reason and the run
+goes on). Keys are COCO ids when the file name carries one (``COCO_train2014_000000150367.jpg`` -> ``150367``),
+otherwise the path relative to the input folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from extractors.bottom_up import BottomUpDetector, SelectionRule
+from extractors.preprocess import ImageLoadError, caffe_blob, list_images, load_rgb
+from pipeline.console import get_logger, make_progress
+from pipeline.errors import UsageError
+
+log = get_logger("extract")
+_COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
+
+
+@dataclass
+class ImageItem:
+    key: str
+    path: Path
+    boxes: np.ndarray | None = None  # given boxes (N, 4) x1y1x2y2 in original pixels
+
+
+def image_key(path: Path, root: Path | None) -> str:
+    """COCO id if the file stem is a COCO name (``COCO_train2014_000000150367`` or ``000000150367``), else
+    the path relative to ``root`` (posix) or the file name."""
+    m = _COCO_ID.match(path.stem)
+    if m:
+        return str(int(m.group(1) or m.group(2)))
+    if root is not None:
+        try:
+            return path.relative_to(root).as_posix()
+        except ValueError:
+            pass
+    return path.name
+
+
+def items_from_paths(paths: list[str | Path]) -> list[ImageItem]:
+    """Folders (recursive), files and globs -> items; duplicate keys are a usage error."""
+    items: list[ImageItem] = []
+    for p in paths:
+        p = Path(p)
+        root = p if p.is_dir() else None
+        for f in list_images([p]):
+            items.append(ImageItem(image_key(f, root), f))
+    return _unique(items)
+
+
+def items_from_file_list(list_file: Path, base: Path | None = None) -> list[ImageItem]:
+    """One image path per line (relative paths resolved against the list's folder or ``base``)."""
+    if not list_file.is_file():
+        raise UsageError(f"file list not found: {list_file}")
+    root = base or list_file.parent
+    items = []
+    for line in list_file.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            f = Path(line) if Path(line).is_absolute() else root / line
+            items.append(ImageItem(image_key(f, root), f))
+    return _unique(items)
+
+
+def items_from_coco(ann_file: Path, image_root: Path | None, with_boxes: bool) -> list[ImageItem]:
+    """COCO ``images`` (key = image id) from an annotations file; ``with_boxes`` attaches its ``bbox``es
+    (xywh -> x1, y1, x1 + w, y1 + h) as given boxes."""
+    from pipeline.fileio import read_json
+
+    data = read_json(ann_file, "COCO annotations file")
+    if not isinstance(data.get("images"), list):
+        raise UsageError(f"{ann_file}: not a COCO annotations file (no 'images' list)")
+    root = image_root or ann_file.parent
+    boxes: dict[int, list[list[float]]] = {}
+    if with_boxes:
+        for a in data.get("annotations", []):
+            try:
+                x, y, w, h = (float(v) for v in a["bbox"])
+                boxes.setdefault(int(a["image_id"]), []).append([x, y, x + w, y + h])
+            except (KeyError, TypeError, ValueError):
+                raise UsageError(f"{ann_file}: annotation {a.get('id', '?')} has no valid 'bbox'") from None
+    items = []
+    for im in data["images"]:
+        try:
+            iid, name = int(im["id"]), str(im["file_name"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{ann_file}: an image entry lacks 'id' or 'file_name'") from None
+        b = np.asarray(boxes.get(iid, []), dtype=np.float32).reshape(-1, 4) if with_boxes else None
+        items.append(ImageItem(str(iid), root / name, b))
+    return _unique(items)
+
+
+def _unique(items: list[ImageItem]) -> list[ImageItem]:
+    seen: dict[str, Path] = {}
+    for it in items:
+        if it.key in seen and seen[it.key] != it.path:
+            raise UsageError(f"two images map to the same key {it.key!r}: {seen[it.key]} and {it.path}")
+        seen[it.key] = it.path
+    out, done = [], set()
+    for it in items:
+        if it.key not in done:
+            done.add(it.key)
+            out.append(it)
+    return out
+
+
+def shard_items(items: list[ImageItem], index: int, count: int) -> list[ImageItem]:
+    """Every ``count``-th item starting at ``index`` (shards are disjoint and cover the list)."""
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(f"shard {index}/{count} is invalid: need 0 <= i < n")
+    return items[index::count]
+
+
+class ImageDataset(Dataset):
+    """Decodes images into Caffe blobs in DataLoader workers; failures are returned, never raised."""
+
+    def __init__(self, items: list[ImageItem], min_size: int, max_size: int, pixel_means, max_pixels: int) -> None:
+        self.items, self.min_size, self.max_size, self.means, self.max_pixels = items, min_size, max_size, pixel_means, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        it = self.items[i]
+        try:
+            rgb = load_rgb(it.path, self.max_pixels)
+        except ImageLoadError as exc:
+            return {"item": it, "error": exc.reason, "detail": exc.detail}
+        blob, scale = caffe_blob(rgb, self.min_size, self.max_size, self.means)
+        return {"item": it, "blob": torch.from_numpy(blob), "scale": scale, "size": rgb.shape[:2]}
+
+
+def _collate(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return batch
+
+
+@contextmanager
+def precision_context(precision: str, device: torch.device) -> Iterator[None]:
+    """fp32 (TF32 off), tf32 (TF32 matmul/conv on CUDA), bf16 (autocast)."""
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise UsageError(f"precision must be fp32, tf32 or bf16, not {precision!r}")
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+        with ctx:
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@dataclass
+class RunSummary:
+    total: int = 0
+    skipped: int = 0
+    extracted: int = 0
+    failed: int = 0
+    boxes: int = 0
+    seconds: float = 0.0
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+
+def run_extraction(
+    model: BottomUpDetector,
+    items: list[ImageItem],
+    writer,
+    rule: SelectionRule,
+    *,
+    batch_size: int = 4,
+    workers: int = 0,
+    precision: str = "fp32",
+    max_pixels: int = 100_000_000,
+    failures_path: Path | None = None,
+    commit_every: int = 64,
+) -> RunSummary:
+    """Extract every item not yet in ``writer`` and add it; returns counts (bad images are listed, not raised)."""
+    spec = model.spec
+    dev = next(model.parameters()).device
+    summary = RunSummary(total=len(items))
+    todo = [it for it in items if not writer.has(it.key)]
+    summary.skipped = len(items) - len(todo)
+    if summary.skipped:
+        log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
+    fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
+    t0 = time.perf_counter()
+    ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels)
+    loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=workers, collate_fn=_collate,
+                        pin_memory=dev.type == "cuda", persistent_workers=False)
+    since_commit = 0
+
+    def fail(it: ImageItem, reason: str, detail: str) -> None:
+        rec = {"key": it.key, "path": str(it.path), "reason": reason, "detail": detail}
+        summary.failures.append(rec)
+        summary.failed += 1
+        log.warning("skipped %s: %s (%s)", it.path, reason, detail)
+        if fail_fh is not None:
+            fail_fh.write(json.dumps(rec) + "\n")
+            fail_fh.flush()
+
+    try:
+        with make_progress() as progress:
+            task = progress.add_task("extract", total=len(todo))
+            for batch in loader:
+                good = []
+                for rec in batch:
+                    it = rec["item"]
+                    if "error" in rec:
+                        fail(it, rec["error"], rec["detail"])
+                    elif rule.mode == "given" and (it.boxes is None or len(it.boxes) == 0):
+                        fail(it, "no_boxes", "given-boxes mode and no box for this image")
+                    else:
+                        good.append(rec)
+                if good:
+                    given = [_clip_given(r["item"].boxes, r["size"]) for r in good] if rule.mode == "given" else None
+                    with precision_context(precision, dev):
+                        outs = model.detect([r["blob"] for r in good], [r["scale"] for r in good], [tuple(r["size"]) for r in good], rule, given)
+                    for r, o in zip(good, outs):
+                        if o.boxes.shape[0] == 0:
+                            fail(r["item"], "no_regions", "the detector returned no region for this image")
+                            continue
+                        writer.add(r["item"].key, o.features, o.boxes, o.image_w, o.image_h,
+                                   class_ids=o.class_ids, class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
+                        summary.extracted += 1
+                        summary.boxes += int(o.boxes.shape[0])
+                        since_commit += 1
+                    if commit_every and since_commit >= commit_every:
+                        writer.commit()
+                        since_commit = 0
+                progress.advance(task, len(batch))
+        writer.commit()
+    finally:
+        if fail_fh is not None:
+            fail_fh.close()
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _clip_given(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    h, w = size
+    b = np.asarray(boxes, dtype=np.float32).reshape(-1, 4).copy()
+    b[:, 0::2] = b[:, 0::2].clip(0, w)
+    b[:, 1::2] = b[:, 1::2].clip(0, h)
+    return b

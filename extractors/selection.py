@@ -1,0 +1,112 @@
+"""Box selection after the RoI head: the Caffe ``generate_tsv.py`` rule and the detectron2-port "maxnms".
+
+**Caffe** (``get_detections_from_im``, extractor.md §1.3 step 5; MILVLG ``save_roi_features``): for every
+foreground class c, greedy NMS at 0.3 over *all* proposals ranked by that class's score; each proposal keeps
+``max_conf = max(score_c)`` over the classes in which it survived. Proposals with ``max_conf >= 0.2`` are kept;
+if fewer than ``min_boxes`` (more than ``max_boxes``), the ``min_boxes`` (``max_boxes``) highest ``max_conf``
+are taken instead (score-descending order; otherwise proposal order).
+
+The per-class NMS is vectorised: one ``+1``-area IoU matrix per image, packed into 64-bit words, shared by all
+classes, and one pass over the rank positions that updates the suppression bitsets of every class (and every
+image of a batch) at once. It is exactly greedy NMS per class (the same survivors as the loop in
+:func:`max_conf_loop`, which the tests compare it with).
+
+**maxnms** (airsplay ``detectron2_mscoco_proposal_maxnms.py``): per proposal the best foreground class and its
+regressed box; class-agnostic NMS on those boxes at 0.3, 0.4, ... 0.9 until at least ``min_boxes`` survive;
+keep the first ``max_boxes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from extractors import box_coding
+
+_BITS = 64
+
+
+def _pack_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(..., R, R) bool -> (..., R, ceil(R/64)) int64 bitsets (bit j of word w = column 64*w + j)."""
+    *lead, r, _ = mask.shape
+    words = (r + _BITS - 1) // _BITS
+    pad = words * _BITS - r
+    m = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).view(*lead, r, words, _BITS)
+    weights = torch.bitwise_left_shift(torch.ones(_BITS, dtype=torch.int64, device=mask.device), torch.arange(_BITS, device=mask.device))
+    return (m * weights).sum(-1)  # distinct bits: the sum is the OR (2^63 wraps to the sign bit, no carries)
+
+
+def max_conf_vectorized(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-proposal max score over the classes in which greedy NMS (``+1`` IoU >= ``thresh``) keeps it.
+
+    ``boxes`` (B, R, 4) or (R, 4); ``scores`` (B, R, K) or (R, K) foreground class scores (>= 0);
+    ``valid`` (B, R) marks real proposals (padding never suppresses a real one: it ranks last).
+    Returns (B, R) or (R,) float32.
+    """
+    single = boxes.dim() == 2
+    if single:
+        boxes, scores = boxes[None], scores[None]
+        valid = None if valid is None else valid[None]
+    b, r, k = scores.shape
+    if r == 0:
+        out = scores.new_zeros((b, 0))
+        return out[0] if single else out
+    scores = scores.float()
+    iou = torch.stack([box_coding.legacy_iou(boxes[i].float(), boxes[i].float()) for i in range(b)])
+    over = _pack_rows(iou >= torch.tensor(thresh, dtype=torch.float32))  # (B, R, W)
+    rank_scores = scores.transpose(1, 2)  # (B, K, R)
+    if valid is not None:
+        rank_scores = torch.where(valid[:, None, :], rank_scores, torch.full_like(rank_scores, -1.0))
+    order = torch.argsort(rank_scores, dim=2, descending=True, stable=True)  # (B, K, R)
+    words = over.shape[-1]
+    over_flat = over.reshape(b * r, words)
+    row_base = (torch.arange(b, device=boxes.device) * r).view(b, 1)
+    suppressed = torch.zeros((b, k, words), dtype=torch.int64, device=boxes.device)
+    kept = torch.zeros((b, k, r), dtype=torch.bool, device=boxes.device)
+    for step in range(r):
+        idx = order[:, :, step]  # (B, K) box id at this rank, per class
+        word = torch.gather(suppressed, 2, (idx // _BITS).unsqueeze(-1)).squeeze(-1)
+        alive = torch.bitwise_and(torch.bitwise_right_shift(word, idx % _BITS), 1) == 0
+        kept[:, :, step] = alive
+        rows = over_flat[(idx + row_base).reshape(-1)].view(b, k, words)
+        suppressed |= rows * alive.unsqueeze(-1).to(torch.int64)
+    kept_by_box = torch.zeros_like(kept).scatter_(2, order, kept)
+    max_conf = torch.where(kept_by_box, rank_scores, torch.zeros_like(rank_scores)).amax(dim=1).clamp_min(0.0)
+    if valid is not None:
+        max_conf = torch.where(valid, max_conf, torch.zeros_like(max_conf))
+    return max_conf[0] if single else max_conf
+
+
+def max_conf_loop(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3) -> torch.Tensor:
+    """Reference: the ``generate_tsv.py`` loop, one Caffe NMS call per class. (R, 4), (R, K) -> (R,)."""
+    max_conf = torch.zeros(boxes.shape[0], dtype=torch.float32, device=boxes.device)
+    for c in range(scores.shape[1]):
+        s = scores[:, c].float()
+        keep = box_coding.nms_boxes(boxes.float(), s, thresh, legacy=True)
+        max_conf[keep] = torch.maximum(max_conf[keep], s[keep])
+    return max_conf
+
+
+def clamp_selection(max_conf: torch.Tensor, conf_thresh: float, min_boxes: int, max_boxes: int) -> torch.Tensor:
+    """Indices kept by the ``conf_thresh`` / [min_boxes, max_boxes] rule (proposal order when in range)."""
+    keep = torch.nonzero(max_conf >= conf_thresh).flatten()
+    if keep.numel() < min_boxes or keep.numel() > max_boxes:
+        n = min_boxes if keep.numel() < min_boxes else max_boxes
+        keep = torch.argsort(max_conf, descending=True, stable=True)[:n]
+    return keep
+
+
+def maxnms_select(boxes: torch.Tensor, fg_scores: torch.Tensor, min_boxes: int, max_boxes: int, thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> tuple[torch.Tensor, torch.Tensor]:
+    """airsplay "maxnms": ``boxes`` (R, K, 4) class boxes, ``fg_scores`` (R, K) -> (kept proposal ids, their boxes).
+
+    Stops at the first threshold that leaves at least ``min_boxes`` proposals (the last one otherwise).
+    """
+    r = fg_scores.shape[0]
+    best_score, best_cls = fg_scores.float().max(dim=1)
+    best_boxes = boxes[torch.arange(r, device=boxes.device), best_cls]
+    keep = best_score.new_zeros((0,), dtype=torch.long)
+    for t in thresholds:
+        keep = box_coding.nms_boxes(best_boxes, best_score, t, legacy=False)
+        if keep.numel() >= min_boxes:
+            break
+    keep = keep[:max_boxes]
+    return keep, best_boxes[keep]

@@ -1,0 +1,125 @@
+"""The architecture description of a bottom-up Faster R-CNN (depth, widths, class counts, test-time recipe).
+
+One frozen dataclass holds everything that shapes the network or its test-time behaviour, so that presets
+(the full R-101 of Anderson et al. 2018, or small CPU variants) differ only in data, never in code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+CAFFE_PIXEL_MEANS_BGR = (102.9801, 115.9465, 122.7717)
+"""py-faster-rcnn ``PIXEL_MEANS`` in BGR order (extractor.md §1.2)."""
+
+FLAVORS = ("caffe", "d2")
+
+
+@dataclass(frozen=True)
+class BottomUpSpec:
+    """Architecture + test-time recipe of the detector.
+
+    ``flavor`` selects the semantics that differ between the Caffe original (and MILVLG's caffe mode) and the
+    detectron2 ports (airsplay / HF-lxmert), extractor.md §2:
+
+    * ``caffe``: 24-channel 2-way softmax objectness (background first), Caffe anchor table (centre 7.5,
+      ratio-major), legacy ``+1`` box coder with weights (1,1,1,1) for RPN and box head, clip to ``size-1``,
+      min proposal size ``16*scale``, classifier with background at index 0 and class-specific regression
+      over all ``num_classes`` (6404 outputs), attribute softmax over all ``num_attributes`` (index 0 =
+      "no attribute").
+    * ``d2``: 12-channel sigmoid objectness, detectron2 anchors (centre 0, size-major), box coder without
+      ``+1`` (RPN weights 1, box head weights 10/10/5/5), clip to ``size``, min size 0, background and
+      "no attribute" as the *last* row, regression over the foreground classes only (6400 outputs).
+    """
+
+    flavor: str = "caffe"
+    # backbone (caffe-style ResNet, stride on the 1x1 conv)
+    stem_channels: int = 64
+    res2_bottleneck: int = 64  # bottleneck width of res2; doubles every stage
+    expansion: int = 4  # out channels = 4 * bottleneck width
+    stage_blocks: tuple[int, ...] = (3, 4, 23)  # res2, res3, res4 (C4 backbone)
+    res5_blocks: int = 3
+    res5_dilation: int = 2  # Caffe test.prototxt: res5 stride 1, dilation 2 (14x14 stays 14x14)
+    bn_eps: float = 1e-5
+    # RPN
+    rpn_channels: int = 512
+    anchor_stride: int = 16
+    anchor_ratios: tuple[float, ...] = (0.5, 1.0, 2.0)
+    anchor_scales: tuple[float, ...] = (4.0, 8.0, 16.0, 32.0)  # caffe: multiples of the 16-px base anchor
+    anchor_sizes: tuple[float, ...] = (64.0, 128.0, 256.0, 512.0)  # d2: absolute sizes
+    pre_nms_topk: int = 6000
+    post_nms_topk: int = 300
+    rpn_nms_thresh: float = 0.7
+    rpn_min_size: float = 16.0  # "at original image scale": multiplied by the image scale (caffe flavor)
+    # RoI head
+    pooler_resolution: int = 14
+    num_classes: int = 1601  # including background
+    num_attributes: int = 401  # including "no attribute"
+    attr_embed_dim: int = 256
+    attr_hidden: int = 512
+    has_attributes: bool = True
+    box_reg_weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
+    scale_clamp: float = math.log(1000.0 / 16)
+    # input
+    min_size: int = 600
+    max_size: int = 1000
+    pixel_means: tuple[float, float, float] = CAFFE_PIXEL_MEANS_BGR
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, not {self.flavor!r}")
+        if len(self.stage_blocks) < 1 or any(b < 1 for b in self.stage_blocks) or self.res5_blocks < 1:
+            raise ValueError("every ResNet stage needs at least one block")
+
+    # derived sizes -------------------------------------------------------------------------------------
+    @property
+    def num_anchors(self) -> int:
+        n = len(self.anchor_scales) if self.flavor == "caffe" else len(self.anchor_sizes)
+        return n * len(self.anchor_ratios)
+
+    @property
+    def c4_channels(self) -> int:
+        """Channels of the last backbone stage (res4 for R-101: 1024)."""
+        return self.res2_bottleneck * (2 ** (len(self.stage_blocks) - 1)) * self.expansion
+
+    @property
+    def feature_dim(self) -> int:
+        """Channels of res5 = the pooled region feature size (2048 for R-101)."""
+        return self.c4_channels * 2
+
+    @property
+    def background_index(self) -> int:
+        return 0 if self.flavor == "caffe" else self.num_classes - 1
+
+    @property
+    def no_attribute_index(self) -> int:
+        return 0 if self.flavor == "caffe" else self.num_attributes - 1
+
+    @property
+    def bbox_classes(self) -> int:
+        """Rows of class-specific regression: all classes (caffe) or the foreground ones (d2)."""
+        return self.num_classes if self.flavor == "caffe" else self.num_classes - 1
+
+    @property
+    def feature_stride(self) -> int:
+        return 4 * 2 ** (len(self.stage_blocks) - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+    def with_(self, **changes: Any) -> "BottomUpSpec":
+        return replace(self, **changes)
+
+
+def caffe_r101() -> BottomUpSpec:
+    """The Caffe / MILVLG caffe-mode R-101 (extractor.md §1, §3)."""
+    return BottomUpSpec()
+
+
+def d2_r101() -> BottomUpSpec:
+    """The airsplay / HF-lxmert R-101 semantics at the Caffe test scale 600/1000 (extractor.md §4, §5)."""
+    return BottomUpSpec(flavor="d2", rpn_min_size=0.0, box_reg_weights=(10.0, 10.0, 5.0, 5.0))

@@ -1,0 +1,384 @@
+"""Checkpoint layouts of the public bottom-up weights, strict loaders, a restricted unpickler, SHA-256.
+
+Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths):
+
+* ``milvlg`` - MILVLG ``bua-caffe-frcn-r101_with_attributes[_fix36].pth`` (= ``-k10-100`` / ``-k36``): torch
+  file, a state dict (bare or under ``"model"``); caffe semantics (24-ch objectness, ``bbox_pred`` 6404,
+  background first), attribute head ``cls_embed`` / ``attr_linear1`` / ``attr_linear2``; no
+  ``num_batches_tracked``; ``cell_anchors.0`` optional (the Caffe table is used if absent).
+* ``airsplay`` - airsplay ``faster_rcnn_from_caffe[_attr].pkl``: a pickle ``{"model": {key: ndarray}}``; d2
+  semantics (12-ch objectness, ``bbox_pred`` 6400, background last), ``cls_embedding`` / ``fc_attr`` /
+  ``attr_score``; no ``num_batches_tracked``; ``cell_anchors.0`` optional.
+* ``hf`` - HF ``unc-nlp/frcnn-vg-finetuned`` ``pytorch_model.bin``: torch state dict with the airsplay names
+  plus ``num_batches_tracked`` for all 104 norms and ``cell_anchors.0`` (640 keys for R-101).
+
+Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
+there; the first mismatch is reported in one line naming the file and the key. Pickles are read with
+:class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from extractors.spec import BottomUpSpec
+from pipeline.errors import PipelineError, UsageError
+
+LAYOUTS = ("milvlg", "airsplay", "hf")
+D2_RENAMES = (
+    ("roi_heads.box_predictor.cls_embed.", "roi_heads.box_predictor.cls_embedding."),
+    ("roi_heads.box_predictor.attr_linear1.", "roi_heads.box_predictor.fc_attr."),
+    ("roi_heads.box_predictor.attr_linear2.", "roi_heads.box_predictor.attr_score."),
+)
+ANCHOR_KEY = "proposal_generator.anchor_generator.cell_anchors.0"
+NBT = "num_batches_tracked"
+
+
+class WeightsError(PipelineError):
+    """A weights file that cannot be read or does not match the expected layout (exit 1)."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# restricted unpickling
+class RestrictedUnpickler(pickle.Unpickler):
+    """Admits only what a pickled dict of numpy arrays needs; any other global or persistent id is refused."""
+
+    ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy.core.multiarray", "scalar"),
+            ("numpy._core.multiarray", "scalar"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("collections", "OrderedDict"),
+            ("_codecs", "encode"),  # how Python 3 pickles bytes under protocol 2
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refused persistent id")
+
+
+def restricted_load(path: Path) -> Any:
+    """Unpickle ``path`` with :class:`RestrictedUnpickler` (``encoding='latin1'`` for Python-2 pickles)."""
+    try:
+        with open(path, "rb") as fh:
+            return RestrictedUnpickler(fh, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, ImportError) as exc:
+        raise WeightsError(f"weights file {path} refused: not a plain pickle of numpy arrays ({exc})") from None
+
+
+# --------------------------------------------------------------------------------------------------------
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def to_layout_key(key: str, layout: str) -> str:
+    """Internal (MILVLG) key -> the key name in ``layout``."""
+    if layout in ("airsplay", "hf"):
+        for a, b in D2_RENAMES:
+            if key.startswith(a):
+                return b + key[len(a):]
+    return key
+
+
+def from_layout_key(key: str, layout: str) -> str:
+    if layout in ("airsplay", "hf"):
+        for a, b in D2_RENAMES:
+            if key.startswith(b):
+                return a + key[len(b):]
+    return key
+
+
+def internal_shapes(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
+    """Key -> shape of the detector's state dict, built on the meta device (no memory for the tensors)."""
+    from extractors.bottom_up import BottomUpDetector
+
+    with torch.device("meta"):
+        model = BottomUpDetector(spec)
+    return OrderedDict((k, tuple(v.shape)) for k, v in model.state_dict().items())
+
+
+def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, tuple[int, ...]]", set[str]]:
+    """(layout key -> shape, optional keys) for a spec; ``num_batches_tracked`` (hf) are scalars."""
+    if layout not in LAYOUTS:
+        raise UsageError(f"unknown weights layout {layout!r} (known: {', '.join(LAYOUTS)})")
+    table: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+    for key, shape in internal_shapes(spec).items():
+        table[to_layout_key(key, layout)] = shape
+        if layout == "hf" and key.endswith(".norm.running_var"):
+            table[key[: -len("running_var")] + NBT] = ()
+    optional = set() if layout == "hf" else {ANCHOR_KEY}
+    return table, optional
+
+
+# --------------------------------------------------------------------------------------------------------
+def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
+    """Read a weights file -> (layout, flat state dict of tensors) without checking shapes."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"weights file not found: {path}")
+    if path.suffix == ".pkl":
+        obj = restricted_load(path)
+        container = "pickle"
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for a non-torch / unsafe file
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WeightsError(f"weights file {path} cannot be read with torch.load(weights_only=True): {first}") from None
+        container = "torch"
+    if isinstance(obj, Mapping) and "model" in obj and isinstance(obj["model"], Mapping):
+        obj = obj["model"]
+    if not isinstance(obj, Mapping) or not obj:
+        raise WeightsError(f"weights file {path} holds no state dict (a mapping of names to arrays)")
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            raise WeightsError(f"weights file {path}: non-string key {k!r}")
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in "fiub":
+                raise WeightsError(f"weights file {path}: key '{k}' has non-numeric dtype {v.dtype}")
+            v = torch.from_numpy(np.ascontiguousarray(v))
+        elif isinstance(v, (np.generic, int, float)) and not isinstance(v, bool):
+            v = torch.as_tensor(np.asarray(v))
+        if not isinstance(v, torch.Tensor):
+            raise WeightsError(f"weights file {path}: key '{k}' is a {type(v).__name__}, not an array")
+        sd[k] = v
+    return _detect_layout(path, sd, container), sd
+
+
+def _detect_layout(path: Path, sd: Mapping[str, torch.Tensor], container: str) -> str:
+    has_nbt = any(k.endswith(NBT) for k in sd)
+    d2_names = any(k.startswith(b) for _, b in D2_RENAMES for k in sd)
+    caffe_names = any(k.startswith(a) for a, _ in D2_RENAMES for k in sd)
+    if container == "pickle":
+        return "airsplay"
+    if caffe_names and not d2_names:
+        return "milvlg"
+    if d2_names and not caffe_names:
+        return "hf" if has_nbt else "airsplay"
+    # no attribute head: decide by the objectness width (2 per anchor = caffe)
+    key = "proposal_generator.rpn_head.objectness_logits.weight"
+    dkey = "proposal_generator.rpn_head.anchor_deltas.weight"
+    if key in sd and dkey in sd:
+        if sd[key].shape[0] * 2 == sd[dkey].shape[0]:
+            return "milvlg"
+        return "hf" if has_nbt else "airsplay"
+    raise WeightsError(f"weights file {path}: not a bottom-up Faster R-CNN layout (no '{key}')")
+
+
+_STAGE = re.compile(r"^backbone\.res(\d+)\.(\d+)\.conv1\.weight$")
+_RES5 = re.compile(r"^roi_heads\.res5\.(\d+)\.conv1\.weight$")
+
+
+def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "?") -> BottomUpSpec:
+    """The architecture a state dict describes (depth, widths, classes, attributes, flavor)."""
+
+    def shape(key: str) -> tuple[int, ...]:
+        k = to_layout_key(key, layout)
+        if k not in sd:
+            raise WeightsError(f"weights file {path} ({layout}): missing key '{k}'")
+        return tuple(sd[k].shape)
+
+    stages: dict[int, int] = {}
+    res5 = 0
+    for k in sd:
+        m = _STAGE.match(k)
+        if m:
+            s, i = int(m.group(1)), int(m.group(2))
+            stages[s] = max(stages.get(s, 0), i + 1)
+        m = _RES5.match(k)
+        if m:
+            res5 = max(res5, int(m.group(1)) + 1)
+    if not stages or sorted(stages) != list(range(2, 2 + len(stages))) or res5 == 0:
+        raise WeightsError(f"weights file {path} ({layout}): backbone stages res2.. and roi_heads.res5 not found")
+    stem = shape("backbone.stem.conv1.weight")[0]
+    bott = shape("backbone.res2.0.conv1.weight")[0]
+    expansion = shape("backbone.res2.0.conv3.weight")[0] // bott
+    num_classes = shape("roi_heads.box_predictor.cls_score.weight")[0]
+    rpn_ch = shape("proposal_generator.rpn_head.conv.weight")[0]
+    num_anchors = shape("proposal_generator.rpn_head.anchor_deltas.weight")[0] // 4
+    flavor = "caffe" if layout == "milvlg" else "d2"
+    has_attr = to_layout_key("roi_heads.box_predictor.attr_linear2.weight", layout) in sd
+    kw: dict[str, Any] = {}
+    if has_attr:
+        kw["num_attributes"] = shape("roi_heads.box_predictor.attr_linear2.weight")[0]
+        kw["attr_embed_dim"] = shape("roi_heads.box_predictor.cls_embed.weight")[1]
+        kw["attr_hidden"] = shape("roi_heads.box_predictor.attr_linear1.weight")[0]
+    ratios = (0.5, 1.0, 2.0)
+    if num_anchors % len(ratios):
+        raise WeightsError(f"weights file {path} ({layout}): {num_anchors} anchors per cell is not a multiple of 3 ratios")
+    per = num_anchors // len(ratios)
+    if flavor == "caffe":
+        kw["anchor_scales"] = tuple(float(4 * 2**i) for i in range(per))
+    else:
+        kw["anchor_sizes"] = tuple(float(64 * 2**i) for i in range(per))
+        kw["rpn_min_size"] = 0.0
+        kw["box_reg_weights"] = (10.0, 10.0, 5.0, 5.0)
+    return BottomUpSpec(
+        flavor=flavor,
+        stem_channels=stem,
+        res2_bottleneck=bott,
+        expansion=expansion,
+        stage_blocks=tuple(stages[s] for s in sorted(stages)),
+        res5_blocks=res5,
+        rpn_channels=rpn_ch,
+        num_classes=num_classes,
+        has_attributes=has_attr,
+        **kw,
+    )
+
+
+def check_strict(path: str | Path, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -> None:
+    """Raise :class:`WeightsError` naming the first missing / unexpected / mis-shaped key."""
+    table, optional = expected_table(layout, spec)
+    for key, shp in table.items():
+        if key not in sd:
+            if key in optional:
+                continue
+            raise WeightsError(f"weights file {path} ({layout}): missing key '{key}'")
+        got = tuple(sd[key].shape)
+        if got != shp:
+            raise WeightsError(f"weights file {path} ({layout}): key '{key}' has shape {list(got)}, expected {list(shp)}")
+    for key in sd:
+        if key not in table:
+            raise WeightsError(f"weights file {path} ({layout}): unexpected key '{key}'")
+
+
+def to_internal(layout: str, sd: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for k, v in sd.items():
+        if k.endswith(NBT):
+            continue
+        out[from_layout_key(k, layout)] = v.float() if v.is_floating_point() else v
+    return out
+
+
+def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: str | torch.device = "cpu"):
+    """Read, check strictly and load a weights file -> (detector, info dict with layout/spec/sha256).
+
+    ``spec`` fixes the expected architecture (a preset); ``None`` infers it from the file. The flavor always
+    follows the layout: MILVLG files run with caffe semantics, airsplay/HF files with detectron2 semantics.
+    """
+    from extractors.bottom_up import BottomUpDetector
+
+    layout, sd = read_raw(path)
+    inferred = infer_spec(layout, sd, path)
+    if spec is None:
+        spec = inferred
+    elif spec.flavor != inferred.flavor:
+        raise WeightsError(f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) but the preset expects {spec.flavor}")
+    check_strict(path, layout, sd, spec)
+    model = BottomUpDetector(spec)
+    internal = to_internal(layout, sd)
+    missing, unexpected = model.load_state_dict(internal, strict=False)
+    bad = [k for k in missing if k != ANCHOR_KEY] + list(unexpected)
+    if bad:  # cannot happen after check_strict; kept as a guard against table drift
+        raise WeightsError(f"weights file {path} ({layout}): key '{bad[0]}' does not fit the model")
+    info = {"layout": layout, "weights_sha256": sha256_file(path), "weights_file": Path(path).name, "spec": spec.to_dict(), "anchors_from_file": ANCHOR_KEY in sd}
+    return model.to(device), info
+
+
+def save_layout(model_sd: Mapping[str, torch.Tensor], layout: str, path: str | Path) -> Path:
+    """Write an internal state dict in a public layout and container (used by tests and conversions)."""
+    path = Path(path)
+    out: OrderedDict[str, Any] = OrderedDict()
+    for k, v in model_sd.items():
+        out[to_layout_key(k, layout)] = v.detach().cpu().contiguous()
+        if layout == "hf" and k.endswith(".norm.running_var"):
+            out[k[: -len("running_var")] + NBT] = torch.tensor(0, dtype=torch.int64)
+    if layout == "airsplay":
+        arrays = OrderedDict((k, v.numpy()) for k, v in out.items())
+        with open(path, "wb") as fh:
+            pickle.dump({"model": arrays, "__author__": "butd-caption test"}, fh, protocol=2)
+    elif layout == "milvlg":
+        torch.save({"model": dict(out)}, path)
+    elif layout == "hf":
+        torch.save(dict(out), path)
+    else:
+        raise UsageError(f"unknown weights layout {layout!r}")
+    return path
+
+
+def random_detector(spec: BottomUpSpec, seed: int = 0):
+    """A detector with seeded random weights and well-scaled frozen BN (smoke tests and benchmarks only).
+
+    Built on the meta device and materialised once (no wasted default initialisation of 65M parameters).
+    """
+    from extractors.bottom_up import BottomUpDetector
+    from extractors.resnet_caffe import ConvNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = BottomUpDetector(spec)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / fan_in) ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
+        for name, m in model.named_modules():
+            if isinstance(m, ConvNorm):
+                n = m.norm.num_features
+                m.norm.running_mean.copy_(torch.randn(n, generator=gen) * 0.1)
+                m.norm.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+                gamma = 0.2 if name.endswith("conv3") or name.endswith("shortcut") else 1.0
+                m.norm.weight.copy_(gamma * (1.0 + 0.1 * torch.randn(n, generator=gen)))
+                m.norm.bias.copy_(torch.randn(n, generator=gen) * 0.1)
+        # the anchors are data, not weights: the flavor's own table
+        from extractors.rpn import AnchorGenerator
+
+        model.proposal_generator.anchor_generator.cell_anchors[0].copy_(AnchorGenerator(spec).cell_anchors[0])
+        # small box deltas (proposals near their anchors, as in a trained RPN) and a classifier with some
+        # confidence so that the selection thresholds matter
+        model.proposal_generator.rpn_head.anchor_deltas.weight.mul_(0.02)
+        model.roi_heads.box_predictor.bbox_pred.weight.mul_(0.02)
+        model.roi_heads.box_predictor.cls_score.weight.mul_(4.0)
+    return model
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """Layout, architecture and digest of a weights file (for ``cli info``); strict-checks it too."""
+    layout, sd = read_raw(path)
+    spec = infer_spec(layout, sd, path)
+    check_strict(path, layout, sd, spec)
+    n_params = int(sum(v.numel() for k, v in sd.items() if not k.endswith(NBT)))
+    depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
+    return {
+        "file": str(path),
+        "layout": layout,
+        "semantics": spec.flavor,
+        "architecture": f"ResNet-{depth} C4 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, width {spec.res2_bottleneck}), feature {spec.feature_dim}-d",
+        "classes": spec.num_classes,
+        "attributes": spec.num_attributes if spec.has_attributes else 0,
+        "keys": len(sd),
+        "elements": n_params,
+        "anchors_in_file": ANCHOR_KEY in sd,
+        "sha256": sha256_file(path),
+    }
