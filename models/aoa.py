@@ -28,6 +28,7 @@ from torch import nn
 from models import register_captioner
 from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, PositionwiseFeedForward, multi_head_attend
 from models.base import Captioner, State
+from pipeline.errors import ConfigError
 
 
 class AoARefinerLayer(nn.Module):
@@ -81,7 +82,7 @@ class AoANet(Captioner):
     ) -> None:
         super().__init__(vocab_size)
         if d_model % num_heads:
-            raise ValueError(f"aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise ConfigError(f"model aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
         self.feat_dim, self.d_model, self.num_heads = feat_dim, d_model, num_heads
         self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
         layers = [AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)

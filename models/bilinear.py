@@ -37,7 +37,9 @@ class WNLinear(nn.Module):
         return self.weight_g * self.weight_v / torch.linalg.norm(self.weight_v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        # the gain is a scalar, so scale the output instead of materialising g V / ||V|| at every call
+        y = nn.functional.linear(x, self.weight_v) * (self.weight_g / torch.linalg.norm(self.weight_v))
+        return y if self.bias is None else y + self.bias
 
 
 class FCLayer(nn.Module):
