@@ -121,21 +121,29 @@ class AoANet(Captioner):
         zeros = enc["mean"].new_zeros(enc["mean"].shape)
         return {"h": zeros, "c": zeros, "ctx": zeros}
 
-    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
-        word = self.embed(tokens)
+    def _core(self, word: torch.Tensor, enc: State, state: State) -> State:
+        """One decoder step from the embedded word ``x_t``: LSTM, multi-head attention, AoA -> new state."""
         x = torch.cat([word, enc["mean"] + self.ctx_dropout(state["ctx"])], dim=-1)
         h, c = self.lstm(x, (state["h"], state["c"]))
         query = self.query_proj(self.query_norm(h)).unsqueeze(1)
         attended = multi_head_attend(query, enc["keys"], enc["values"], enc["allowed"], self.num_heads,
                                      self.decoder_attn_dropout)[:, 0]
         ctx = self.att2ctx(attended, h)  # AoA query = the raw LSTM output
-        logp = torch.log_softmax(self.logit(self.output_dropout(ctx)), dim=-1)
-        return logp, {"h": h, "c": c, "ctx": ctx}
+        return {"h": h, "c": c, "ctx": ctx}
+
+    def _logprobs(self, ctx: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.logit(self.output_dropout(ctx)), dim=-1)
+
+    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
+        state = self._core(self.embed(tokens), enc, state)
+        return self._logprobs(state["ctx"]), state
 
     def decode_teacher_forced(self, enc: State, captions: torch.Tensor) -> torch.Tensor:
+        """The recurrence step by step; word embeddings and output layer batched over time (same result)."""
+        words = self.embed(captions)
         state = self.init_state(enc)
-        out = []
+        contexts = []
         for t in range(captions.shape[1]):
-            logp, state = self.step(captions[:, t], enc, state)
-            out.append(logp)
-        return torch.stack(out, dim=1)
+            state = self._core(words[:, t], enc, state)
+            contexts.append(state["ctx"])
+        return self._logprobs(torch.stack(contexts, dim=1))
