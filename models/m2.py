@@ -4,8 +4,8 @@ Facts and official-code behaviour: ``shared/reference/models.md`` §1. Equations
 
 Encoder (§3.1 of the paper; models.md §1.2-1.4)
     ``X0 = LN(Drop(ReLU(X W_in + b_in)))``, then ``num_layers`` layers of memory-augmented self-attention
-    (Eq. 2, ``m = num_memory`` learnable slots) and position-wise FF (Eq. 4), both post-norm. **Every**
-    layer's output is kept: the multi-level encoding ``Y_1 .. Y_L`` (Eq. 5).
+    (Eq. 2, ``m = num_memory`` learnable slots) and position-wise FF (Eq. 4), each wrapped in AddNorm (Eq. 5,
+    post-norm). **Every** layer's output is kept: the multi-level encoding ``Y_1 .. Y_L`` ("full encoder").
 
 Meshed decoder (§3.2; models.md §1.5), for any number of encoder levels ``L`` and decoder layers
     ``S = LN(E + Drop(SelfAttn(E)))`` (causal), ``C_i = LN(S + Drop(Attn(S, Y_i)))`` with **one** cross-attention
