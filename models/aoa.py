@@ -28,6 +28,7 @@ from torch import nn
 from models import register_captioner
 from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, PositionwiseFeedForward, multi_head_attend
 from models.base import Captioner, State
+from pipeline.errors import ConfigError
 
 
 class AoARefinerLayer(nn.Module):
@@ -81,7 +82,7 @@ class AoANet(Captioner):
     ) -> None:
         super().__init__(vocab_size)
         if d_model % num_heads:
-            raise ValueError(f"aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise ConfigError(f"model aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
         self.feat_dim, self.d_model, self.num_heads = feat_dim, d_model, num_heads
         self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
         layers = [AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)
@@ -120,21 +121,29 @@ class AoANet(Captioner):
         zeros = enc["mean"].new_zeros(enc["mean"].shape)
         return {"h": zeros, "c": zeros, "ctx": zeros}
 
-    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
-        word = self.embed(tokens)
+    def _core(self, word: torch.Tensor, enc: State, state: State) -> State:
+        """One decoder step from the embedded word ``x_t``: LSTM, multi-head attention, AoA -> new state."""
         x = torch.cat([word, enc["mean"] + self.ctx_dropout(state["ctx"])], dim=-1)
         h, c = self.lstm(x, (state["h"], state["c"]))
         query = self.query_proj(self.query_norm(h)).unsqueeze(1)
         attended = multi_head_attend(query, enc["keys"], enc["values"], enc["allowed"], self.num_heads,
                                      self.decoder_attn_dropout)[:, 0]
         ctx = self.att2ctx(attended, h)  # AoA query = the raw LSTM output
-        logp = torch.log_softmax(self.logit(self.output_dropout(ctx)), dim=-1)
-        return logp, {"h": h, "c": c, "ctx": ctx}
+        return {"h": h, "c": c, "ctx": ctx}
+
+    def _logprobs(self, ctx: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.logit(self.output_dropout(ctx)), dim=-1)
+
+    def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
+        state = self._core(self.embed(tokens), enc, state)
+        return self._logprobs(state["ctx"]), state
 
     def decode_teacher_forced(self, enc: State, captions: torch.Tensor) -> torch.Tensor:
+        """The recurrence step by step; word embeddings and output layer batched over time (same result)."""
+        words = self.embed(captions)
         state = self.init_state(enc)
-        out = []
+        contexts = []
         for t in range(captions.shape[1]):
-            logp, state = self.step(captions[:, t], enc, state)
-            out.append(logp)
-        return torch.stack(out, dim=1)
+            state = self._core(words[:, t], enc, state)
+            contexts.append(state["ctx"])
+        return self._logprobs(torch.stack(contexts, dim=1))

@@ -40,6 +40,7 @@ from torch import nn
 from models import register_captioner
 from models.base import Captioner, State
 from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
+from pipeline.errors import ConfigError
 
 READOUTS = ("last", "sum", "mean")
 
@@ -78,9 +79,9 @@ class BANCaptioner(Captioner):
     ) -> None:
         super().__init__(vocab_size)
         if readout not in READOUTS:
-            raise ValueError(f"ban: readout must be one of {READOUTS}, got '{readout}'")
+            raise ConfigError(f"model ban: readout must be one of {READOUTS}, got '{readout}'")
         if glimpses < 1:
-            raise ValueError("ban: glimpses must be >= 1")
+            raise ConfigError(f"model ban: glimpses must be >= 1, got {glimpses}")
         self.feat_dim, self.d_model, self.glimpses = feat_dim, d_model, glimpses
         self.use_mean_feat, self.readout = use_mean_feat, readout
         self.embed = nn.Embedding(vocab_size, word_dim)
@@ -157,8 +158,9 @@ class BANCaptioner(Captioner):
         for g in range(self.glimpses):
             r_t = pooled[:, g] * self.pools[g].q_net(q)
             new_r.append(r_t)
-            r = torch.cat([state["r"][:, g], r_t[:, None]], dim=1)  # (C, t + 1, d)
-            q = q + self.q_prj[g]((w[:, g, None, :] @ r)[:, 0])
+            # f_g(t) = sum_{j<t} w_t[j] r_j + w_t[t] r_t  (cached r_j, no concatenation)
+            f = (w[:, g, None, :-1] @ state["r"][:, g])[:, 0] + w[:, g, -1:] * r_t
+            q = q + self.q_prj[g](f)
         t = m.shape[-1]
         qsum = state["qsum"] + q
         readout = {"last": q, "sum": qsum, "mean": qsum / t}[self.readout]

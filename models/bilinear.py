@@ -37,7 +37,9 @@ class WNLinear(nn.Module):
         return self.weight_g * self.weight_v / torch.linalg.norm(self.weight_v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        # the gain is a scalar, so scale the output instead of materialising g V / ||V|| at every call
+        y = nn.functional.linear(x, self.weight_v) * (self.weight_g / torch.linalg.norm(self.weight_v))
+        return y if self.bias is None else y + self.bias
 
 
 class FCLayer(nn.Module):
@@ -87,8 +89,10 @@ class BilinearAttentionMap(nn.Module):
 
     def logits(self, v_proj: torch.Tensor, q_proj: torch.Tensor) -> torch.Tensor:
         """``logits[b, g, i, j] = sum_k H[g, k] X'[b, i, k] Y'[b, j, k] + b_g`` ``(B, G, N, T)``."""
-        hq = q_proj.unsqueeze(1) * self.h_mat[None, :, None, :]  # (B, G, T, K')
-        return v_proj.unsqueeze(1) @ hq.transpose(-1, -2) + self.h_bias[None, :, None, None]
+        glimpses, length = self.h_mat.shape[0], q_proj.shape[1]
+        hq = q_proj.unsqueeze(1) * self.h_mat[None, :, None, :]  # (B, G, T, K'): T < N, the smaller side
+        logits = v_proj @ hq.flatten(1, 2).transpose(1, 2)  # (B, N, G*T) without expanding X' per glimpse
+        return logits.unflatten(-1, (glimpses, length)).permute(0, 2, 1, 3) + self.h_bias[None, :, None, None]
 
 
 class BilinearPooling(nn.Module):

@@ -4,8 +4,8 @@ Facts and official-code behaviour: ``shared/reference/models.md`` §1. Equations
 
 Encoder (§3.1 of the paper; models.md §1.2-1.4)
     ``X0 = LN(Drop(ReLU(X W_in + b_in)))``, then ``num_layers`` layers of memory-augmented self-attention
-    (Eq. 2, ``m = num_memory`` learnable slots) and position-wise FF (Eq. 4), both post-norm. **Every**
-    layer's output is kept: the multi-level encoding ``Y_1 .. Y_L`` (Eq. 5).
+    (Eq. 2, ``m = num_memory`` learnable slots) and position-wise FF (Eq. 4), each wrapped in AddNorm (Eq. 5,
+    post-norm). **Every** layer's output is kept: the multi-level encoding ``Y_1 .. Y_L`` ("full encoder").
 
 Meshed decoder (§3.2; models.md §1.5), for any number of encoder levels ``L`` and decoder layers
     ``S = LN(E + Drop(SelfAttn(E)))`` (causal), ``C_i = LN(S + Drop(Attn(S, Y_i)))`` with **one** cross-attention
@@ -35,6 +35,7 @@ from torch import nn
 from models import register_captioner
 from models.base import Captioner, State
 from models.m2_attention import PositionWiseFF, PostNormAttention
+from pipeline.errors import ConfigError
 from pipeline.vocab import PAD
 
 
@@ -134,7 +135,7 @@ class M2Transformer(Captioner):
         super().__init__(vocab_size)
         num_dec_layers = num_layers if num_dec_layers is None else num_dec_layers
         if num_layers < 1 or num_dec_layers < 1:
-            raise ValueError("m2 needs at least one encoder and one decoder layer")
+            raise ConfigError(f"model m2: needs num_layers >= 1 and num_dec_layers >= 1, got {num_layers}, {num_dec_layers}")
         self.feat_dim, self.d_model, self.max_len = feat_dim, d_model, max_len
         self.encoder = MemoryAugmentedEncoder(feat_dim, d_model, num_heads, d_ff, num_layers, num_memory, dropout,
                                               official_mask)

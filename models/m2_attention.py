@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from pipeline.errors import ConfigError
+
 
 def masked_fill_min(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Set the logits of disallowed keys to the lowest finite value (softmax weight exactly 0, never NaN)."""
@@ -36,7 +38,7 @@ class M2Attention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, num_memory: int = 0) -> None:
         super().__init__()
         if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise ConfigError(f"model m2: d_model={d_model} must be divisible by num_heads={num_heads}")
         self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
         self.num_memory = num_memory
         self.fc_q = nn.Linear(d_model, d_model)

@@ -90,6 +90,19 @@ def test_refiner_layer_equation() -> None:
     assert layer.ff is None and not any("fc_o" in name or "out" in name for name, _ in layer.named_parameters())
 
 
+def test_refiner_layer_with_ff_adds_a_pre_norm_sublayer() -> None:
+    """use_ff (the opts default, not the paper): x + FF(LN'(x)) after the AoA sub-layer."""
+    torch.manual_seed(5)
+    layer = AoARefinerLayer(8, 2, 16, use_ff=True, dropout=0.0, attn_dropout=0.0, dropout_aoa=0.0)
+    x = torch.randn(1, 4, 8)
+    allowed = torch.ones(1, 4, dtype=torch.bool)
+    xn = layer.norm(x[0])
+    mid = x[0] + layer.aoa(_heads_attend(layer.q(xn), layer.k(xn), layer.v(xn), allowed[0], 2), xn)
+    ff = layer.ff_norm(mid)
+    want = mid + (torch.relu(ff @ layer.ff.w_1.weight.T + layer.ff.w_1.bias) @ layer.ff.w_2.weight.T + layer.ff.w_2.bias)
+    torch.testing.assert_close(layer(x, allowed)[0], want, atol=1e-6, rtol=0)
+
+
 def small(**kw) -> AoANet:
     torch.manual_seed(3)
     args = dict(vocab_size=11, feat_dim=6, d_model=8, num_heads=2, num_layers=2)

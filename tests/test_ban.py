@@ -9,6 +9,7 @@ import torch
 import models
 from models.ban import BANCaptioner
 from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
+from pipeline.errors import ConfigError
 from pipeline.vocab import BOS
 
 
@@ -137,7 +138,7 @@ def test_glimpses_are_residual_and_all_used() -> None:
 
 
 def test_bad_readout_is_rejected() -> None:
-    with pytest.raises(ValueError, match="readout"):
+    with pytest.raises(ConfigError, match="readout"):
         tiny(readout="first")
 
 

@@ -42,7 +42,7 @@ def make_batch(feat_dim: int, b: int = 3, n: int = 7, seed: int = 0):
     sizes = torch.full((b, 2), 200.0)
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, 5:] = False
-    if b > 2:  # the over-fitting test uses b = 2
+    if b > 2:  # make_batch(b=2) is used by the overfit test
         mask[2, 3:] = False
     feats = feats * mask[..., None]
     boxes = boxes * mask[..., None]
