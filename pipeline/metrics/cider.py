@@ -36,7 +36,7 @@ candidates at once (``bench/cider.py`` measures the speed-up).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from pipeline.metrics.ngrams import flatten, key_order, max_token_id, ngram_keys
 from pipeline.vocab import EOS, PAD
 
 DF_MODES = ("corpus", "batch")
+_CHUNK = 1 << 20  # reference rows per chunk when computing norms
 
 
 def _is_int_token(tok: Any) -> bool:
@@ -119,10 +120,12 @@ class CiderD:
         num_images = refs_per_image.shape[0]
         flat, lengths = flatten(ref_ids)
         keys, _, seq = ngram_keys(flat, lengths, n)
+        del flat
         self.keys, gid = np.unique(keys, return_inverse=True)  # gid: dense id of each reference n-gram
+        del keys
         num_grams = self.keys.shape[0]
         self.num_grams = num_grams
-        self.gram_order = key_order(self.keys, n)
+        self.gram_order = key_order(self.keys, n).astype(np.int8)
 
         ref_image = np.repeat(np.arange(num_images, dtype=np.int64), refs_per_image)
         ref_local = np.arange(ref_image.shape[0], dtype=np.int64) - np.repeat(
@@ -130,15 +133,21 @@ class CiderD:
         )
         # term frequency of each n-gram in each reference
         ref_gram, tf = np.unique(seq * num_grams + gid.astype(np.int64), return_counts=True)
+        del seq, gid
         ref_of, gid_of = np.divmod(ref_gram, num_grams)
-        # one row per (image, n-gram of its references); columns = the image's references
+        del ref_gram
+        # one row per (image, n-gram of its references); columns = the image's references. Row keys are
+        # image * num_grams + gid, sorted, so each image's rows are contiguous (row_start) and a
+        # candidate's n-gram is found by binary search.
         self.row_key, row_of = np.unique(ref_image[ref_of] * num_grams + gid_of, return_inverse=True)
+        del gid_of
         self.max_refs = int(refs_per_image.max())
-        self.row_tf = np.zeros((self.row_key.shape[0], self.max_refs), dtype=np.float64)
+        self.row_tf = np.zeros((self.row_key.shape[0], self.max_refs), dtype=np.uint16)
         self.row_tf[row_of, ref_local[ref_of]] = tf
-        self.row_image, self.row_gid = np.divmod(self.row_key, num_grams)
+        del row_of, ref_of, tf
         self.row_start = np.searchsorted(self.row_key, np.arange(num_images + 1, dtype=np.int64) * num_grams)
-        self.image_df = np.bincount(self.row_gid, minlength=num_grams)  # images whose refs hold the n-gram
+        # number of images whose references hold each n-gram
+        self.image_df = np.bincount(self.row_key % num_grams, minlength=num_grams).astype(np.int32)
 
         self.refs_per_image = refs_per_image
         self.ref_length = np.zeros((num_images, self.max_refs), dtype=np.float64)
@@ -147,15 +156,28 @@ class CiderD:
         if self.df_mode == "corpus":
             self.log_n = float(np.log(float(num_images)))
             self.idf = self.log_n - np.log(np.maximum(1.0, self.image_df))
-            rows = np.arange(self.row_key.shape[0], dtype=np.int64)
-            self.ref_norm = self._ref_norms(rows, self.row_image, self.idf[self.row_gid], num_images)
+            self.ref_norm = self._ref_norms(0, self.row_key.shape[0], None, lambda g: self.idf[g], num_images)
 
-    def _ref_norms(self, rows: np.ndarray, local_image: np.ndarray, row_idf: np.ndarray, num_local: int) -> np.ndarray:
-        """L2 norms of the references' TF-IDF vectors per order: (images, n, max_refs)."""
-        n, m = self.n, self.max_refs
-        weights = self.row_tf[rows] * row_idf[:, None]
-        slot = (local_image * n + self.gram_order[self.row_gid[rows]])[:, None] * m + np.arange(m)
-        sq = np.bincount(slot.ravel(), (weights * weights).ravel(), minlength=num_local * n * m)
+    def _ref_norms(
+        self, start: int, stop: int, rows: np.ndarray | None, idf_of: Callable[[np.ndarray], np.ndarray], num_local: int,
+        local_of: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """L2 norms of the references' TF-IDF vectors per order: (images, n, max_refs).
+
+        Rows ``rows`` (or ``start:stop`` when ``rows`` is None) are processed in chunks to bound memory;
+        ``local_of`` maps image indices to 0..num_local-1 (identity when None).
+        """
+        n, m, g = self.n, self.max_refs, self.num_grams
+        sq = np.zeros(num_local * n * m, dtype=np.float64)
+        total = (stop - start) if rows is None else rows.shape[0]
+        for lo in range(0, total, _CHUNK):
+            hi = min(total, lo + _CHUNK)
+            r = np.arange(start + lo, start + hi, dtype=np.int64) if rows is None else rows[lo:hi]
+            image, gid = np.divmod(self.row_key[r], g)
+            local = image if local_of is None else local_of(image)
+            weights = self.row_tf[r] * idf_of(gid)[:, None]
+            slot = (local * n + self.gram_order[gid])[:, None] * m + np.arange(m)
+            sq += np.bincount(slot.ravel(), (weights * weights).ravel(), minlength=num_local * n * m)
         return np.sqrt(sq).reshape(num_local, n, m)
 
     # ------------------------------------------------------------------ candidates
@@ -254,12 +276,16 @@ class CiderD:
         cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n)).reshape(num_cand, n)
 
         # reference weights of the candidate's n-grams in each reference of its image
+        # (searched among the rows of this call's images only: a few thousand keys, not the whole corpus)
         found = gid >= 0
         probe = image[cand[found]] * self.num_grams + gid[found]
-        row = np.minimum(np.searchsorted(self.row_key, probe), self.row_key.shape[0] - 1)
-        hit = self.row_key[row] == probe
+        unique_images = np.unique(image)
+        rows = ranges(self.row_start[unique_images], self.row_start[unique_images + 1])
+        batch_keys = self.row_key[rows]  # sorted: images ascending, keys ascending within an image
+        pos = np.minimum(np.searchsorted(batch_keys, probe), max(batch_keys.shape[0] - 1, 0))
+        hit = batch_keys[pos] == probe if batch_keys.shape[0] else np.zeros(probe.shape[0], dtype=bool)
         sel = np.flatnonzero(found)[hit]
-        w_ref = self.row_tf[row[hit]] * cand_idf[sel][:, None]
+        w_ref = self.row_tf[rows[pos[hit]]] * cand_idf[sel][:, None]  # uint16 tf -> float64 weights
         num_e = np.minimum(w_cand[sel][:, None], w_ref) * w_ref
         slot = cand_slot[sel][:, None] * m + np.arange(m)
         num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).reshape(num_cand, n, m)
@@ -280,8 +306,7 @@ class CiderD:
         """Document frequencies and reference norms from the distinct images of one call."""
         unique, where = np.unique(image, return_inverse=True)
         rows = ranges(self.row_start[unique], self.row_start[unique + 1])
-        row_gid = self.row_gid[rows]
-        grams, df = np.unique(row_gid, return_counts=True)
+        grams, df = np.unique(self.row_key[rows] % self.num_grams, return_counts=True)
         log_n = float(np.log(float(unique.shape[0])))
 
         def idf_of(gid: np.ndarray) -> np.ndarray:
@@ -289,8 +314,7 @@ class CiderD:
             count = np.where((gid >= 0) & (grams[p] == gid), df[p], 0)
             return log_n - np.log(np.maximum(1.0, count))
 
-        local_image = np.searchsorted(unique, self.row_image[rows])
-        norms = self._ref_norms(rows, local_image, idf_of(row_gid), unique.shape[0])
+        norms = self._ref_norms(0, 0, rows, idf_of, unique.shape[0], lambda image: np.searchsorted(unique, image))
         return idf_of, norms, where
 
     def corpus_score(self, candidates: Any, image_ids: Sequence[Hashable]) -> tuple[float, np.ndarray]:
