@@ -176,3 +176,16 @@ def test_bad_inputs() -> None:
         scorer.scores([["a"]], [1, 1])
     with pytest.raises(ValueError, match="token ids"):
         CiderD({1: [[4, 5]]}).scores([["a"]], [1])
+
+
+def test_degenerate_inputs(recwarn: pytest.WarningsRecorder) -> None:
+    """Empty candidates, empty references, no n-grams at all, zero-width arrays: zeros, no warnings."""
+    scorer = CiderD({1: [["a", "b"]], 2: [[]]})
+    assert scorer.scores([[], []], [1, 2]).tolist() == [0.0, 0.0]
+    got = scorer.scores([["a", "b"], ["zz"]], [2, 1])
+    assert np.abs(got - _oracle({1: [["a", "b"]], 2: [[]]}, {2: ["a", "b"], 1: ["zz"]})).max() < 1e-12
+    assert CiderD({1: [["a", "b"]], 2: [[]]}, df_mode="batch").scores([[], ["a"]], [2, 2]).tolist() == [0.0, 0.0]
+    assert scorer.scores([], []).shape == (0,)
+    assert CiderD({1: [[5, 6]]}).scores(np.zeros((2, 0), dtype=np.int64), [1, 1]).tolist() == [0.0, 0.0]
+    assert CiderD({1: [[]]}).scores([["a"]], [1]).tolist() == [0.0]
+    assert len(recwarn) == 0

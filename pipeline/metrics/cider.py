@@ -193,7 +193,8 @@ class CiderD:
                 raise ValueError("token-id candidates need a CiderD built from token-id references")
             stop = np.isin(candidates, np.asarray(list(stop_ids), dtype=candidates.dtype))
             has_stop = stop.any(axis=1)
-            lengths = np.where(has_stop, stop.argmax(axis=1), candidates.shape[1]).astype(np.int64)
+            first_stop = stop.argmax(axis=1) if candidates.shape[1] else np.zeros(candidates.shape[0], dtype=np.int64)
+            lengths = np.where(has_stop, first_stop, candidates.shape[1]).astype(np.int64)
             keep = np.arange(candidates.shape[1])[None, :] < lengths[:, None]
             return candidates[keep].astype(np.int64), lengths
         if self.id_mode:
@@ -260,9 +261,11 @@ class CiderD:
         cand_gram, tf = np.unique(seq * ukeys.shape[0] + local.astype(np.int64), return_counts=True)
         cand, ulocal = np.divmod(cand_gram, ukeys.shape[0])
         order = key_order(ukeys, n)[ulocal]
-        pos = np.searchsorted(self.keys, ukeys)
-        pos_c = np.minimum(pos, self.num_grams - 1)
-        gid = np.where(self.keys[pos_c] == ukeys, pos_c, -1)[ulocal]  # -1: n-gram absent from all references
+        if self.num_grams:
+            pos = np.minimum(np.searchsorted(self.keys, ukeys), self.num_grams - 1)
+            gid = np.where(self.keys[pos] == ukeys, pos, -1)[ulocal]  # -1: n-gram absent from all references
+        else:
+            gid = np.full(ulocal.shape[0], -1, dtype=np.int64)
 
         if self.df_mode == "corpus":
             idf_of = self._corpus_idf
@@ -273,7 +276,7 @@ class CiderD:
         cand_idf = idf_of(gid)
         w_cand = tf * cand_idf
         cand_slot = cand * n + order
-        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n)).reshape(num_cand, n)
+        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n).astype(np.float64)).reshape(num_cand, n)
 
         # reference weights of the candidate's n-grams in each reference of its image
         # (searched among the rows of this call's images only: a few thousand keys, not the whole corpus)
@@ -288,7 +291,7 @@ class CiderD:
         w_ref = self.row_tf[rows[pos[hit]]] * cand_idf[sel][:, None]  # uint16 tf -> float64 weights
         num_e = np.minimum(w_cand[sel][:, None], w_ref) * w_ref
         slot = cand_slot[sel][:, None] * m + np.arange(m)
-        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).reshape(num_cand, n, m)
+        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).astype(np.float64).reshape(num_cand, n, m)
 
         denom = cand_norm[:, :, None] * ref_norm
         val = np.divide(num, denom, out=num.copy(), where=denom != 0)
@@ -310,6 +313,8 @@ class CiderD:
         log_n = float(np.log(float(unique.shape[0])))
 
         def idf_of(gid: np.ndarray) -> np.ndarray:
+            if grams.shape[0] == 0:
+                return np.full(gid.shape[0], log_n)
             p = np.minimum(np.searchsorted(grams, gid), grams.shape[0] - 1)
             count = np.where((gid >= 0) & (grams[p] == gid), df[p], 0)
             return log_n - np.log(np.maximum(1.0, count))
