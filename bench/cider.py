@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import resource
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from pycocoevalcap.cider.cider import Cider
@@ -120,6 +122,14 @@ def main() -> None:
     print(f"{'CiderD corpus df, token-id array':<44} {t_ids * 1e3:>10.2f} {t_coco / t_ids:>8.1f}x")
     print(f"{'CiderD batch df (df of the batch images)':<44} {t_batch * 1e3:>10.2f} {t_coco / t_batch:>8.1f}x")
     print(f"max |ours - pycocoevalcap| on the batch pairs: {diff:.2e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = scorer.save(Path(tmp) / "cider.npz")
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        CiderD.load(path)
+        t_load = time.perf_counter() - t0
+        print(f"reference-table cache: save {t_save:.2f} s, load {t_load:.2f} s, {path.stat().st_size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
