@@ -9,12 +9,16 @@ image's references. pycocoevalcap has no way to take training-set document frequ
 (vectorise candidate and each reference, clipped cosine) that index-based CiderD ports do per call.
 
     python bench/cider.py [--images 2000] [--batch-images 50] [--samples 5] [--repeats 20]
+    python bench/cider.py --corpus zipf --images 113287   # COCO-sized reference table
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from pycocoevalcap.cider.cider import Cider
@@ -27,6 +31,17 @@ from pipeline.world.scene import SceneParams, sample_scene
 def corpus(num_images: int, seed: int) -> dict[int, list[list[str]]]:
     rng = np.random.default_rng(seed)
     return {i: [tokenize(c) for c in make_captions(sample_scene(rng, SceneParams()), rng)] for i in range(num_images)}
+
+
+def zipf_corpus(num_images: int, seed: int, vocab: int = 9487) -> dict[int, list[list[str]]]:
+    """COCO-sized stress corpus: 5 references of 8-11 words per image drawn from a Zipf law over ``vocab`` words
+    (more distinct n-grams than real captions, so a pessimistic case for memory and build time)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1)
+    toks = rng.choice(vocab, size=(num_images * 5, 11), p=p / p.sum())
+    lens = rng.integers(8, 12, num_images * 5)
+    words = [f"w{k}" for k in range(vocab)]
+    return {i: [[words[t] for t in toks[5 * i + k, : lens[5 * i + k]]] for k in range(5)] for i in range(num_images)}
 
 
 def samples(refs: dict, image_ids: list[int], k: int, rng: np.random.Generator) -> list[list[str]]:
@@ -58,10 +73,11 @@ def main() -> None:
     ap.add_argument("--batch-images", type=int, default=50)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--corpus", choices=("world", "zipf"), default="world", help="world captions or a Zipf stress corpus")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    refs = corpus(args.images, 0)
+    refs = corpus(args.images, 0) if args.corpus == "world" else zipf_corpus(args.images, 0)
     t_gen = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     batch_ids = [int(i) for i in rng.choice(args.images, args.batch_images, replace=False)]
@@ -96,15 +112,24 @@ def main() -> None:
     diff = float(np.abs(ours_same - coco.compute_score(gts, res)[1]).max())
 
     n_refs = sum(len(r) for r in refs.values())
-    print(f"corpus: {args.images} images, {n_refs} references (generated in {t_gen:.2f}s); "
+    print(f"corpus ({args.corpus}): {args.images} images, {n_refs} references (generated in {t_gen:.2f}s); "
           f"batch: {args.batch_images} images x {args.samples} samples = {len(cands)} candidates")
-    print(f"reference table build (once): {t_build * 1e3:.1f} ms")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"reference table build (once): {t_build * 1e3:.1f} ms; {scorer.row_key.shape[0]} (image, n-gram) rows; peak RSS {rss:.0f} MB")
     print(f"{'scorer':<44} {'ms/batch':>10} {'speed-up':>9}")
     print(f"{'pycocoevalcap Cider.compute_score':<44} {t_coco * 1e3:>10.2f} {1.0:>8.1f}x")
     print(f"{'CiderD corpus df, word tokens':<44} {t_ours * 1e3:>10.2f} {t_coco / t_ours:>8.1f}x")
     print(f"{'CiderD corpus df, token-id array':<44} {t_ids * 1e3:>10.2f} {t_coco / t_ids:>8.1f}x")
     print(f"{'CiderD batch df (df of the batch images)':<44} {t_batch * 1e3:>10.2f} {t_coco / t_batch:>8.1f}x")
     print(f"max |ours - pycocoevalcap| on the batch pairs: {diff:.2e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = scorer.save(Path(tmp) / "cider.npz")
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        CiderD.load(path)
+        t_load = time.perf_counter() - t0
+        print(f"reference-table cache: save {t_save:.2f} s, load {t_load:.2f} s, {path.stat().st_size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

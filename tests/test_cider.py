@@ -176,3 +176,44 @@ def test_bad_inputs() -> None:
         scorer.scores([["a"]], [1, 1])
     with pytest.raises(ValueError, match="token ids"):
         CiderD({1: [[4, 5]]}).scores([["a"]], [1])
+
+
+def test_degenerate_inputs(recwarn: pytest.WarningsRecorder) -> None:
+    """Empty candidates, empty references, no n-grams at all, zero-width arrays: zeros, no warnings."""
+    scorer = CiderD({1: [["a", "b"]], 2: [[]]})
+    assert scorer.scores([[], []], [1, 2]).tolist() == [0.0, 0.0]
+    got = scorer.scores([["a", "b"], ["zz"]], [2, 1])
+    assert np.abs(got - _oracle({1: [["a", "b"]], 2: [[]]}, {2: ["a", "b"], 1: ["zz"]})).max() < 1e-12
+    assert CiderD({1: [["a", "b"]], 2: [[]]}, df_mode="batch").scores([[], ["a"]], [2, 2]).tolist() == [0.0, 0.0]
+    assert scorer.scores([], []).shape == (0,)
+    assert CiderD({1: [[5, 6]]}).scores(np.zeros((2, 0), dtype=np.int64), [1, 1]).tolist() == [0.0, 0.0]
+    assert CiderD({1: [[]]}).scores([["a"]], [1]).tolist() == [0.0]
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize("df_mode", ["corpus", "batch"])
+def test_save_and_load_give_identical_scores(world_corpus: tuple[dict, dict], tmp_path, df_mode: str) -> None:
+    refs, cands = world_corpus
+    ids = list(refs)[:200]
+    scorer = CiderD({i: refs[i] for i in ids}, df_mode=df_mode)
+    path = scorer.save(tmp_path / "cider.npz")
+    loaded = CiderD.load(path)
+    words = [cands[i] + ["unseen"] for i in ids]
+    assert np.array_equal(loaded.scores(words, ids), scorer.scores(words, ids))
+    id_scorer = CiderD({1: [[4, 5, 6]], "b": [[5, 6], [7]]}, df_mode=df_mode)
+    id_loaded = CiderD.load(id_scorer.save(tmp_path / "ids.npz"))
+    arr = np.array([[4, 5, 6, 2, 0], [5, 6, 7, 9, 2]])
+    assert np.array_equal(id_loaded.scores(arr, [1, "b"]), id_scorer.scores(arr, [1, "b"]))
+
+
+def test_load_rejects_bad_files(tmp_path) -> None:
+    from pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="cache not found"):
+        CiderD.load(tmp_path / "none.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(PipelineError, match="junk.npz is unreadable"):
+        CiderD.load(tmp_path / "junk.npz")
+    np.savez(tmp_path / "other.npz", meta=np.array('{"format": "x"}'))
+    with pytest.raises(PipelineError, match="other.npz is unreadable: not a butd-caption CIDEr-D cache"):
+        CiderD.load(tmp_path / "other.npz")

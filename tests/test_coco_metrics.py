@@ -57,18 +57,11 @@ def data() -> tuple[dict, dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def ours(data) -> object:
-    if JAVA is None:
-        pytest.skip("Java is not installed")
-    refs, preds, _ = data
-    return score_captions(refs, preds, EvalOptions(metrics=("bleu", "meteor", "rouge", "cider")))
-
-
-@pytest.fixture(scope="module")
-def oracle(data) -> dict:
-    """pycocoevalcap run as COCOEvalCap.evaluate runs it (PTBTokenizer, Bleu(4), Meteor, Rouge, Cider).
-
-    COCOEvalCap.evaluate itself also builds Spice(), which downloads CoreNLP; so its steps are run here."""
+def both(data) -> tuple[object, dict]:
+    """(ours, oracle). The oracle is pycocoevalcap run as COCOEvalCap.evaluate runs it (PTBTokenizer,
+    Bleu(4), Meteor, Rouge, Cider); COCOEvalCap.evaluate itself also builds Spice(), which downloads
+    CoreNLP, so its steps are run here. pycocoevalcap's METEOR JVM is started first so that it loads its
+    paraphrase table while ours runs."""
     if JAVA is None:
         pytest.skip("Java is not installed")
     if not os.access(pycocoevalcap_dir() / "tokenizer", os.W_OK):
@@ -80,23 +73,30 @@ def oracle(data) -> dict:
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
     refs, preds, _ = data
+    meteor = Meteor()
+    ours = score_captions(refs, preds, EvalOptions(metrics=("bleu", "meteor", "rouge", "cider")))
     tok = PTBTokenizer()
     gts = tok.tokenize({i: [{"caption": c} for c in refs[i]] for i in preds})
     res = tok.tokenize({i: [{"caption": preds[i]}] for i in preds})
-    out: dict = {"gts": gts, "res": res}
+    oracle: dict = {}
     bleu, bleu_img = Bleu(4).compute_score(gts, res, verbose=0)
     for k in range(4):
-        out[f"Bleu_{k + 1}"] = (bleu[k], bleu_img[k])
-    meteor = Meteor()
-    out["METEOR"] = meteor.compute_score(gts, res)
+        oracle[f"Bleu_{k + 1}"] = (bleu[k], bleu_img[k])
+    oracle["METEOR"] = meteor.compute_score(gts, res)
     del meteor
-    out["ROUGE_L"] = Rouge().compute_score(gts, res)
-    out["CIDEr"] = Cider().compute_score(gts, res)
-    return out
+    oracle["ROUGE_L"] = Rouge().compute_score(gts, res)
+    oracle["CIDEr"] = Cider().compute_score(gts, res)
+    return ours, oracle
+
+
+@pytest.fixture(scope="module")
+def ours(both) -> object:
+    return both[0]
 
 
 @needs_java
-def test_equals_pycocoevalcap(data, ours, oracle) -> None:
+def test_equals_pycocoevalcap(data, both) -> None:
+    ours, oracle = both
     refs, preds, _ = data
     assert ours.tokenizer == "ptb"
     assert set(ours.metrics) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}

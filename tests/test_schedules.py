@@ -23,12 +23,15 @@ def test_noam_matches_the_m2_formula() -> None:
 
 
 def test_noam_m2_epoch_step_quirk() -> None:
+    """M2 steps LambdaLR once at construction and at the start of every XE epoch (its train_xe), then per
+    iteration; its lambda adds 1: the first iteration uses s = 2, and epoch e's start adds one more."""
     s = build_schedule({"type": "noam", "warmup": 100, "extra_step_per_epoch": True})
+    assert s.lr() == pytest.approx(512**-0.5 * 2 * 100**-1.5)
     for _ in range(10):
         s.step()
     s.epoch_end()
     s.epoch_end()
-    assert s.lr() == pytest.approx(512**-0.5 * 13 * 100**-1.5)  # s = 10 iterations + 2 epochs + 1
+    assert s.lr() == pytest.approx(512**-0.5 * 14 * 100**-1.5)  # 10 iterations + 3 epoch-start steps + 1
 
 
 def test_aoanet_step_decay() -> None:

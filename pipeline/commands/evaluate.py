@@ -61,7 +61,9 @@ def register(app: typer.Typer) -> None:
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
-            not_implemented("evaluating a checkpoint (--model); score an existing results file with --predictions/--references", "issue 5, training")
+            not_implemented(
+                "evaluating a checkpoint (--model)", "comes with training; meanwhile score a results file with --predictions/--references"
+            )
         if predictions is None or references is None:
             raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT)")
         _score_files(predictions, references, output, cfg.evaluate)

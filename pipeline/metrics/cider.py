@@ -36,15 +36,22 @@ candidates at once (``bench/cider.py`` measures the speed-up).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import json
+import zipfile
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.errors import PipelineError
+from pipeline.fileio import atomic_write
 from pipeline.metrics.ngrams import flatten, key_order, max_token_id, ngram_keys, ranges
 from pipeline.vocab import EOS, PAD
 
 DF_MODES = ("corpus", "batch")
+_CHUNK = 1 << 20  # reference rows per chunk when computing norms
+_FORMAT = "butd-ciderd"
 
 
 def _is_int_token(tok: Any) -> bool:
@@ -119,10 +126,12 @@ class CiderD:
         num_images = refs_per_image.shape[0]
         flat, lengths = flatten(ref_ids)
         keys, _, seq = ngram_keys(flat, lengths, n)
+        del flat
         self.keys, gid = np.unique(keys, return_inverse=True)  # gid: dense id of each reference n-gram
+        del keys
         num_grams = self.keys.shape[0]
         self.num_grams = num_grams
-        self.gram_order = key_order(self.keys, n)
+        self.gram_order = key_order(self.keys, n).astype(np.int8)
 
         ref_image = np.repeat(np.arange(num_images, dtype=np.int64), refs_per_image)
         ref_local = np.arange(ref_image.shape[0], dtype=np.int64) - np.repeat(
@@ -130,15 +139,21 @@ class CiderD:
         )
         # term frequency of each n-gram in each reference
         ref_gram, tf = np.unique(seq * num_grams + gid.astype(np.int64), return_counts=True)
+        del seq, gid
         ref_of, gid_of = np.divmod(ref_gram, num_grams)
-        # one row per (image, n-gram of its references); columns = the image's references
+        del ref_gram
+        # one row per (image, n-gram of its references); columns = the image's references. Row keys are
+        # image * num_grams + gid, sorted, so each image's rows are contiguous (row_start) and a
+        # candidate's n-gram is found by binary search.
         self.row_key, row_of = np.unique(ref_image[ref_of] * num_grams + gid_of, return_inverse=True)
+        del gid_of
         self.max_refs = int(refs_per_image.max())
-        self.row_tf = np.zeros((self.row_key.shape[0], self.max_refs), dtype=np.float64)
+        self.row_tf = np.zeros((self.row_key.shape[0], self.max_refs), dtype=np.uint16)
         self.row_tf[row_of, ref_local[ref_of]] = tf
-        self.row_image, self.row_gid = np.divmod(self.row_key, num_grams)
+        del row_of, ref_of, tf
         self.row_start = np.searchsorted(self.row_key, np.arange(num_images + 1, dtype=np.int64) * num_grams)
-        self.image_df = np.bincount(self.row_gid, minlength=num_grams)  # images whose refs hold the n-gram
+        # number of images whose references hold each n-gram
+        self.image_df = np.bincount(self.row_key % num_grams, minlength=num_grams).astype(np.int32)
 
         self.refs_per_image = refs_per_image
         self.ref_length = np.zeros((num_images, self.max_refs), dtype=np.float64)
@@ -147,15 +162,28 @@ class CiderD:
         if self.df_mode == "corpus":
             self.log_n = float(np.log(float(num_images)))
             self.idf = self.log_n - np.log(np.maximum(1.0, self.image_df))
-            rows = np.arange(self.row_key.shape[0], dtype=np.int64)
-            self.ref_norm = self._ref_norms(rows, self.row_image, self.idf[self.row_gid], num_images)
+            self.ref_norm = self._ref_norms(0, self.row_key.shape[0], None, lambda g: self.idf[g], num_images)
 
-    def _ref_norms(self, rows: np.ndarray, local_image: np.ndarray, row_idf: np.ndarray, num_local: int) -> np.ndarray:
-        """L2 norms of the references' TF-IDF vectors per order: (images, n, max_refs)."""
-        n, m = self.n, self.max_refs
-        weights = self.row_tf[rows] * row_idf[:, None]
-        slot = (local_image * n + self.gram_order[self.row_gid[rows]])[:, None] * m + np.arange(m)
-        sq = np.bincount(slot.ravel(), (weights * weights).ravel(), minlength=num_local * n * m)
+    def _ref_norms(
+        self, start: int, stop: int, rows: np.ndarray | None, idf_of: Callable[[np.ndarray], np.ndarray], num_local: int,
+        local_of: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """L2 norms of the references' TF-IDF vectors per order: (images, n, max_refs).
+
+        Rows ``rows`` (or ``start:stop`` when ``rows`` is None) are processed in chunks to bound memory;
+        ``local_of`` maps image indices to 0..num_local-1 (identity when None).
+        """
+        n, m, g = self.n, self.max_refs, self.num_grams
+        sq = np.zeros(num_local * n * m, dtype=np.float64)
+        total = (stop - start) if rows is None else rows.shape[0]
+        for lo in range(0, total, _CHUNK):
+            hi = min(total, lo + _CHUNK)
+            r = np.arange(start + lo, start + hi, dtype=np.int64) if rows is None else rows[lo:hi]
+            image, gid = np.divmod(self.row_key[r], g)
+            local = image if local_of is None else local_of(image)
+            weights = self.row_tf[r] * idf_of(gid)[:, None]
+            slot = (local * n + self.gram_order[gid])[:, None] * m + np.arange(m)
+            sq += np.bincount(slot.ravel(), (weights * weights).ravel(), minlength=num_local * n * m)
         return np.sqrt(sq).reshape(num_local, n, m)
 
     # ------------------------------------------------------------------ candidates
@@ -171,7 +199,8 @@ class CiderD:
                 raise ValueError("token-id candidates need a CiderD built from token-id references")
             stop = np.isin(candidates, np.asarray(list(stop_ids), dtype=candidates.dtype))
             has_stop = stop.any(axis=1)
-            lengths = np.where(has_stop, stop.argmax(axis=1), candidates.shape[1]).astype(np.int64)
+            first_stop = stop.argmax(axis=1) if candidates.shape[1] else np.zeros(candidates.shape[0], dtype=np.int64)
+            lengths = np.where(has_stop, first_stop, candidates.shape[1]).astype(np.int64)
             keep = np.arange(candidates.shape[1])[None, :] < lengths[:, None]
             return candidates[keep].astype(np.int64), lengths
         if self.id_mode:
@@ -238,9 +267,11 @@ class CiderD:
         cand_gram, tf = np.unique(seq * ukeys.shape[0] + local.astype(np.int64), return_counts=True)
         cand, ulocal = np.divmod(cand_gram, ukeys.shape[0])
         order = key_order(ukeys, n)[ulocal]
-        pos = np.searchsorted(self.keys, ukeys)
-        pos_c = np.minimum(pos, self.num_grams - 1)
-        gid = np.where(self.keys[pos_c] == ukeys, pos_c, -1)[ulocal]  # -1: n-gram absent from all references
+        if self.num_grams:
+            pos = np.minimum(np.searchsorted(self.keys, ukeys), self.num_grams - 1)
+            gid = np.where(self.keys[pos] == ukeys, pos, -1)[ulocal]  # -1: n-gram absent from all references
+        else:
+            gid = np.full(ulocal.shape[0], -1, dtype=np.int64)
 
         if self.df_mode == "corpus":
             idf_of = self._corpus_idf
@@ -251,18 +282,22 @@ class CiderD:
         cand_idf = idf_of(gid)
         w_cand = tf * cand_idf
         cand_slot = cand * n + order
-        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n)).reshape(num_cand, n)
+        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n).astype(np.float64)).reshape(num_cand, n)
 
         # reference weights of the candidate's n-grams in each reference of its image
+        # (searched among the rows of this call's images only: a few thousand keys, not the whole corpus)
         found = gid >= 0
         probe = image[cand[found]] * self.num_grams + gid[found]
-        row = np.minimum(np.searchsorted(self.row_key, probe), self.row_key.shape[0] - 1)
-        hit = self.row_key[row] == probe
+        unique_images = np.unique(image)
+        rows = ranges(self.row_start[unique_images], self.row_start[unique_images + 1])
+        batch_keys = self.row_key[rows]  # sorted: images ascending, keys ascending within an image
+        pos = np.minimum(np.searchsorted(batch_keys, probe), max(batch_keys.shape[0] - 1, 0))
+        hit = batch_keys[pos] == probe if batch_keys.shape[0] else np.zeros(probe.shape[0], dtype=bool)
         sel = np.flatnonzero(found)[hit]
-        w_ref = self.row_tf[row[hit]] * cand_idf[sel][:, None]
+        w_ref = self.row_tf[rows[pos[hit]]] * cand_idf[sel][:, None]  # uint16 tf -> float64 weights
         num_e = np.minimum(w_cand[sel][:, None], w_ref) * w_ref
         slot = cand_slot[sel][:, None] * m + np.arange(m)
-        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).reshape(num_cand, n, m)
+        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).astype(np.float64).reshape(num_cand, n, m)
 
         denom = cand_norm[:, :, None] * ref_norm
         val = np.divide(num, denom, out=num.copy(), where=denom != 0)
@@ -280,18 +315,76 @@ class CiderD:
         """Document frequencies and reference norms from the distinct images of one call."""
         unique, where = np.unique(image, return_inverse=True)
         rows = ranges(self.row_start[unique], self.row_start[unique + 1])
-        row_gid = self.row_gid[rows]
-        grams, df = np.unique(row_gid, return_counts=True)
+        grams, df = np.unique(self.row_key[rows] % self.num_grams, return_counts=True)
         log_n = float(np.log(float(unique.shape[0])))
 
         def idf_of(gid: np.ndarray) -> np.ndarray:
+            if grams.shape[0] == 0:
+                return np.full(gid.shape[0], log_n)
             p = np.minimum(np.searchsorted(grams, gid), grams.shape[0] - 1)
             count = np.where((gid >= 0) & (grams[p] == gid), df[p], 0)
             return log_n - np.log(np.maximum(1.0, count))
 
-        local_image = np.searchsorted(unique, self.row_image[rows])
-        norms = self._ref_norms(rows, local_image, idf_of(row_gid), unique.shape[0])
+        norms = self._ref_norms(0, 0, rows, idf_of, unique.shape[0], lambda image: np.searchsorted(unique, image))
         return idf_of, norms, where
+
+    # ------------------------------------------------------------------ caching the reference tables
+
+    _ARRAYS = ("keys", "gram_order", "row_key", "row_tf", "row_start", "image_df", "refs_per_image", "ref_length")
+
+    def save(self, path: str | Path) -> Path:
+        """Write the reference tables to an ``.npz`` file (atomically; no pickle) for :meth:`load`.
+
+        Building the tables for COCO-sized training references takes tens of seconds; a cached file loads
+        in about a second. Image ids must be integers or strings.
+        """
+        if not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in self.image_ids):
+            raise ValueError("only integer or string image ids can be saved")
+        words = sorted(self.vocab, key=self.vocab.__getitem__)
+        meta = {"format": _FORMAT, "version": 1, "df_mode": self.df_mode, "n": self.n, "sigma": self.sigma,
+                "id_mode": self.id_mode, "image_ids": [int(i) if isinstance(i, (int, np.integer)) else i for i in self.image_ids],
+                "vocab": words}
+        arrays = {name: getattr(self, name) for name in self._ARRAYS}
+        if self.df_mode == "corpus":
+            arrays["ref_norm"] = self.ref_norm
+        return atomic_write(path, lambda fh: np.savez(fh, meta=np.array(json.dumps(meta)), **arrays))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CiderD":
+        """A scorer from a file written by :meth:`save`; a missing, foreign or corrupt file raises PipelineError."""
+        path = Path(path)
+        if not path.is_file():
+            raise PipelineError(f"CIDEr-D cache not found: {path}")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                if meta.get("format") != _FORMAT or meta.get("version") != 1:
+                    raise ValueError("not a butd-caption CIDEr-D cache (version 1)")
+                arrays = {name: data[name] for name in cls._ARRAYS}
+                ref_norm = data["ref_norm"] if meta["df_mode"] == "corpus" else None
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+            raise PipelineError(f"CIDEr-D cache {path} is unreadable: {exc}") from None
+        self = cls.__new__(cls)
+        self.df_mode, self.n, self.sigma, self.id_mode = meta["df_mode"], int(meta["n"]), float(meta["sigma"]), bool(meta["id_mode"])
+        self.image_ids = list(meta["image_ids"])
+        self._index = {image_id: i for i, image_id in enumerate(self.image_ids)}
+        self.vocab = {w: i for i, w in enumerate(meta["vocab"])}
+        for name, value in arrays.items():
+            setattr(self, name, value)
+        self.num_grams = int(self.keys.shape[0])
+        self.max_refs = int(self.row_tf.shape[1])
+        num_images = len(self.image_ids)
+        if (
+            self.df_mode not in DF_MODES or self.refs_per_image.shape != (num_images,) or self.row_start.shape != (num_images + 1,)
+            or self.row_tf.shape[0] != self.row_key.shape[0] or self.image_df.shape != (self.num_grams,)
+            or (ref_norm is not None and ref_norm.shape != (num_images, self.n, self.max_refs))
+        ):
+            raise PipelineError(f"CIDEr-D cache {path} is inconsistent (array shapes do not match)")
+        if ref_norm is not None:
+            self.log_n = float(np.log(float(num_images)))
+            self.idf = self.log_n - np.log(np.maximum(1.0, self.image_df))
+            self.ref_norm = ref_norm
+        return self
 
     def corpus_score(self, candidates: Any, image_ids: Sequence[Hashable]) -> tuple[float, np.ndarray]:
         """(mean, per-candidate scores), the return of pycocoevalcap's ``Cider.compute_score``."""

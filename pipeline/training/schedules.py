@@ -11,8 +11,8 @@ Built from a YAML ``schedule:`` mapping by :func:`build_schedule`; ``type`` pick
 ``noam`` (M2, ruotianluo's Transformer, X-LAN)
     lr(s) = factor * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), s = iteration + 1
     (Vaswani et al. Eq. 3; M2 ``train.py:191-199`` with d_model 512, warmup 10000). M2's code also steps
-    its scheduler once at the start of every XE epoch (models.md §1.10); ``extra_step_per_epoch: true``
-    reproduces that quirk (s = iteration + epoch + 1).
+    its scheduler once at the start of every XE epoch, the first included (models.md §1.10);
+    ``extra_step_per_epoch: true`` reproduces that quirk: during epoch e (0-based), s = iteration + e + 2.
 ``step`` (AoANet, NG-SAN)
     lr = lr0 * min(1, (iteration + 1) / warmup_iters) * rate^k with k = (epoch - decay_start) // decay_every
     once epoch > decay_start, else 0 (ruotianluo's ``learning_rate_decay_*`` options, epochs counted from
@@ -120,7 +120,7 @@ class NoamSchedule(Schedule):
         self.extra_step_per_epoch = bool(extra_step_per_epoch)
 
     def lr(self) -> float:
-        s = self.iteration + 1 + (self.epoch if self.extra_step_per_epoch else 0)
+        s = self.iteration + 1 + (self.epoch + 1 if self.extra_step_per_epoch else 0)
         return self.factor * self.d_model**-0.5 * min(s**-0.5, s * self.warmup**-1.5)
 
 
