@@ -235,3 +235,14 @@ def test_info_cli(tmp_path):
     bad.write_bytes(b"garbage")
     proc = subprocess.run([sys.executable, "cli.py", "info", str(bad)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "bad.h5" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_info_cli_wrong_version_is_one_line_exit_2(tmp_path):
+    write_store(tmp_path / "s", range(2))
+    record = tmp_path / "s" / "store.json"
+    data = json.loads(record.read_text())
+    data["schema_version"] = 2
+    record.write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "schema version 2; this butd-caption reads version 1" in err and "Traceback" not in err
