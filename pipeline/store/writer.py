@@ -129,8 +129,10 @@ class FeatureStoreWriter:
         commit_bytes: int,
         chunk_rows: int,
         compression: str | None,
+        fsync: bool = True,
     ) -> None:
         self.path = path
+        self.fsync = fsync
         self._manifest = manifest
         self._lock_fd: int | None = lock_fd
         self.commit_every = commit_every
@@ -254,6 +256,7 @@ class FeatureStoreWriter:
         write_segment(
             tmp, [block], num_images=n, num_rows=rows, identity=m["identity"], feature_dtype=m["feature_dtype"],
             feature_dim=m["feature_dim"], fields=fields, chunk_rows=self.chunk_rows, compression=self.compression,
+            fsync=self.fsync,
         )
         os.replace(tmp, final)
         fsync_dir(self.path)
@@ -328,6 +331,7 @@ def open_writer(
     commit_bytes: int = 256 << 20,
     chunk_rows: int = 0,
     compression: str | None = None,
+    fsync: bool = True,
 ) -> FeatureStoreWriter:
     """Create a store directory at ``path``, or resume the one there.
 
@@ -340,6 +344,8 @@ def open_writer(
         commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
         chunk_rows: 0 writes contiguous segments (fastest reads); >0 chunks rows by this many.
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"`` (needs ``chunk_rows``; slower reads).
+        fsync: fsync each segment before publishing it (default). ``False`` is faster and still safe against
+            a killed process (publication order holds in the page cache), but not against power loss.
     """
     path = Path(path)
     identity = canonical_identity(extractor)
@@ -375,7 +381,7 @@ def open_writer(
             manifest = new_manifest(identity, feature_dtype, None)
             _clean_garbage(path, manifest)
             write_manifest(path, manifest)
-        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression)
+        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression, fsync)
     except BaseException:
         fcntl.flock(lock_fd, fcntl.LOCK_UN)
         os.close(lock_fd)
