@@ -93,6 +93,13 @@ def validate_image(
             raise PipelineError(f"{where}: image {key}: {name} has negative ids")
 
 
+def _all_finite(arr: np.ndarray) -> bool:
+    """``np.isfinite(arr).all()``; for float16 via the exponent bits (numpy's half isfinite is ~10x slower)."""
+    if arr.dtype == np.float16:
+        return not bool(((arr.view(np.uint16) & 0x7C00) == 0x7C00).any())
+    return bool(np.isfinite(arr).all())
+
+
 class _RowBuffer:
     """Pending rows of one field in one growing array (amortised doubling): add copies once, commit
     writes one slice, no concatenation."""
@@ -149,7 +156,10 @@ class FeatureStoreWriter:
         self._pending: list[tuple[str, int, int, int]] = []  # key, rows, width, height
         self._pending_keys: set[str] = set()
         self._pending_bytes = 0
-        self._buffers: dict[str, _RowBuffer] = {}
+        # buffers are kept across commits: re-touching fresh memory for every commit costs more than the copy
+        self._buffers: dict[str, _RowBuffer] = getattr(self, "_buffers", {})
+        for buf in self._buffers.values():
+            buf.rows = 0
 
     # -- queries -------------------------------------------------------------------------------------------
     @property
@@ -215,8 +225,7 @@ class FeatureStoreWriter:
                 width = arr.shape[1] if arr.ndim == 2 else None
                 buf = self._buffers[name] = _RowBuffer(dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width)
             buf.append(arr)  # the one copy, casting to the store dtype
-        stored = self._buffers["features"].view()[-len(feats):]
-        if not np.isfinite(stored).all():
+        if not _all_finite(self._buffers["features"].view()[-len(feats):]):
             for name in rows:
                 self._buffers[name].rows -= len(feats)
             if not np.isfinite(feats).all():
