@@ -261,3 +261,17 @@ def test_merge_cli(tmp_path):
     proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
                            "--out", str(tmp_path / "all2"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "1 missing (e.g. ['img00009'])" in " ".join(proc.stderr.split())
+
+
+def test_reader_is_a_snapshot_while_a_writer_appends(tmp_path):
+    with open_writer(tmp_path / "s", IDENTITY) as w:
+        for i in range(3):
+            add_image(w, synthetic_image(i))
+        w.commit()
+        reader = FeatureStore(tmp_path / "s")  # opened while the writer holds the lock
+        for i in range(3, 5):
+            add_image(w, synthetic_image(i))
+        assert len(reader) == 3  # pending images are invisible
+        w.commit()
+        assert len(reader) == 3 and len(reader.refresh()) == 5
+        assert_image_equal(reader.get("img00004"), synthetic_image(4))

@@ -124,6 +124,12 @@ class FeatureStore:
             st = self._open()
         return st
 
+    def refresh(self) -> "FeatureStore":
+        """Re-read the commit record: a reader is a snapshot of the commits made before it opened."""
+        self.close()
+        self._open()
+        return self
+
     def close(self) -> None:
         if self._state is not None and self._state.pid == os.getpid():
             self._state.close()
