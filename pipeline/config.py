@@ -141,10 +141,30 @@ def _compatible(default: Any, value: Any) -> bool:
     return type(default) is type(value)
 
 
-def validate_against(schema: Mapping[str, Any], data: Mapping[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+def open_paths_of(schema: Mapping[str, Any], prefix: str = "") -> frozenset[str]:
+    """Dotted paths of the open mappings (``{}`` defaults) in a schema."""
+    out: set[str] = set()
+    for key, value in schema.items():
+        if isinstance(value, Mapping):
+            if len(value) == 0:
+                out.add(f"{prefix}{key}")
+            else:
+                out |= open_paths_of(value, f"{prefix}{key}.")
+    return frozenset(out)
+
+
+def validate_against(
+    schema: Mapping[str, Any],
+    data: Mapping[str, Any],
+    source: str,
+    prefix: str = "",
+    open_paths: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
     """Check ``data`` against ``schema`` (the stage defaults) and return the merged result.
 
-    Raises :class:`ConfigError` naming the first unknown key or the first type mismatch.
+    Keys under an open mapping (a ``{}`` default, or a path in ``open_paths``) are free; everything else
+    must exist in ``schema`` with a compatible type. Raises :class:`ConfigError` naming the first unknown
+    key or the first type mismatch.
     """
     out = copy.deepcopy(dict(schema))
     for key, value in data.items():
@@ -153,13 +173,13 @@ def validate_against(schema: Mapping[str, Any], data: Mapping[str, Any], source:
             known = ", ".join(sorted(str(k) for k in schema)) or "(none)"
             raise ConfigError(f"{source}: unknown config key '{dotted}' (known here: {known})")
         default = schema[key]
-        if isinstance(default, Mapping) and len(default) == 0:
+        if (isinstance(default, Mapping) and len(default) == 0) or dotted in open_paths:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: '{dotted}' must be a mapping, got {_type_name(value)}")
-            out[key] = copy.deepcopy(dict(value))
+            out[key] = deep_merge(default if isinstance(default, Mapping) else {}, value)
             continue
         if isinstance(default, Mapping) and isinstance(value, Mapping):
-            out[key] = validate_against(default, value, source, prefix=f"{dotted}.")
+            out[key] = validate_against(default, value, source, prefix=f"{dotted}.", open_paths=open_paths)
             continue
         if not _compatible(default, value):
             raise ConfigError(
@@ -193,9 +213,9 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
     return out
 
 
-def _freeze(value: Any) -> Any:
+def _freeze(value: Any, open_paths: frozenset[str] = frozenset()) -> Any:
     if isinstance(value, Mapping):
-        return Config(value)
+        return Config(value, open_paths)
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
@@ -215,10 +235,17 @@ class Config(Mapping[str, Any]):
     ``cfg.train.lr``, ``cfg["train"]["lr"]`` and ``cfg.get_path("train.lr")`` are equivalent.
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_open")
 
-    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
-        object.__setattr__(self, "_data", {str(k): _freeze(v) for k, v in (data or {}).items()})
+    def __init__(self, data: Mapping[str, Any] | None = None, open_paths: frozenset[str] | set[str] = frozenset()) -> None:
+        data = data or {}
+        open_paths = frozenset(open_paths) | open_paths_of(data)
+        object.__setattr__(self, "_open", open_paths)
+        frozen = {}
+        for k, v in data.items():
+            inner = frozenset(p[len(k) + 1 :] for p in open_paths if p.startswith(f"{k}."))
+            frozen[str(k)] = _freeze(v, inner)
+        object.__setattr__(self, "_data", frozen)
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -289,8 +316,8 @@ class Config(Mapping[str, Any]):
             items = [parse_override(o) for o in overrides]
         data = self.to_dict()
         for path, value in items:
-            data = validate_against(data, _nest(path, value), f"{source} {'.'.join(path)}")
-        return Config(data)
+            data = validate_against(data, _nest(path, value), f"{source} {'.'.join(path)}", open_paths=self._open)
+        return Config(data, self._open)
 
 
 def default_config_path(stage: str) -> Path:
@@ -317,4 +344,4 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         data = validate_against(defaults, load_yaml_with_bases(path), str(path))
-    return Config(data).with_overrides(overrides)
+    return Config(data, open_paths_of(defaults)).with_overrides(overrides)

@@ -81,3 +81,14 @@ def test_config_is_immutable_and_digest_is_order_free() -> None:
     c = a.with_overrides(["x.y=5"])
     assert a.x.y == 1 and c.x.y == 5 and c.digest() != a.digest()
     assert c.to_dict() == {"x": {"y": 5, "z": [1, 2]}, "w": 2}
+
+
+def test_open_mapping_accepts_several_overrides_and_stays_open() -> None:
+    cfg = Config({"prepare": {"files": {}, "n": 1}})
+    cfg = cfg.with_overrides(["prepare.files.train=a.json"]).with_overrides(["prepare.files.val=b.json"])
+    cfg = cfg.with_overrides({"prepare.files.test": "c.json", "prepare.n": 2})
+    assert cfg.prepare.files.to_dict() == {"train": "a.json", "val": "b.json", "test": "c.json"}
+    with pytest.raises(ConfigError, match="unknown config key 'prepare.m'"):
+        cfg.with_overrides(["prepare.m=1"])
+    sub = cfg.prepare.with_overrides(["files.more=d.json"])
+    assert sub.files.more == "d.json"
