@@ -179,8 +179,10 @@ def test_shards_cover_every_image_exactly_once_and_merge(tmp_path, shared_data):
     shards = sorted((tmp_path / "feats.shards").iterdir())
     assert [p.name for p in shards] == ["0-of-2", "1-of-2"]
     assert [len(FeatureStore(p).keys()) for p in shards] == [3, 2]
-    n = merge_stores(shards, store)
-    assert n == 5 and len(FeatureStore(store).keys()) == 5
+    res = _extract("--store", str(store), "--merge-shards")
+    assert res.exit_code == 0 and "merged 2 shards (5 images)" in res.output, res.output
+    assert len(FeatureStore(store).keys()) == 5
+    assert merge_stores(shards, tmp_path / "again") == 5
     # COCO ids become keys for COCO file names
     assert sorted(FeatureStore(store).keys()) == ["000456.jpg", "000542.jpg", "001150.jpg", "131486", "84002"]
 
