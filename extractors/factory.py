@@ -58,10 +58,7 @@ def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any],
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        spec = model.spec.with_(min_size=min_size, max_size=max_size)
-        model.spec = spec
-        model.proposal_generator.spec = spec
-        model.roi_heads.spec = spec
+        spec = model.set_test_recipe(min_size=min_size, max_size=max_size).spec
         name = f"bottom-up-{info['layout']}"
     model = model.to(device).fold_batchnorm()
     identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": spec.to_dict()}}

@@ -226,3 +226,28 @@ def test_full_r101_on_two_real_photos_writes_a_valid_store(tmp_path, shared_data
         assert np.isfinite(rec["features"].astype(np.float32)).all() and (rec["features"] >= 0).all()
         b = rec["boxes"]
         assert (b[:, 2] <= rows[n]["img_w"]).all() and (b[:, 3] <= rows[n]["img_h"]).all() and (b[:, :2] >= 0).all()
+
+
+@pytest.mark.parametrize("layout,suffix", [("milvlg", ".pth"), ("hf", ".bin")])
+def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, layout, suffix):
+    from extract_helpers import tiny_spec
+    from extractors.weights import random_detector, save_layout, sha256_file
+
+    spec = tiny_spec(flavor="caffe" if layout == "milvlg" else "d2")
+    weights = save_layout(random_detector(spec, 3).state_dict(), layout, tmp_path / f"w{suffix}")
+    store = tmp_path / "s"
+    photos = [str(shared_data / "photos" / "000456.jpg"), str(shared_data / "photos" / "COCO_train2014_000000207647.jpg")]
+    res = _extract(*photos, "--weights", str(weights), "--store", str(store), "--boxes", "36", "--workers", "0",
+                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    assert res.exit_code == 0, res.output
+    st = FeatureStore(store)
+    assert st.identity["name"] == f"bottom-up-{layout}" and st.identity["weights_sha256"] == sha256_file(weights)
+    assert st.identity["config"]["spec"]["flavor"] == spec.flavor and st.identity["config"]["spec"]["min_size"] == 200
+    assert sorted(st.keys()) == ["000456.jpg", "207647"]
+    n = [st.get(k)["features"].shape[0] for k in st.keys()]
+    assert n == [36, 36] if layout == "milvlg" else all(10 <= x <= 36 for x in n)
+    # the same store refuses other weights (identity check) with a one-line usage error
+    other = save_layout(random_detector(spec, 4).state_dict(), layout, tmp_path / f"o{suffix}")
+    res = _extract(*photos, "--weights", str(other), "--store", str(store), "--boxes", "36", "--workers", "0",
+                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    assert res.exit_code == 2 and "different extractor" in res.output
