@@ -41,7 +41,8 @@ def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSp
 
 def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
     """-> (detector on ``device`` with folded BN, extractor identity dict for the store)."""
-    if preset != "auto" and preset not in available_extractors():
+    known = available_extractors()  # imports the preset modules so that the registry is filled
+    if preset != "auto" and preset not in known:
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
