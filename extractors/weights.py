@@ -22,7 +22,6 @@ files, whose exact contents extractor.md §10 marks unverified); the first misma
 from __future__ import annotations
 
 import hashlib
-import io
 import pickle
 import re
 from collections import OrderedDict
