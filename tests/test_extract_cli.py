@@ -251,3 +251,28 @@ def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, l
     res = _extract(*photos, "--weights", str(other), "--store", str(store), "--boxes", "36", "--workers", "0",
                    "--set", "extract.min_size=200", "--set", "extract.max_size=333")
     assert res.exit_code == 2 and "different extractor" in res.output
+
+
+def test_keys_inputs_and_shard_parsing(tmp_path, monkeypatch):
+    from extractors.run import image_key, items_from_paths, shard_items
+    from pipeline.commands.extract import _parse_shard
+    from pipeline.errors import UsageError
+
+    assert image_key(Path("/x/COCO_val2014_000000000042.jpg"), None) == "42"
+    assert image_key(Path("/x/000000391895.jpg"), None) == "391895"  # COCO 2017 naming
+    assert image_key(Path("/r/a/b/000456.jpg"), Path("/r")) == "a/b/000456.jpg"
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / ".hidden").mkdir()
+    for rel in ("a/b/x.JPG", "a/y.png", ".hidden/z.jpg", "a/notes.txt", "top.webp"):
+        (tmp_path / rel).write_bytes(b"?")
+    items = items_from_paths([tmp_path])
+    assert [i.key for i in items] == ["a/b/x.JPG", "a/y.png", "top.webp"]
+    assert [i.key for i in items_from_paths([str(tmp_path / "a" / "*.png")])] == ["y.png"]
+    parts = [shard_items(items, i, 2) for i in range(2)]
+    assert sorted(i.key for p in parts for i in p) == sorted(i.key for i in items) and len(parts[0]) == 2
+    assert _parse_shard("1/4") == (1, 4)
+    with pytest.raises(UsageError):
+        _parse_shard("4/4")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    assert _parse_shard(None) == (2, 3)  # torchrun: one shard per rank
