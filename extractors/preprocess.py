@@ -18,7 +18,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-ALLOWED_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # MPO: multi-picture JPEGs from phones
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # the JPEG opener also yields MPO (phone) files
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 DEFAULT_MAX_PIXELS = 100_000_000
 
