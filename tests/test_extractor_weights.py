@@ -182,3 +182,13 @@ def test_milvlg_file_with_batchnorm_counters_and_without_anchors_loads(tmp_path)
     loaded, info = W.load_detector(tmp_path / "bare.pth")
     assert info["layout"] == "milvlg" and not info["anchors_from_file"]
     assert loaded.proposal_generator.anchor_generator.cell_anchors[0][0].tolist() == [-38.0, -16.0, 53.0, 31.0]
+
+
+def test_airsplay_file_without_attribute_head(tmp_path):
+    """``faster_rcnn_from_caffe.pkl`` (no attribute head): loads as a detector without attribute outputs."""
+    spec = tiny_spec(flavor="d2", has_attributes=False)
+    path = W.save_layout(W.random_detector(spec, 0).state_dict(), "airsplay", tmp_path / "faster_rcnn_from_caffe.pkl")
+    model, info = W.load_detector(path)
+    assert info["layout"] == "airsplay" and not model.spec.has_attributes
+    assert not hasattr(model.roi_heads.box_predictor, "attr_linear1")
+    assert W.describe(path)["attributes"] == 0
