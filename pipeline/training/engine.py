@@ -232,8 +232,12 @@ class Trainer:
         prog = Progress(**{k: ckpt[k] for k in Progress.__dataclass_fields__})
         if prog.stage not in self.stages:
             raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
+        restore_rng_state(ckpt["rng"])
+        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
+            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
         if prog.stage_done:
-            log.info("resuming from %s: stage %s finished", last, prog.stage)
+            log.info("resuming from %s: stage %s finished, moving on", last, prog.stage)
+            self._log({"event": "resume", "stage": prog.stage, "stage_done": True, "global_step": prog.global_step})
             return prog, None
         state = self._new_stage(prog.stage)
         optimizer, schedule, scaler = state
@@ -242,9 +246,6 @@ class Trainer:
         if scaler is not None and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         apply_lr(optimizer, schedule.lr())
-        restore_rng_state(ckpt["rng"])
-        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
-            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
         log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
         self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
         return prog, state
