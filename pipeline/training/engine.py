@@ -385,7 +385,7 @@ class Trainer:
         while prog.epoch < recipe.epochs and not stop_early:
             batches = epoch_batches(self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching))
             t0, images, losses = time.perf_counter(), 0, []
-            for batch in self.train_source.iterate(batches[prog.position:]):
+            for batch in self.train_source.iterate(batches[prog.position:], seed * 100003 + prog.epoch * 1009 + prog.position):
                 stats = self._step(stage, recipe, batch, prog, optimizer, scaler)
                 apply_lr(optimizer, schedule.step())
                 prog.position += 1
