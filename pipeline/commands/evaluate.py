@@ -3,8 +3,9 @@
 Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
 
 * ``--predictions RESULTS.json --references CAPTIONS.json``: score an existing COCO results file (built).
-* ``--model CKPT [--split test]``: decode a split with a trained captioner, then score it (comes with the
-  training stage; exits 2 with a clear message for now).
+* ``--model CKPT --store STORE --data PREPARED [--split test]``: decode a split with a trained captioner
+  (its checkpoint's decoding settings), score it, write ``predictions_<split>.json`` (COCO results) and
+  ``metrics_<split>.json`` next to the checkpoint (or into ``--output``'s folder), print the table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented, resolve_config
+from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
 from pipeline.console import get_logger, stdout_console
 from pipeline.errors import UsageError
 
@@ -28,7 +29,8 @@ def register(app: typer.Typer) -> None:
             "Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).\n\n"
             "Examples:\n\n"
             "    butd-caption evaluate --predictions results.json --references captions_test.json\n\n"
-            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider"
+            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider\n\n"
+            "    butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test"
         ),
     )
     @guarded
@@ -43,7 +45,10 @@ def register(app: typer.Typer) -> None:
         metrics: Annotated[
             Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint to decode a split with (not built yet).")] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint (best.pt) to decode a split with.")] = None,
+        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model).")] = None,
+        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model).")] = None,
+        beam_size: Annotated[Optional[int], typer.Option("--beam-size", help="Override the checkpoint's beam size (with --model).")] = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model (evaluate.split).")] = None,
         config: ConfigOpt = None,
         set_: SetOpt = None,
@@ -61,9 +66,10 @@ def register(app: typer.Typer) -> None:
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
-            not_implemented(
-                "evaluating a checkpoint (--model)", "comes with training; meanwhile score a results file with --predictions/--references"
-            )
+            if store is None or data is None:
+                raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
+            _score_checkpoint(model, store, data, output, cfg.evaluate, {"beam_size": beam_size} if beam_size else {})
+            return
         if predictions is None or references is None:
             raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT)")
         _score_files(predictions, references, output, cfg.evaluate)
@@ -87,6 +93,22 @@ def _score_files(predictions: Path, references: Path, output: Path | None, secti
         payload = {"predictions": str(predictions), "references": str(references), **result.to_json(section.per_image)}
         atomic_write_json(output, payload)
         log.info("metrics written to %s", output)
+
+
+def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None, section: Any, decoding: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    from pipeline.fileio import atomic_write_json
+    from pipeline.training.api import evaluate_checkpoint
+
+    split = str(section.split)
+    res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding)
+    if output is not None:
+        atomic_write_json(output, {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")})
+    table = SimpleNamespace(metrics=res["metrics"], image_ids=range(res["num_images"]), tokenizer=res["tokenizer"],
+                            skipped=res["skipped"], notes=res["notes"])
+    _print_table(table, Path(f"{model.name} on {split}"))
+    log.info("predictions: %s, metrics: %s", res["predictions"], output or res["metrics_file"])
 
 
 def _print_table(result: Any, predictions: Path) -> None:
