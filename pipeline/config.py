@@ -105,6 +105,25 @@ def load_yaml_with_bases(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict
     return deep_merge(merged, data)
 
 
+def open_paths_in_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> frozenset[str]:
+    """Open mappings (``{}``) declared by ``path`` or any file in its ``_base_`` chain.
+
+    A mapping that a base declares open stays open even when a later file fills it with defaults.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
+        return frozenset()
+    data = _read_yaml(path)
+    bases = data.pop(BASE_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    out = set(open_paths_of(data))
+    for base in bases if isinstance(bases, list) else []:
+        base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        out |= open_paths_in_chain(base_path, (*_seen, path))
+    return frozenset(out)
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -338,10 +357,11 @@ def load_config(
         overrides: ``key=value`` strings or a mapping of dotted keys.
     """
     defaults = load_yaml_with_bases(default_config_path(stage))
+    open_paths = open_paths_in_chain(default_config_path(stage))
     data = defaults
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        data = validate_against(defaults, load_yaml_with_bases(path), str(path))
-    return Config(data, open_paths_of(defaults)).with_overrides(overrides)
+        data = validate_against(defaults, load_yaml_with_bases(path), str(path), open_paths=open_paths)
+    return Config(data, open_paths).with_overrides(overrides)

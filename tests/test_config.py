@@ -92,3 +92,14 @@ def test_open_mapping_accepts_several_overrides_and_stays_open() -> None:
         cfg.with_overrides(["prepare.m=1"])
     sub = cfg.prepare.with_overrides(["files.more=d.json"])
     assert sub.files.more == "d.json"
+
+
+def test_open_mapping_declared_in_a_base_stays_open(tmp_path: Path) -> None:
+    write(tmp_path / "base.yaml", "train: {xe: {}, n: 1}\n")
+    write(tmp_path / "child.yaml", "_base_: base.yaml\ntrain: {xe: {epochs: 3}}\n")
+    import pipeline.config as pc
+
+    assert pc.open_paths_in_chain(tmp_path / "child.yaml") == frozenset({"train.xe"})
+    data = pc.load_yaml_with_bases(tmp_path / "child.yaml")
+    cfg = Config(data, pc.open_paths_in_chain(tmp_path / "child.yaml")).with_overrides(["train.xe.lr=0.1"])
+    assert cfg.train.xe.to_dict() == {"epochs": 3, "lr": 0.1}

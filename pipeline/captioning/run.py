@@ -99,7 +99,7 @@ def caption_photos(
         log.warning("the captioner was trained on features of another detector (%s); captions may be poor",
                     trained_with.get("name", "unknown"))
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
-    max_boxes = cfg.max_boxes if cfg.max_boxes is not None else ckpt.get("max_boxes")
+    max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels))
     expected = getattr(captioner, "feat_dim", None)
 
