@@ -39,13 +39,18 @@ def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSp
         raise UsageError(f"invalid extract.spec: {exc}") from None
 
 
-def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
-    """-> (detector on ``device`` with folded BN, extractor identity dict for the store)."""
+def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int | None, max_size: int | None, seed: int, device: torch.device):
+    """-> (detector on ``device`` with folded BN, extractor identity dict for the store).
+
+    ``min_size`` / ``max_size`` ``None`` keep the spec's input scale (600/1000 for the public presets, the
+    trained scale of a ``butd`` file).
+    """
     if preset != "auto" and preset not in available_extractors():
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
-        spec = _spec_overrides(spec, dict(spec_overrides)).with_(min_size=min_size, max_size=max_size)
+        spec = _spec_overrides(spec, dict(spec_overrides))
+        spec = spec.with_(min_size=spec.min_size if min_size is None else min_size, max_size=spec.max_size if max_size is None else max_size)
         log.warning("=" * 60)
         log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)
         log.warning("use this for smoke tests and benchmarks only.")
@@ -58,7 +63,8 @@ def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any],
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        spec = model.spec.with_(min_size=min_size, max_size=max_size)
+        spec = model.spec.with_(min_size=model.spec.min_size if min_size is None else min_size,
+                                max_size=model.spec.max_size if max_size is None else max_size)
         model.spec = spec
         model.proposal_generator.spec = spec
         model.roi_heads.spec = spec
