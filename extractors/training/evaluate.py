@@ -40,6 +40,18 @@ def _attribute_probs(model: BottomUpDetector, blob: torch.Tensor, boxes: torch.T
     return model.attr_probs(attr_logits.float())
 
 
+def match_objects(gt: torch.Tensor, det: torch.Tensor, iou: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per ground-truth box (G, 4): (hit mask, index of its best selected box among ``det`` (D, 4)).
+
+    Boxes are inclusive pixel boxes; IoU uses ``+1`` areas like the rest of the Caffe pipeline. A box may match
+    several objects (proposal recall, not one-to-one detection matching).
+    """
+    if gt.shape[0] == 0 or det.shape[0] == 0:
+        return torch.zeros(gt.shape[0], dtype=torch.bool), torch.zeros(gt.shape[0], dtype=torch.long)
+    best_iou, best = box_coding.legacy_iou(gt.float(), det.float()).max(dim=1)
+    return best_iou >= iou, best
+
+
 def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: str | Path | None, classes: list[str],
                    attributes: list[str] | None = None, *, rule: SelectionRule | None = None, iou: float = 0.5,
                    attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
@@ -71,9 +83,7 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         if gt.shape[0] == 0 or out.boxes.shape[0] == 0:
             continue
         det_boxes = torch.from_numpy(out.boxes)
-        overlaps = box_coding.legacy_iou(gt, det_boxes)  # (G, D)
-        best_iou, best = overlaps.max(dim=1)
-        hit = best_iou >= iou
+        hit, best = match_objects(gt, det_boxes, iou)
         found += int(hit.sum())
         pred_cls = torch.from_numpy(out.class_ids)[best] + 1  # store ids are 0-based foreground ids
         cls_ok += int((pred_cls[hit] == torch.from_numpy(rec.labels)[hit]).sum())
