@@ -260,3 +260,19 @@ def test_sigkill_resume_is_bitwise_identical(tiny_world, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
     ca, cb = load_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt"), load_checkpoint(ckpt)
     assert all(torch.equal(ca["optimizer"]["state"][i]["momentum_buffer"], cb["optimizer"]["state"][i]["momentum_buffer"]) for i in ca["optimizer"]["state"])
+
+
+def test_ddp_two_processes_gloo(tiny_world, tmp_path):
+    """torchrun with 2 CPU processes (gloo): trains, rank 0 writes the stage, the checkpoint holds both RNG states."""
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "cli.py"), "train-detector",
+           "-c", str(TINY), "--world", str(tiny_world), "--out", str(out), "-q", "--set", "train.max_iter=6", "--set", "train.steps=[5]",
+           "--set", "train.images_per_batch=1", "--set", "data.eval_annotations=null"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ck = load_checkpoint(out / "checkpoints" / "last.pt")
+    assert ck["iteration"] == 6 and len(ck["rng"]) == 2
+    assert not torch.equal(ck["rng"][0]["torch"], ck["rng"][1]["torch"])  # each process samples its own anchors/RoIs
+    assert json.loads((out / "manifest.json").read_text())["summary"]["iterations"] == 6
+    assert describe(out / "detector.pth")["layout"] == "butd"

@@ -99,6 +99,16 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
     return det
 
 
+def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer:
+    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``train.optimizer: adamw``; see the demo preset)."""
+    groups = param_groups(model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor))
+    if str(tc.optimizer) == "sgd":
+        return torch.optim.SGD(groups, lr=float(tc.base_lr), momentum=float(tc.momentum))
+    if str(tc.optimizer) == "adamw":
+        return torch.optim.AdamW(groups, lr=float(tc.base_lr), betas=(float(tc.momentum), 0.999))
+    raise UsageError(f"train.optimizer must be sgd or adamw, not {tc.optimizer!r}")
+
+
 def _sampling_kwargs(cfg: Config) -> dict[str, Any]:
     d = cfg.sampling.to_dict()
     d.pop("rpn_pre_nms_topk")
@@ -197,8 +207,7 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     model.train()
     batches = TrainBatches(data.records, int(tc.images_per_batch), int(tc.seed), min_size, max_size, spec.pixel_means,
                            bool(cfg.data.flip), dist.rank, dist.world)
-    optimizer = torch.optim.SGD(param_groups(model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias),
-                                             float(tc.bias_lr_factor)), lr=float(tc.base_lr), momentum=float(tc.momentum))
+    optimizer = build_optimizer(model, tc)
     scaler = torch.amp.GradScaler(device.type, enabled=str(tc.precision) == "fp16")
     ckpt_path = stage_dir / CHECKPOINT
     identity = _training_identity(cfg)

@@ -46,9 +46,15 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--world {world}: no annotations/instances_train.json (write one with `demo --generate-only`)")
             overrides = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
                          f"data.eval_annotations={world / 'annotations' / 'instances_test.json'}", f"data.eval_images={world / 'images'}"] + overrides
-        cfg = resolve_config("train_detector", config, overrides)
+        from extractors.training.loop import dist_info
         from extractors.training.stage import train_detector
 
+        rank = dist_info().rank
+        cfg = resolve_config("train_detector", config, overrides, show=rank == 0)
+        if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
+            out.mkdir(parents=True, exist_ok=True)
+            train_detector(out, cfg)
+            return
         result = run_stage(out.parent if out.name else out, out.name, cfg, train_detector, force=force)
         con = stdout_console()
         s = result.summary
