@@ -57,7 +57,8 @@ def load_for_inference(
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
-        spec = _spec_overrides(spec, dict(spec_overrides)).with_(min_size=min_size or 600, max_size=max_size or 1000)
+        spec = _spec_overrides(spec, dict(spec_overrides))
+        spec = spec.with_(min_size=spec.min_size if min_size is None else min_size, max_size=spec.max_size if max_size is None else max_size)
         log.warning("=" * 60)
         log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)
         log.warning("use this for smoke tests and benchmarks only.")
@@ -70,7 +71,10 @@ def load_for_inference(
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        spec = model.set_test_recipe(min_size=min_size or model.spec.min_size, max_size=max_size or model.spec.max_size).spec
+        spec = model.set_test_recipe(
+            min_size=model.spec.min_size if min_size is None else min_size,
+            max_size=model.spec.max_size if max_size is None else max_size,
+        ).spec
         name = f"bottom-up-{info['layout']}"
     model = model.to(device).fold_batchnorm()
     identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": spec.to_dict()}}

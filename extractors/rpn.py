@@ -97,8 +97,13 @@ class RPN(nn.Module):
         anchors = self.anchor_generator(feat.shape[-2], feat.shape[-1])
         return [self._select(scores[i], deltas[i], anchors, image_sizes[i], scales[i]) for i in range(feat.shape[0])]
 
-    def _select(self, scores: torch.Tensor, deltas: torch.Tensor, anchors: torch.Tensor, size: tuple[int, int], scale: float) -> torch.Tensor:
+    def _select(self, scores: torch.Tensor, deltas: torch.Tensor, anchors: torch.Tensor, size: tuple[int, int], scale: float,
+                pre_nms_topk: int | None = None, post_nms_topk: int | None = None) -> torch.Tensor:
+        """One image's proposals; ``pre_nms_topk`` / ``post_nms_topk`` override the spec's test values (training
+        uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
         s = self.spec
+        pre = s.pre_nms_topk if pre_nms_topk is None else pre_nms_topk
+        post = s.post_nms_topk if post_nms_topk is None else post_nms_topk
         h, w = size
         if self.legacy:
             boxes = box_coding.decode(deltas, anchors, (1.0, 1.0, 1.0, 1.0), legacy=True, scale_clamp=s.scale_clamp)
@@ -110,14 +115,14 @@ class RPN(nn.Module):
                 # would fail on it - we fall back to the whole image as the single proposal
                 return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
             boxes, scores = boxes[keep], scores[keep]
-            order = torch.argsort(scores, descending=True, stable=True)[: s.pre_nms_topk]
+            order = torch.argsort(scores, descending=True, stable=True)[:pre]
             boxes, scores = boxes[order], scores[order]
         else:
-            order = torch.argsort(scores, descending=True, stable=True)[: s.pre_nms_topk]
+            order = torch.argsort(scores, descending=True, stable=True)[:pre]
             boxes = box_coding.decode(deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), legacy=False, scale_clamp=s.scale_clamp)
             scores = scores[order]
             boxes = box_coding.clip(boxes, h, w, legacy=False)
             keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)
             boxes, scores = boxes[keep], scores[keep]
-        keep = box_coding.nms_boxes(boxes, scores, s.rpn_nms_thresh, legacy=self.legacy)[: s.post_nms_topk]
+        keep = box_coding.nms_boxes(boxes, scores, s.rpn_nms_thresh, legacy=self.legacy)[:post]
         return boxes[keep]

@@ -11,6 +11,10 @@ Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths
   ``attr_score``; no ``num_batches_tracked``; ``cell_anchors.0`` optional.
 * ``hf`` - HF ``unc-nlp/frcnn-vg-finetuned`` ``pytorch_model.bin``: torch state dict with the airsplay names
   plus ``num_batches_tracked`` for all 104 norms and ``cell_anchors.0`` (640 keys for R-101).
+* ``butd`` - detectors trained by this project (``cli train-detector``): a torch file
+  ``{"format": "butd-caption-detector", "version": 1, "spec": {...}, "model": state dict, "classes": [...],
+  "attributes": [...]}`` with the MILVLG key names and caffe semantics; the architecture and test-time recipe
+  (anchors, input scale) come from its ``spec``, not from guessing, and ``cell_anchors.0`` is required.
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
@@ -34,7 +38,9 @@ import torch
 from extractors.spec import BottomUpSpec
 from pipeline.errors import PipelineError, UsageError
 
-LAYOUTS = ("milvlg", "airsplay", "hf")
+LAYOUTS = ("milvlg", "airsplay", "hf", "butd")
+BUTD_FORMAT = "butd-caption-detector"
+BUTD_VERSION = 1
 D2_RENAMES = (
     ("roi_heads.box_predictor.cls_embed.", "roi_heads.box_predictor.cls_embedding."),
     ("roi_heads.box_predictor.attr_linear1.", "roi_heads.box_predictor.fc_attr."),
@@ -135,7 +141,7 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
             table[nbt] = ()
             if layout != "hf":  # BatchNorm2d counters: absent from the public files (§3.5, §4.4), tolerated
                 optional.add(nbt)
-    if layout != "hf":
+    if layout not in ("hf", "butd"):  # our own files always carry their anchors
         optional.add(ANCHOR_KEY)
     return table, optional
 
@@ -143,6 +149,12 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
 # --------------------------------------------------------------------------------------------------------
 def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
     """Read a weights file -> (layout, flat state dict of tensors) without checking shapes."""
+    layout, sd, _ = read_weights(path)
+    return layout, sd
+
+
+def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]", dict[str, Any]]:
+    """Read a weights file -> (layout, flat state dict, metadata of a ``butd`` file or ``{}``)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"weights file not found: {path}")
@@ -156,6 +168,12 @@ def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise WeightsError(f"weights file {path} cannot be read with torch.load(weights_only=True): {first}") from None
         container = "torch"
+    meta: dict[str, Any] = {}
+    if isinstance(obj, Mapping) and obj.get("format") == BUTD_FORMAT:
+        if obj.get("version") != BUTD_VERSION or not isinstance(obj.get("spec"), Mapping):
+            raise WeightsError(f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} or without 'spec'")
+        meta = {k: v for k, v in obj.items() if k != "model"}
+        container = "butd"
     if isinstance(obj, Mapping) and "model" in obj and isinstance(obj["model"], Mapping):
         obj = obj["model"]
     if not isinstance(obj, Mapping) or not obj:
@@ -173,7 +191,7 @@ def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
         if not isinstance(v, torch.Tensor):
             raise WeightsError(f"weights file {path}: key '{k}' is a {type(v).__name__}, not an array")
         sd[k] = v
-    return _detect_layout(path, sd, container), sd
+    return _detect_layout(path, sd, container), sd, meta
 
 
 def _detect_layout(path: Path, sd: Mapping[str, torch.Tensor], container: str) -> str:
@@ -182,6 +200,8 @@ def _detect_layout(path: Path, sd: Mapping[str, torch.Tensor], container: str) -
     caffe_names = any(k.startswith(a) for a, _ in D2_RENAMES for k in sd)
     if container == "pickle":
         return "airsplay"
+    if container == "butd":
+        return "butd"
     if caffe_names and not d2_names:
         return "milvlg"
     if d2_names and not caffe_names:
@@ -258,6 +278,19 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
     )
 
 
+def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpSpec:
+    """The :class:`BottomUpSpec` stored in a ``butd`` file (lists back to tuples; unknown keys refused)."""
+    raw = dict(meta.get("spec", {}))
+    known = set(BottomUpSpec().to_dict())
+    bad = sorted(set(raw) - known)
+    if bad:
+        raise WeightsError(f"weights file {path} (butd): unknown spec key '{bad[0]}'")
+    try:
+        return BottomUpSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    except (TypeError, ValueError) as exc:
+        raise WeightsError(f"weights file {path} (butd): invalid spec ({exc})") from None
+
+
 def check_strict(path: str | Path, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -> None:
     """Raise :class:`WeightsError` naming the first missing / unexpected / mis-shaped key."""
     table, optional = expected_table(layout, spec)
@@ -291,8 +324,8 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     """
     from extractors.bottom_up import BottomUpDetector
 
-    layout, sd = read_raw(path)
-    inferred = infer_spec(layout, sd, path)
+    layout, sd, meta = read_weights(path)
+    inferred = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     if spec is None:
         spec = inferred
     elif spec.flavor != inferred.flavor:
@@ -305,6 +338,9 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     if bad:  # cannot happen after check_strict; kept as a guard against table drift
         raise WeightsError(f"weights file {path} ({layout}): key '{bad[0]}' does not fit the model")
     info = {"layout": layout, "weights_sha256": sha256_file(path), "weights_file": Path(path).name, "spec": spec.to_dict(), "anchors_from_file": ANCHOR_KEY in sd}
+    if layout == "butd":
+        info["classes"] = list(meta.get("classes", []))
+        info["attributes"] = list(meta.get("attributes", []))
     return model.to(device), info
 
 
@@ -370,8 +406,8 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
 
 def describe(path: str | Path) -> dict[str, Any]:
     """Layout, architecture and digest of a weights file (for ``cli info``); strict-checks it too."""
-    layout, sd = read_raw(path)
-    spec = infer_spec(layout, sd, path)
+    layout, sd, meta = read_weights(path)
+    spec = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     check_strict(path, layout, sd, spec)
     n_params = int(sum(v.numel() for k, v in sd.items() if not k.endswith(NBT)))
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
@@ -386,4 +422,6 @@ def describe(path: str | Path) -> dict[str, Any]:
         "elements": n_params,
         "anchors_in_file": ANCHOR_KEY in sd,
         "sha256": sha256_file(path),
+        **({"input_scale": f"{spec.min_size}/{spec.max_size}", "class_names": ", ".join(map(str, meta.get("classes", []))),
+            "attribute_names": ", ".join(map(str, meta.get("attributes", []))), "trained": meta.get("training", {})} if layout == "butd" else {}),
     }

@@ -10,6 +10,7 @@ COMMAND_MODULES = (
     "pipeline.commands.import_features",
     "pipeline.commands.prepare",
     "pipeline.commands.train",
+    "pipeline.commands.train_detector",
     "pipeline.commands.evaluate",
     "pipeline.commands.caption",
     "pipeline.commands.demo",

@@ -148,7 +148,7 @@ def run(paths, weights, store, cfg, coco, image_root, file_list, shard, limit, s
 
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     model, identity = build_for_extract(weights, str(cfg.preset), cfg.spec.to_dict() if hasattr(cfg.spec, "to_dict") else dict(cfg.spec),
-                                        int(cfg.min_size), int(cfg.max_size), int(cfg.random_seed), dev)
+                                        None if cfg.min_size is None else int(cfg.min_size), None if cfg.max_size is None else int(cfg.max_size), int(cfg.random_seed), dev)
     model.roi_chunk = int(cfg.roi_chunk)
     identity["config"]["precision"] = str(cfg.precision)
     identity["config"]["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh}
