@@ -83,17 +83,17 @@ def test_demo_generate_only_is_resumable_and_skips_when_done(tmp_path: Path) -> 
 
 
 def test_interrupted_stage_resumes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    first = cli("demo", "--out", str(out), "--num-images", "10")
+    out = tmp_path / "run" / "world"
+    first = cli("demo", "--generate-only", "--out", str(out), "--num-images", "10")
     assert first.returncode == 0, first.stderr
-    (out / "world" / "manifest.json").unlink()  # as if killed before the manifest was written
-    (out / "world" / "running.json").write_text(json.loads(json.dumps('{"stage": "world"}')))
-    victim = out / "world" / "images" / "world_000003.jpg"
+    (out / "manifest.json").unlink()  # as if killed before the manifest was written
+    (out / "running.json").write_text('{"stage": "world"}')
+    victim = out / "images" / "world_000003.jpg"
     victim.unlink()
-    res = cli("demo", "--out", str(out), "--num-images", "10")
+    res = cli("demo", "--generate-only", "--out", str(out), "--num-images", "10")
     assert res.returncode == 0, res.stderr
     assert "resuming" in res.stderr and victim.exists()
-    assert (out / "world" / "manifest.json").exists() and not (out / "world" / "running.json").exists()
+    assert (out / "manifest.json").exists() and not (out / "running.json").exists()
 
 
 @pytest.mark.parametrize("cmd", ["extract", "import-features", "prepare", "train", "caption"])
@@ -110,7 +110,7 @@ def test_info_shows_environment_and_run_dirs(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "torch" in res.stdout and "torchvision ops" in res.stdout and "ok" in res.stdout
     run = tmp_path / "run"
-    assert cli("demo", "--out", str(run), "--num-images", "8").returncode == 0
+    assert cli("demo", "--generate-only", "--out", str(run / "world"), "--num-images", "8").returncode == 0
     res = cli("info", str(run))
     assert res.returncode == 0 and "world" in res.stdout and "done" in res.stdout
     missing = cli("info", str(tmp_path / "nothing"))

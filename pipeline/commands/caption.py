@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"caption.n_best={n_best}")
         if beam_size is not None:
             overrides.append(f"caption.beam_size={beam_size}")
-        cfg = resolve_config("caption", config, overrides, show=verbose).caption
+        cfg = resolve_config("caption", config, overrides).caption
         from pipeline.captioning.run import caption_photos
 
         caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache)

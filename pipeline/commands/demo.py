@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"world.num_images={num_images}")
         if seed is not None:
             overrides.append(f"world.seed={seed}")
-        cfg = resolve_config("demo", config, overrides, show=verbose)
+        cfg = resolve_config("demo", config, overrides)
         names = [m.strip() for m in (models.split(",") if models else cfg.demo.models) if m.strip()]
         if not names:
             raise UsageError("--models needs at least one captioner name")
