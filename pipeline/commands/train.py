@@ -1,25 +1,48 @@
-"""`cli train`: Train a captioner (cross-entropy, then self-critical CIDEr-D)."""
+"""`cli train`: Train a captioner (cross-entropy, then self-critical CIDEr-D) into RUN/train-<model>."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented
+from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.console import is_main_process, stdout_console
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "train",
-        help="Train a captioner (cross-entropy, then self-critical CIDEr-D).\n\nExample:\n\n    butd-caption train --config configs/train.yaml --set model.name=ngsan",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help=(
+            "Train a captioner: cross-entropy, then self-critical CIDEr-D, with the paper schedule of "
+            "configs/models/<model>.yaml. Writes OUT/train-<model>/ (last.pt, best.pt, xe.pt, log.jsonl); an "
+            "interrupted run resumes from the exact batch when the command is run again.\n\nExamples:\n\n"
+            "    butd-caption train --out runs/coco --set train.model=ngsan\n\n"
+            "    butd-caption train --out runs/w --set train.model=san --set train.xe.epochs=5 --set train.stages=[xe]\n\n"
+            "    torchrun --nproc_per_node 8 cli.py train --out runs/coco --set train.model=m2"
+        ),
     )
     @guarded
     def train_command(
-        ctx: typer.Context,
+        out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (train.store / train.data default to OUT/features/store and OUT/data).")] = Path("runs/train"),
         config: ConfigOpt = None,
         set_: SetOpt = None,
+        force: ForceOpt = False,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        not_implemented("`train`", "issue 5, training")
+        from pipeline.training.api import train_captioner
+
+        cfg = resolve_config("train", config, set_, show=verbose)
+        result = train_captioner(out, cfg, force=force)
+        if not is_main_process():
+            return
+        con = stdout_console()
+        con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
+        best = result.summary.get("best") or {}
+        if best:
+            con.print(f"best {best.get('metric')}: {best.get('value'):.4f} ({best.get('stage')} epoch {best.get('epoch')})", highlight=False)
+        for key, rel in result.outputs.items():
+            con.print(f"{key}: {result.directory / rel}", highlight=False)

@@ -25,6 +25,10 @@ Built from a YAML ``schedule:`` mapping by :func:`build_schedule`; ``type`` pick
     improved (relative threshold, mode max or min) for more than ``patience`` epochs, as
     ``torch.optim.lr_scheduler.ReduceLROnPlateau`` does. AoANet SCST: factor 0.5, patience 3.
 ``constant`` (M2 SCST: 5e-6)
+``gradual`` (BAN, models.md §4.4)
+    lr = lr0 * warmup_factors[epoch] for the first epochs (BAN: x0.5, 1, 1.5, 2 over epochs 0-3), then
+    lr0 * warmup_factors[-1] * rate^m with m = the number of decay epochs ``decay_start, decay_start +
+    decay_every, ...`` that are <= epoch (BAN: x0.25 at epochs 10, 12, 14, ...).
 """
 
 from __future__ import annotations
@@ -216,6 +220,32 @@ class PlateauSchedule(Schedule):
         self.best = None if state["best"] is None else float(state["best"])
         self.bad_epochs = int(state["bad_epochs"])
         self.reductions = int(state["reductions"])
+
+
+@SCHEDULES.register("gradual")
+class GradualSchedule(Schedule):
+    name = "gradual"
+    params = {"lr": 1e-3, "warmup_factors": [0.5, 1.0, 1.5, 2.0], "decay_start": 10, "decay_every": 2, "decay_rate": 0.25}
+
+    def __init__(
+        self, lr: float = 1e-3, warmup_factors: list | None = None, decay_start: int = 10, decay_every: int = 2, decay_rate: float = 0.25
+    ) -> None:
+        super().__init__()
+        factors = [0.5, 1.0, 1.5, 2.0] if warmup_factors is None else [float(f) for f in warmup_factors]
+        if not factors or decay_every < 1:
+            raise ConfigError("gradual schedule needs at least one warm-up factor and decay_every >= 1")
+        self.lr_value, self.warmup_factors = float(lr), factors
+        self.decay_start, self.decay_every, self.decay_rate = int(decay_start), int(decay_every), float(decay_rate)
+
+    def config(self) -> dict[str, Any]:
+        return {"type": self.name, "lr": self.lr_value, "warmup_factors": list(self.warmup_factors),
+                "decay_start": self.decay_start, "decay_every": self.decay_every, "decay_rate": self.decay_rate}
+
+    def lr(self) -> float:
+        if self.epoch < len(self.warmup_factors):
+            return self.lr_value * self.warmup_factors[self.epoch]
+        m = (self.epoch - self.decay_start) // self.decay_every + 1 if self.epoch >= self.decay_start else 0
+        return self.lr_value * self.warmup_factors[-1] * self.decay_rate**m
 
 
 def build_schedule(spec: Mapping[str, Any], where: str = "schedule") -> Schedule:

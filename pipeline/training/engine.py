@@ -1,0 +1,409 @@
+"""The training loop: cross-entropy then SCST, validation, best/last checkpoints, exact resume, DDP, AMP.
+
+Per step (both stages): batch -> loss *sum* and count -> loss = sum * world / global count (the global
+token mean, :mod:`.distributed`) -> non-finite check on every rank (stop, last good checkpoint kept) ->
+backward (GradScaler only for fp16) -> clipping (value and/or norm) -> optimiser step -> schedule step.
+
+Exact resume: ``last.pt`` (atomic) is written every ``checkpoint_every`` steps, at every epoch end and
+when a stage finishes; it holds weights, optimiser/schedule/scaler states, every RNG state, the stage, the
+epoch and the number of batches done in it (``position``). The epoch's batch order is a pure function of
+(seed, stage, epoch), so a resumed run recomputes it, skips ``position`` batches and continues
+bit-identically (CPU, one process). A checkpoint marked ``stage_done`` moves on to the next stage.
+SIGTERM/SIGINT set a flag; the loop saves at the next step boundary and stops (:class:`TrainingInterrupted`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models import build_captioner, model_config
+from models.decoding import DecodeOptions, decoding_options
+from pipeline.captions.prepared import PreparedCaptions
+from pipeline.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases
+from pipeline.console import get_logger
+from pipeline.data import CaptionDataset
+from pipeline.errors import PipelineError, UsageError
+from pipeline.fileio import atomic_write_bytes
+from pipeline.metrics.cider import CiderD
+from pipeline.store import FeatureStore
+from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
+from pipeline.training.checkpoints import check_compatible, read_training_checkpoint
+from pipeline.training.distributed import DistContext, any_rank, global_mean_factor
+from pipeline.training.recipe import StageRecipe, stage_recipe
+from pipeline.training.schedules import apply_lr, build_schedule
+from pipeline.training.scst_step import greedy_rewards, scst_loss
+from pipeline.training.validation import autocast, decode_split, score_split
+from pipeline.training.xe import xe_loss_sum
+
+log = get_logger("train")
+
+STAGES = ("xe", "scst")
+STAGE_SEED_OFFSET = {"xe": 0, "scst": 7919}
+
+
+class TrainingInterrupted(PipelineError):
+    """Stopped by SIGTERM/SIGINT after saving; rerunning the command resumes."""
+
+    exit_code = 130
+
+
+@dataclass
+class Progress:
+    """Counters saved in every checkpoint."""
+
+    stage: str = "xe"
+    stage_done: bool = False
+    epoch: int = 0
+    position: int = 0
+    iteration: int = 0
+    global_step: int = 0
+    bad_epochs: int = 0
+    best: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    return value.to_dict() if hasattr(value, "to_dict") else dict(value)
+
+
+class _Policy(nn.Module):
+    """What DDP wraps: one forward computes a stage's loss sum (so DDP's hooks see every used parameter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, kind: str, batch: dict[str, Any], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        if kind == "xe":
+            loss, count = xe_loss_sum(self.model, batch, **kwargs)
+            return loss, float(count)
+        out = scst_loss(self.model, batch, **kwargs)
+        return out.loss_sum, out
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    if amp == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    if amp not in ("none", "bf16", "fp16"):
+        raise UsageError(f"train.amp must be auto, none, bf16 or fp16, got {amp!r}")
+    if amp == "fp16" and device.type != "cuda":
+        raise UsageError("train.amp=fp16 needs CUDA; use bf16 or none on CPU")
+    return amp
+
+
+def build_optimizer(recipe: StageRecipe, params: Any) -> torch.optim.Optimizer:
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax, "sgd": torch.optim.SGD}[recipe.optimizer]
+    return cls(params, lr=0.0, **recipe.optimizer_kwargs)
+
+
+class Trainer:
+    """Trains ``cfg.model`` on (``cfg.store``, ``cfg.data``) into ``stage_dir`` (see the module docstring)."""
+
+    def __init__(self, stage_dir: Path, cfg: Config, ctx: DistContext) -> None:
+        self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
+        if cfg.store is None or cfg.data is None:
+            raise UsageError("train.store (feature store) and train.data (prepared captions folder) are required")
+        unknown = [s for s in cfg.stages if s not in STAGES]
+        if unknown or not cfg.stages:
+            raise UsageError(f"train.stages must be a non-empty list of xe, scst; got {list(cfg.stages)}")
+        self.stages = [s for s in STAGES if s in cfg.stages]
+        self.data = PreparedCaptions.load(cfg.data)
+        self.vocab = self.data.vocab
+        store = FeatureStore(cfg.store)
+        self.train_set = CaptionDataset(store, self.data, "train", max_boxes=cfg.max_boxes)
+        val = cfg.validation
+        self.val_set = CaptionDataset(store, self.data, val.split, max_boxes=cfg.max_boxes) if val.split else None
+        self.references = self.data.references()
+        overrides = _plain(cfg.model_overrides)
+        base_model_cfg = model_config(cfg.model)
+        if "feat_dim" in base_model_cfg and "feat_dim" not in overrides:
+            overrides["feat_dim"] = int(store.feature_dim)
+        self.model_cfg = model_config(cfg.model, overrides).to_dict()
+        self.model = build_captioner(cfg.model, len(self.vocab), **self.model_cfg).to(ctx.device)
+        yaml_path = CONFIG_DIR / "models" / f"{cfg.model}.yaml"
+        schedule = load_yaml_with_bases(yaml_path).get("schedule") or {}
+        self.recipes = {s: stage_recipe(s, schedule, _plain(cfg[s]), cfg.default_epochs, f"{yaml_path}: schedule")
+                        for s in self.stages}
+        self.decoding = decoding_options(cfg.model, _plain(cfg.decoding))
+        self.val_decoding = DecodeOptions.from_mapping({**asdict(self.decoding), **_plain(val.decoding)})
+        self.amp = resolve_amp(cfg.amp, ctx.device)
+        preload = choose_preload(cfg.preload, [d for d in (self.train_set, self.val_set) if d is not None], ctx.device, cfg.preload_fraction)
+        log.info("model %s (%.2fM parameters), %d train images, device %s, amp %s, features %s, %d process(es)",
+                 cfg.model, sum(p.numel() for p in self.model.parameters()) / 1e6, len(self.train_set), ctx.device, self.amp,
+                 preload, ctx.world)
+        self.train_source = BatchSource(self.train_set, preload, ctx.device, cfg.num_workers)
+        self.val_source = BatchSource(self.val_set, preload, ctx.device, cfg.num_workers) if self.val_set else None
+        self.policy: nn.Module = _Policy(self.model)
+        if ctx.distributed:
+            self.policy = nn.parallel.DistributedDataParallel(
+                self.policy, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                find_unused_parameters=bool(cfg.find_unused_parameters),
+            )
+        self._scorer: CiderD | None = None
+        self._stop_signal: int | None = None
+        self._tb = None
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    @property
+    def metric(self) -> str:
+        return str(self.cfg.validation.metric)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.ctx.main:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.dir / "log.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record.get("global_step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("time", "global_step", "epoch", "iteration"):
+                    self._tb.add_scalar(f"{record.get('event')}/{record.get('stage')}/{k}", v, step)
+
+    def _payload(self, kind: str, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "kind": kind,
+            "model": {"name": self.cfg.model, "config": self.model_cfg, "vocab_size": len(self.vocab)},
+            "vocab": list(self.vocab.words),
+            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "decoding": asdict(self.decoding),
+            **asdict(prog),
+            "train_config": self.cfg.to_dict(),
+        }
+        if kind == "train":
+            payload.update(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
+                           scaler=scaler.state_dict() if scaler is not None else {}, rng=capture_rng_state())
+        return payload
+
+    def _save(self, name: str, payload: dict[str, Any]) -> None:
+        if self.ctx.main:
+            save_checkpoint(self.dir / name, payload)
+
+    def _signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self._stop_signal is None:
+            log.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
+        self._stop_signal = signum
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def _new_stage(self, stage: str) -> tuple[Any, Any, Any]:
+        recipe = self.recipes[stage]
+        optimizer = build_optimizer(recipe, self.model.parameters())
+        schedule = build_schedule(recipe.schedule, f"{self.cfg.model} schedule.{stage}")
+        apply_lr(optimizer, schedule.lr())
+        scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
+        return optimizer, schedule, scaler
+
+    def _load_weights(self, path: Path) -> dict[str, Any]:
+        ckpt = read_training_checkpoint(path)
+        check_compatible(ckpt, path, self.cfg.model, self.model_cfg, self.vocab)
+        self.model.load_state_dict(ckpt["weights"])
+        return ckpt
+
+    def _resume(self) -> tuple[Progress, tuple[Any, Any, Any] | None]:
+        last = self.dir / "last.pt"
+        if not last.exists():
+            if self.cfg.init_from:
+                self._load_weights(Path(self.cfg.init_from))
+                log.info("initialised the weights from %s", self.cfg.init_from)
+            return Progress(stage=self.stages[0]), None
+        ckpt = self._load_weights(last)
+        if ckpt["kind"] != "train":
+            raise PipelineError(f"{last} is not a training checkpoint (kind {ckpt['kind']!r})")
+        prog = Progress(**{k: ckpt[k] for k in Progress.__dataclass_fields__})
+        if prog.stage not in self.stages:
+            raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
+        if prog.stage_done:
+            log.info("resuming from %s: stage %s finished", last, prog.stage)
+            return prog, None
+        state = self._new_stage(prog.stage)
+        optimizer, schedule, scaler = state
+        optimizer.load_state_dict(ckpt["optimizer"])
+        schedule.load_state_dict(ckpt["schedule"])
+        if scaler is not None and ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        apply_lr(optimizer, schedule.lr())
+        restore_rng_state(ckpt["rng"])
+        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
+            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
+        log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
+        self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
+        return prog, state
+
+    # -- validation ---------------------------------------------------------------------------------------
+    def validate(self, prog: Progress) -> dict[str, Any] | None:
+        if self.val_source is None:
+            return None
+        v = self.cfg.validation
+        preds = decode_split(self.model, self.val_source, self.vocab, self.val_decoding, self.ctx, int(v.batch_size), self.amp,
+                             v.max_images, f"validating {prog.stage} epoch {prog.epoch}")
+        full = bool(v.full_metrics) or self.metric != "CIDEr"
+        scores = score_split(preds, self.references, full) if self.ctx.main or not full else {}
+        from pipeline.training.distributed import broadcast_object
+
+        scores = broadcast_object(scores, self.ctx)
+        if self.metric not in scores:
+            raise UsageError(f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})")
+        return {k: v for k, v in scores.items() if isinstance(v, float)}
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        if self.ctx.main and self.cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:
+                log.warning("train.tensorboard is set but tensorboard is not installed; metrics go to log.jsonl only")
+        torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank)
+        prog, state = self._resume()
+        old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for stage in self.stages[self.stages.index(prog.stage):]:
+                if prog.stage != stage:
+                    prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
+                    state = None
+                if prog.stage_done:
+                    continue
+                if state is None:
+                    if stage == "scst" and self.cfg.scst_init == "best" and (self.dir / "xe.pt").exists():
+                        self._load_weights(self.dir / "xe.pt")
+                        log.info("SCST starts from the best XE weights (xe.pt)")
+                    state = self._new_stage(stage)
+                prog = self._run_stage(prog, *state)
+                state = None
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            if self._tb is not None:
+                self._tb.close()
+        return {"model": self.cfg.model, "stages": self.stages, "best": prog.best, "global_steps": prog.global_step,
+                "history": prog.history[-10:]}
+
+    def _scst_scorer(self) -> CiderD:
+        if self._scorer is None:
+            refs = {k: self.references[k] for k in self.train_set.keys}
+            self._scorer = CiderD(refs, df_mode="corpus")
+        return self._scorer
+
+    def _step(self, stage: str, recipe: StageRecipe, batch: dict[str, Any], prog: Progress, optimizer: Any, scaler: Any) -> dict[str, float]:
+        self.model.train()
+        if stage == "xe":
+            kwargs: dict[str, Any] = {"smoothing": recipe.label_smoothing, "ss_prob": recipe.ss_prob(prog.epoch)}
+        else:
+            scorer = self._scst_scorer()
+            base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
+            kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
+                      "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
+                      "baseline_rewards": base}
+        with autocast(self.ctx.device, self.amp):
+            loss_sum, info = self.policy(stage, batch, kwargs)
+        count = info if stage == "xe" else info.count
+        local = float(loss_sum.detach()) / max(count, 1.0)
+        if any_rank(not math.isfinite(local), self.ctx):
+            raise PipelineError(
+                f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: training stopped; "
+                f"the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the learning rate or check the features)"
+            )
+        loss = loss_sum * global_mean_factor(count, self.ctx)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        if recipe.grad_clip_value is not None:
+            nn.utils.clip_grad_value_(self.model.parameters(), recipe.grad_clip_value)
+        if recipe.grad_clip_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), recipe.grad_clip_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        out = {"loss": local}
+        if stage == "scst":
+            out.update(reward=info.reward, baseline=info.baseline_reward)
+        return out
+
+    def _end_epoch(self, prog: Progress, recipe: StageRecipe, schedule: Any) -> bool:
+        """Validation, best.pt, patience and the schedule's epoch end; returns True to stop the stage early."""
+        v = self.cfg.validation
+        due = (prog.epoch + 1) % int(v.every_epochs) == 0 or prog.epoch + 1 == recipe.epochs or schedule.name == "plateau"
+        scores = self.validate(prog) if due else None
+        stop = False
+        if scores is not None:
+            value = scores[self.metric]
+            record = {"stage": prog.stage, "epoch": prog.epoch, "global_step": prog.global_step, **scores}
+            prog.history.append(record)
+            self._log({"event": "val", **record})
+            log.info("validation %s epoch %d: %s", prog.stage, prog.epoch, ", ".join(f"{k} {x:.4f}" for k, x in scores.items()))
+            if not prog.best or value > prog.best["value"]:
+                prog.best = {"metric": self.metric, "value": value, "stage": prog.stage, "epoch": prog.epoch}
+                prog.bad_epochs = 0
+                self._save("best.pt", self._payload("weights", prog))
+            else:
+                prog.bad_epochs += 1
+                stop = recipe.patience is not None and prog.bad_epochs >= recipe.patience
+        elif self.val_source is None:
+            self._save("best.pt", self._payload("weights", prog))
+        schedule.epoch_end(scores[self.metric] if scores is not None else None) if schedule.name == "plateau" else schedule.epoch_end()
+        return stop
+
+    def _run_stage(self, prog: Progress, optimizer: Any, schedule: Any, scaler: Any) -> Progress:
+        stage = prog.stage
+        recipe = self.recipes[stage]
+        seed = int(self.cfg.seed) + STAGE_SEED_OFFSET[stage]
+        log.info("stage %s: %d epochs of %d images per batch, schedule %s", stage, recipe.epochs, recipe.batch_size, recipe.schedule)
+        every = int(self.cfg.checkpoint_every)
+        stop_early = False
+        while prog.epoch < recipe.epochs and not stop_early:
+            batches = epoch_batches(self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching))
+            t0, images, losses = time.perf_counter(), 0, []
+            for batch in self.train_source.iterate(batches[prog.position:]):
+                stats = self._step(stage, recipe, batch, prog, optimizer, scaler)
+                apply_lr(optimizer, schedule.step())
+                prog.position += 1
+                prog.iteration += 1
+                prog.global_step += 1
+                images += len(batch["keys"])
+                losses.append(stats["loss"])
+                if prog.iteration % int(self.cfg.log_every) == 0:
+                    rate = images / max(time.perf_counter() - t0, 1e-9)
+                    self._log({"event": "train", "stage": stage, "epoch": prog.epoch, "iteration": prog.iteration,
+                               "global_step": prog.global_step, "lr": optimizer.param_groups[0]["lr"], "images_per_s": rate * self.ctx.world, **stats})
+                if every and prog.iteration % every == 0:
+                    self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+                if any_rank(self._stop_signal is not None, self.ctx):
+                    self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+                    raise TrainingInterrupted(
+                        f"stopped by a signal at {stage} epoch {prog.epoch}, batch {prog.position}; checkpoint saved to "
+                        f"{self.dir / 'last.pt'}: run the same command again to resume"
+                    )
+            seconds = time.perf_counter() - t0
+            self._log({"event": "epoch", "stage": stage, "epoch": prog.epoch, "global_step": prog.global_step,
+                       "loss": sum(losses) / max(len(losses), 1), "seconds": round(seconds, 3),
+                       "images_per_s": images * self.ctx.world / max(seconds, 1e-9)})
+            stop_early = self._end_epoch(prog, recipe, schedule)
+            prog.epoch += 1
+            prog.position = 0
+            self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+        if stop_early:
+            log.info("stage %s: no %s gain for %d epochs, stopping it", stage, self.metric, recipe.patience)
+        prog.stage_done = True
+        if stage == "xe" and self.ctx.main:
+            if (self.dir / "best.pt").exists():  # the best XE weights: SCST starts from them (scst_init: best)
+                atomic_write_bytes(self.dir / "xe.pt", (self.dir / "best.pt").read_bytes())
+            else:
+                self._save("xe.pt", self._payload("weights", prog))
+        self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+        return prog
