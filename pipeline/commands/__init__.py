@@ -11,6 +11,7 @@ COMMAND_MODULES = (
     "pipeline.commands.prepare",
     "pipeline.commands.train",
     "pipeline.commands.evaluate",
+    "pipeline.commands.embed",
     "pipeline.commands.caption",
     "pipeline.commands.demo",
     "pipeline.commands.info",
