@@ -1,9 +1,9 @@
 """PNG heatmaps of the self-attention rows over the words of sentences (as in YOO-P's attention figure).
 
 One panel per sentence: a grid with one row per attention vector a_i (i = 1..n_a) and one column per word
-(``<eos>`` included), each cell shaded by its weight A[i, t] (white 0 -> dark red = the row's maximum
-over all panels' scale, 1.0), the words written above their columns, and a last row with the mean over
-the rows. Drawn with Pillow (no plotting library needed).
+(``<eos>`` included), each cell shaded by its weight A[i, t] relative to the panel's largest weight (white 0 -> dark red =
+that maximum, written under the panel), the words written above their columns, and a last row with the
+mean over the rows. Drawn with Pillow (no plotting library needed).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from pipeline.fileio import atomic_write
 
-CELL_W, CELL_H, LABEL_W, WORD_H, GAP = 46, 12, 46, 70, 18
+CELL_W, CELL_H, LABEL_W, WORD_H, GAP = 46, 12, 46, 70, 26
 
 
 def _font(size: int) -> ImageFont.ImageFont:
@@ -27,7 +27,7 @@ def _font(size: int) -> ImageFont.ImageFont:
 
 
 def _shade(value: float) -> tuple[int, int, int]:
-    v = float(np.clip(value, 0.0, 1.0)) ** 0.6  # gamma: small weights stay visible
+    v = float(np.clip(value, 0.0, 1.0))
     return (255 - int(75 * v), 255 - int(235 * v), 255 - int(225 * v))
 
 
@@ -54,12 +54,14 @@ def attention_heatmap(sentences: Sequence[Sequence[str]], attentions: Sequence[n
             img.paste(rotated, (LABEL_W + t * CELL_W, y + 2), rotated)
         top = y + WORD_H
         grid = np.vstack([a, a.mean(0, keepdims=True)])
+        scale = float(grid.max()) if grid.size and grid.max() > 0 else 1.0
         for i, row in enumerate(grid):
             yy = top + i * CELL_H + (4 if i == len(a) else 0)
             draw.text((2, yy), "mean" if i == len(a) else f"a{i + 1}", fill="black", font=small)
             for t, value in enumerate(row):
                 x = LABEL_W + t * CELL_W
-                draw.rectangle([x, yy, x + CELL_W - 2, yy + CELL_H - 2], fill=_shade(value))
+                draw.rectangle([x, yy, x + CELL_W - 2, yy + CELL_H - 2], fill=_shade(value / scale))
+        draw.text((LABEL_W, top + CELL_H * (len(a) + 1) + 5), f"dark = {scale:.3f}", fill="gray", font=small)
         y += WORD_H + CELL_H * (len(a) + 1) + 4 + GAP
 
     def write(fh) -> None:  # noqa: ANN001
