@@ -5,6 +5,9 @@ Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
 * ``--predictions RESULTS.json --references CAPTIONS.json``: score an existing COCO results file (built).
 * ``--model CKPT [--split test]``: decode a split with a trained captioner, then score it (comes with the
   training stage; exits 2 with a clear message for now).
+* ``--retrieval ENCODER.pt --store FEATURES --data PREPARED [--split test]``: caption <-> image Recall@1/5/10 of
+  the split's ground-truth captions with a trained sentence encoder (``cli train-encoder``); with
+  ``--predictions`` also of the generated captions (self-retrieval), printed next to the COCO metrics.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def register(app: typer.Typer) -> None:
             "Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).\n\n"
             "Examples:\n\n"
             "    butd-caption evaluate --predictions results.json --references captions_test.json\n\n"
-            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider"
+            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider\n\n"
+            "    butd-caption evaluate -p results.json -r captions_test.json --retrieval runs/w/encoder/best.pt --store runs/w/features/store --data runs/w/data"
         ),
     )
     @guarded
@@ -44,7 +48,12 @@ def register(app: typer.Typer) -> None:
             Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
         ] = None,
         model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint to decode a split with (not built yet).")] = None,
-        split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model (evaluate.split).")] = None,
+        split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
+        retrieval: Annotated[
+            Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
+        ] = None,
+        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the split's images (--retrieval).")] = None,
+        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder (--retrieval).")] = None,
         config: ConfigOpt = None,
         set_: SetOpt = None,
         verbose: VerboseOpt = False,
@@ -64,12 +73,53 @@ def register(app: typer.Typer) -> None:
             not_implemented(
                 "evaluating a checkpoint (--model)", "comes with training; meanwhile score a results file with --predictions/--references"
             )
+        if retrieval is None and (store is not None or data is not None):
+            raise UsageError("--store and --data are used with --retrieval ENCODER.pt")
+        if retrieval is not None and predictions is None and references is None:
+            _retrieval_only(retrieval, store, data, output, cfg.evaluate)
+            return
         if predictions is None or references is None:
-            raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT)")
-        _score_files(predictions, references, output, cfg.evaluate)
+            raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)")
+        _score_files(predictions, references, output, cfg.evaluate, retrieval, store, data)
 
 
-def _score_files(predictions: Path, references: Path, output: Path | None, section: Any) -> None:
+def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None) -> dict[str, Any]:
+    from pipeline.embedding.retrieval import evaluate_retrieval_files
+
+    return evaluate_retrieval_files(encoder, store, data, str(section.split), predictions=predictions)
+
+
+def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
+    from pipeline.fileio import atomic_write_json
+
+    report = _retrieval(encoder, store, data, section)
+    _print_retrieval(report)
+    if output is not None:
+        atomic_write_json(output, {"retrieval": report})
+        log.info("metrics written to %s", output)
+
+
+def _print_retrieval(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"retrieval on {report['split']}: {report['split_images']} images (encoder {Path(report['checkpoint']).name})",
+                  show_edge=False)
+    table.add_column("retrieval")
+    cols = [("ground truth", report["ground_truth"])]
+    if "generated" in report:
+        cols.append((f"generated ({report['generated_captions']})", report["generated"]))
+    for label, _ in cols:
+        table.add_column(label, justify="right")
+    names = [k for k in report["ground_truth"] if "_R@" in k and "chance" not in k] + ["c2i_medr", "i2c_medr"]
+    for name in names:
+        table.add_row(name, *(f"{values[name]:.2f}" for _, values in cols))
+    con = stdout_console()
+    con.print(table)
+    con.print(f"chance caption-to-image R@1: {report['ground_truth']['c2i_chance_R@1']:.2f}", style="dim", highlight=False)
+
+
+def _score_files(predictions: Path, references: Path, output: Path | None, section: Any, encoder: Path | None = None,
+                 store: Path | None = None, data: Path | None = None) -> None:
     from pipeline.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions, evaluate_files
 
@@ -82,9 +132,14 @@ def _score_files(predictions: Path, references: Path, output: Path | None, secti
         unknown_images=section.unknown_images,
         empty_captions=section.empty_captions,
     )
+    report = _retrieval(encoder, store, data, section, predictions) if encoder is not None else None
     _print_table(result, predictions)
+    if report is not None:
+        _print_retrieval(report)
     if output is not None:
         payload = {"predictions": str(predictions), "references": str(references), **result.to_json(section.per_image)}
+        if report is not None:
+            payload["retrieval"] = report
         atomic_write_json(output, payload)
         log.info("metrics written to %s", output)
 

@@ -69,3 +69,53 @@ def retrieval_report(model: SentenceEncoder, store: FeatureStore, split: SplitCa
         out["generated_captions"] = len(keys)
         out["generated"] = retrieval_metrics(sim, np.array([rows[k] for k in keys]))
     return out
+
+
+def results_to_keys(results: Any, data: Any, source: str) -> dict[str, str]:
+    """A COCO results list ``[{image_id, caption}]`` -> ``{prepared image key: caption}`` (ids matched to the
+    prepared images' key or cocoid); entries of unknown images are left out."""
+    if not isinstance(results, list):
+        raise UsageError(f"{source}: a results file must be a JSON list of {{image_id, caption}}")
+    by_id: dict[str, str] = {}
+    for img in data.images:
+        by_id[str(img["key"])] = img["key"]
+        if img.get("cocoid") is not None:
+            by_id.setdefault(str(img["cocoid"]), img["key"])
+    out: dict[str, str] = {}
+    for n, rec in enumerate(results):
+        if not isinstance(rec, dict) or "image_id" not in rec or not isinstance(rec.get("caption"), str):
+            raise UsageError(f"{source}: entry {n} is not {{image_id, caption}}")
+        key = by_id.get(str(rec["image_id"]))
+        if key is not None and key not in out:
+            out[key] = rec["caption"]
+    return out
+
+
+def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, split: str, device: str = "auto",
+                             predictions: Any = None, max_boxes: int | None = None) -> dict[str, Any]:
+    """``cli evaluate --retrieval``: R@K of ``split``'s ground-truth captions and, with ``predictions`` (a COCO
+    results file), of the generated captions (self-retrieval)."""
+    from pathlib import Path
+
+    from pipeline.captions.prepared import PreparedCaptions
+    from pipeline.embedding.checkpoint import load_encoder
+    from pipeline.fileio import read_json
+    from pipeline.training.distributed import resolve_device
+
+    if store_path is None or data_path is None:
+        raise UsageError("--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)")
+    if not Path(store_path).exists():
+        raise UsageError(f"feature store not found: {store_path}")
+    dev = resolve_device(device)
+    data = PreparedCaptions.load(data_path)
+    model, _, _ = load_encoder(checkpoint, dev, data.vocab)
+    store = FeatureStore(store_path)
+    split_caps = SplitCaptions.load(data, split, store)
+    generated = None
+    if predictions is not None:
+        generated = results_to_keys(read_json(predictions, what="results file", expect=list), data, str(predictions))
+        generated = {k: v for k, v in generated.items() if k in set(split_caps.keys)}
+        if not generated:
+            raise UsageError(f"{predictions}: no caption of a {split} image (give --split for the predictions' split)")
+    report = retrieval_report(model, store, split_caps, dev, generated, max_boxes)
+    return {"checkpoint": str(checkpoint), "split": split, **report}
