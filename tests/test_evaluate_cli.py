@@ -89,7 +89,7 @@ def test_without_java_still_reports_the_other_metrics(files, tmp_path: Path) -> 
         ("unknown_image", "have no reference captions"),
         ("bad_references", "not in COCO captions format"),
         ("no_args", "give --predictions RESULTS.json and --references CAPTIONS.json"),
-        ("model", "not implemented yet"),
+        ("model", "--model needs --store"),
         ("bad_metric", "unknown metric(s) ['wer']"),
         ("bad_config_key", "unknown config key 'evaluate.tokeniser'"),
     ],

@@ -3,11 +3,12 @@
 Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
 
 * ``--predictions RESULTS.json --references CAPTIONS.json``: score an existing COCO results file (built).
-* ``--model CKPT [--split test]``: decode a split with a trained captioner, then score it (comes with the
-  training stage; exits 2 with a clear message for now).
+* ``--model CKPT --store STORE --data PREPARED [--split test]``: decode a split with a trained captioner
+  (its checkpoint's decoding settings), score it, write ``predictions_<split>.json`` (COCO results) and
+  ``metrics_<split>.json`` next to the checkpoint (or into ``--output``'s folder), print the table.
 * ``--retrieval ENCODER.pt --store FEATURES --data PREPARED [--split test]``: caption <-> image Recall@1/5/10 of
   the split's ground-truth captions with a trained sentence encoder (``cli train-encoder``); with
-  ``--predictions`` also of the generated captions (self-retrieval), printed next to the COCO metrics.
+  ``--predictions`` or ``--model`` also of the generated captions (self-retrieval), printed next to the COCO metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, not_implemented, resolve_config
+from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
 from pipeline.console import get_logger, stdout_console
 from pipeline.errors import UsageError
 
@@ -32,7 +33,8 @@ def register(app: typer.Typer) -> None:
             "Examples:\n\n"
             "    butd-caption evaluate --predictions results.json --references captions_test.json\n\n"
             "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider\n\n"
-            "    butd-caption evaluate -p results.json -r captions_test.json --retrieval runs/w/encoder/best.pt --store runs/w/features/store --data runs/w/data"
+            "    butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test\n\n"
+            "    butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt"
         ),
     )
     @guarded
@@ -47,13 +49,14 @@ def register(app: typer.Typer) -> None:
         metrics: Annotated[
             Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint to decode a split with (not built yet).")] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint (best.pt) to decode a split with.")] = None,
+        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval).")] = None,
+        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval).")] = None,
+        beam_size: Annotated[Optional[int], typer.Option("--beam-size", help="Override the checkpoint's beam size (with --model).")] = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
         retrieval: Annotated[
             Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
         ] = None,
-        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the split's images (--retrieval).")] = None,
-        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder (--retrieval).")] = None,
         config: ConfigOpt = None,
         set_: SetOpt = None,
         verbose: VerboseOpt = False,
@@ -70,11 +73,12 @@ def register(app: typer.Typer) -> None:
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
-            not_implemented(
-                "evaluating a checkpoint (--model)", "comes with training; meanwhile score a results file with --predictions/--references"
-            )
+            if store is None or data is None:
+                raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
+            _score_checkpoint(model, store, data, output, cfg.evaluate, {"beam_size": beam_size} if beam_size else {}, retrieval)
+            return
         if retrieval is None and (store is not None or data is not None):
-            raise UsageError("--store and --data are used with --retrieval ENCODER.pt")
+            raise UsageError("--store and --data are used with --model CKPT or --retrieval ENCODER.pt")
         if retrieval is not None and predictions is None and references is None:
             _retrieval_only(retrieval, store, data, output, cfg.evaluate)
             return
@@ -142,6 +146,27 @@ def _score_files(predictions: Path, references: Path, output: Path | None, secti
             payload["retrieval"] = report
         atomic_write_json(output, payload)
         log.info("metrics written to %s", output)
+
+
+def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None, section: Any, decoding: dict[str, Any],
+                      encoder: Path | None = None) -> None:
+    from types import SimpleNamespace
+
+    from pipeline.fileio import atomic_write_json
+    from pipeline.training.api import evaluate_checkpoint
+
+    split = str(section.split)
+    res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding)
+    report = _retrieval(encoder, store, data, section, Path(res["predictions"])) if encoder is not None else None
+    if output is not None:
+        payload = {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")}
+        atomic_write_json(output, {**payload, "retrieval": report} if report is not None else payload)
+    table = SimpleNamespace(metrics=res["metrics"], image_ids=range(res["num_images"]), tokenizer=res["tokenizer"],
+                            skipped=res["skipped"], notes=res["notes"])
+    _print_table(table, Path(f"{model.name} on {split}"))
+    if report is not None:
+        _print_retrieval(report)
+    log.info("predictions: %s, metrics: %s", res["predictions"], output or res["metrics_file"])
 
 
 def _print_table(result: Any, predictions: Path) -> None:

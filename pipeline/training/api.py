@@ -45,7 +45,11 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False) -> St
     from pipeline.training import distributed
     from pipeline.training.engine import Trainer
 
+    import torch
+
     section = resolve_paths(run_dir, cfg)
+    if section.num_threads:
+        torch.set_num_threads(int(section.num_threads))
     ctx = distributed.setup(str(section.device))
     name = f"train-{section.model}"
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,6 +93,13 @@ class _Policy(nn.Module):
         return out.loss_sum, out
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def resolve_amp(amp: str, device: torch.device) -> str:
     if amp == "auto":
         return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
@@ -129,6 +138,7 @@ class Trainer:
         if "feat_dim" in base_model_cfg and "feat_dim" not in overrides:
             overrides["feat_dim"] = int(store.feature_dim)
         self.model_cfg = model_config(cfg.model, overrides).to_dict()
+        seed_everything(int(cfg.seed))  # the initial weights depend on the seed only (same on every rank)
         self.model = build_captioner(cfg.model, len(self.vocab), **self.model_cfg).to(ctx.device)
         yaml_path = CONFIG_DIR / "models" / f"{cfg.model}.yaml"
         schedule = load_yaml_with_bases(yaml_path).get("schedule") or {}
@@ -264,7 +274,7 @@ class Trainer:
                 self._tb = SummaryWriter(str(self.dir / "tensorboard"))
             except ImportError:
                 log.warning("train.tensorboard is set but tensorboard is not installed; metrics go to log.jsonl only")
-        torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank)
+        seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
         prog, state = self._resume()
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
