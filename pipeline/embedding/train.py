@@ -81,6 +81,8 @@ class EncoderTrainer:
 
     def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
         self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
+        self.dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(int(cfg.seed) + 1000003 * ctx.rank)  # the initial weights depend on the seed only
         self.data = PreparedCaptions.load(cfg.data)
         store = FeatureStore(cfg.store)
         self.train = SplitCaptions.load(self.data, "train", store)
