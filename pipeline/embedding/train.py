@@ -176,18 +176,21 @@ class EncoderTrainer:
         epochs, every = int(self.cfg.epochs), int(self.cfg.checkpoint_every)
         while prog["epoch"] < epochs:
             batches = list(self.train.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog["epoch"]))
-            t0, losses = time.perf_counter(), []
+            t0, losses, parts = time.perf_counter(), [], {}
             for batch in batches[prog["position"]:]:
                 if self.ctx.distributed:
                     batch = {k: v[self.ctx.rank :: self.ctx.world] for k, v in batch.items()}
                 stats = self._step(batch)
                 losses.append(stats["loss"])
+                for k in ("vg", "cap"):
+                    if k in stats:
+                        parts.setdefault(f"loss_{k}", []).append(stats[k])
                 prog["position"] += 1
                 prog["global_step"] += 1
                 if every and prog["global_step"] % every == 0:
                     self._save("last.pt", "train", prog)
             record: dict[str, Any] = {"event": "epoch", "epoch": prog["epoch"], "loss": float(np.mean(losses)) if losses else None,
-                                      "seconds": round(time.perf_counter() - t0, 3)}
+                                      "seconds": round(time.perf_counter() - t0, 3), **{k: float(np.mean(v)) for k, v in parts.items()}}
             scores = self._validate()
             if scores is not None:
                 record.update(scores)
