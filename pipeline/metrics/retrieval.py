@@ -20,16 +20,20 @@ import numpy as np
 DEFAULT_KS = (1, 5, 10)
 
 
-def caption_to_image_ranks(sim: np.ndarray, caption_image: np.ndarray) -> np.ndarray:
-    """0-based rank of each caption's own image (number of images scoring >= it, itself excluded)."""
-    sim = np.asarray(sim, dtype=np.float64)
+def caption_to_image_ranks(sim: np.ndarray, caption_image: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """0-based rank of each caption's own image (number of images scoring >= it, itself excluded).
+    Rows are processed in chunks, so a COCO-sized (25k x 5k) matrix needs no extra full-size copy."""
+    sim = np.asarray(sim)
     own = sim[np.arange(len(sim)), caption_image]
-    return (sim >= own[:, None]).sum(1) - 1
+    out = np.empty(len(sim), dtype=np.int64)
+    for s in range(0, len(sim), chunk):
+        out[s : s + chunk] = (sim[s : s + chunk] >= own[s : s + chunk, None]).sum(1) - 1
+    return out
 
 
 def image_to_caption_ranks(sim: np.ndarray, caption_image: np.ndarray) -> np.ndarray:
     """0-based rank of the best-ranked own caption of each image that has captions (image order)."""
-    sim = np.asarray(sim, dtype=np.float64)
+    sim = np.asarray(sim)
     caption_image = np.asarray(caption_image)
     ranks = []
     for j in np.unique(caption_image):
