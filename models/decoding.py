@@ -55,6 +55,7 @@ class DecodeOptions:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    collapse_repeats: bool = False  # post-processing of the final words (applied by the caller)
 
     def __post_init__(self) -> None:
         problems = []

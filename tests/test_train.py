@@ -1,7 +1,9 @@
 """Acceptance of training on the synthetic world with oracle features (CPU, tiny models).
 
-san and ngsan: XE then SCST; the test-split CIDEr-D of the XE checkpoint is far above a shuffled-captions
-baseline, and SCST raises it. Measured numbers are printed (pytest -s) and asserted against margins.
+san and ngsan: XE (10 epochs) then SCST (4 epochs, 5 samples per image, mean-of-others baseline: on 400
+training images the greedy baseline's gain is smaller and noisier); the test-split CIDEr-D (50 images, beam
+search of the model YAML) of the XE checkpoint is far above a shuffled-captions baseline, and SCST raises it.
+Measured numbers are printed (pytest -s) and asserted against margins.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from train_helpers import make_world_run, train_overrides
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     torch.set_num_threads(1)
-    return make_world_run(tmp_path_factory.mktemp("train"), num_images=300)
+    return make_world_run(tmp_path_factory.mktemp("train"), num_images=500)
 
 
 def shuffled_baseline(run) -> float:
@@ -38,7 +40,7 @@ def shuffled_baseline(run) -> float:
 
 SETTINGS = [
     "train.xe={epochs: 10, batch_size: 16, lr: 2.0e-3, warmup_iters: 0, decay_start_epoch: 100}",
-    "train.scst={epochs: 4, batch_size: 24, lr: 2.0e-4, num_samples: 5}",
+    "train.scst={epochs: 4, batch_size: 24, lr: 5.0e-5, num_samples: 5, baseline: mean_of_others}",
     "train.validation.decoding={method: greedy}",
     "train.checkpoint_every=0",
 ]
@@ -56,7 +58,7 @@ def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
     print(f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, SCST {scst['metrics']['CIDEr']:.3f}")
     assert base < 0.5
     assert xe["metrics"]["CIDEr"] > base + 0.5 and xe["metrics"]["CIDEr"] > 2.5 * base
-    assert scst["metrics"]["CIDEr"] > xe["metrics"]["CIDEr"] + 0.02
+    assert scst["metrics"]["CIDEr"] > xe["metrics"]["CIDEr"] + 0.05
     # the checkpoints describe themselves; the log has train, epoch and val records of both stages
     ck = read_training_checkpoint(d / "last.pt")
     assert ck["model"]["name"] == model and ck["stage"] == "scst" and ck["stage_done"] and ck["model"]["config"]["d_model"] == 64
@@ -64,7 +66,7 @@ def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
     assert {(r["event"], r["stage"]) for r in records if "stage" in r} >= {("train", "xe"), ("val", "xe"), ("train", "scst"), ("val", "scst")}
     # predictions file is in COCO results format with one caption per test image
     preds = json.loads((d / "eval-xe" / "predictions_test.json").read_text())
-    assert len(preds) == xe["num_images"] == 30 and all(isinstance(p["image_id"], int) and p["caption"] for p in preds)
+    assert len(preds) == xe["num_images"] == 50 and all(isinstance(p["image_id"], int) and p["caption"] for p in preds)
     # done: the same config is skipped
     again = train_captioner(run, cfg)
     assert again.skipped and again.summary["best"] == result.summary["best"]

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -135,3 +136,14 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(traine
 def test_train_without_store_is_a_usage_error(tmp_path) -> None:
     res = invoke("train", "--out", str(tmp_path))
     assert res.exit_code == 2 and "train.store is not set" in error_line(res)
+
+
+def test_bf16_autocast_trains_on_cpu(trained, tmp_path) -> None:
+    """The AMP path (bf16 autocast, used by default on CUDA) runs and learns; on CPU it is opt-in. This run also
+    reads the store through the DataLoader (no preloading)."""
+    run, _ = trained
+    cfg = load_config("train", None, train_overrides(run, "san", "train.amp=bf16", "train.stages=[xe]", "train.preload=none", "train.num_workers=0",
+                                                     "train.xe={epochs: 2, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"))
+    result = train_captioner(tmp_path, cfg)
+    losses = [json.loads(x)["loss"] for x in (result.directory / "log.jsonl").read_text().splitlines() if '"event": "epoch"' in x]
+    assert len(losses) == 2 and losses[1] < losses[0] and all(np.isfinite(losses))

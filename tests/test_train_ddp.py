@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,12 @@ def run(tmp_path_factory):
     return make_world_run(tmp_path_factory.mktemp("ddp"), num_images=160)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def sets(run: Path) -> list[str]:
     values = train_overrides(run, "san", "train.num_threads=1", "train.stages=[xe]", "train.validation.decoding={method: greedy}",
                              "train.xe={epochs: 1, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}")
@@ -38,7 +45,7 @@ def test_two_process_gloo_epoch_matches_single_process(run, tmp_path) -> None:
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     ddp = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(ROOT / "cli.py"), "train", "--out", str(tmp_path / "two"), *sets(run)],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
     )

@@ -64,17 +64,22 @@ def test_killed_and_resumed_run_gives_bitwise_identical_weights(run, tmp_path) -
     ck = read_training_checkpoint(stage_dir / "last.pt")
     assert ck["stage"] == "xe" and ck["epoch"] == 1 and 0 < ck["position"] < 20
     assert not (stage_dir / "manifest.json").exists() and (stage_dir / "running.json").exists()
-    # 2) SIGTERM during SCST: saves at the next step boundary and exits cleanly (130, one line, no traceback)
-    stopped = interrupt(command(run, b), stage_dir, "scst", 2, signal.SIGTERM)
+    # 2) SIGKILL at the first SCST step: the checkpoint of the finished XE stage (no SCST checkpoint before step 3)
+    killed = interrupt(command(run, b), stage_dir, "scst", 1, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    ck = read_training_checkpoint(stage_dir / "last.pt")
+    assert (ck["stage"], ck["stage_done"]) == ("xe", True) or ck["iteration"] >= 3  # the latter only on a very slow kill
+    # 3) SIGTERM during SCST: saves at the next step boundary and exits cleanly (130, one line, no traceback)
+    stopped = interrupt(command(run, b), stage_dir, "scst", 4, signal.SIGTERM)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "run the same command again to resume" in stopped.stderr
     ck = read_training_checkpoint(stage_dir / "last.pt")
-    assert ck["stage"] == "scst" and not ck["stage_done"] and ck["iteration"] >= 2
-    # 3) finish
+    assert ck["stage"] == "scst" and not ck["stage_done"] and 4 <= ck["iteration"] < 8
+    # 4) finish
     done = subprocess.run(command(run, b), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(x)["event"] for x in (stage_dir / "log.jsonl").read_text().splitlines()]
-    assert events.count("resume") == 2
+    assert events.count("resume") == 3
     for name in ("last.pt", "best.pt", "xe.pt"):
         wa = read_training_checkpoint(tmp_path / "a" / "train-san" / name)["weights"]
         wb = read_training_checkpoint(stage_dir / name)["weights"]

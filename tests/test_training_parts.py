@@ -165,3 +165,9 @@ def test_oracle_features_encode_the_ground_truth(tmp_path) -> None:
         assert np.allclose(box, [x, y, x + w, y + h], atol=1e-3)
     again = write_oracle_store(tmp_path / "w", tmp_path / "s", noise=0.0)
     assert again["written"] == 0  # resumable: nothing is rewritten
+
+
+def test_rewards_of_samples_sharing_no_ngram_with_the_references_are_zero() -> None:
+    """An untrained policy can emit only words absent from the references: the reward is 0, not a crash."""
+    scorer = CiderD({"a": ["w4 w5 w6", "w4 w5"], "b": ["w7 w8 w9"]})
+    assert scorer.scores(["x y z", "q"], ["a", "b"]).tolist() == [0.0, 0.0]

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
             "configs/models/<model>.yaml. Writes OUT/train-<model>/ (last.pt, best.pt, xe.pt, log.jsonl); an "
             "interrupted run resumes from the exact batch when the command is run again.\n\nExamples:\n\n"
             "    butd-caption train --out runs/coco --set train.model=ngsan\n\n"
-            "    butd-caption train --out runs/w --set train.model=san --set train.xe.epochs=5 --set train.stages=[xe]\n\n"
+            "    butd-caption train --out runs/w --set train.model=san --set train.xe.epochs=5 --set train.scst.epochs=2\n\n"
             "    torchrun --nproc_per_node 8 cli.py train --out runs/coco --set train.model=m2"
         ),
     )

@@ -1,2 +1,10 @@
-"""Training building blocks: losses (:mod:`.losses`), learning-rate schedules (:mod:`.schedules`) and
-self-critical advantages (:mod:`.scst`). The training loop itself builds on these."""
+"""Training: building blocks and the loop.
+
+* :mod:`.losses` (label-smoothed NLL), :mod:`.schedules` (paper LR schedules), :mod:`.scst` (rewards,
+  baselines, policy-gradient loss) - pure functions and resumable objects;
+* :mod:`.recipe` (a model YAML's ``schedule:`` -> :class:`~.recipe.StageRecipe`), :mod:`.xe` and
+  :mod:`.scst_step` (the loss of one batch), :mod:`.batches` (batch order, preloading, sharding),
+  :mod:`.validation` (decode + fast CIDEr-D / COCO metrics), :mod:`.checkpoints` (payload, compatibility),
+  :mod:`.distributed` (torchrun/DDP), :mod:`.engine` (the loop), :mod:`.api` (``train_captioner``,
+  ``evaluate_checkpoint``).
+"""

@@ -60,15 +60,18 @@ class BatchSource:
         if preload != "none":
             self.bank = FeatureBank(dataset, "cuda" if preload == "cuda" else "cpu", pin=preload == "pinned")
 
-    def iterate(self, batches: list[list[int]]) -> Iterator[dict[str, Any]]:
-        """Yield the batches on ``device`` (features as float32), lazily, in order."""
+    def iterate(self, batches: list[list[int]], seed: int = 0) -> Iterator[dict[str, Any]]:
+        """Yield the batches on ``device`` (features as float32), lazily, in order.
+
+        ``seed`` seeds the DataLoader's own generator (worker seeds), so reading the store never draws from
+        the global RNG (which must stay identical between an interrupted and an uninterrupted run)."""
         if not batches:
             return
         if self.bank is not None:
             it: Any = PreloadedLoader(self.dataset, self.bank, batches)  # type: ignore[arg-type]
         else:
             it = DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate_images, num_workers=self.num_workers,
-                            pin_memory=self.device.type == "cuda")
+                            pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(seed))
         for batch in it:
             yield to_device(batch, self.device)
 

@@ -40,7 +40,7 @@ from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
 from pipeline.training.checkpoints import check_compatible, read_training_checkpoint
-from pipeline.training.distributed import DistContext, any_rank, global_mean_factor
+from pipeline.training.distributed import DistContext, any_rank, broadcast_object, global_mean_factor
 from pipeline.training.recipe import StageRecipe, stage_recipe
 from pipeline.training.schedules import apply_lr, build_schedule
 from pipeline.training.scst_step import greedy_rewards, scst_loss
@@ -144,6 +144,10 @@ class Trainer:
         schedule = load_yaml_with_bases(yaml_path).get("schedule") or {}
         self.recipes = {s: stage_recipe(s, schedule, _plain(cfg[s]), cfg.default_epochs, f"{yaml_path}: schedule")
                         for s in self.stages}
+        for r in self.recipes.values():
+            if r.max_caption_len is not None and r.max_caption_len != self.data.max_length:
+                log.warning("schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set prepare.max_length)",
+                            r.stage, r.max_caption_len, self.data.max_length)
         self.decoding = decoding_options(cfg.model, _plain(cfg.decoding))
         self.val_decoding = DecodeOptions.from_mapping({**asdict(self.decoding), **_plain(val.decoding)})
         self.amp = resolve_amp(cfg.amp, ctx.device)
@@ -232,8 +236,12 @@ class Trainer:
         prog = Progress(**{k: ckpt[k] for k in Progress.__dataclass_fields__})
         if prog.stage not in self.stages:
             raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
+        restore_rng_state(ckpt["rng"])
+        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
+            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
         if prog.stage_done:
-            log.info("resuming from %s: stage %s finished", last, prog.stage)
+            log.info("resuming from %s: stage %s finished, moving on", last, prog.stage)
+            self._log({"event": "resume", "stage": prog.stage, "stage_done": True, "global_step": prog.global_step})
             return prog, None
         state = self._new_stage(prog.stage)
         optimizer, schedule, scaler = state
@@ -242,9 +250,6 @@ class Trainer:
         if scaler is not None and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         apply_lr(optimizer, schedule.lr())
-        restore_rng_state(ckpt["rng"])
-        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
-            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
         log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
         self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
         return prog, state
@@ -258,8 +263,6 @@ class Trainer:
                              v.max_images, f"validating {prog.stage} epoch {prog.epoch}")
         full = bool(v.full_metrics) or self.metric != "CIDEr"
         scores = score_split(preds, self.references, full) if self.ctx.main or not full else {}
-        from pipeline.training.distributed import broadcast_object
-
         scores = broadcast_object(scores, self.ctx)
         if self.metric not in scores:
             raise UsageError(f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})")
@@ -366,7 +369,10 @@ class Trainer:
                 stop = recipe.patience is not None and prog.bad_epochs >= recipe.patience
         elif self.val_source is None:
             self._save("best.pt", self._payload("weights", prog))
-        schedule.epoch_end(scores[self.metric] if scores is not None else None) if schedule.name == "plateau" else schedule.epoch_end()
+        if schedule.name == "plateau":
+            schedule.epoch_end(scores[self.metric] if scores is not None else None)
+        else:
+            schedule.epoch_end()
         return stop
 
     def _run_stage(self, prog: Progress, optimizer: Any, schedule: Any, scaler: Any) -> Progress:
@@ -379,7 +385,7 @@ class Trainer:
         while prog.epoch < recipe.epochs and not stop_early:
             batches = epoch_batches(self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching))
             t0, images, losses = time.perf_counter(), 0, []
-            for batch in self.train_source.iterate(batches[prog.position:]):
+            for batch in self.train_source.iterate(batches[prog.position:], seed * 100003 + prog.epoch * 1009 + prog.position):
                 stats = self._step(stage, recipe, batch, prog, optimizer, scaler)
                 apply_lr(optimizer, schedule.step())
                 prog.position += 1

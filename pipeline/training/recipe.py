@@ -16,6 +16,8 @@ Choices where the YAMLs are silent (documented here, each overridable):
   when epoch 6 (0-based) starts (ruotianluo's ``learning_rate_decay_start`` semantics).
 * A stage without ``optimizer`` uses Adam with PyTorch's defaults; a stage without a schedule keeps its
   ``lr`` constant. SCST always starts a fresh optimizer (as M2 does).
+* ``max_caption_len`` (AoANet: 16) is what ``prepare.max_length`` truncates the labels to; the trainer only
+  warns when they differ.
 * ``baseline: mean_of_samples`` (M2's wording) is the ``mean`` baseline of :mod:`pipeline.training.scst`.
 """
 

@@ -45,7 +45,10 @@ def decode_split(
         with autocast(ctx.device, amp):
             g = generate(model, batch["feats"], batch["mask"], batch["boxes"], batch["sizes"], options)
         for key, row in zip(batch["keys"], g.tokens[:, 0].tolist()):
-            mine[key] = " ".join(vocab.decode(row))
+            words = vocab.decode(row)
+            if options.collapse_repeats:
+                words = [w for i, w in enumerate(words) if i == 0 or w != words[i - 1]]
+            mine[key] = " ".join(words)
     model.train(was_training)
     merged: dict[str, str] = {}
     for part in gather_objects(mine, ctx):

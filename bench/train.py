@@ -1,0 +1,150 @@
+"""XE and SCST training throughput of the captioners at their paper sizes, and the CIDEr-D reward speed-up.
+
+Runs the training loop's own step functions (:func:`pipeline.training.xe.xe_loss_sum`,
+:func:`pipeline.training.scst_step.greedy_rewards` + :func:`~pipeline.training.scst_step.scst_loss`,
+backward, gradient clipping as configured, optimiser step) on synthetic batches shaped like COCO
+bottom-up features: 36 regions x 2048-d per image, 5 captions of 8-16 words, a 9,487-word vocabulary,
+and CIDEr-D rewards against a 2,000-image synthetic-world reference corpus. Batch sizes are the papers'
+(``schedule.xe.batch_size`` / ``schedule.scst.batch_size`` of each model YAML) unless ``--batch`` is given;
+on CPU use a small ``--batch`` and few ``--iters`` (and say so when reporting). The last columns
+extrapolate a Karpathy-train epoch (113,287 images) from the measured images/s.
+
+    PYTHONPATH=. python bench/train.py [--models san,ngsan,m2,aoa] [--device auto] [--amp auto]
+                                        [--batch N] [--iters 5] [--stages xe,scst] [--cider]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from models import build_captioner
+from pipeline.config import CONFIG_DIR, load_yaml_with_bases
+from pipeline.metrics.cider import CiderD
+from pipeline.training.distributed import resolve_device
+from pipeline.training.engine import build_optimizer, resolve_amp
+from pipeline.training.recipe import stage_recipe
+from pipeline.training.scst_step import greedy_rewards, scst_loss
+from pipeline.training.validation import autocast
+from pipeline.training.xe import xe_loss_sum
+from pipeline.vocab import BOS, EOS, Vocab
+from pipeline.world.captions import make_captions, tokenize
+from pipeline.world.scene import SceneParams, sample_scene
+
+COCO_TRAIN_IMAGES = 113_287
+VOCAB_SIZE = 9487
+
+
+def make_batch(b: int, vocab: int, device: torch.device, rng: torch.Generator) -> dict:
+    n, k = 36, 5
+    lengths = torch.randint(8, 17, (b * k,), generator=rng)
+    t = int(lengths.max()) + 2
+    caps = torch.zeros(b * k, t, dtype=torch.long)
+    for r, ln in enumerate(lengths.tolist()):
+        caps[r, 0] = BOS
+        caps[r, 1 : ln + 1] = torch.randint(4, vocab, (ln,), generator=rng)
+        caps[r, ln + 1] = EOS
+    xy = torch.rand(b, n, 2, generator=rng) * 400
+    wh = torch.rand(b, n, 2, generator=rng) * 200 + 10
+    batch = {
+        "feats": torch.rand(b, n, 2048, generator=rng), "mask": torch.ones(b, n, dtype=torch.bool),
+        "boxes": torch.cat([xy, xy + wh], -1), "sizes": torch.full((b, 2), 640.0), "captions": caps,
+        "caption_image": torch.arange(b).repeat_interleave(k), "keys": [i % 2000 for i in range(b)],
+    }
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def reference_corpus(vocab: Vocab, images: int = 2000) -> CiderD:
+    rng = np.random.default_rng(0)
+    refs = {i: [tokenize(c) for c in make_captions(sample_scene(rng, SceneParams()), rng)] for i in range(images)}
+    return CiderD(refs, df_mode="corpus")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab) -> tuple[int, float]:
+    sched = load_yaml_with_bases(CONFIG_DIR / "models" / f"{name}.yaml").get("schedule") or {}
+    recipe = stage_recipe(stage, sched, None, 30, name)
+    b = batch_size or recipe.batch_size
+    torch.manual_seed(0)
+    model = build_captioner(name, VOCAB_SIZE).to(device).train()
+    opt = build_optimizer(recipe, model.parameters())
+    for group in opt.param_groups:
+        group["lr"] = 1e-5
+    rng = torch.Generator().manual_seed(0)
+    batches = [make_batch(b, VOCAB_SIZE, device, rng) for _ in range(min(iters, 3) + 1)]
+
+    def step(batch: dict) -> None:
+        with autocast(device, amp):
+            if stage == "xe":
+                loss, count = xe_loss_sum(model, batch, recipe.label_smoothing, recipe.ss_prob(10))
+                loss = loss / count
+            else:
+                base = greedy_rewards(model, batch, scorer, vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
+                out = scst_loss(model, batch, scorer, vocab, method=recipe.sample_method, num_samples=recipe.num_samples,
+                                max_len=recipe.sample_max_len, baseline=recipe.baseline, normalize=recipe.pg_normalize, baseline_rewards=base)
+                loss = out.loss_sum / max(out.count, 1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if recipe.grad_clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), recipe.grad_clip_value)
+        if recipe.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
+        opt.step()
+
+    step(batches[0])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(batches[1 + i % (len(batches) - 1)])
+    sync(device)
+    return b, (time.perf_counter() - t0) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="san,ngsan,m2,aoa")
+    ap.add_argument("--stages", default="xe,scst")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--amp", default="auto")
+    ap.add_argument("--batch", type=int, default=None, help="images per batch for every model (default: the paper's)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cider", action="store_true", help="also run bench/cider.py's reward speed-up measurement")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    amp = resolve_amp(args.amp, device)
+    words = ("<pad>", "<bos>", "<eos>", "<unk>")
+    scorer = reference_corpus(Vocab(words))
+    # a vocabulary whose ids 4.. decode to the corpus words, so sampled ids become real (mostly wrong) words
+    rng = np.random.default_rng(0)
+    corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
+    vocab = Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
+    print(f"device {device}, amp {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
+          f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}")
+    print(f"{'model':<7}{'stage':<6}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
+    for name in args.models.split(","):
+        for stage in args.stages.split(","):
+            b, sec = bench_stage(name, stage, args.batch, args.iters, device, amp, scorer, vocab)
+            ips = b / sec
+            epoch = COCO_TRAIN_IMAGES / ips
+            print(f"{name:<7}{stage:<6}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m", flush=True)
+    if args.cider:
+        import sys
+
+        from bench import cider
+
+        sys.argv = [sys.argv[0], "--repeats", "5"]
+        cider.main()
+
+
+if __name__ == "__main__":
+    main()
