@@ -3,8 +3,9 @@
 For each model (paper dimensions, random weights, vocabulary 9,487), device, batch size and decoder
 (greedy = beam 1, beam 3, beam 5) it encodes a batch of random region features and decodes it, and prints
 captions per second (median of ``--repeats`` timed runs after one warm-up; encoding included) and the peak
-memory of the run: CUDA ``max_memory_allocated`` above what was allocated before it, or on CPU the peak
-resident-set growth sampled from ``/proc/self/statm`` every 2 ms ("n/a" where that file does not exist).
+memory of the warm-up run: CUDA ``max_memory_allocated`` above what was allocated before it, or on CPU the
+peak resident-set growth (after ``malloc_trim``) sampled from ``/proc/self/statm`` every 2 ms ("n/a" where
+that file does not exist; CPU numbers are approximate: allocator caching can hide reused memory).
 
 With random weights ``<eos>`` is almost never chosen, so every caption runs to ``--max-len``: the numbers
 are the full-length (worst) case. Usage::
@@ -16,6 +17,7 @@ are the full-length (worst) case. Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import threading
@@ -37,6 +39,14 @@ def rss_bytes() -> int | None:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def release_free_memory() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``) so that RSS growth can be measured."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @contextmanager
@@ -96,15 +106,16 @@ def bench(model: models.Captioner, device: torch.device, batch: int, beam: int, 
     inputs = make_inputs(batch, args.regions, int(getattr(model, "feat_dim", 2048)), device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
-        run_once(model, inputs, beam, args.max_len)  # warm-up
+        release_free_memory()
+        with peak_memory(device) as mem:  # measured on the first (warm-up) run: its allocations are new
+            run_once(model, inputs, beam, args.max_len)
         times = []
-        with peak_memory(device) as mem:
-            for _ in range(args.repeats):
-                sync()
-                start = time.perf_counter()
-                tokens = run_once(model, inputs, beam, args.max_len)
-                sync()
-                times.append(time.perf_counter() - start)
+        for _ in range(args.repeats):
+            sync()
+            start = time.perf_counter()
+            tokens = run_once(model, inputs, beam, args.max_len)
+            sync()
+            times.append(time.perf_counter() - start)
     mean_len = float((tokens[:, 0] != 0).sum(-1).float().mean())
     return batch / statistics.median(times), mem["peak_mb"], mean_len
 

@@ -3,6 +3,7 @@
 Layouts, all holding the same synthetic images (10-100 boxes, D=2048, ReLU-like features, float32 boxes):
 
 * ``store``           our store (contiguous immutable segments, reads by pread at the dataset offset)
+* ``store-nofsync``   the same written with ``fsync=False`` (kill-safe, not power-loss durable)
 * ``store-chunked``   our store with rows chunked by 64 (reads through h5py)
 * ``h5-groups``       one HDF5 group per image with ``features``/``boxes`` datasets (M2-style)
 * ``npz-dir``         one uncompressed ``.npz`` per image (MILVLG / ruotianluo-style directory)
@@ -68,8 +69,8 @@ def disk_bytes(path: Path) -> int:
 
 
 # -- writers ----------------------------------------------------------------------------------------------
-def write_store(path: Path, src: Source, dtype: str, chunk_rows: int = 0) -> None:
-    with open_writer(path, IDENTITY, dtype, commit_every=1000, commit_bytes=0, chunk_rows=chunk_rows) as w:
+def write_store(path: Path, src: Source, dtype: str, chunk_rows: int = 0, fsync: bool = True) -> None:
+    with open_writer(path, IDENTITY, dtype, commit_every=1000, commit_bytes=0, chunk_rows=chunk_rows, fsync=fsync) as w:
         for i in range(len(src)):
             key, f, b, wd, ht = src.image(i, np.dtype(dtype))
             w.add(key, f, b, wd, ht)
@@ -124,6 +125,7 @@ def reader_npz(path: Path) -> tuple[Callable[[str], int], Callable[[], None]]:
 
 LAYOUTS = {
     "store": (lambda p, s, d: write_store(p, s, d), reader_store, ""),
+    "store-nofsync": (lambda p, s, d: write_store(p, s, d, fsync=False), reader_store, ""),
     "store-chunked": (lambda p, s, d: write_store(p, s, d, chunk_rows=64), reader_store, ""),
     "h5-groups": (write_groups, reader_groups, ".h5"),
     "npz-dir": (write_npz, reader_npz, ""),
@@ -143,7 +145,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--reads", type=int, default=5000, help="random single-image reads per measurement")
     ap.add_argument("--dtype", nargs="+", default=["float16", "float32"])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--out", type=Path, default=Path("/tmp/bench-store"))
     ap.add_argument("--keep", action="store_true", help="keep the files")
     args = ap.parse_args()

@@ -76,6 +76,18 @@ class BottomUpDetector(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
+    def set_test_recipe(self, **changes) -> "BottomUpDetector":
+        """Change test-time settings of the spec (input scale, proposal counts, NMS) in place; the architecture
+        fields (those that shape the weights) must stay as they are."""
+        new = self.spec.with_(**changes)
+        shaping = ("flavor", "stem_channels", "res2_bottleneck", "expansion", "stage_blocks", "res5_blocks", "rpn_channels",
+                   "num_classes", "num_attributes", "attr_embed_dim", "attr_hidden", "has_attributes", "anchor_ratios")
+        for name in shaping:
+            if getattr(new, name) != getattr(self.spec, name):
+                raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
+        self.spec = self.proposal_generator.spec = self.roi_heads.spec = new
+        return self
+
     def fold_batchnorm(self) -> "BottomUpDetector":
         """Fold the frozen BNs into the convs (faster inference, same function)."""
         fold_all(self)

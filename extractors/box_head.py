@@ -68,7 +68,10 @@ class Res5ROIHeads(nn.Module):
     def pool(self, feat: torch.Tensor, rois: torch.Tensor) -> torch.Tensor:
         """ROIPool (K, C, 14, 14); ``rois`` = (K, 5) ``[batch_index, x1, y1, x2, y2]`` in blob pixels."""
         r = self.spec.pooler_resolution
-        return roi_pool(feat, rois.to(feat.dtype), (r, r), self.spatial_scale)
+        if feat.dtype in (torch.float32, torch.float64):
+            return roi_pool(feat, rois.to(feat.dtype), (r, r), self.spatial_scale)
+        # max pooling is exact in any dtype; the CPU kernel has no bf16/fp16 version
+        return roi_pool(feat.float(), rois.float(), (r, r), self.spatial_scale).to(feat.dtype)
 
     def region_features(self, feat: torch.Tensor, rois: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """``pool5_flat``: res5 on pooled RoIs then the spatial mean -> (K, feature_dim) (in chunks of ``chunk``)."""

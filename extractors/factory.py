@@ -41,11 +41,23 @@ def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSp
 
 def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
     """-> (detector on ``device`` with folded BN, extractor identity dict for the store)."""
-    if preset != "auto" and preset not in available_extractors():
+    model, identity, _info = load_for_inference(weights, preset, spec_overrides, min_size, max_size, seed, device)
+    return model, identity
+
+
+def load_for_inference(
+    weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int | None, max_size: int | None, seed: int, device: torch.device
+):
+    """-> (detector, store identity, loader info incl. class/attribute names when the file has them).
+
+    ``min_size``/``max_size`` ``None`` keep the test scale the weights file defines (600/1000 for public files).
+    """
+    known = available_extractors()  # imports the preset modules so that the registry is filled
+    if preset != "auto" and preset not in known:
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
-        spec = _spec_overrides(spec, dict(spec_overrides)).with_(min_size=min_size, max_size=max_size)
+        spec = _spec_overrides(spec, dict(spec_overrides)).with_(min_size=min_size or 600, max_size=max_size or 1000)
         log.warning("=" * 60)
         log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)
         log.warning("use this for smoke tests and benchmarks only.")
@@ -58,11 +70,8 @@ def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any],
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        spec = model.spec.with_(min_size=min_size, max_size=max_size)
-        model.spec = spec
-        model.proposal_generator.spec = spec
-        model.roi_heads.spec = spec
+        spec = model.set_test_recipe(min_size=min_size or model.spec.min_size, max_size=max_size or model.spec.max_size).spec
         name = f"bottom-up-{info['layout']}"
     model = model.to(device).fold_batchnorm()
     identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": spec.to_dict()}}
-    return model, identity
+    return model, identity, info

@@ -18,7 +18,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # the JPEG opener also yields MPO (phone) files
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 DEFAULT_MAX_PIXELS = 100_000_000
 
@@ -113,8 +113,13 @@ def caffe_blob(rgb: np.ndarray, min_size: int = 600, max_size: int = 1000, pixel
     """(3, H', W') float32 mean-subtracted BGR blob and its scale, exactly as the Caffe test script."""
     bgr = rgb[:, :, ::-1].astype(np.float32)
     bgr -= np.asarray(pixel_means, dtype=np.float32)
-    scale = compute_scale(bgr.shape[0], bgr.shape[1], min_size, max_size)
-    resized = cv2.resize(bgr, None, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
+    h, w = bgr.shape[:2]
+    scale = compute_scale(h, w, min_size, max_size)
+    if round(h * scale) >= 1 and round(w * scale) >= 1:
+        resized = cv2.resize(bgr, None, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
+    else:  # extreme aspect ratio: the short side would round to 0 pixels; keep one
+        resized = cv2.resize(bgr, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_LINEAR)
+        resized = resized.reshape(resized.shape[0], resized.shape[1], 3)
     return np.ascontiguousarray(resized.transpose(2, 0, 1)), scale
 
 

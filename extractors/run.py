@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -139,7 +140,10 @@ class ImageDataset(Dataset):
             rgb = load_rgb(it.path, self.max_pixels)
         except ImageLoadError as exc:
             return {"item": it, "error": exc.reason, "detail": exc.detail}
-        blob, scale = caffe_blob(rgb, self.min_size, self.max_size, self.means)
+        try:
+            blob, scale = caffe_blob(rgb, self.min_size, self.max_size, self.means)
+        except (cv2.error, ValueError, MemoryError) as exc:
+            return {"item": it, "error": "decode_error", "detail": f"cannot build the image blob: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         return {"item": it, "blob": torch.from_numpy(blob), "scale": scale, "size": rgb.shape[:2]}
 
 

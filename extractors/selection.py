@@ -59,16 +59,20 @@ def max_conf_vectorized(boxes: torch.Tensor, scores: torch.Tensor, thresh: float
     order = torch.argsort(rank_scores, dim=2, descending=True, stable=True)  # (B, K, R)
     words = over.shape[-1]
     over_flat = over.reshape(b * r, words)
-    row_base = (torch.arange(b, device=boxes.device) * r).view(b, 1)
-    suppressed = torch.zeros((b, k, words), dtype=torch.int64, device=boxes.device)
-    kept = torch.zeros((b, k, r), dtype=torch.bool, device=boxes.device)
+    # per rank step, for every (image, class) row: the box id, its bitset word and bit, its row in over_flat
+    order_t = order.permute(2, 0, 1).reshape(r, b * k).contiguous()  # (R, B*K)
+    word_idx = torch.bitwise_right_shift(order_t, 6).unsqueeze(-1)  # (R, B*K, 1)
+    bit = torch.bitwise_left_shift(torch.ones_like(order_t), torch.bitwise_and(order_t, _BITS - 1))
+    row_idx = order_t + (torch.arange(b, device=boxes.device) * r).repeat_interleave(k).view(1, b * k)
+    suppressed = torch.zeros((b * k, words), dtype=torch.int64, device=boxes.device)
+    kept_t = torch.empty((r, b * k), dtype=torch.bool, device=boxes.device)
     for step in range(r):
-        idx = order[:, :, step]  # (B, K) box id at this rank, per class
-        word = torch.gather(suppressed, 2, (idx // _BITS).unsqueeze(-1)).squeeze(-1)
-        alive = torch.bitwise_and(torch.bitwise_right_shift(word, idx % _BITS), 1) == 0
-        kept[:, :, step] = alive
-        rows = over_flat[(idx + row_base).reshape(-1)].view(b, k, words)
-        suppressed |= rows * alive.unsqueeze(-1).to(torch.int64)
+        word = torch.gather(suppressed, 1, word_idx[step]).squeeze(1)
+        alive = torch.bitwise_and(word, bit[step]) == 0
+        kept_t[step] = alive
+        rows = torch.index_select(over_flat, 0, row_idx[step])
+        suppressed |= rows * alive.unsqueeze(1)
+    kept = kept_t.view(r, b, k).permute(1, 2, 0)  # (B, K, R) in rank order
     kept_by_box = torch.zeros_like(kept).scatter_(2, order, kept)
     max_conf = torch.where(kept_by_box, rank_scores, torch.zeros_like(rank_scores)).amax(dim=1).clamp_min(0.0)
     if valid is not None:

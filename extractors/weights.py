@@ -4,7 +4,7 @@ Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths
 
 * ``milvlg`` - MILVLG ``bua-caffe-frcn-r101_with_attributes[_fix36].pth`` (= ``-k10-100`` / ``-k36``): torch
   file, a state dict (bare or under ``"model"``); caffe semantics (24-ch objectness, ``bbox_pred`` 6404,
-  background first), attribute head ``cls_embed`` / ``attr_linear1`` / ``attr_linear2``; no
+  background first), attribute head ``cls_embed`` / ``attr_linear1`` / ``attr_linear2``; (expected) no
   ``num_batches_tracked``; ``cell_anchors.0`` optional (the Caffe table is used if absent).
 * ``airsplay`` - airsplay ``faster_rcnn_from_caffe[_attr].pkl``: a pickle ``{"model": {key: ndarray}}``; d2
   semantics (12-ch objectness, ``bbox_pred`` 6400, background last), ``cls_embedding`` / ``fc_attr`` /
@@ -13,7 +13,8 @@ Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths
   plus ``num_batches_tracked`` for all 104 norms and ``cell_anchors.0`` (640 keys for R-101).
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
-there; the first mismatch is reported in one line naming the file and the key. Pickles are read with
+there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
+files, whose exact contents extractor.md §10 marks unverified); the first mismatch is reported in one line naming the file and the key. Pickles are read with
 :class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
 ``torch.load(weights_only=True)``.
 """
@@ -21,7 +22,6 @@ there; the first mismatch is reported in one line naming the file and the key. P
 from __future__ import annotations
 
 import hashlib
-import io
 import pickle
 import re
 from collections import OrderedDict
@@ -127,11 +127,16 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
     if layout not in LAYOUTS:
         raise UsageError(f"unknown weights layout {layout!r} (known: {', '.join(LAYOUTS)})")
     table: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+    optional: set[str] = set()
     for key, shape in internal_shapes(spec).items():
         table[to_layout_key(key, layout)] = shape
-        if layout == "hf" and key.endswith(".norm.running_var"):
-            table[key[: -len("running_var")] + NBT] = ()
-    optional = set() if layout == "hf" else {ANCHOR_KEY}
+        if key.endswith(".norm.running_var"):
+            nbt = key[: -len("running_var")] + NBT
+            table[nbt] = ()
+            if layout != "hf":  # BatchNorm2d counters: absent from the public files (§3.5, §4.4), tolerated
+                optional.add(nbt)
+    if layout != "hf":
+        optional.add(ANCHOR_KEY)
     return table, optional
 
 

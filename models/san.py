@@ -158,7 +158,12 @@ def _base_kwargs(feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_lay
 
 @register_captioner("san")
 class SAN(SelfAttentionCaptioner):
-    """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487)."""
+    """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487).
+
+    Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (models.md §3.5). The ruotianluo model
+    has ``V + 1`` outputs (its shared BOS/EOS/PAD index 0); ours has ``V`` because our vocabulary already holds
+    its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
+    """
 
     def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
                  num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1) -> None:

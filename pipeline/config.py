@@ -105,6 +105,25 @@ def load_yaml_with_bases(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict
     return deep_merge(merged, data)
 
 
+def open_paths_in_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> frozenset[str]:
+    """Open mappings (``{}``) declared by ``path`` or any file in its ``_base_`` chain.
+
+    A mapping that a base declares open stays open even when a later file fills it with defaults.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
+        return frozenset()
+    data = _read_yaml(path)
+    bases = data.pop(BASE_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    out = set(open_paths_of(data))
+    for base in bases if isinstance(bases, list) else []:
+        base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+        out |= open_paths_in_chain(base_path, (*_seen, path))
+    return frozenset(out)
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -141,10 +160,30 @@ def _compatible(default: Any, value: Any) -> bool:
     return type(default) is type(value)
 
 
-def validate_against(schema: Mapping[str, Any], data: Mapping[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+def open_paths_of(schema: Mapping[str, Any], prefix: str = "") -> frozenset[str]:
+    """Dotted paths of the open mappings (``{}`` defaults) in a schema."""
+    out: set[str] = set()
+    for key, value in schema.items():
+        if isinstance(value, Mapping):
+            if len(value) == 0:
+                out.add(f"{prefix}{key}")
+            else:
+                out |= open_paths_of(value, f"{prefix}{key}.")
+    return frozenset(out)
+
+
+def validate_against(
+    schema: Mapping[str, Any],
+    data: Mapping[str, Any],
+    source: str,
+    prefix: str = "",
+    open_paths: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
     """Check ``data`` against ``schema`` (the stage defaults) and return the merged result.
 
-    Raises :class:`ConfigError` naming the first unknown key or the first type mismatch.
+    Keys under an open mapping (a ``{}`` default, or a path in ``open_paths``) are free; everything else
+    must exist in ``schema`` with a compatible type. Raises :class:`ConfigError` naming the first unknown
+    key or the first type mismatch.
     """
     out = copy.deepcopy(dict(schema))
     for key, value in data.items():
@@ -153,13 +192,13 @@ def validate_against(schema: Mapping[str, Any], data: Mapping[str, Any], source:
             known = ", ".join(sorted(str(k) for k in schema)) or "(none)"
             raise ConfigError(f"{source}: unknown config key '{dotted}' (known here: {known})")
         default = schema[key]
-        if isinstance(default, Mapping) and len(default) == 0:
+        if (isinstance(default, Mapping) and len(default) == 0) or dotted in open_paths:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: '{dotted}' must be a mapping, got {_type_name(value)}")
-            out[key] = copy.deepcopy(dict(value))
+            out[key] = deep_merge(default if isinstance(default, Mapping) else {}, value)
             continue
         if isinstance(default, Mapping) and isinstance(value, Mapping):
-            out[key] = validate_against(default, value, source, prefix=f"{dotted}.")
+            out[key] = validate_against(default, value, source, prefix=f"{dotted}.", open_paths=open_paths)
             continue
         if not _compatible(default, value):
             raise ConfigError(
@@ -193,9 +232,9 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
     return out
 
 
-def _freeze(value: Any) -> Any:
+def _freeze(value: Any, open_paths: frozenset[str] = frozenset()) -> Any:
     if isinstance(value, Mapping):
-        return Config(value)
+        return Config(value, open_paths)
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
@@ -215,10 +254,17 @@ class Config(Mapping[str, Any]):
     ``cfg.train.lr``, ``cfg["train"]["lr"]`` and ``cfg.get_path("train.lr")`` are equivalent.
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_open")
 
-    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
-        object.__setattr__(self, "_data", {str(k): _freeze(v) for k, v in (data or {}).items()})
+    def __init__(self, data: Mapping[str, Any] | None = None, open_paths: frozenset[str] | set[str] = frozenset()) -> None:
+        data = data or {}
+        open_paths = frozenset(open_paths) | open_paths_of(data)
+        object.__setattr__(self, "_open", open_paths)
+        frozen = {}
+        for k, v in data.items():
+            inner = frozenset(p[len(k) + 1 :] for p in open_paths if p.startswith(f"{k}."))
+            frozen[str(k)] = _freeze(v, inner)
+        object.__setattr__(self, "_data", frozen)
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -289,8 +335,8 @@ class Config(Mapping[str, Any]):
             items = [parse_override(o) for o in overrides]
         data = self.to_dict()
         for path, value in items:
-            data = validate_against(data, _nest(path, value), f"{source} {'.'.join(path)}")
-        return Config(data)
+            data = validate_against(data, _nest(path, value), f"{source} {'.'.join(path)}", open_paths=self._open)
+        return Config(data, self._open)
 
 
 def default_config_path(stage: str) -> Path:
@@ -311,10 +357,11 @@ def load_config(
         overrides: ``key=value`` strings or a mapping of dotted keys.
     """
     defaults = load_yaml_with_bases(default_config_path(stage))
+    open_paths = open_paths_in_chain(default_config_path(stage))
     data = defaults
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        data = validate_against(defaults, load_yaml_with_bases(path), str(path))
-    return Config(data).with_overrides(overrides)
+        data = validate_against(defaults, load_yaml_with_bases(path), str(path), open_paths=open_paths)
+    return Config(data, open_paths).with_overrides(overrides)

@@ -12,6 +12,16 @@ from typing import Any, BinaryIO
 from pipeline.errors import PipelineError, UsageError
 
 
+def _file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file (0666 minus the umask); mkstemp uses 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_MODE = _file_mode()
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename inside it survives a power loss (best effort on odd filesystems)."""
     try:
@@ -35,6 +45,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _MODE)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

@@ -75,3 +75,24 @@ def test_refuses_unsafe_foreign_truncated_and_missing_files(tmp_path: Path) -> N
         load_checkpoint(cut)
     with pytest.raises(UsageError, match="not found"):
         load_checkpoint(tmp_path / "none.pt")
+
+
+def test_atomic_writes_get_the_usual_file_mode(tmp_path: Path) -> None:
+    import os
+
+    from pipeline.fileio import atomic_write_text
+
+    mask = os.umask(0o022)
+    try:
+        import importlib
+
+        import pipeline.fileio as fio
+
+        importlib.reload(fio)
+        path = fio.atomic_write_text(tmp_path / "x.json", "{}")
+        assert (path.stat().st_mode & 0o777) == 0o644
+        assert not list(tmp_path.glob(".x.json.*"))  # no temporary left behind
+    finally:
+        os.umask(mask)
+        importlib.reload(fio)
+    assert atomic_write_text  # the public helper is the one the stages use

@@ -81,3 +81,25 @@ def test_config_is_immutable_and_digest_is_order_free() -> None:
     c = a.with_overrides(["x.y=5"])
     assert a.x.y == 1 and c.x.y == 5 and c.digest() != a.digest()
     assert c.to_dict() == {"x": {"y": 5, "z": [1, 2]}, "w": 2}
+
+
+def test_open_mapping_accepts_several_overrides_and_stays_open() -> None:
+    cfg = Config({"prepare": {"files": {}, "n": 1}})
+    cfg = cfg.with_overrides(["prepare.files.train=a.json"]).with_overrides(["prepare.files.val=b.json"])
+    cfg = cfg.with_overrides({"prepare.files.test": "c.json", "prepare.n": 2})
+    assert cfg.prepare.files.to_dict() == {"train": "a.json", "val": "b.json", "test": "c.json"}
+    with pytest.raises(ConfigError, match="unknown config key 'prepare.m'"):
+        cfg.with_overrides(["prepare.m=1"])
+    sub = cfg.prepare.with_overrides(["files.more=d.json"])
+    assert sub.files.more == "d.json"
+
+
+def test_open_mapping_declared_in_a_base_stays_open(tmp_path: Path) -> None:
+    write(tmp_path / "base.yaml", "train: {xe: {}, n: 1}\n")
+    write(tmp_path / "child.yaml", "_base_: base.yaml\ntrain: {xe: {epochs: 3}}\n")
+    import pipeline.config as pc
+
+    assert pc.open_paths_in_chain(tmp_path / "child.yaml") == frozenset({"train.xe"})
+    data = pc.load_yaml_with_bases(tmp_path / "child.yaml")
+    cfg = Config(data, pc.open_paths_in_chain(tmp_path / "child.yaml")).with_overrides(["train.xe.lr=0.1"])
+    assert cfg.train.xe.to_dict() == {"epochs": 3, "lr": 0.1}

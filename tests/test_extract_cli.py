@@ -174,13 +174,16 @@ def test_shards_cover_every_image_exactly_once_and_merge(tmp_path, shared_data):
     photos = _subset(tmp_path, shared_data, 5)
     store = tmp_path / "feats"
     for i in range(2):
-        res = _extract(str(photos), "--weights", "random", "--store", str(store), "--shard", f"{i}/2", *SMALL)
+        workers = ["--workers", "2"] if i == 0 else []  # decode in DataLoader worker processes for one shard
+        res = _extract(str(photos), "--weights", "random", "--store", str(store), "--shard", f"{i}/2", *SMALL, *workers)
         assert res.exit_code == 0, res.output
     shards = sorted((tmp_path / "feats.shards").iterdir())
     assert [p.name for p in shards] == ["0-of-2", "1-of-2"]
     assert [len(FeatureStore(p).keys()) for p in shards] == [3, 2]
-    n = merge_stores(shards, store)
-    assert n == 5 and len(FeatureStore(store).keys()) == 5
+    res = _extract("--store", str(store), "--merge-shards")
+    assert res.exit_code == 0 and "merged 2 shards (5 images)" in res.output, res.output
+    assert len(FeatureStore(store).keys()) == 5
+    assert merge_stores(shards, tmp_path / "again") == 5
     # COCO ids become keys for COCO file names
     assert sorted(FeatureStore(store).keys()) == ["000456.jpg", "000542.jpg", "001150.jpg", "131486", "84002"]
 
@@ -224,3 +227,53 @@ def test_full_r101_on_two_real_photos_writes_a_valid_store(tmp_path, shared_data
         assert np.isfinite(rec["features"].astype(np.float32)).all() and (rec["features"] >= 0).all()
         b = rec["boxes"]
         assert (b[:, 2] <= rows[n]["img_w"]).all() and (b[:, 3] <= rows[n]["img_h"]).all() and (b[:, :2] >= 0).all()
+
+
+@pytest.mark.parametrize("layout,suffix", [("milvlg", ".pth"), ("hf", ".bin")])
+def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, layout, suffix):
+    from extract_helpers import tiny_spec
+    from extractors.weights import random_detector, save_layout, sha256_file
+
+    spec = tiny_spec(flavor="caffe" if layout == "milvlg" else "d2")
+    weights = save_layout(random_detector(spec, 3).state_dict(), layout, tmp_path / f"w{suffix}")
+    store = tmp_path / "s"
+    photos = [str(shared_data / "photos" / "000456.jpg"), str(shared_data / "photos" / "COCO_train2014_000000207647.jpg")]
+    res = _extract(*photos, "--weights", str(weights), "--store", str(store), "--boxes", "36", "--workers", "0",
+                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    assert res.exit_code == 0, res.output
+    st = FeatureStore(store)
+    assert st.identity["name"] == f"bottom-up-{layout}" and st.identity["weights_sha256"] == sha256_file(weights)
+    assert st.identity["config"]["spec"]["flavor"] == spec.flavor and st.identity["config"]["spec"]["min_size"] == 200
+    assert sorted(st.keys()) == ["000456.jpg", "207647"]
+    n = [st.get(k)["features"].shape[0] for k in st.keys()]
+    assert n == [36, 36] if layout == "milvlg" else all(10 <= x <= 36 for x in n)
+    # the same store refuses other weights (identity check) with a one-line usage error
+    other = save_layout(random_detector(spec, 4).state_dict(), layout, tmp_path / f"o{suffix}")
+    res = _extract(*photos, "--weights", str(other), "--store", str(store), "--boxes", "36", "--workers", "0",
+                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    assert res.exit_code == 2 and "different extractor" in res.output
+
+
+def test_keys_inputs_and_shard_parsing(tmp_path, monkeypatch):
+    from extractors.run import image_key, items_from_paths, shard_items
+    from pipeline.commands.extract import _parse_shard
+    from pipeline.errors import UsageError
+
+    assert image_key(Path("/x/COCO_val2014_000000000042.jpg"), None) == "42"
+    assert image_key(Path("/x/000000391895.jpg"), None) == "391895"  # COCO 2017 naming
+    assert image_key(Path("/r/a/b/000456.jpg"), Path("/r")) == "a/b/000456.jpg"
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / ".hidden").mkdir()
+    for rel in ("a/b/x.JPG", "a/y.png", ".hidden/z.jpg", "a/notes.txt", "top.webp"):
+        (tmp_path / rel).write_bytes(b"?")
+    items = items_from_paths([tmp_path])
+    assert [i.key for i in items] == ["a/b/x.JPG", "a/y.png", "top.webp"]
+    assert [i.key for i in items_from_paths([str(tmp_path / "a" / "*.png")])] == ["y.png"]
+    parts = [shard_items(items, i, 2) for i in range(2)]
+    assert sorted(i.key for p in parts for i in p) == sorted(i.key for i in items) and len(parts[0]) == 2
+    assert _parse_shard("1/4") == (1, 4)
+    with pytest.raises(UsageError):
+        _parse_shard("4/4")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    assert _parse_shard(None) == (2, 3)  # torchrun: one shard per rank

@@ -264,3 +264,50 @@ def test_maxnms_picks_best_class_box_and_relaxes_threshold():
     assert torch.equal(kept_boxes[1], boxes[1] + 100)  # class 1 box for proposal 1
     keep, _ = selection.maxnms_select(torch.stack([boxes, boxes], 1), scores, 3, 36)
     assert keep.numel() == 3  # 0 and 1 overlap (IoU 0.68): only a threshold >= 0.7 keeps both
+
+
+def _proposal_layer_reference(fg, deltas, anchors, im_h, im_w, scale, pre, post, thresh, min_size=16):
+    """numpy transcription of py-faster-rcnn ``ProposalLayer.forward`` (test mode) on flat (h, w, a) arrays."""
+    w = anchors[:, 2] - anchors[:, 0] + 1.0
+    h = anchors[:, 3] - anchors[:, 1] + 1.0
+    cx, cy = anchors[:, 0] + 0.5 * w, anchors[:, 1] + 0.5 * h
+    pcx, pcy = deltas[:, 0] * w + cx, deltas[:, 1] * h + cy
+    pw, ph = np.exp(deltas[:, 2]) * w, np.exp(deltas[:, 3]) * h
+    boxes = np.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw, pcy + 0.5 * ph], 1)
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, im_w - 1)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, im_h - 1)
+    ms = min_size * scale
+    keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= ms) & ((boxes[:, 3] - boxes[:, 1] + 1) >= ms)
+    boxes, fg = boxes[keep], fg[keep]
+    order = np.argsort(-fg, kind="stable")[:pre]
+    boxes, fg = boxes[order], fg[order]
+    kept = _cpu_nms(boxes, fg, thresh)[:post]
+    return boxes[kept]
+
+
+def test_rpn_softmax_objectness_and_proposals_follow_the_caffe_proposal_layer():
+    from extractors.rpn import RPN
+
+    spec = tiny_spec(pre_nms_topk=200, post_nms_topk=40)
+    rpn = RPN(spec, spec.c4_channels)
+    g = torch.Generator().manual_seed(11)
+    fh, fw, a = 6, 9, spec.num_anchors
+    logits = torch.randn(1, 2 * a, fh, fw, generator=g) * 2
+    deltas = torch.randn(1, 4 * a, fh, fw, generator=g) * 0.3
+
+    def head(_x):
+        return logits, deltas
+
+    rpn.rpn_head.forward = head  # feed known head outputs through the real proposal code
+    scores, flat = rpn.scores_and_deltas(torch.zeros(1, spec.c4_channels, fh, fw))
+    # channel a is background, channel A + a foreground, for anchor a at cell (h, w)
+    h, w, k = 4, 2, 5
+    want = torch.softmax(torch.stack([logits[0, k, h, w], logits[0, a + k, h, w]]), 0)[1]
+    assert torch.isclose(scores[0, (h * fw + w) * a + k], want)
+    assert torch.equal(flat[0, (h * fw + w) * a + k], deltas[0, 4 * k : 4 * k + 4, h, w])
+    im_h, im_w, scale = 90, 140, 0.6
+    got = rpn(torch.zeros(1, spec.c4_channels, fh, fw), [(im_h, im_w)], [scale])[0]
+    anchors = grid_anchors(rpn.anchor_generator.cell_anchors[0], fh, fw, 16).numpy()
+    ref = _proposal_layer_reference(scores[0].numpy(), flat[0].numpy(), anchors, im_h, im_w, scale, 200, 40, 0.7)
+    assert got.shape == ref.shape and got.shape[0] > 5
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-3)

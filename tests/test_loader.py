@@ -174,3 +174,13 @@ def test_missing_features_are_an_error_not_random_features(world_data, tmp_path)
         CaptionDataset(tmp_path / "partial", data_dir, "train")
     ds = CaptionDataset(tmp_path / "partial", data_dir, "train", allow_missing=True)
     assert 0 < len(ds) < 32 and all(k in src.keys()[:20] for k in ds.keys)
+
+
+def test_ddp_ranks_split_batches():
+    counts = np.random.default_rng(2).integers(10, 101, 1003)
+    ranks = [BucketBatchSampler(counts, 16, "bucket", seed=5, rank=r, world_size=3) for r in range(3)]
+    parts = [list(s) for s in ranks]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == len(ranks[0]) == 21  # ceil(63 / 3)
+    flat = [i for p in parts for b in p for i in b]
+    assert set(flat) == set(range(1003))  # every image on some rank; padding repeats a few batches only
+    assert len(flat) - 1003 < 16 * 3

@@ -235,3 +235,43 @@ def test_info_cli(tmp_path):
     bad.write_bytes(b"garbage")
     proc = subprocess.run([sys.executable, "cli.py", "info", str(bad)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "bad.h5" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_info_cli_wrong_version_is_one_line_exit_2(tmp_path):
+    write_store(tmp_path / "s", range(2))
+    record = tmp_path / "s" / "store.json"
+    data = json.loads(record.read_text())
+    data["schema_version"] = 2
+    record.write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "schema version 2; this butd-caption reads version 1" in err and "Traceback" not in err
+
+
+def test_merge_cli(tmp_path):
+    write_store(tmp_path / "shard-0", range(0, 6))
+    write_store(tmp_path / "shard-1", range(6, 9))
+    ids = tmp_path / "ids.txt"
+    ids.write_text("\n".join(f"img{i:05d}" for i in range(9)))
+    proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
+                           "--out", str(tmp_path / "all"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "images: 9" in proc.stdout, proc.stderr
+    assert FeatureStore(tmp_path / "all").keys() == [f"img{i:05d}" for i in range(9)]
+    ids.write_text("\n".join(f"img{i:05d}" for i in range(10)))
+    proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
+                           "--out", str(tmp_path / "all2"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "1 missing (e.g. ['img00009'])" in " ".join(proc.stderr.split())
+
+
+def test_reader_is_a_snapshot_while_a_writer_appends(tmp_path):
+    with open_writer(tmp_path / "s", IDENTITY) as w:
+        for i in range(3):
+            add_image(w, synthetic_image(i))
+        w.commit()
+        reader = FeatureStore(tmp_path / "s")  # opened while the writer holds the lock
+        for i in range(3, 5):
+            add_image(w, synthetic_image(i))
+        assert len(reader) == 3  # pending images are invisible
+        w.commit()
+        assert len(reader) == 3 and len(reader.refresh()) == 5
+        assert_image_equal(reader.get("img00004"), synthetic_image(4))

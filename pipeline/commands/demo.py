@@ -9,40 +9,36 @@ import typer
 
 from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
 from pipeline.console import get_logger, stdout_console
+from pipeline.errors import UsageError
 
 log = get_logger("demo")
 
-#: stages of the full demo in order; those without an implementation are reported, not faked
-PLANNED_STAGES = (
-    ("world", "generate the synthetic world"),
-    ("detector", "train the demo detector (issue 7)"),
-    ("features", "extract region features to a store (issue 6)"),
-    ("data", "prepare captions and vocabulary (issue 4)"),
-    ("train", "train the captioner, XE then SCST (issue 5)"),
-    ("evaluate", "evaluate on the test split (issue 5)"),
-    ("caption", "caption test images and draw pictures (issue 8)"),
-)
+METRIC_COLUMNS = ("Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
         "demo",
         help=(
-            "Run the staged pipeline on the embedded synthetic world (no download needed).\n\n"
-            "Stages that finished are skipped on a second run; an interrupted stage resumes.\n\n"
+            "Run the whole pipeline on the embedded synthetic world (no download): generate the world, train "
+            "the demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate "
+            "on the test split, caption a few test images with pictures. Finished stages are skipped on a "
+            "second run; an interrupted stage resumes.\n\n"
             "Examples:\n\n"
             "    butd-caption demo --out runs/demo\n\n"
-            "    butd-caption demo --generate-only --out world --num-images 2000 --seed 1\n\n"
-            "    butd-caption demo --quick --out runs/ci"
+            "    butd-caption demo --quick --out runs/ci\n\n"
+            "    butd-caption demo --models san,ngsan,m2,aoa,ban --out runs/compare\n\n"
+            "    butd-caption demo --generate-only --out world --num-images 2000 --seed 1"
         ),
     )
     @guarded
     def demo_command(
         out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created if missing).")] = Path("runs/demo"),
+        models: Annotated[Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")] = None,
         generate_only: Annotated[bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")] = False,
         num_images: Annotated[Optional[int], typer.Option("--num-images", min=1, help="Images in the world (world.num_images).")] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
-        quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses).")] = False,
+        quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
         config: ConfigOpt = None,
         set_: SetOpt = None,
         force: ForceOpt = False,
@@ -51,8 +47,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         init(verbose, quiet)
         from pipeline.config import load_config
-        from pipeline.stages import run_stage
-        from pipeline.world.generate import generate_world
 
         overrides: list[str] = []
         if quick:
@@ -62,30 +56,58 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"world.num_images={num_images}")
         if seed is not None:
             overrides.append(f"world.seed={seed}")
-        cfg = resolve_config("demo", config, overrides)
+        cfg = resolve_config("demo", config, overrides, show=verbose)
+        names = [m.strip() for m in (models.split(",") if models else cfg.demo.models) if m.strip()]
+        if not names:
+            raise UsageError("--models needs at least one captioner name")
+        if len(set(names)) != len(names):
+            raise UsageError("--models lists a captioner twice")
 
         if generate_only:
+            from pipeline.stages import run_stage
+            from pipeline.world.generate import generate_world
+
             result = run_stage(out.parent if out.name else out, out.name, cfg.world, generate_world, force=force)
-            _report([("world", result)], None, out)
+            stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
-        results = [("world", run_stage(out, "world", cfg.world, generate_world, force=force))]
-        missing = [(name, what) for name, what in PLANNED_STAGES if name not in dict(results)]
-        _report(results, missing, out)
+
+        from pipeline.demo import run_demo
+
+        report = run_demo(out, cfg, names, force=force)
+        _print_report(report)
 
 
-def _report(results, missing, out: Path) -> None:
+def _print_report(report) -> None:
     from rich.table import Table
 
-    table = Table(title="butd-caption demo", show_edge=False)
-    table.add_column("stage")
-    table.add_column("status")
-    table.add_column("time (s)", justify="right")
-    table.add_column("result")
-    for name, r in results:
-        summary = ", ".join(f"{k}={v}" for k, v in r.summary.items())
-        table.add_row(name, "skipped (done)" if r.skipped else "ran", f"{r.seconds:.1f}", summary)
-    for name, what in missing or []:
-        table.add_row(name, "not built yet", "-", what)
     con = stdout_console()
-    con.print(table)
-    con.print(f"outputs in {out.resolve()}")
+    stages = Table(title="butd-caption demo: stages", show_edge=False)
+    for col in ("stage", "status", "seconds", "result"):
+        stages.add_column(col, justify="right" if col == "seconds" else "left")
+    for r in report.stages:
+        summary = {k: v for k, v in r.summary.items() if k not in ("history", "losses", "metrics", "notes", "pictures", "eval")}
+        stages.add_row(r.name, "skipped (done)" if r.skipped else "ran", f"{r.seconds:.1f}", _short(summary))
+    con.print(stages)
+    if report.detector:
+        d = report.detector
+        con.print(
+            "detector (test split): "
+            + ", ".join(f"{k}={d[k]:.3f}" for k in ("recall", "class_accuracy", "attribute_accuracy", "colour_accuracy") if isinstance(d.get(k), (int, float)))
+        )
+    if report.metrics:
+        table = Table(title="captioning metrics (synthetic test split)", show_edge=False)
+        table.add_column("model")
+        for m in METRIC_COLUMNS:
+            table.add_column(m, justify="right")
+        for name, metrics in report.metrics.items():
+            table.add_row(name, *(f"{metrics[m]:.3f}" if m in metrics else "-" for m in METRIC_COLUMNS))
+        con.print(table)
+    for name, pics in report.pictures.items():
+        if pics:
+            con.print(f"pictures ({name}): {Path(pics[0]).parent}")
+    con.print(f"total {report.seconds:.1f} s; everything is in {report.out.resolve()} (summary.json)")
+
+
+def _short(summary: dict) -> str:
+    text = ", ".join(f"{k}={v}" for k, v in summary.items())
+    return text if len(text) <= 90 else text[:87] + "..."

@@ -35,6 +35,27 @@ def shard_store_path(store: Path, shard: tuple[int, int] | None) -> Path:
     return store.parent / f"{store.name}.shards" / f"{shard[0]}-of-{shard[1]}"
 
 
+def merge_shard_stores(store: Path) -> None:
+    """Merge ``STORE.shards/i-of-n`` (all n present) into ``STORE``; each image must appear exactly once."""
+    from pipeline.console import stdout_console
+    from pipeline.store import merge_stores
+
+    folder = store.parent / f"{store.name}.shards"
+    shards = sorted(p for p in folder.glob("*-of-*") if p.is_dir()) if folder.is_dir() else []
+    if not shards:
+        raise UsageError(f"no shards found in {folder}")
+    counts = {p.name.split("-of-")[1] for p in shards}
+    if len(counts) != 1:
+        raise UsageError(f"{folder} mixes shard counts ({', '.join(sorted(counts))})")
+    n = int(counts.pop())
+    have = sorted(int(p.name.split("-of-")[0]) for p in shards)
+    if have != list(range(n)):
+        missing = sorted(set(range(n)) - set(have))
+        raise UsageError(f"{folder}: shards {missing} of {n} are missing; run them first")
+    total = merge_stores(shards, store)
+    stdout_console().print(f"merged {n} shards ({total} images) into {store}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "extract",
@@ -65,6 +86,7 @@ def register(app: typer.Typer) -> None:
         shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed.")] = False,
+        merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
         config: ConfigOpt = None,
         set_: SetOpt = None,
         verbose: VerboseOpt = False,
@@ -76,10 +98,13 @@ def register(app: typer.Typer) -> None:
             if val is not None:  # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
                 overrides.append(f"extract.{key}={json.dumps(val)}")
         cfg = resolve_config("extract", config, overrides).extract
-        if not weights:
-            raise UsageError("--weights is required (a .pth/.pkl/.bin file, or 'random' for smoke tests)")
         if store is None:
             raise UsageError("--store is required")
+        if merge_shards:
+            merge_shard_stores(store)
+            return
+        if not weights:
+            raise UsageError("--weights is required (a .pth/.pkl/.bin file, or 'random' for smoke tests)")
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
         run(paths or [], weights, store, cfg, coco, image_root, file_list, _parse_shard(shard), limit, strict)
@@ -125,6 +150,7 @@ def run(paths, weights, store, cfg, coco, image_root, file_list, shard, limit, s
     model, identity = build_for_extract(weights, str(cfg.preset), cfg.spec.to_dict() if hasattr(cfg.spec, "to_dict") else dict(cfg.spec),
                                         int(cfg.min_size), int(cfg.max_size), int(cfg.random_seed), dev)
     model.roi_chunk = int(cfg.roi_chunk)
+    identity["config"]["precision"] = str(cfg.precision)
     identity["config"]["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh}
     target = shard_store_path(store, shard)
     log.info("extracting %d images with %s on %s (%s) into %s", len(items), identity["name"], dev, cfg.precision, target)

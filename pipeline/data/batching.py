@@ -28,7 +28,11 @@ PRELOAD_MODES = ("none", "memory", "pinned", "cuda")
 
 class BucketBatchSampler(Sampler[list[int]]):
     """Batches of indices grouped by similar box counts. ``mode``: ``bucket`` (random order, little
-    padding), ``sorted`` (by box count, deterministic) or ``random``. Call :meth:`set_epoch` each epoch."""
+    padding), ``sorted`` (by box count, deterministic) or ``random``. Call :meth:`set_epoch` each epoch.
+
+    Under DDP give ``rank``/``world_size``: every rank builds the same batch list (same seed and epoch)
+    and takes every ``world_size``-th batch; the list is padded by repeating its first batches so that all
+    ranks run the same number of steps."""
 
     def __init__(
         self,
@@ -38,7 +42,11 @@ class BucketBatchSampler(Sampler[list[int]]):
         bucket_pools: int = 50,
         drop_last: bool = False,
         seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        if not 0 <= rank < world_size:
+            raise UsageError(f"rank {rank} is not in 0..{world_size - 1}")
         if mode not in ("bucket", "sorted", "random"):
             raise UsageError(f"batching mode must be bucket, sorted or random, not {mode!r}")
         if batch_size < 1:
@@ -50,6 +58,8 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.seed = seed
         self.epoch = 0
+        self.rank = rank
+        self.world_size = world_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -71,6 +81,9 @@ class BucketBatchSampler(Sampler[list[int]]):
             batches.pop()
         if self.mode == "bucket":
             batches = [batches[i] for i in rng.permutation(len(batches))]
+        if self.world_size > 1 and batches:
+            extra = -len(batches) % self.world_size
+            batches = (batches + batches[:extra])[self.rank :: self.world_size]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -78,7 +91,8 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         n = len(self.num_boxes)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        total = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return -(-total // self.world_size)
 
 
 class FeatureBank:
@@ -163,18 +177,21 @@ def build_loader(
     drop_last: bool = False,
     multiprocessing_context: str | None = None,
     allow_missing: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> DataLoader | PreloadedLoader:
     """A loader over ``split`` of (store, prepared captions); see the module docstring for the options.
 
     ``preload``: ``none`` (read the store per item, in ``num_workers`` processes), ``memory``, ``pinned``
     (page-locked RAM for fast copies) or ``cuda`` (everything on the GPU). The returned object has
-    ``.batch_sampler.set_epoch(e)`` for reshuffling.
+    ``.batch_sampler.set_epoch(e)`` for reshuffling; ``rank``/``world_size`` split batches across DDP ranks.
     """
     if preload not in PRELOAD_MODES:
         raise UsageError(f"preload must be one of {', '.join(PRELOAD_MODES)}, not {preload!r}")
     dataset = CaptionDataset(store, captions, split, max_boxes=max_boxes, captions_per_image=captions_per_image,
                              allow_missing=allow_missing)
-    sampler = BucketBatchSampler(dataset.num_boxes(), batch_size, batching, drop_last=drop_last, seed=seed)
+    sampler = BucketBatchSampler(dataset.num_boxes(), batch_size, batching, drop_last=drop_last, seed=seed,
+                                 rank=rank, world_size=world_size)
     if preload != "none":
         if preload == "cuda" and not torch.cuda.is_available():
             raise UsageError("preload=cuda needs a CUDA device; use memory or pinned")

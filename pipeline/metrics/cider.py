@@ -297,8 +297,7 @@ class CiderD:
         w_ref = self.row_tf[rows[pos[hit]]] * cand_idf[sel][:, None]  # uint16 tf -> float64 weights
         num_e = np.minimum(w_cand[sel][:, None], w_ref) * w_ref
         slot = cand_slot[sel][:, None] * m + np.arange(m)
-        # astype: bincount returns int64 when no candidate n-gram occurs in any reference (empty weights)
-        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).astype(np.float64, copy=False).reshape(num_cand, n, m)
+        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).astype(np.float64).reshape(num_cand, n, m)
 
         denom = cand_norm[:, :, None] * ref_norm
         val = np.divide(num, denom, out=num.copy(), where=denom != 0)

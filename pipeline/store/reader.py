@@ -124,6 +124,12 @@ class FeatureStore:
             st = self._open()
         return st
 
+    def refresh(self) -> "FeatureStore":
+        """Re-read the commit record: a reader is a snapshot of the commits made before it opened."""
+        self.close()
+        self._open()
+        return self
+
     def close(self) -> None:
         if self._state is not None and self._state.pid == os.getpid():
             self._state.close()
@@ -273,15 +279,13 @@ class FeatureStore:
     def preload(self) -> "FeatureStore":
         """Read every row of every field into memory once (per process); later reads are slices of it."""
         st = self._st()
-        fields = list(st.segments[0].sources) if st.segments else ["features", "boxes"]
         total = int(st.count.sum())
         memory: dict[str, np.ndarray] = {}
-        for name in fields:
-            src = st.segments[0].sources[name]
+        for name, src in (st.segments[0].sources.items() if st.segments else []):
             memory[name] = np.empty((total,) if src.width is None else (total, src.width), dtype=src.dtype)
         row = 0
         for si, seg in enumerate(st.segments):
-            for name in fields:
+            for name in memory:
                 memory[name][row : row + seg.num_rows] = self._read_rows(st, si, name, 0, seg.num_rows)
             row += seg.num_rows
         st.memory = memory

@@ -50,7 +50,7 @@ def print_store_info(path: Path) -> None:
     ]
     if info["images"]:
         lines += [
-            f"boxes per image: {_stat(info['boxes_per_image'])}",
+            "boxes per image: min {min}, mean {mean:.1f}, max {max}".format(**info["boxes_per_image"]),
             f"box width (px): {_stat(info['box_width_px'])}",
             f"box height (px): {_stat(info['box_height_px'])}",
             f"box area / image area: {_stat(info['box_area_fraction'], '{:.3f}')}",

@@ -67,6 +67,7 @@ def write_segment(
     fields: Sequence[str],
     chunk_rows: int = 0,
     compression: str | None = None,
+    fsync: bool = True,
 ) -> None:
     """Write a complete segment file at ``path`` (normally a ``*.tmp`` name), then close and fsync it.
 
@@ -122,7 +123,8 @@ def write_segment(
         fh.create_dataset("offsets", data=offsets)
         fh.create_dataset("image_size", data=sizes)
         fh.attrs["complete"] = True
-    _fsync_file(path)
+    if fsync:
+        _fsync_file(path)
 
 
 @dataclass

@@ -93,6 +93,13 @@ def validate_image(
             raise PipelineError(f"{where}: image {key}: {name} has negative ids")
 
 
+def _all_finite(arr: np.ndarray) -> bool:
+    """``np.isfinite(arr).all()``; for float16 via the exponent bits (numpy's half isfinite is ~10x slower)."""
+    if arr.dtype == np.float16:
+        return not bool(((arr.view(np.uint16) & 0x7C00) == 0x7C00).any())
+    return bool(np.isfinite(arr).all())
+
+
 class _RowBuffer:
     """Pending rows of one field in one growing array (amortised doubling): add copies once, commit
     writes one slice, no concatenation."""
@@ -129,8 +136,10 @@ class FeatureStoreWriter:
         commit_bytes: int,
         chunk_rows: int,
         compression: str | None,
+        fsync: bool = True,
     ) -> None:
         self.path = path
+        self.fsync = fsync
         self._manifest = manifest
         self._lock_fd: int | None = lock_fd
         self.commit_every = commit_every
@@ -147,7 +156,10 @@ class FeatureStoreWriter:
         self._pending: list[tuple[str, int, int, int]] = []  # key, rows, width, height
         self._pending_keys: set[str] = set()
         self._pending_bytes = 0
-        self._buffers: dict[str, _RowBuffer] = {}
+        # buffers are kept across commits: re-touching fresh memory for every commit costs more than the copy
+        self._buffers: dict[str, _RowBuffer] = getattr(self, "_buffers", {})
+        for buf in self._buffers.values():
+            buf.rows = 0
 
     # -- queries -------------------------------------------------------------------------------------------
     @property
@@ -213,8 +225,7 @@ class FeatureStoreWriter:
                 width = arr.shape[1] if arr.ndim == 2 else None
                 buf = self._buffers[name] = _RowBuffer(dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width)
             buf.append(arr)  # the one copy, casting to the store dtype
-        stored = self._buffers["features"].view()[-len(feats):]
-        if not np.isfinite(stored).all():
+        if not _all_finite(self._buffers["features"].view()[-len(feats):]):
             for name in rows:
                 self._buffers[name].rows -= len(feats)
             if not np.isfinite(feats).all():
@@ -254,6 +265,7 @@ class FeatureStoreWriter:
         write_segment(
             tmp, [block], num_images=n, num_rows=rows, identity=m["identity"], feature_dtype=m["feature_dtype"],
             feature_dim=m["feature_dim"], fields=fields, chunk_rows=self.chunk_rows, compression=self.compression,
+            fsync=self.fsync,
         )
         os.replace(tmp, final)
         fsync_dir(self.path)
@@ -328,6 +340,7 @@ def open_writer(
     commit_bytes: int = 256 << 20,
     chunk_rows: int = 0,
     compression: str | None = None,
+    fsync: bool = True,
 ) -> FeatureStoreWriter:
     """Create a store directory at ``path``, or resume the one there.
 
@@ -340,6 +353,8 @@ def open_writer(
         commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
         chunk_rows: 0 writes contiguous segments (fastest reads); >0 chunks rows by this many.
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"`` (needs ``chunk_rows``; slower reads).
+        fsync: fsync each segment before publishing it (default). ``False`` is faster and still safe against
+            a killed process (publication order holds in the page cache), but not against power loss.
     """
     path = Path(path)
     identity = canonical_identity(extractor)
@@ -375,7 +390,7 @@ def open_writer(
             manifest = new_manifest(identity, feature_dtype, None)
             _clean_garbage(path, manifest)
             write_manifest(path, manifest)
-        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression)
+        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression, fsync)
     except BaseException:
         fcntl.flock(lock_fd, fcntl.LOCK_UN)
         os.close(lock_fd)

@@ -193,6 +193,7 @@ class Trainer:
             "decoding": asdict(self.decoding),
             **asdict(prog),
             "train_config": self.cfg.to_dict(),
+            "store_identity": dict(self.train_set.store.identity),  # which extractor made the features
         }
         if kind == "train":
             payload.update(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),

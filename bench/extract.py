@@ -1,0 +1,151 @@
+"""Benchmark of the bottom-up extractor: images/s and peak memory per batch size and precision, bf16 vs fp32
+feature agreement, and the speed-up of the vectorised per-class NMS over the per-class loop.
+
+Random weights with the full ResNet-101 preset (the speed does not depend on the values). Images are the real
+photos of ../shared/data/photos, cycled; decoding is timed separately (it runs in DataLoader workers in
+``cli extract``).
+
+    python -m bench.extract --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 --batches 1,4
+    python -m bench.extract --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 --channels-last
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from extractors.bottom_up import SelectionRule
+from extractors.preprocess import caffe_blob, load_rgb
+from extractors.run import precision_context
+from extractors.selection import max_conf_loop, max_conf_vectorized
+from extractors.spec import caffe_r101
+from extractors.weights import random_detector
+
+PHOTOS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "photos"
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _peak_mb(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # process peak RSS (monotone)
+
+
+def bench_throughput(model, blobs, scales, sizes, dev, batch: int, precision: str, rule) -> tuple[float, float]:
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    with precision_context(precision, dev):
+        model.detect(blobs[:batch], scales[:batch], sizes[:batch], rule)  # warm-up
+        _sync(dev)
+        t0 = time.perf_counter()
+        for i in range(0, len(blobs), batch):
+            model.detect(blobs[i : i + batch], scales[i : i + batch], sizes[i : i + batch], rule)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+    return len(blobs) / dt, _peak_mb(dev)
+
+
+def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, float, float]:
+    """bf16 vs fp32 features on the same (fp32-selected) boxes: min and mean cosine, and the share of images
+    whose adaptive selection is identical."""
+    rule = SelectionRule.for_mode("adaptive")
+    with precision_context("fp32", dev):
+        ref = model.detect(blobs[:n], scales[:n], sizes[:n], rule)
+    with precision_context("bf16", dev):
+        low = model.detect(blobs[:n], scales[:n], sizes[:n], SelectionRule.for_mode("given"), [r.boxes for r in ref])
+        sel = model.detect(blobs[:n], scales[:n], sizes[:n], rule)
+    cos = []
+    for a, b in zip(ref, low):
+        fa, fb = a.features.astype(np.float64), b.features.astype(np.float64)
+        cos.append((fa * fb).sum(1) / (np.linalg.norm(fa, axis=1) * np.linalg.norm(fb, axis=1) + 1e-12))
+    cos = np.concatenate(cos)
+    same = np.mean([a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1.0) for a, b in zip(ref, sel)])
+    return float(cos.min()), float(cos.mean()), float(same)
+
+
+def bench_nms(dev: torch.device, images: int, repeat: int) -> tuple[float, float]:
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(images, 300, 2, generator=g) * 500
+    boxes = torch.cat([xy, xy + 10 + torch.rand(images, 300, 2, generator=g) * 300], 2).to(dev)
+    scores = torch.softmax(torch.randn(images, 300, 1601, generator=g) * 3, 2)[:, :, 1:].contiguous().to(dev)
+    max_conf_vectorized(boxes, scores)
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        vec = max_conf_vectorized(boxes, scores)
+    _sync(dev)
+    t_vec = (time.perf_counter() - t0) / repeat / images
+    t0 = time.perf_counter()
+    loop = torch.stack([max_conf_loop(boxes[i], scores[i]) for i in range(images)])
+    _sync(dev)
+    t_loop = (time.perf_counter() - t0) / images
+    assert torch.equal(vec, loop), "vectorised NMS differs from the loop"
+    return t_loop * 1e3, t_vec * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--min-size", type=int, default=600)
+    ap.add_argument("--max-size", type=int, default=1000)
+    ap.add_argument("--boxes", default="adaptive", choices=["adaptive", "36"])
+    ap.add_argument("--proposals", type=int, default=300, help="RPN post-NMS proposals (Caffe: 300; fewer for a quick CPU run)")
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--nms-images", type=int, default=4)
+    ap.add_argument("--skip-agreement", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    spec = caffe_r101().with_(min_size=args.min_size, max_size=args.max_size, post_nms_topk=args.proposals)
+    t0 = time.perf_counter()
+    model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    build = time.perf_counter() - t0
+    files = sorted(PHOTOS.glob("*.jpg"))
+    t0 = time.perf_counter()
+    decoded = [caffe_blob(load_rgb(f), args.min_size, args.max_size) for f in files]
+    decode_ms = (time.perf_counter() - t0) / len(files) * 1e3
+    sizes_all = [tuple(int(v) for v in load_rgb(f).shape[:2]) for f in files]
+    blobs, scales, sizes = [], [], []
+    for i in range(args.images):
+        b, s = decoded[i % len(files)]
+        t = torch.from_numpy(b)
+        if dev.type == "cuda":
+            t = t.pin_memory()
+        blobs.append(t)
+        scales.append(s)
+        sizes.append(sizes_all[i % len(files)])
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
+          f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)")
+    rule = SelectionRule.for_mode(args.boxes)
+    print(f"{'precision':>9} {'batch':>5} {'images/s':>9} {'peak MB':>9}")
+    for prec in args.precisions.split(","):
+        for b in (int(x) for x in args.batches.split(",")):
+            ips, mb = bench_throughput(model, blobs, scales, sizes, dev, b, prec, rule)
+            print(f"{prec:>9} {b:>5} {ips:>9.2f} {mb:>9.0f}", flush=True)
+    if not args.skip_agreement and "bf16" in args.precisions:
+        n = min(len(blobs), 8)
+        cmin, cmean, same = bench_agreement(model, blobs, scales, sizes, dev, n)
+        print(f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}")
+    loop_ms, vec_ms = bench_nms(dev, args.nms_images, 3)
+    print(f"per-class NMS (300 proposals x 1600 classes, {args.nms_images} images): loop {loop_ms:.1f} ms/img, "
+          f"vectorised {vec_ms:.2f} ms/img, speed-up {loop_ms / vec_ms:.1f}x (identical results)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Captioning raw photos: detector -> regions -> captioner -> captions (``cli caption``), and pictures."""

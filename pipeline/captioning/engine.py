@@ -1,0 +1,205 @@
+"""Caption photos end to end, batch by batch: decode images, detect regions, run the captioner.
+
+:class:`PhotoCaptioner` holds a loaded detector and captioner. ``caption_paths`` yields one
+:class:`CaptionResult` per input file (bad images become results with an ``error``), so a caller can stream
+them to a table, JSON lines or CSV. Features can be reused from (and added to) a feature store
+(``--cache``), keyed like ``cli extract`` keys images.
+
+Region relevance for the pictures (:func:`region_relevance`) is measured by occlusion, which works for
+every captioner: a region's relevance for word t is how much the log-probability of that word (teacher
+forced on the generated caption) drops when the region is removed from the input (mask off), clipped at 0
+and normalised over regions. It answers "which regions did this word depend on", for any attention form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from extractors.bottom_up import BottomUpDetector, RegionOutput, SelectionRule
+from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
+from extractors.run import ImageItem
+from models.base import Captioner
+from models.decoding import DecodeOptions, generate
+from pipeline.console import get_logger
+from pipeline.data.dataset import cap_boxes
+from pipeline.vocab import BOS, Vocab
+
+log = get_logger("caption")
+
+
+@dataclass
+class CaptionResult:
+    """The outcome for one photo: a caption (and n-best) or an error; regions for pictures."""
+
+    key: str
+    path: Path
+    caption: str = ""
+    score: float = float("nan")
+    nbest: list[tuple[str, float]] = field(default_factory=list)
+    error: str | None = None
+    regions: dict[str, np.ndarray] | None = None
+    tokens: list[str] = field(default_factory=list)
+    relevance: np.ndarray | None = None  # (words, regions), rows sum to 1 (or 0 where nothing mattered)
+    image: np.ndarray | None = None  # RGB uint8, kept only for pictures
+
+    def to_json(self, with_nbest: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"image": str(self.path), "key": self.key}
+        if self.error:
+            out["error"] = self.error
+            return out
+        out["caption"] = self.caption
+        out["score"] = round(float(self.score), 5)
+        if with_nbest:
+            out["nbest"] = [{"caption": c, "score": round(float(s), 5)} for c, s in self.nbest]
+        return out
+
+
+def regions_to_record(o: RegionOutput) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "features": o.features,
+        "boxes": o.boxes,
+        "image_w": o.image_w,
+        "image_h": o.image_h,
+        "class_ids": o.class_ids,
+        "class_scores": o.class_scores,
+    }
+    if o.attr_ids is not None:
+        rec["attr_ids"] = o.attr_ids
+        rec["attr_scores"] = o.attr_scores
+    return rec
+
+
+def batch_tensors(records: Sequence[dict[str, Any]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Pad region records into the captioner's input tensors (as the training collate does)."""
+    n = max(len(r["boxes"]) for r in records)
+    d = records[0]["features"].shape[1]
+    feats = torch.zeros(len(records), n, d)
+    boxes = torch.zeros(len(records), n, 4)
+    mask = torch.zeros(len(records), n, dtype=torch.bool)
+    for i, r in enumerate(records):
+        k = len(r["boxes"])
+        feats[i, :k] = torch.from_numpy(np.asarray(r["features"], dtype=np.float32))
+        boxes[i, :k] = torch.from_numpy(np.asarray(r["boxes"], dtype=np.float32))
+        mask[i, :k] = True
+    sizes = torch.tensor([[r["image_w"], r["image_h"]] for r in records], dtype=torch.float32)
+    return {"feats": feats.to(device), "mask": mask.to(device), "boxes": boxes.to(device), "sizes": sizes.to(device)}
+
+
+@torch.no_grad()
+def region_relevance(model: Captioner, inputs: dict[str, torch.Tensor], row: int, tokens: torch.Tensor) -> np.ndarray:
+    """Occlusion relevance (words, regions) of image ``row`` for its generated ``tokens`` (no BOS, EOS kept)."""
+    mask = inputs["mask"][row : row + 1]
+    n = int(mask.sum())
+    caps = torch.cat([torch.tensor([BOS], device=tokens.device), tokens]).unsqueeze(0)
+    rows = torch.arange(n + 1, device=mask.device)
+    masks = mask.repeat(n + 1, 1)
+    masks[rows[1:], rows[:-1]] = False  # variant r+1 removes region r; variant 0 keeps all
+    enc = model.encode(
+        inputs["feats"][row : row + 1].expand(n + 1, -1, -1),
+        masks,
+        inputs["boxes"][row : row + 1].expand(n + 1, -1, -1),
+        inputs["sizes"][row : row + 1].expand(n + 1, -1),
+    )
+    logp = model.decode_teacher_forced(enc, caps[:, :-1].expand(n + 1, -1))
+    target = caps[0, 1:]
+    word_logp = logp.gather(2, target.view(1, -1, 1).expand(n + 1, -1, 1)).squeeze(2)  # (n+1, T)
+    drop = (word_logp[0:1] - word_logp[1:]).clamp_min(0).T  # (T, n)
+    total = drop.sum(1, keepdim=True)
+    rel = torch.where(total > 0, drop / total.clamp_min(1e-12), torch.zeros_like(drop))
+    return rel.cpu().numpy()
+
+
+class PhotoCaptioner:
+    """A detector and a captioner ready to caption photos on one device."""
+
+    def __init__(
+        self,
+        detector: BottomUpDetector,
+        rule: SelectionRule,
+        model: Captioner,
+        vocab: Vocab,
+        options: DecodeOptions,
+        device: torch.device,
+        max_boxes: int | None = None,
+        max_pixels: int = 100_000_000,
+    ) -> None:
+        self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
+        self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
+
+    def _detect(self, items: Sequence[ImageItem], images: Sequence[np.ndarray]) -> list[dict[str, Any]]:
+        spec = self.detector.spec
+        blobs, scales, sizes = [], [], []
+        for rgb in images:
+            blob, scale = caffe_blob(rgb, spec.min_size, spec.max_size, spec.pixel_means)
+            blobs.append(torch.from_numpy(blob))
+            scales.append(scale)
+            sizes.append((rgb.shape[0], rgb.shape[1]))
+        outs = self.detector.detect(blobs, scales, sizes, self.rule)
+        return [regions_to_record(o) for o in outs]
+
+    def caption_paths(
+        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False
+    ) -> Iterator[CaptionResult]:
+        """Caption ``items`` in batches; yields results in input order. ``cache`` is an open store writer."""
+        for start in range(0, len(items), batch_size):
+            chunk = list(items[start : start + batch_size])
+            results = [CaptionResult(it.key, it.path) for it in chunk]
+            records: list[dict[str, Any] | None] = [None] * len(chunk)
+            images: list[np.ndarray | None] = [None] * len(chunk)
+            todo = []
+            for i, it in enumerate(chunk):
+                try:
+                    if cache is not None and cache.has(it.key):
+                        records[i] = cache.get(it.key)
+                        if keep_images:
+                            images[i] = load_rgb(it.path, self.max_pixels)
+                    else:
+                        images[i] = load_rgb(it.path, self.max_pixels)
+                        todo.append(i)
+                except ImageLoadError as exc:
+                    results[i].error = f"{exc.reason}: {exc.detail}" if hasattr(exc, "reason") else str(exc)
+                except OSError as exc:
+                    results[i].error = f"unreadable: {exc}"
+            if todo:
+                for i, rec in zip(todo, self._detect([chunk[i] for i in todo], [images[i] for i in todo])):
+                    if len(rec["boxes"]) == 0:
+                        results[i].error = "no_regions: the detector returned no region"
+                        continue
+                    records[i] = rec
+                    if cache is not None:
+                        cache.add(chunk[i].key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
+                                  class_ids=rec["class_ids"], class_scores=rec["class_scores"],
+                                  attr_ids=rec.get("attr_ids"), attr_scores=rec.get("attr_scores"))
+                if cache is not None:
+                    cache.commit()
+            good = [i for i in range(len(chunk)) if records[i] is not None and results[i].error is None]
+            if good:
+                recs = [cap_boxes(dict(records[i]), self.max_boxes) for i in good]
+                self._caption(recs, [results[i] for i in good], relevance)
+                for i, rec in zip(good, recs):
+                    results[i].regions = rec
+                    if keep_images:
+                        results[i].image = images[i]
+            yield from results
+
+    @torch.no_grad()
+    def _caption(self, recs: list[dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
+        inputs = batch_tensors(recs, self.device)
+        out = generate(self.model, inputs["feats"], inputs["mask"], inputs["boxes"], inputs["sizes"], self.options)
+        for j, res in enumerate(results):
+            hyps = []
+            for h in range(out.tokens.shape[1]):
+                words = self.vocab.decode(out.tokens[j, h].tolist())
+                hyps.append((" ".join(words), float(out.scores[j, h])))
+            res.caption, res.score = hyps[0]
+            res.nbest = hyps
+            res.tokens = self.vocab.decode(out.tokens[j, 0].tolist())
+            if relevance and res.tokens:
+                n = int(out.lengths[j, 0])
+                res.relevance = region_relevance(self.model, inputs, j, out.tokens[j, 0, :n])[: len(res.tokens)]

@@ -1,0 +1,200 @@
+"""The demo: the whole staged pipeline on the embedded synthetic world, each stage resumable and skipped
+when done.
+
+    world -> detector -> features -> data -> train-<model> -> eval-<model> -> pictures-<model>
+
+Every stage runs through :func:`pipeline.stages.run_stage` in ``OUT/<stage>/``; a stage's config includes the
+config digests of the stages it reads from, so changing an upstream setting redoes what depends on it (and
+is refused without ``--force``, like any changed stage). ``--models a,b,c`` trains and evaluates several
+captioners on the same features (comparison mode).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+from pipeline.console import get_logger
+from pipeline.errors import UsageError
+from pipeline.stages import StageResult, run_stage
+
+log = get_logger("demo")
+
+
+@dataclass
+class DemoReport:
+    """What the demo did: every stage result, in order, plus per-model metrics."""
+
+    out: Path
+    stages: list[StageResult] = field(default_factory=list)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    detector: dict[str, Any] = field(default_factory=dict)
+    pictures: dict[str, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "seconds": round(self.seconds, 1),
+            "stages": [
+                {"stage": r.name, "skipped": r.skipped, "seconds": round(r.seconds, 2), "directory": str(r.directory)}
+                for r in self.stages
+            ],
+            "detector": self.detector,
+            "metrics": self.metrics,
+            "pictures": self.pictures,
+        }
+
+
+def _with_inputs(cfg: Config | dict[str, Any], **upstream: StageResult) -> Config:
+    """A stage config that also records the manifests' digests of the stages it reads from."""
+    from pipeline.stages import read_manifest
+
+    data = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
+    data["inputs"] = {name: (read_manifest(r.directory) or {}).get("config_digest", "") for name, r in upstream.items()}
+    return Config(data)
+
+
+def _extract_work(world_dir: Path, weights: Path, ecfg: Config):
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        import torch
+
+        from extractors.bottom_up import SelectionRule
+        from extractors.factory import build_for_extract, resolve_device
+        from extractors.run import items_from_paths, run_extraction
+        from pipeline.store import open_writer
+
+        device = resolve_device(str(ecfg.device))
+        model, identity = build_for_extract(str(weights), "auto", {}, None, None, int(ecfg.random_seed), device)
+        rule = SelectionRule.for_mode(
+            str(ecfg.boxes),
+            **{k: v for k, v in (("min_boxes", ecfg.min_boxes), ("max_boxes", ecfg.max_boxes)) if v is not None},
+            conf_thresh=float(ecfg.conf_thresh),
+            nms_thresh=float(ecfg.nms_thresh),
+        )
+        items = items_from_paths([world_dir / "images"])
+        with open_writer(stage_dir / "store", identity, feature_dtype=str(ecfg.feature_dtype)) as writer:
+            summary = run_extraction(
+                model, items, writer, rule, batch_size=int(ecfg.batch_size), workers=int(ecfg.workers),
+                precision=str(ecfg.precision), failures_path=stage_dir / "failures.jsonl", commit_every=int(ecfg.commit_every),
+            )
+        del torch
+        boxes_per_image = summary.boxes / max(summary.extracted, 1)
+        return {"store": "store", "failures": "failures.jsonl"}, {
+            "images": summary.total,
+            "extracted": summary.extracted + summary.skipped,
+            "failed": summary.failed,
+            "boxes_per_image": round(boxes_per_image, 2),
+        }
+
+    return work
+
+
+def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool):
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        from pipeline.training.api import evaluate_checkpoint
+
+        rep = evaluate_checkpoint(checkpoint, store, data, split=str(cfg.split), out_dir=stage_dir, fast_only=fast_only)
+        metrics = {k: float(v) for k, v in rep["metrics"].items() if isinstance(v, (int, float))}
+        return {"predictions": Path(rep["predictions"]).name, "metrics": Path(rep["metrics_file"]).name}, {
+            "metrics": metrics,
+            "images": rep.get("num_images"),
+            "notes": list(rep.get("notes", [])),
+        }
+
+    return work
+
+
+def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config):
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        from pipeline.captioning.run import caption_photos
+        from pipeline.captions.prepared import PreparedCaptions
+
+        prepared = PreparedCaptions.load(data)
+        keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
+        photos = [str(world_dir / "images" / k) for k in keys]
+        results = caption_photos(
+            photos, checkpoint, str(weights), ccfg, output=stage_dir / "captions.jsonl", visualize=stage_dir / "pictures"
+        )
+        names = sorted(p.name for p in (stage_dir / "pictures").glob("*.png"))
+        return {"captions": "captions.jsonl", "pictures": "pictures"}, {
+            "captioned": sum(r.error is None for r in results),
+            "pictures": names,
+        }
+
+    return work
+
+
+def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False) -> DemoReport:
+    """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
+    import models as model_registry
+
+    known = model_registry.available_captioners()
+    bad = [m for m in models if m not in known]
+    if bad:
+        raise UsageError(f"unknown captioner '{bad[0]}' in --models (known: {', '.join(known)})")
+    t0 = time.perf_counter()
+    report = DemoReport(out=out)
+    from pipeline.world.generate import generate_world
+
+    world = run_stage(out, "world", cfg.world, generate_world, force=force)
+    report.stages.append(world)
+    if generate_only:
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    from extractors.training.stage import demo_detector_config, train_detector
+
+    det_cfg = demo_detector_config(world.directory, overrides=list(cfg.demo.detector_overrides))
+    detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
+    report.stages.append(detector)
+    report.detector = dict(detector.summary.get("eval", {}))
+    weights = detector.directory / detector.outputs["weights"]
+
+    features = run_stage(
+        out, "features", _with_inputs(cfg.extract, detector=detector), _extract_work(world.directory, weights, cfg.extract), force=force
+    )
+    report.stages.append(features)
+    store = features.directory / features.outputs["store"]
+
+    from pipeline.captions.prepare import prepare_captions
+
+    prep_cfg = cfg.prepare.with_overrides(
+        {"karpathy_json": str(world.directory / world.outputs["karpathy"]), "key": "filename"}
+    )
+    data = run_stage(out, "data", _with_inputs(prep_cfg, world=world), prepare_captions, force=force)
+    report.stages.append(data)
+
+    from pipeline.training.api import train_captioner
+
+    for name in models:
+        tcfg = Config({"train": cfg.train.to_dict()}).with_overrides(
+            {"train.model": name, "train.store": str(store), "train.data": str(data.directory)}
+        )
+        for key, value in (cfg.demo.train_overrides.get(name) or {}).items():
+            tcfg = tcfg.with_overrides({f"train.{key}": value})
+        trained = train_captioner(out, tcfg, force=force)
+        report.stages.append(trained)
+        best = trained.directory / trained.outputs["best"]
+        ev = run_stage(
+            out, f"eval-{name}", _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only)}, train=trained, features=features),
+            _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only)), force=force,
+        )
+        report.stages.append(ev)
+        report.metrics[name] = dict(ev.summary.get("metrics", {}))
+        if int(cfg.demo.pictures) > 0:
+            pics = run_stage(
+                out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),
+                _pictures_work(world.directory, best, weights, data.directory, cfg.caption), force=force,
+            )
+            report.stages.append(pics)
+            report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]
+    report.seconds = time.perf_counter() - t0
+    from pipeline.fileio import atomic_write_text
+
+    atomic_write_text(out / "summary.json", json.dumps(report.to_json(), indent=1) + "\n")
+    return report
