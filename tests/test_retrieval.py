@@ -96,12 +96,14 @@ def test_cap2img_training_beats_chance_by_far(trained) -> None:
 def test_resume_is_exact(trained, tmp_path) -> None:
     """Two epochs in one go == one epoch, a new process-like trainer resuming last.pt, one more epoch."""
     run, _, _ = trained
-    two = _cfg(run, "encoder.epochs=2", "encoder.validation.split=null", "encoder.model_overrides.image_head_dropout=0.3").encoder
+    two = _cfg(run, "encoder.epochs=2", "encoder.batch_size=64", "encoder.validation.split=null",
+               "encoder.model_overrides.image_head_dropout=0.3").encoder
     one = two.with_overrides({"epochs": 1})
     EncoderTrainer(tmp_path / "a", two, DistContext()).run()
     EncoderTrainer(tmp_path / "b", one, DistContext()).run()
-    torch.manual_seed(999)  # the global RNG state is restored from last.pt
     EncoderTrainer(tmp_path / "b", two, DistContext()).run()
+    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "b/log.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1], "the second run must resume after epoch 0, not start over"
     wa = torch.load(tmp_path / "a/last.pt", weights_only=True)["weights"]
     wb = torch.load(tmp_path / "b/last.pt", weights_only=True)["weights"]
     for k in wa:
