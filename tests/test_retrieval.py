@@ -4,6 +4,7 @@ chance, exact resume), and the `embed` / `train-encoder` / `evaluate --retrieval
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from pipeline.checkpoint import save_checkpoint
 from pipeline.config import load_config
 from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.training.distributed import DistContext
+from pipeline.training.engine import TrainingInterrupted
 from pipeline.metrics.retrieval import caption_to_image_ranks, image_to_caption_ranks, recall_at, retrieval_metrics
 from train_helpers import make_world_run
 
@@ -104,10 +106,19 @@ def test_resume_is_exact(trained, tmp_path) -> None:
     EncoderTrainer(tmp_path / "b", two, DistContext()).run()
     epochs = [json.loads(line)["epoch"] for line in (tmp_path / "b/log.jsonl").read_text().splitlines()]
     assert epochs == [0, 1], "the second run must resume after epoch 0, not start over"
+    # and mid-epoch: a signal stops the run after its next step; a new trainer resumes at that batch
+    stopped = EncoderTrainer(tmp_path / "c", two, DistContext())
+    stopped.stop_signal = signal.SIGTERM
+    with pytest.raises(TrainingInterrupted, match="batch 1"):
+        stopped.run()
+    resumed = EncoderTrainer(tmp_path / "c", two, DistContext())
+    assert resumed._resume()["position"] == 1  # picks up after the first batch of epoch 0
+    resumed.run()
     wa = torch.load(tmp_path / "a/last.pt", weights_only=True)["weights"]
-    wb = torch.load(tmp_path / "b/last.pt", weights_only=True)["weights"]
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    for other in ("b", "c"):
+        wb = torch.load(tmp_path / other / "last.pt", weights_only=True)["weights"]
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), (other, k)
 
 
 # -- command lines ----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Exact resume: the batches of an epoch are a pure function of (seed, epoch) (:cla
 ``last.pt`` (weights, Adam state, RNG states, epoch, batches done) resumes at the next batch. Under
 ``torchrun`` each rank takes the ``rank::world`` share of every global batch; the ranking negatives are
 that rank's share (in-batch negatives per process), and DDP averages the gradients.
+SIGTERM/SIGINT: ``last.pt`` is saved at the next step boundary and the run stops (:class:`TrainingInterrupted`).
 Validation: caption-to-image R@1 on ``validation.split`` (cap2cap: minus the caption loss); ``best.pt``
 keeps the best epoch.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.stages import StageResult, run_stage
 from pipeline.store import FeatureStore
 from pipeline.training import distributed
-from pipeline.training.engine import resolve_amp
+from pipeline.training.engine import TrainingInterrupted, resolve_amp
 from pipeline.training.validation import autocast
 
 log = get_logger("encoder")
@@ -99,6 +101,7 @@ class EncoderTrainer:
                 self.objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg.lr))
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
+        self.stop_signal: int | None = None
         log.info("sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, amp %s",
                  self.model.objective, self.model.self_attention, sum(p.numel() for p in self.model.parameters()) / 1e6,
                  len(self.train.keys), ctx.device, self.amp)
@@ -170,7 +173,20 @@ class EncoderTrainer:
             return evaluate_retrieval(self.model, self.val, self.val_images, self.ctx.device, self.cfg.validation.max_images)
         return None
 
+    def _signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.stop_signal is None:
+            log.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
+        self.stop_signal = signum
+
     def run(self) -> dict[str, Any]:
+        old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run(self) -> dict[str, Any]:
         torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank)
         prog = self._resume()
         epochs, every = int(self.cfg.epochs), int(self.cfg.checkpoint_every)
@@ -189,6 +205,10 @@ class EncoderTrainer:
                 prog["global_step"] += 1
                 if every and prog["global_step"] % every == 0:
                     self._save("last.pt", "train", prog)
+                if distributed.any_rank(self.stop_signal is not None, self.ctx):
+                    self._save("last.pt", "train", prog)
+                    raise TrainingInterrupted(f"stopped by a signal at epoch {prog['epoch']}, batch {prog['position']}; checkpoint "
+                                              f"saved to {self.dir / 'last.pt'}: run the same command again to resume")
             record: dict[str, Any] = {"event": "epoch", "epoch": prog["epoch"], "loss": float(np.mean(losses)) if losses else None,
                                       "seconds": round(time.perf_counter() - t0, 3), **{k: float(np.mean(v)) for k, v in parts.items()}}
             scores = self._validate()
