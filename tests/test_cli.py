@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["extract", "import-features", "prepare", "train", "evaluate", "caption", "demo", "info"]
+COMMANDS = ["extract", "import-features", "prepare", "train", "train-encoder", "evaluate", "embed", "caption", "demo", "info"]
 
 
 def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "pipeline.commands.train",
     "pipeline.commands.train_detector",
     "pipeline.commands.evaluate",
+    "pipeline.commands.embed",
     "pipeline.commands.caption",
     "pipeline.commands.demo",
     "pipeline.commands.info",

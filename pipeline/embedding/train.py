@@ -1,0 +1,262 @@
+"""Training the grounded sentence encoder: the ``encoder`` stage of a run directory (``cli train-encoder``).
+
+Built from the captioner trainer's pieces (:mod:`pipeline.training`): the DDP context and collectives
+(:mod:`.distributed`), AMP (``resolve_amp``/``autocast``), atomic checkpoints with every RNG state
+(:mod:`pipeline.checkpoint`) and the stage manifest (:func:`pipeline.stages.run_stage`). Only the step is
+encoder-specific: the objective's loss (§3.4: L_VG, L_C or their sum), Adam and value clipping to [-5, 5].
+
+Exact resume: the batches of an epoch are a pure function of (seed, epoch) (:class:`SplitCaptions`), so
+``last.pt`` (weights, Adam state, RNG states, epoch, batches done) resumes at the next batch. Under
+``torchrun`` each rank takes the ``rank::world`` share of every global batch; the ranking negatives are
+that rank's share (in-batch negatives per process), and DDP averages the gradients.
+SIGTERM/SIGINT: ``last.pt`` is saved at the next step boundary and the run stops (:class:`TrainingInterrupted`).
+Validation: caption-to-image R@1 on ``validation.split`` (cap2cap: minus the caption loss); ``best.pt``
+keeps the best epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
+from pipeline.captions.prepared import PreparedCaptions
+from pipeline.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.config import Config
+from pipeline.console import get_logger
+from pipeline.embedding.checkpoint import read_encoder_checkpoint
+from pipeline.embedding.data import SplitCaptions, image_table
+from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
+from pipeline.embedding.retrieval import split_similarity
+from pipeline.errors import PipelineError, UsageError
+from pipeline.metrics.retrieval import retrieval_metrics
+from pipeline.stages import StageResult, run_stage
+from pipeline.store import FeatureStore
+from pipeline.training import distributed
+from pipeline.training.engine import TrainingInterrupted, resolve_amp
+from pipeline.training.validation import autocast
+
+log = get_logger("encoder")
+STAGE = "encoder"
+
+
+class _Objective(nn.Module):
+    """What DDP wraps: the batch loss of the chosen objective (§3.4) and its parts."""
+
+    def __init__(self, model: SentenceEncoder, ranking_form: str) -> None:
+        super().__init__()
+        self.model, self.ranking_form = model, ranking_form
+
+    def forward(self, batch: dict[str, torch.Tensor], images: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        enc = self.model.encode(batch["tokens"], batch["lengths"])
+        parts: dict[str, torch.Tensor] = {}
+        if self.model.image_head is not None:  # L_VG (Eq. 1): in-batch negatives
+            sim = cosine_matrix(self.model.predict_image(enc["h"]), images)
+            parts["vg"] = ranking_loss(sim, torch.arange(len(sim), device=sim.device), self.ranking_form)
+        if self.model.decoder is not None:  # L_C
+            parts["cap"] = caption_loss(self.model.decode_teacher_forced(enc["h"], batch["targets"]), batch["targets"])
+        total = sum(parts.values())
+        return total, {k: float(v.detach()) for k, v in parts.items()}
+
+
+def evaluate_retrieval(model: SentenceEncoder, split: SplitCaptions, images: np.ndarray, device: torch.device,
+                       max_images: int | None = None) -> dict[str, float]:
+    """Caption <-> image Recall@1/5/10 of the split's ground-truth captions (cap2img/cap2all models)."""
+    if max_images:
+        split = SplitCaptions(split.keys[:max_images], split.positions[:max_images], split.data)
+        images = images[:max_images]
+    tokens, lengths, caption_image = split.all_captions()
+    sim = split_similarity(model, tokens, lengths, images, device)
+    return retrieval_metrics(sim, caption_image.numpy())
+
+
+class EncoderTrainer:
+    """Trains the encoder of ``cfg`` (an ``encoder:`` section) into ``stage_dir``."""
+
+    def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
+        self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
+        self.dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(int(cfg.seed) + 1000003 * ctx.rank)  # the initial weights depend on the seed only
+        self.data = PreparedCaptions.load(cfg.data)
+        store = FeatureStore(cfg.store)
+        self.train = SplitCaptions.load(self.data, "train", store)
+        self.train_images = torch.from_numpy(image_table(store, self.train.keys, cfg.max_boxes)).to(ctx.device)
+        val = cfg.validation.split
+        self.val = SplitCaptions.load(self.data, val, store) if val else None
+        self.val_images = image_table(store, self.val.keys, cfg.max_boxes) if self.val else None
+        self.model_cfg = encoder_config(dict(cfg.model_overrides)).to_dict()
+        self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(ctx.device)
+        self.amp = resolve_amp(str(cfg.amp), ctx.device)
+        self.objective: nn.Module = _Objective(self.model, str(cfg.ranking_form))
+        if ctx.distributed:
+            self.objective = nn.parallel.DistributedDataParallel(
+                self.objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg.lr))
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
+        self.stop_signal: int | None = None
+        log.info("sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, amp %s",
+                 self.model.objective, self.model.self_attention, sum(p.numel() for p in self.model.parameters()) / 1e6,
+                 len(self.train.keys), ctx.device, self.amp)
+
+    def _payload(self, kind: str, prog: dict[str, Any]) -> dict[str, Any]:
+        payload = {
+            "kind": kind, "model": {"name": "sentence_encoder", "config": self.model_cfg, "vocab_size": len(self.data.vocab),
+                                    "image_dim": self.model.image_dim},
+            "vocab": list(self.data.vocab.words), "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            **prog, "train_config": self.cfg.to_dict(),
+        }
+        if kind == "train":
+            payload.update(optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict() if self.scaler else {},
+                           rng=capture_rng_state())
+        return payload
+
+    def _save(self, name: str, kind: str, prog: dict[str, Any]) -> None:
+        if self.ctx.main:
+            save_checkpoint(self.dir / name, self._payload(kind, prog))
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.ctx.main:
+            with open(self.dir / "log.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def _resume(self) -> dict[str, Any]:
+        prog: dict[str, Any] = {"epoch": 0, "position": 0, "global_step": 0, "best": {}, "history": []}
+        last = self.dir / "last.pt"
+        if not last.exists():
+            return prog
+        ckpt = read_encoder_checkpoint(last, self.data.vocab)
+        if dict(ckpt["model"]["config"]) != self.model_cfg:
+            raise UsageError(f"checkpoint {last} was trained with another encoder configuration; use --force to start over")
+        self.model.load_state_dict(ckpt["weights"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.scaler is not None and ckpt["scaler"]:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        restore_rng_state(ckpt["rng"])
+        prog.update({k: ckpt[k] for k in prog})
+        log.info("resuming from %s: epoch %d, batch %d", last, prog["epoch"], prog["position"])
+        return prog
+
+    def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        self.model.train()
+        batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+        with autocast(self.ctx.device, self.amp):
+            loss, parts = self.objective(batch, self.train_images[batch["rows"]])
+        if distributed.any_rank(not math.isfinite(float(loss.detach())), self.ctx):
+            raise PipelineError(f"the encoder loss became non-finite; the last good checkpoint is kept in {self.dir / 'last.pt'}")
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        if self.cfg.grad_clip_value is not None:
+            nn.utils.clip_grad_value_(self.model.parameters(), float(self.cfg.grad_clip_value))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return {"loss": float(loss.detach()), **parts}
+
+    def _validate(self) -> dict[str, float] | None:
+        if self.val is None or not self.ctx.main:
+            return None
+        if self.model.image_head is not None:
+            return evaluate_retrieval(self.model, self.val, self.val_images, self.ctx.device, self.cfg.validation.max_images)
+        return None
+
+    def _signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        if self.stop_signal is None:
+            log.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
+        self.stop_signal = signum
+
+    def run(self) -> dict[str, Any]:
+        old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run(self) -> dict[str, Any]:
+        torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank)
+        prog = self._resume()
+        epochs, every = int(self.cfg.epochs), int(self.cfg.checkpoint_every)
+        while prog["epoch"] < epochs:
+            batches = list(self.train.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog["epoch"]))
+            t0, losses, parts = time.perf_counter(), [], {}
+            for batch in batches[prog["position"]:]:
+                if self.ctx.distributed:
+                    batch = {k: v[self.ctx.rank :: self.ctx.world] for k, v in batch.items()}
+                stats = self._step(batch)
+                losses.append(stats["loss"])
+                for k in ("vg", "cap"):
+                    if k in stats:
+                        parts.setdefault(f"loss_{k}", []).append(stats[k])
+                prog["position"] += 1
+                prog["global_step"] += 1
+                if every and prog["global_step"] % every == 0:
+                    self._save("last.pt", "train", prog)
+                if distributed.any_rank(self.stop_signal is not None, self.ctx):
+                    self._save("last.pt", "train", prog)
+                    raise TrainingInterrupted(f"stopped by a signal at epoch {prog['epoch']}, batch {prog['position']}; checkpoint "
+                                              f"saved to {self.dir / 'last.pt'}: run the same command again to resume")
+            record: dict[str, Any] = {"event": "epoch", "epoch": prog["epoch"], "loss": float(np.mean(losses)) if losses else None,
+                                      "seconds": round(time.perf_counter() - t0, 3), **{k: float(np.mean(v)) for k, v in parts.items()}}
+            scores = self._validate()
+            if scores is not None:
+                record.update(scores)
+                prog["history"].append({"epoch": prog["epoch"], **scores})
+                if not prog["best"] or scores["c2i_R@1"] > prog["best"]["value"]:
+                    prog["best"] = {"metric": "c2i_R@1", "value": scores["c2i_R@1"], "epoch": prog["epoch"]}
+                    self._save("best.pt", "weights", prog)
+            elif self.ctx.main:
+                prog["best"] = {"metric": "last epoch", "value": float("nan"), "epoch": prog["epoch"]}
+                self._save("best.pt", "weights", prog)
+            self._log(record)
+            log.info("epoch %d: loss %.4f%s", prog["epoch"], record["loss"] or float("nan"),
+                     f", val c2i R@1 {scores['c2i_R@1']:.2f} (chance {scores['c2i_chance_R@1']:.2f})" if scores else "")
+            prog["epoch"] += 1
+            prog["position"] = 0
+            self._save("last.pt", "train", prog)
+        return {"best": prog["best"], "history": prog["history"][-10:], "global_steps": prog["global_step"]}
+
+
+def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
+    """``encoder.store`` / ``encoder.data`` default to RUN/features/store and RUN/data."""
+    sets = {}
+    for key, default in (("store", Path(run_dir) / "features" / "store"), ("data", Path(run_dir) / "data")):
+        if section[key] is None:
+            if not default.exists():
+                raise UsageError(f"encoder.{key} is not set and {default} does not exist; pass --set encoder.{key}=PATH")
+            sets[key] = str(default)
+    return section.with_overrides(sets) if sets else section
+
+
+def train_encoder(run_dir: str | Path, cfg: Config, force: bool = False) -> StageResult:
+    """Train the encoder of ``cfg.encoder`` into ``run_dir/encoder`` (best.pt, last.pt, log.jsonl)."""
+    section = resolve_encoder_paths(run_dir, cfg.encoder if "encoder" in cfg else cfg)
+    ctx = distributed.setup(str(section.device))
+
+    def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        summary = EncoderTrainer(stage_dir, scfg, ctx).run()
+        return {"last": "last.pt", "best": "best.pt", "log": "log.jsonl"}, summary
+
+    try:
+        if ctx.main:
+            result = run_stage(run_dir, STAGE, section, work, force=force)
+        else:
+            outputs, summary = work(Path(run_dir) / STAGE, section)
+            result = StageResult(STAGE, Path(run_dir) / STAGE, outputs, 0.0, False, summary)
+        distributed.barrier(ctx)
+        return result
+    finally:
+        distributed.teardown(ctx)
