@@ -179,11 +179,18 @@ def _calibration_batch(dataset: TrainBatches, n_iters: int, seed: int, device: t
 
 def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     """Train per ``cfg`` (the ``train_detector`` stage config) in ``stage_dir``; resumes from its checkpoint."""
-    stage_dir = Path(stage_dir)
+    threads = torch.get_num_threads()
+    if int(cfg.train.threads) > 0:
+        torch.set_num_threads(int(cfg.train.threads))
+    try:
+        return _train(Path(stage_dir), cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(stage_dir: Path, cfg: Config) -> TrainResult:
     tc = cfg.train
     dist = dist_info()
-    if int(tc.threads) > 0:
-        torch.set_num_threads(int(tc.threads))
     device = resolve_device(str(tc.device))
     if device.type == "cuda" and dist.enabled:
         device = torch.device("cuda", dist.local_rank)
