@@ -115,6 +115,33 @@ def region_relevance(model: Captioner, inputs: dict[str, torch.Tensor], row: int
     return rel.cpu().numpy()
 
 
+class FeatureCache:
+    """A feature store used as a cache: ``has``/``get`` read committed images, ``add``/``commit`` extend it."""
+
+    def __init__(self, path: Path, identity: dict[str, Any]) -> None:
+        from pipeline.store import FeatureStore, open_writer
+
+        self.writer = open_writer(path, identity)
+        self.reader = FeatureStore(path)
+
+    def has(self, key: str) -> bool:
+        return self.writer.has(key)
+
+    def get(self, key: str) -> dict[str, Any]:
+        if key not in self.reader:
+            self.reader.refresh()
+        return self.reader.get(key)
+
+    def add(self, key: str, *args: Any, **kwargs: Any) -> None:
+        self.writer.add(key, *args, **kwargs)
+
+    def commit(self) -> None:
+        self.writer.commit()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class PhotoCaptioner:
     """A detector and a captioner ready to caption photos on one device."""
 
@@ -156,7 +183,7 @@ class PhotoCaptioner:
             for i, it in enumerate(chunk):
                 try:
                     if cache is not None and cache.has(it.key):
-                        records[i] = cache.get(it.key)
+                        records[i] = cache.get(it.key)  # features extracted by an earlier run
                         if keep_images:
                             images[i] = load_rgb(it.path, self.max_pixels)
                     else:

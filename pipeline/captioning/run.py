@@ -105,9 +105,9 @@ def caption_photos(
 
     writer = None
     if cache is not None:
-        from pipeline.store import open_writer
+        from pipeline.captioning.engine import FeatureCache
 
-        writer = open_writer(cache, identity)
+        writer = FeatureCache(cache, identity)
     results = []
     try:
         with make_progress() as progress, torch.inference_mode(False):
