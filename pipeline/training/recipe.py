@@ -80,10 +80,13 @@ class StageRecipe:
 def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
     kind = r.get("lr_schedule")
     lr = r.get("lr")
-    if kind is None and r.get("warmup") is None:
-        kind = "step" if r.get("decay_start_epoch") is not None else "constant"
+    if kind is None and r.get("warmup") in ("noam", "ban_gradual"):  # the model YAMLs name the schedule by its warm-up
+        kind = str(r["warmup"])
+    if kind is None and r.get("warmup") in (None, "none", False):
+        decays = r.get("decay_start_epoch") is not None or r.get("lr_decay_every") is not None
+        kind = "step" if decays else "constant"
     if kind is None:
-        if r["warmup"] != "linear":
+        if r.get("warmup") != "linear":
             raise ConfigError(f"{where}.warmup: only 'linear' is known, got {r['warmup']!r}")
         kind = "step"
     if kind == "constant":
@@ -91,7 +94,7 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: a constant learning rate needs 'lr'")
         return {"type": "constant", "lr": float(lr)}
     if kind == "noam":
-        return {"type": "noam", "d_model": int(r.get("noam_model_size") or 512), "warmup": int(r.get("warmup_steps") or 10000),
+        return {"type": "noam", "d_model": int(r.get("noam_model_size") or 512), "warmup": int(r.get("warmup_steps") or r.get("warmup_iters") or 10000),
                 "factor": float(lr) if lr is not None else 1.0, "extra_step_per_epoch": bool(r.get("extra_scheduler_step_per_epoch", False))}
     if kind == "step":
         if lr is None:
@@ -109,8 +112,9 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
     if kind in ("ban_gradual", "gradual"):
         return {"type": "gradual", "lr": float(lr if lr is not None else 1e-3),
                 "warmup_factors": [float(f) for f in r.get("warmup_epoch_factors") or [0.5, 1.0, 1.5, 2.0]],
-                "decay_start": int(r.get("lr_decay_start", 10)), "decay_every": int(r.get("lr_decay_every", 2)),
-                "decay_rate": float(r.get("lr_decay_rate", 0.25))}
+                "decay_start": int(r.get("lr_decay_start", r.get("decay_start_epoch", 10))),
+                "decay_every": int(r.get("lr_decay_every", r.get("decay_every_epochs", 2))),
+                "decay_rate": float(r.get("lr_decay_rate", r.get("decay_rate", 0.25)))}
     raise ConfigError(f"{where}.lr_schedule: unknown schedule {kind!r} (known: constant, noam, step, reduce_on_plateau, ban_gradual)")
 
 
@@ -120,6 +124,8 @@ def _scheduled_sampling(value: Any, where: str) -> dict[str, float] | None:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}.scheduled_sampling must be false or a mapping (start, increase_every, increase_prob, max_prob)")
     keys = {"start", "increase_every", "increase_prob", "max_prob"}
+    aliases = {"start_epoch": "start", "increase_every_epochs": "increase_every"}  # the model YAMLs' wording
+    value = {aliases.get(k, k): v for k, v in value.items()}
     if set(value) - keys:
         raise ConfigError(f"{where}.scheduled_sampling: unknown key(s) {sorted(set(value) - keys)} (known: {sorted(keys)})")
     out = {"start": 0, "increase_every": 5, "increase_prob": 0.05, "max_prob": 0.25, **dict(value)}
