@@ -1,0 +1,40 @@
+"""CI check of the reduced demo's summary: metrics above a floor, pictures written, or (--second) every stage
+skipped on a re-run. Usage: python .ci/check_demo.py RUN_DIR [--second]"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# Floors for the --quick demo (240 images, 150 detector iterations, 4 XE + 1 SCST epochs of a small NG-SAN).
+# A captioner that ignores the image scores far lower on these templated captions.
+FLOORS = {"CIDEr": 0.15, "Bleu_4": 0.08, "ROUGE_L": 0.30}
+
+
+def main() -> int:
+    run = Path(sys.argv[1])
+    second = "--second" in sys.argv[2:]
+    summary = json.loads((run / "summary.json").read_text())
+    problems = []
+    if second:
+        ran = [s["stage"] for s in summary["stages"] if not s["skipped"]]
+        if ran:
+            problems.append(f"a second run redid stages {ran}")
+    for model, metrics in summary["metrics"].items():
+        for name, floor in FLOORS.items():
+            value = metrics.get(name)
+            if value is None or value < floor:
+                problems.append(f"{model}: {name} = {value} is below the floor {floor}")
+    pictures = [p for pics in summary["pictures"].values() for p in pics]
+    if not pictures or not all(Path(p).is_file() and Path(p).stat().st_size > 1000 for p in pictures):
+        problems.append(f"pictures missing: {pictures}")
+    print(json.dumps({"metrics": summary["metrics"], "detector": summary["detector"], "pictures": len(pictures),
+                      "stages": {s["stage"]: (s["skipped"], s["seconds"]) for s in summary["stages"]}}, indent=1))
+    for p in problems:
+        print(f"demo check failed: {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
