@@ -23,10 +23,3 @@ class UsageError(PipelineError):
 
 class ConfigError(UsageError):
     """A config file or a ``--set`` override is invalid."""
-
-
-class NotImplementedYet(UsageError):
-    """A stage that a later issue will build. Exit code 2 with a clear message."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"{what} is not implemented yet in this version of butd-caption")

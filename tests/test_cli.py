@@ -96,13 +96,10 @@ def test_interrupted_stage_resumes(tmp_path: Path) -> None:
     assert (out / "manifest.json").exists() and not (out / "running.json").exists()
 
 
-@pytest.mark.parametrize("cmd", ["extract", "import-features", "prepare", "train", "caption"])
-def test_unbuilt_stages_exit_2_with_a_clear_message(cmd: str) -> None:
-    res = cli(cmd)
-    if res.returncode == 2 and "not implemented yet" in res.stderr:
-        assert "Traceback" not in res.stderr
-    else:  # the stage exists now: without arguments it must still fail as a usage error, not crash
-        assert res.returncode == 2 and "Traceback" not in res.stderr
+@pytest.mark.parametrize("cmd", ["extract", "import-features", "prepare", "caption", "evaluate"])
+def test_commands_without_their_inputs_are_usage_errors(cmd: str, tmp_path: Path) -> None:
+    res = cli(cmd, cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
 
 
 def test_info_shows_environment_and_run_dirs(tmp_path: Path) -> None:

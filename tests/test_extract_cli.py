@@ -3,7 +3,6 @@ boxes, and the full R-101 on two real photos (random weights)."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil

@@ -138,7 +138,7 @@ def test_bad_rows_fail_with_file_and_row(shared_data, tmp_path, case):
     proc = cli("import-features", "--format", "butd-tsv", str(src), "--store", str(tmp_path / "s"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     err = " ".join(proc.stderr.split())
-    assert f"bad.tsv:2" in err and message in err
+    assert "bad.tsv:2" in err and message in err
     assert len(proc.stderr.strip().splitlines()) <= 3  # one line (rich may wrap long paths)
     assert FeatureStore(tmp_path / "s").keys() == ["150368"]  # the good row before it was committed
     report = import_features("butd-tsv", [src], tmp_path / "t", skip_bad=True)

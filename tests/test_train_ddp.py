@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.training.checkpoints import read_training_checkpoint
 from train_helpers import make_world_run, train_overrides

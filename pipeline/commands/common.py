@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Optional, TypeVar
@@ -68,11 +67,3 @@ def resolve_config(stage: str, config: Path | None, overrides: list[str] | None,
 def init(verbose: bool = False, quiet: bool = False) -> None:
     setup_logging(verbose=verbose, quiet=quiet)
 
-
-def not_implemented(what: str, issue: str) -> None:
-    """Exit 2 with a clear message for a stage that a later issue builds."""
-    fail(f"{what} is not implemented yet in this version of butd-caption ({issue})", 2)
-
-
-def stdout_is_tty() -> bool:
-    return sys.stdout.isatty()

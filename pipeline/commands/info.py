@@ -98,7 +98,6 @@ def _environment() -> None:
         table.add_row("cuda (torch build)", str(torch.version.cuda))
     table.add_row("cpu threads", str(torch.get_num_threads()))
     try:
-        import torchvision.ops  # noqa: F401
         from torchvision.ops import nms
 
         nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
