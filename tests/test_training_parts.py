@@ -171,3 +171,11 @@ def test_rewards_of_samples_sharing_no_ngram_with_the_references_are_zero() -> N
     """An untrained policy can emit only words absent from the references: the reward is 0, not a crash."""
     scorer = CiderD({"a": ["w4 w5 w6", "w4 w5"], "b": ["w7 w8 w9"]})
     assert scorer.scores(["x y z", "q"], ["a", "b"]).tolist() == [0.0, 0.0]
+
+
+def test_noam_without_warmup_is_refused_not_silently_replaced() -> None:
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warmup_iters >= 1"):
+        recipe("m2", "xe", {"warmup_iters": 0})
+    assert recipe("m2", "xe", {"warmup_iters": 50}).schedule["warmup"] == 50

@@ -77,6 +77,15 @@ class StageRecipe:
         return float(min(ss["max_prob"], ss["increase_prob"] * ((epoch - ss["start"]) // ss["increase_every"])))
 
 
+def _noam_warmup(r: Mapping[str, Any], where: str) -> int:
+    """Warm-up steps of a Noam schedule (``warmup_steps`` or ``warmup_iters``; 0 is refused, not replaced)."""
+    value = r.get("warmup_steps") if r.get("warmup_steps") is not None else r.get("warmup_iters")
+    steps = 10000 if value is None else int(value)
+    if steps < 1:
+        raise ConfigError(f"{where}: the Noam schedule needs warmup_iters >= 1 (set lr_schedule: constant or step for no warm-up)")
+    return steps
+
+
 def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
     kind = r.get("lr_schedule")
     lr = r.get("lr")
@@ -94,7 +103,7 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: a constant learning rate needs 'lr'")
         return {"type": "constant", "lr": float(lr)}
     if kind == "noam":
-        return {"type": "noam", "d_model": int(r.get("noam_model_size") or 512), "warmup": int(r.get("warmup_steps") or r.get("warmup_iters") or 10000),
+        return {"type": "noam", "d_model": int(r.get("noam_model_size") or 512), "warmup": _noam_warmup(r, where),
                 "factor": float(lr) if lr is not None else 1.0, "extra_step_per_epoch": bool(r.get("extra_scheduler_step_per_epoch", False))}
     if kind == "step":
         if lr is None:
