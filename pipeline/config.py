@@ -297,6 +297,11 @@ class Config(Mapping[str, Any]):
     def __hash__(self) -> int:
         return hash(self.digest())
 
+    @property
+    def open_paths(self) -> frozenset[str]:
+        """Dotted paths of the open mappings (any keys allowed inside), relative to this config."""
+        return self._open
+
     def get_path(self, dotted: str, default: Any = ...) -> Any:
         """Value at ``a.b.c``; raises :class:`ConfigError` if missing and no default is given."""
         node: Any = self

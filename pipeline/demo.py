@@ -172,7 +172,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     from pipeline.training.api import train_captioner
 
     for name in models:
-        tcfg = Config({"train": cfg.train.to_dict()}).with_overrides(
+        tcfg = Config({"train": cfg.train.to_dict()}, cfg.open_paths).with_overrides(
             {"train.model": name, "train.store": str(store), "train.data": str(data.directory)}
         )
         for key, value in (cfg.demo.train_overrides.get(name) or {}).items():
