@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from models import register_captioner
-from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, PositionwiseFeedForward, multi_head_attend
+from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, multi_head_attend
+from models.transformer import FeedForward
 from models.base import Captioner, State
 from pipeline.errors import ConfigError
 
@@ -47,7 +48,7 @@ class AoARefinerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         if use_ff:
             self.ff_norm = BesselLayerNorm(d_model)
-            self.ff = PositionwiseFeedForward(d_model, d_ff, dropout)
+            self.ff = FeedForward(d_model, d_ff, dropout)  # only with use_ff (the paper's refiner has none)
         else:
             self.ff_norm = self.ff = None
 

@@ -72,16 +72,3 @@ class AttentionOnAttention(nn.Module):
         info_gate = self.linear(self.dropout(torch.cat([attended, query], dim=-1)))
         info, gate = info_gate.chunk(2, dim=-1)
         return info * torch.sigmoid(gate)
-
-
-class PositionwiseFeedForward(nn.Module):
-    """``W2 Drop(ReLU(W1 x + b1)) + b2``: only used when ``use_ff`` (the paper's refiner has none)."""
-
-    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
-        super().__init__()
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.dropout(torch.relu(self.w_1(x))))

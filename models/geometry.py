@@ -4,7 +4,11 @@
   (Eq. 8, in the Relation-Networks / ORT form the paper cites):
   ``( log max(|cx_i - cx_j| / w_i, c), log max(|cy_i - cy_j| / h_i, c), log(w_i / w_j), log(h_i / h_j) )``
   with centres ``cx = (x1 + x2) / 2`` and sizes ``w = x2 - x1 + 1`` (the ORT/VSUA pixel convention; switch
-  ``plus_one``), and the clamp ``c = 1e-3`` that keeps ``i = j`` finite.
+  ``plus_one``), and the clamp ``c = 1e-3`` that keeps ``i = j`` finite. Because the offsets enter as
+  ``|cx_i - cx_j|``, the bias of Eq. 8 is mirror-symmetric: a region cannot tell whether another one lies to
+  its left or right (above or below). ``signed=True`` (model switch ``geometry_signed``, off by default: not in
+  the paper) appends ``sign(cx_j - cx_i)`` and ``sign(cy_j - cy_i)`` as two more inputs of Eq. 9's FC, for
+  captions whose words depend on the direction ("to the left of").
 * :class:`GeometricBias`: ``G_ij = ReLU(f_ij W_g + b_g)`` (Eq. 9) and the bias ``phi`` added to the attention
   logits (Eq. 10) in the three variants, which may be combined (their biases add):
 
@@ -42,10 +46,12 @@ def box_centres_sizes(boxes: torch.Tensor, plus_one: bool = True, min_size: floa
 
 
 def relative_geometry(
-    boxes: torch.Tensor, mask: torch.Tensor | None = None, plus_one: bool = True, clamp: float = 1e-3
+    boxes: torch.Tensor, mask: torch.Tensor | None = None, plus_one: bool = True, clamp: float = 1e-3, signed: bool = False
 ) -> torch.Tensor:
     """Relative geometry ``f^g`` ``(B, N, N, 4)`` of every box pair, row = query box i, column = key box j (Eq. 8).
 
+    ``signed``: ``(B, N, N, 6)``, the 4 terms of Eq. 8 then the directions ``sign(cx_j - cx_i)``,
+    ``sign(cy_j - cy_i)`` (+1: the key box lies to the right of / below the query box).
     Pairs involving a padded region (``mask`` False) are set to 0 (they are masked out of the attention).
     """
     cx, cy, w, h = box_centres_sizes(boxes, plus_one).unbind(-1)
@@ -53,7 +59,10 @@ def relative_geometry(
     dy = torch.log(((cy[:, :, None] - cy[:, None, :]).abs() / h[:, :, None]).clamp_min(clamp))
     dw = torch.log(w[:, :, None] / w[:, None, :])
     dh = torch.log(h[:, :, None] / h[:, None, :])
-    f = torch.stack([dx, dy, dw, dh], dim=-1)
+    terms = [dx, dy, dw, dh]
+    if signed:
+        terms += [torch.sign(cx[:, None, :] - cx[:, :, None]), torch.sign(cy[:, None, :] - cy[:, :, None])]
+    f = torch.stack(terms, dim=-1)
     if mask is not None:
         pair = mask[:, :, None] & mask[:, None, :]
         f = f * pair[..., None].to(f.dtype)
@@ -84,7 +93,7 @@ class GeometricBias(nn.Module):
     """The geometric attention bias ``phi`` ``(B, H, N, N)`` of one G-SAN encoder layer (Eqs. 9-13).
 
     ``forward(x, rel)`` takes the layer's (pre-normed) input ``x`` ``(B, N, d)`` and the relative geometry
-    ``rel`` ``(B, N, N, 4)``; the result is added to the content logits before the key mask and softmax.
+    ``rel`` ``(B, N, N, 4)`` (``(B, N, N, 6)`` with ``signed``); the result is added to the content logits before the key mask and softmax.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class GeometricBias(nn.Module):
         geometry_dim: int = 128,
         head_proj: bool = True,
         scale: bool = True,
+        signed: bool = False,
     ) -> None:
         super().__init__()
         variants = tuple(variants)
@@ -105,7 +115,7 @@ class GeometricBias(nn.Module):
         self.num_heads = num_heads
         self.d_k = d_model // num_heads
         self.scale = 1.0 / math.sqrt(self.d_k) if scale else 1.0
-        self.embed = nn.Linear(4, geometry_dim)  # Eq. 9: G = ReLU(f W_g + b_g)
+        self.embed = nn.Linear(6 if signed else 4, geometry_dim)  # Eq. 9: G = ReLU(f W_g + b_g)
         if not head_proj and geometry_dim != self.d_k and any(v in ("query", "key") for v in variants):
             raise ValueError(f"without a per-head map the geometry_dim must equal d_k={self.d_k}, got {geometry_dim}")
         self.content = nn.Linear(geometry_dim, num_heads) if "content" in variants else None

@@ -14,7 +14,8 @@ The variants change only the encoder self-attention (the decoder is never modifi
   ``norm_queries``, ``norm_keys``.
 * ``gsan``: GSA, a geometric bias from the relative box geometry added to the logits (Eqs. 8-13;
   :mod:`models.geometry`); switches: ``geometry`` (any of content/query/key), ``geometry_dim``,
-  ``geometry_head_proj``, ``geometry_scale``, ``box_plus_one``, and ``absolute_position`` (Table 4's
+  ``geometry_head_proj``, ``geometry_scale``, ``geometry_signed`` (directions as two more inputs of Eq. 9; not
+  in the paper, off by default), ``box_plus_one``, and ``absolute_position`` (Table 4's
   "absolute" ablation; use it with ``geometry: []``).
 * ``ngsan``: both (Eq. 10 with Q replaced by IN(Q); the geometric query Q' is not normalized).
 
@@ -95,6 +96,7 @@ class SelfAttentionCaptioner(Captioner):
         geometry_dim: int = 128,
         geometry_head_proj: bool = True,
         geometry_scale: bool = True,
+        geometry_signed: bool = False,
         box_plus_one: bool = True,
         absolute_position: bool = False,
     ) -> None:
@@ -103,6 +105,7 @@ class SelfAttentionCaptioner(Captioner):
         self.feat_dim = feat_dim
         self.d_model = d_model
         self.geometry = tuple(geometry)
+        self.geometry_signed = geometry_signed
         self.box_plus_one = box_plus_one
         self.absolute_position = absolute_position
         self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(embed_dropout))
@@ -114,7 +117,7 @@ class SelfAttentionCaptioner(Captioner):
 
         def make_layer() -> EncoderLayer:
             attn = MultiHeadAttention(d_model, num_heads, dropout, make_norm(norm_queries), make_norm(norm_keys))
-            geo = GeometricBias(d_model, num_heads, self.geometry, geometry_dim, geometry_head_proj, geometry_scale) if self.geometry else None
+            geo = GeometricBias(d_model, num_heads, self.geometry, geometry_dim, geometry_head_proj, geometry_scale, geometry_signed) if self.geometry else None
             return EncoderLayer(attn, d_model, d_ff, dropout, geo)
 
         self.encoder = Encoder(make_layer, num_layers, d_model)
@@ -134,7 +137,7 @@ class SelfAttentionCaptioner(Captioner):
         x = self.att_embed(feats) * keep
         if self.absolute_position:
             x = x + absolute_box_encoding(boxes.float(), sizes, self.d_model, self.box_plus_one).to(x.dtype) * keep
-        rel = relative_geometry(boxes.float(), mask, self.box_plus_one).to(x.dtype) if self.geometry else None
+        rel = relative_geometry(boxes.float(), mask, self.box_plus_one, signed=self.geometry_signed).to(x.dtype) if self.geometry else None
         memory = self.encoder(x, mask, rel)
         return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
 
@@ -188,10 +191,11 @@ class GSAN(SelfAttentionCaptioner):
     def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
                  num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, geometry: Sequence[str] = ("query",),
                  geometry_dim: int = 128, geometry_head_proj: bool = True, geometry_scale: bool = True,
-                 box_plus_one: bool = True, absolute_position: bool = False) -> None:
+                 geometry_signed: bool = False, box_plus_one: bool = True, absolute_position: bool = False) -> None:
         super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
                          geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
-                         geometry_scale=geometry_scale, box_plus_one=box_plus_one, absolute_position=absolute_position)
+                         geometry_scale=geometry_scale, geometry_signed=geometry_signed, box_plus_one=box_plus_one,
+                         absolute_position=absolute_position)
 
 
 @register_captioner("ngsan")
@@ -202,8 +206,10 @@ class NGSAN(SelfAttentionCaptioner):
                  num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, norm_kind: str = "instance",
                  norm_affine: bool = False, norm_queries: bool = True, norm_keys: bool = False, norm_eps: float = 1e-5,
                  geometry: Sequence[str] = ("query",), geometry_dim: int = 128, geometry_head_proj: bool = True,
-                 geometry_scale: bool = True, box_plus_one: bool = True, absolute_position: bool = False) -> None:
+                 geometry_scale: bool = True, geometry_signed: bool = False, box_plus_one: bool = True,
+                 absolute_position: bool = False) -> None:
         super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
                          norm_kind=norm_kind, norm_affine=norm_affine, norm_queries=norm_queries, norm_keys=norm_keys,
                          norm_eps=norm_eps, geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
-                         geometry_scale=geometry_scale, box_plus_one=box_plus_one, absolute_position=absolute_position)
+                         geometry_scale=geometry_scale, geometry_signed=geometry_signed, box_plus_one=box_plus_one,
+                         absolute_position=absolute_position)

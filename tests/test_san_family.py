@@ -92,6 +92,19 @@ def test_moving_a_box_changes_gsan_not_san() -> None:
         assert float((absolute(feats, mask, boxes, sizes, caps) - absolute(feats, mask, moved, sizes, caps)).abs().max()) > 1e-4
 
 
+
+def test_mirroring_the_image_is_invisible_to_eq_8_but_not_to_signed_geometry() -> None:
+    """Eq. 8 takes |dx|, |dy|: a left-right mirror of every box leaves G-SAN unchanged; geometry_signed sees it."""
+    feats, mask, boxes, sizes, caps = batch()
+    mirrored = boxes.clone()
+    mirrored[..., 0], mirrored[..., 2] = 300.0 - boxes[..., 2], 300.0 - boxes[..., 0]
+    for signed in (False, True):
+        model = small("gsan", geometry_signed=signed)
+        with torch.no_grad():
+            diff = float((model(feats, mask, boxes, sizes, caps) - model(feats, mask, mirrored, sizes, caps)).abs().max())
+        assert (diff > 1e-4) == signed, f"geometry_signed={signed}: max change {diff}"
+    assert count("gsan", geometry_signed=True) - count("gsan") == 4 * 2 * 128  # two more inputs of Eq. 9's FC per layer
+
 # --- NSA ------------------------------------------------------------------------------------------------
 
 
@@ -165,6 +178,11 @@ def test_relative_geometry_hand_example() -> None:
     }
     for (i, j), values in expect.items():
         torch.testing.assert_close(f[i, j], torch.tensor(values), atol=1e-6, rtol=1e-6)
+    signed = relative_geometry(BOXES, signed=True)[0]
+    torch.testing.assert_close(signed[..., :4], f)
+    # box 1 lies right of and above box 0 (image y grows downwards); boxes 0 and 2 share their centre
+    assert signed[0, 1, 4:].tolist() == [1.0, -1.0] and signed[1, 0, 4:].tolist() == [-1.0, 1.0]
+    assert signed[0, 2, 4:].tolist() == [0.0, 0.0]
     masked = relative_geometry(BOXES, torch.tensor([[True, True, False]]))[0]
     assert torch.all(masked[2] == 0) and torch.all(masked[:, 2] == 0)
 

@@ -67,3 +67,23 @@ def resolve_config(stage: str, config: Path | None, overrides: list[str] | None,
 def init(verbose: bool = False, quiet: bool = False) -> None:
     setup_logging(verbose=verbose, quiet=quiet)
 
+
+def print_stage_result(result: Any, best_format: str = ".4f", outputs: bool = True, summary: bool = False) -> None:
+    """Print a finished (or skipped) stage on stdout: its folder, the best validation score, outputs or summary.
+
+    ``result`` is a :class:`pipeline.stages.StageResult`; ``best_format`` formats ``summary['best']['value']``.
+    """
+    from pipeline.console import stdout_console
+
+    con = stdout_console()
+    con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
+    best = result.summary.get("best") or {}
+    if best:
+        where = f"{best['stage']} epoch {best.get('epoch')}" if best.get("stage") else f"epoch {best.get('epoch')}"
+        con.print(f"best {best.get('metric')}: {format(best.get('value'), best_format)} ({where})", highlight=False)
+    if outputs:
+        for key, rel in result.outputs.items():
+            con.print(f"{key}: {result.directory / rel}", highlight=False)
+    if summary:
+        for key, value in result.summary.items():
+            con.print(f"{key}: {value}", highlight=False)

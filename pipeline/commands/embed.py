@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
 from pipeline.console import is_main_process, stdout_console
 from pipeline.errors import UsageError
 
@@ -38,13 +38,7 @@ def register(app: typer.Typer) -> None:
         result = train_encoder(out, cfg, force=force)
         if not is_main_process():
             return
-        con = stdout_console()
-        con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
-        best = result.summary.get("best") or {}
-        if best:
-            con.print(f"best {best.get('metric')}: {best.get('value'):.2f} (epoch {best.get('epoch')})", highlight=False)
-        for key, rel in result.outputs.items():
-            con.print(f"{key}: {result.directory / rel}", highlight=False)
+        print_stage_result(result, best_format=".2f")
 
     @app.command(
         "embed",

@@ -7,8 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.console import stdout_console
+from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +37,4 @@ def register(app: typer.Typer) -> None:
 
         cfg = resolve_config("prepare", config, set_)
         result = run_stage(out, "data", cfg.prepare, prepare_captions, force=force)
-        con = stdout_console()
-        con.print(f"data: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
-        for key, value in result.summary.items():
-            con.print(f"{key}: {value}", highlight=False)
+        print_stage_result(result, outputs=False, summary=True)

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.console import is_main_process, stdout_console
+from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
+from pipeline.console import is_main_process
 
 
 def register(app: typer.Typer) -> None:
@@ -39,10 +39,4 @@ def register(app: typer.Typer) -> None:
         result = train_captioner(out, cfg, force=force)
         if not is_main_process():
             return
-        con = stdout_console()
-        con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
-        best = result.summary.get("best") or {}
-        if best:
-            con.print(f"best {best.get('metric')}: {best.get('value'):.4f} ({best.get('stage')} epoch {best.get('epoch')})", highlight=False)
-        for key, rel in result.outputs.items():
-            con.print(f"{key}: {result.directory / rel}", highlight=False)
+        print_stage_result(result)
