@@ -6,7 +6,8 @@ when done.
 Every stage runs through :func:`pipeline.stages.run_stage` in ``OUT/<stage>/``; a stage's config includes the
 config digests of the stages it reads from, so changing an upstream setting redoes what depends on it (and
 is refused without ``--force``, like any changed stage). ``--models a,b,c`` trains and evaluates several
-captioners on the same features (comparison mode).
+captioners on the same features (comparison mode); a name is a registered captioner or a ``demo.variants``
+entry (a captioner plus train overrides, e.g. ``ngsan-signed``), so ablations sit in the same table.
 """
 
 from __future__ import annotations
@@ -129,14 +130,54 @@ def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path,
     return work
 
 
-def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False) -> DemoReport:
-    """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
+def _plain(node: Any) -> dict[str, Any]:
+    """A config mapping (or None) as a plain dict."""
+    if isinstance(node, Config):
+        return node.to_dict()
+    return dict(node or {})
+
+
+def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
+    """Map each ``--models`` name to the registered captioner it trains: itself, or its ``demo.variants`` entry's
+    ``model``. Unknown names and variants without a registered ``model`` are usage errors."""
     import models as model_registry
 
     known = model_registry.available_captioners()
-    bad = [m for m in models if m not in known]
-    if bad:
-        raise UsageError(f"unknown captioner '{bad[0]}' in --models (known: {', '.join(known)})")
+    variants = _plain(cfg.demo.variants)
+    resolved: dict[str, str] = {}
+    for name in names:
+        if name in known:
+            resolved[name] = name
+            continue
+        if name not in variants:
+            raise UsageError(
+                f"unknown captioner '{name}' in --models (captioners: {', '.join(known)}; demo.variants: {', '.join(variants) or 'none'})"
+            )
+        base = variants[name].get("model") if isinstance(variants[name], dict) else None
+        if base not in known:
+            raise UsageError(f"demo.variants.{name}: 'model' must name a registered captioner ({', '.join(known)}), got {base!r}")
+        resolved[name] = str(base)
+    return resolved
+
+
+def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Path) -> Config:
+    """The train config of one ``--models`` entry: the demo's train section, ``demo.train_overrides[model]``,
+    then (for a variant) the variant's own keys on top. Mappings merge key by key."""
+    tcfg = Config({"train": cfg.train.to_dict()}, cfg.open_paths).with_overrides(
+        {"train.model": model, "train.store": str(store), "train.data": str(data)}
+    )
+    layers = [_plain(_plain(cfg.demo.train_overrides).get(model))]
+    if name != model:
+        layers.append({k: v for k, v in _plain(_plain(cfg.demo.variants).get(name)).items() if k != "model"})
+    for layer in layers:
+        for key, value in layer.items():
+            tcfg = tcfg.with_overrides({f"train.{key}": value}, source=f"demo overrides of {name}:")
+    return tcfg
+
+
+def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False) -> DemoReport:
+    """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
+    captioners = demo_captioners(cfg, models)
     t0 = time.perf_counter()
     report = DemoReport(out=out)
     from pipeline.world.generate import generate_world
@@ -171,13 +212,9 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     from pipeline.training.api import train_captioner
 
-    for name in models:
-        tcfg = Config({"train": cfg.train.to_dict()}, cfg.open_paths).with_overrides(
-            {"train.model": name, "train.store": str(store), "train.data": str(data.directory)}
-        )
-        for key, value in (cfg.demo.train_overrides.get(name) or {}).items():
-            tcfg = tcfg.with_overrides({f"train.{key}": value})
-        trained = train_captioner(out, tcfg, force=force)
+    for name, model in captioners.items():
+        tcfg = demo_train_config(cfg, name, model, store, data.directory)
+        trained = train_captioner(out, tcfg, force=force, stage_name=f"train-{name}")
         report.stages.append(trained)
         best = trained.directory / trained.outputs["best"]
         ev = run_stage(

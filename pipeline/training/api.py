@@ -35,8 +35,8 @@ def resolve_paths(run_dir: str | Path, cfg: Config) -> Config:
     return section.with_overrides(sets) if sets else section
 
 
-def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False) -> StageResult:
-    """Train ``cfg.train.model`` (or a bare ``train`` section) into ``run_dir/train-<model>``.
+def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage_name: str | None = None) -> StageResult:
+    """Train ``cfg.train.model`` (or a bare ``train`` section) into ``run_dir/train-<model>`` (or ``run_dir/<stage_name>``).
 
     Works under ``torchrun`` too: rank 0 keeps the stage manifest, every rank trains.
     Returns the stage result: ``outputs`` = {last, best, xe, log} (paths relative to ``result.directory``),
@@ -51,7 +51,7 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False) -> St
     if section.num_threads:
         torch.set_num_threads(int(section.num_threads))
     ctx = distributed.setup(str(section.device))
-    name = f"train-{section.model}"
+    name = stage_name or f"train-{section.model}"
 
     def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         summary = Trainer(stage_dir, scfg, ctx).run()
