@@ -57,10 +57,14 @@ def _escape(text: str) -> str:
 
 
 def resolve_config(stage: str, config: Path | None, overrides: list[str] | None, show: bool = True) -> Config:
-    """Load ``configs/<stage>.yaml`` (or the user's file) with overrides, and log the resolved config."""
+    """Load ``configs/<stage>.yaml`` (or the user's file) with overrides; log where it came from (one line)
+    and the whole resolved config at debug level (``--verbose``). Stages also keep it in their manifest."""
     cfg = load_config(stage, config, overrides or [])
     if show:
-        get_logger("config").info("resolved config (%s):\n%s", config or f"configs/{stage}.yaml", cfg.to_yaml().rstrip())
+        log = get_logger("config")
+        extra = f" + {len(overrides)} override(s)" if overrides else ""
+        log.info("config %s%s (resolved config: --verbose, and each stage's manifest.json)", config or f"configs/{stage}.yaml", extra)
+        log.debug("resolved config:\n%s", cfg.to_yaml().rstrip())
     return cfg
 
 
