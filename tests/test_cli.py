@@ -71,8 +71,9 @@ def test_demo_generate_only_is_resumable_and_skips_when_done(tmp_path: Path) -> 
     out = tmp_path / "world"
     res = cli("demo", "--generate-only", "--out", str(out), "--num-images", "12", "--seed", "5")
     assert res.returncode == 0, res.stderr
-    assert "world.num_images" not in res.stdout  # the resolved config goes to stderr, the summary to stdout
-    assert "num_images: 12" in res.stderr
+    assert "num_images: 12" not in res.stderr and "+ 2 override(s)" in res.stderr  # one config line at info level
+    loud = cli("demo", "--generate-only", "--out", str(tmp_path / "loud"), "--num-images", "3", "--verbose")
+    assert "num_images: 3" in loud.stderr and "num_images: 3" not in loud.stdout  # --verbose: the resolved config, on stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["summary"]["images"] == 12 and len(list((out / "images").iterdir())) == 12
     again = cli("demo", "--generate-only", "--out", str(out), "--num-images", "12", "--seed", "5")
