@@ -1,5 +1,6 @@
 """CI check of the reduced demo's summary: metrics above a floor, pictures written, or (--second) every stage
-skipped on a re-run. Usage: python .ci/check_demo.py RUN_DIR [--second]"""
+skipped on a re-run, or (--compare a,b,c) a comparison run over the same run directory: one metrics row per
+name, the shared stages skipped. Usage: python .ci/check_demo.py RUN_DIR [--second | --compare NAMES]"""
 
 from __future__ import annotations
 
@@ -14,13 +15,24 @@ FLOORS = {"CIDEr": 0.15, "Bleu_4": 0.08, "ROUGE_L": 0.30}
 
 def main() -> int:
     run = Path(sys.argv[1])
-    second = "--second" in sys.argv[2:]
+    args = sys.argv[2:]
+    second = "--second" in args
+    compare = args[args.index("--compare") + 1].split(",") if "--compare" in args else []
     summary = json.loads((run / "summary.json").read_text())
     problems = []
     if second:
         ran = [s["stage"] for s in summary["stages"] if not s["skipped"]]
         if ran:
             problems.append(f"a second run redid stages {ran}")
+    if compare:
+        if list(summary["metrics"]) != compare:
+            problems.append(f"comparison rows {list(summary['metrics'])}, expected {compare}")
+        shared = [s["stage"] for s in summary["stages"] if s["stage"] in ("world", "detector", "features", "data") and not s["skipped"]]
+        if shared:
+            problems.append(f"the comparison redid shared stages {shared}")
+        trained = {s["stage"] for s in summary["stages"] if s["stage"].startswith("train-")}
+        if trained != {f"train-{name}" for name in compare}:
+            problems.append(f"train stages {sorted(trained)} do not match {compare}")
     for model, metrics in summary["metrics"].items():
         for name, floor in FLOORS.items():
             value = metrics.get(name)
