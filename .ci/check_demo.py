@@ -41,7 +41,7 @@ def main() -> int:
     pictures = [p for pics in summary["pictures"].values() for p in pics]
     if not pictures or not all(Path(p).is_file() and Path(p).stat().st_size > 1000 for p in pictures):
         problems.append(f"pictures missing: {pictures}")
-    print(json.dumps({"metrics": summary["metrics"], "detector": summary["detector"], "pictures": len(pictures),
+    print(json.dumps({"metrics": summary["metrics"], "grounding": summary.get("grounding"), "detector": summary["detector"], "pictures": len(pictures),
                       "stages": {s["stage"]: (s["skipped"], s["seconds"]) for s in summary["stages"]}}, indent=1))
     for p in problems:
         print(f"demo check failed: {p}")

@@ -33,6 +33,7 @@ class DemoReport:
     out: Path
     stages: list[StageResult] = field(default_factory=list)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    grounding: dict[str, dict[str, Any]] = field(default_factory=dict)
     detector: dict[str, Any] = field(default_factory=dict)
     pictures: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -47,6 +48,7 @@ class DemoReport:
             ],
             "detector": self.detector,
             "metrics": self.metrics,
+            "grounding": self.grounding,
             "pictures": self.pictures,
         }
 
@@ -137,6 +139,16 @@ def _plain(node: Any) -> dict[str, Any]:
     return dict(node or {})
 
 
+def _grounding(world_dir: Path, ev: StageResult) -> dict[str, Any]:
+    """Grounding accuracy of the eval stage's test captions against the world's instances (recomputed on every
+    run from the stage's files: cheap, and it needs no change to a finished stage)."""
+    from pipeline.fileio import read_json
+    from pipeline.world.grounding import grounding_scores, load_scenes
+
+    predictions = read_json(ev.directory / ev.outputs["predictions"], "predictions file", expect=list)
+    return grounding_scores(predictions, load_scenes(world_dir / "annotations" / "instances_test.json"))
+
+
 def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
     """Map each ``--models`` name to the registered captioner it trains: itself, or its ``demo.variants`` entry's
     ``model``. Unknown names and variants without a registered ``model`` are usage errors."""
@@ -223,6 +235,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         )
         report.stages.append(ev)
         report.metrics[name] = dict(ev.summary.get("metrics", {}))
+        report.grounding[name] = _grounding(world.directory, ev)
         if int(cfg.demo.pictures) > 0:
             pics = run_stage(
                 out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),

@@ -14,6 +14,8 @@ from pipeline.errors import UsageError
 log = get_logger("demo")
 
 METRIC_COLUMNS = ("Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
+#: grounding columns (pipeline/world/grounding.py): share of true noun phrases / relations in the test captions
+GROUNDING_COLUMNS = (("objects", "object_accuracy", "phrases"), ("relations", "relation_accuracy", "relations"))
 
 
 def register(app: typer.Typer) -> None:
@@ -99,9 +101,16 @@ def _print_report(report) -> None:
         table.add_column("model")
         for m in METRIC_COLUMNS:
             table.add_column(m, justify="right")
+        for title, _, _ in GROUNDING_COLUMNS:
+            table.add_column(f"true {title}", justify="right")
         for name, metrics in report.metrics.items():
-            table.add_row(name, *(f"{metrics[m]:.3f}" if m in metrics else "-" for m in METRIC_COLUMNS))
+            ground = report.grounding.get(name, {})
+            cells = [f"{metrics[m]:.3f}" if m in metrics else "-" for m in METRIC_COLUMNS]
+            cells += [f"{ground[key]:.0%} of {ground[count]}" if ground.get(key) is not None else "-" for _, key, count in GROUNDING_COLUMNS]
+            table.add_row(name, *cells)
         con.print(table)
+        if report.grounding:
+            con.print("true objects / relations: noun phrases and spatial relations of the test captions that hold in the image")
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")
