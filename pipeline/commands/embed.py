@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         init(verbose, quiet)
         from pipeline.embedding.train import train_encoder
 
-        cfg = resolve_config("embed", config, set_)
+        cfg = resolve_config("embed", config, set_, show=verbose)
         result = train_encoder(out, cfg, force=force)
         if not is_main_process():
             return
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--visualize must name a .png file, not {visualize.name!r}")
         from pipeline.embedding.embed import embed_file
 
-        cfg = resolve_config("embed", config, set_)
+        cfg = resolve_config("embed", config, set_, show=verbose)
         result = embed_file(checkpoint, input_path, output, cfg.embed, visualize)
         con = stdout_console()
         con.print(f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False)

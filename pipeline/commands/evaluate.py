@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
             overrides.append(f"evaluate.metrics=[{','.join(names)}]")
         if split is not None:
             overrides.append(f"evaluate.split={split}")
-        cfg = resolve_config("evaluate", config, overrides)
+        cfg = resolve_config("evaluate", config, overrides, show=verbose)
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")

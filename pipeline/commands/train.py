@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         init(verbose, quiet)
         from pipeline.training.api import train_captioner
 
-        cfg = resolve_config("train", config, set_)
+        cfg = resolve_config("train", config, set_, show=verbose)
         result = train_captioner(out, cfg, force=force)
         if not is_main_process():
             return
