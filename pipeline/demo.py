@@ -139,14 +139,14 @@ def _plain(node: Any) -> dict[str, Any]:
     return dict(node or {})
 
 
-def _grounding(world_dir: Path, ev: StageResult) -> dict[str, Any]:
-    """Grounding accuracy of the eval stage's test captions against the world's instances (recomputed on every
+def _grounding(scenes: dict[int, Any], ev: StageResult) -> dict[str, Any]:
+    """Grounding accuracy of the eval stage's test captions against the world's test scenes (recomputed on every
     run from the stage's files: cheap, and it needs no change to a finished stage)."""
     from pipeline.fileio import read_json
-    from pipeline.world.grounding import grounding_scores, load_scenes
+    from pipeline.world.grounding import grounding_scores
 
     predictions = read_json(ev.directory / ev.outputs["predictions"], "predictions file", expect=list)
-    return grounding_scores(predictions, load_scenes(world_dir / "annotations" / "instances_test.json"))
+    return grounding_scores(predictions, scenes)
 
 
 def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
@@ -224,6 +224,9 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     from pipeline.training.api import train_captioner
 
+    from pipeline.world.grounding import load_scenes
+
+    test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
     for name, model in captioners.items():
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
         trained = train_captioner(out, tcfg, force=force, stage_name=f"train-{name}")
@@ -235,7 +238,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         )
         report.stages.append(ev)
         report.metrics[name] = dict(ev.summary.get("metrics", {}))
-        report.grounding[name] = _grounding(world.directory, ev)
+        report.grounding[name] = _grounding(test_scenes, ev)
         if int(cfg.demo.pictures) > 0:
             pics = run_stage(
                 out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),

@@ -18,15 +18,16 @@ claims there were): ``relation_accuracy`` is what geometry-aware attention shoul
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.fileio import read_json
+from pipeline.world.captions import tokenize
 from pipeline.world.geometry import group_relation_holds, position
+from pipeline.world.vocab import PLURALS
 
 NUMBERS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
 RELATION_WORDS: dict[tuple[str, ...], str] = {
@@ -84,8 +85,8 @@ class Phrase:
 def load_scenes(instances_json: str | Path) -> dict[int, Scene]:
     """Scenes by image id from a world's COCO instances file (``annotations/instances_<split>.json``)."""
     path = Path(instances_json)
+    data = read_json(path, "instances file")
     try:
-        data = json.loads(path.read_text())
         shapes = {int(c["id"]): str(c["name"]) for c in data["categories"]}
         attrs = {int(a["id"]): (str(a.get("type", "")), str(a["name"])) for a in data["attributes"]}
         images = {int(im["id"]): (float(im["width"]), float(im["height"])) for im in data["images"]}
@@ -96,21 +97,19 @@ def load_scenes(instances_json: str | Path) -> dict[int, Scene]:
             colour = next((n for t, n in named if t == "colour"), None)
             size = next((n for t, n in named if t == "size"), None)
             objects[int(ann["image_id"])].append(SceneObject(shapes[int(ann["category_id"])], colour, size, (x, y, x + w, y + h)))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise PipelineError(f"{path}: not a synthetic-world instances file ({type(exc).__name__}: {exc})") from exc
     return {i: Scene(w, h, tuple(objects[i])) for i, (w, h) in images.items()}
 
 
-def _shape_names(scenes: Iterable[Scene]) -> set[str]:
-    return {o.shape for s in scenes for o in s.objects}
+def _shape_words(shapes: Iterable[str]) -> dict[str, str]:
+    """Singular and plural word -> shape name (the world's plurals, ``+s`` for other names)."""
+    return {word: s for s in shapes for word in (s, PLURALS.get(s, s + "s"))}
 
 
-def tokenize(caption: str) -> list[str]:
-    return re.findall(r"[a-z]+", caption.lower())
-
-
-def parse_phrases(tokens: Sequence[str], shapes: set[str], colours: set[str], sizes: set[str]) -> list[Phrase]:
+def parse_phrases(tokens: Sequence[str], shapes: Iterable[str], colours: set[str], sizes: set[str]) -> list[Phrase]:
     """Noun phrases ``NUMBER [size] [colour] SHAPE(S)``, left to right."""
+    shape_of = _shape_words(shapes)
     out: list[Phrase] = []
     i = 0
     while i < len(tokens):
@@ -120,8 +119,7 @@ def parse_phrases(tokens: Sequence[str], shapes: set[str], colours: set[str], si
                 fields["size"], j = tokens[j], j + 1
             if j < len(tokens) and tokens[j] in colours:
                 fields["colour"], j = tokens[j], j + 1
-            word = tokens[j] if j < len(tokens) else ""
-            shape = word if word in shapes else word[:-2] if word.endswith("es") and word[:-2] in shapes else word[:-1] if word[:-1] in shapes else None
+            shape = shape_of.get(tokens[j]) if j < len(tokens) else None
             if shape is not None:
                 fields["shape"] = shape
                 out.append(Phrase(i, j + 1, NUMBERS[tokens[i]], fields))
@@ -162,7 +160,7 @@ def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[i
     """Fractions of true claims over ``predictions`` (``[{image_id, caption}]``): ``object_accuracy``
     (noun phrases), ``relation_accuracy``, ``position_accuracy``, with the number of claims of each kind and
     ``captions_without_claims`` (captions in which no noun phrase could be parsed)."""
-    vocab = {"shapes": _shape_names(scenes.values()), "colours": set(), "sizes": set()}
+    vocab: dict[str, set[str]] = {"shapes": {o.shape for s in scenes.values() for o in s.objects}, "colours": set(), "sizes": set()}
     for scene in scenes.values():
         vocab["colours"] |= {o.colour for o in scene.objects if o.colour}
         vocab["sizes"] |= {o.size for o in scene.objects if o.size}
