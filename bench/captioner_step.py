@@ -16,7 +16,7 @@ import time
 import torch
 
 import models
-from pipeline.vocab import BOS
+from pipeline.core.vocab import BOS
 
 
 def make_batch(images: int, regions: int, feat_dim: int, device: torch.device):

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import load_config
+from pipeline.core.config import load_config
 from pipeline.embedding.retrieval import evaluate_retrieval_files
 from pipeline.embedding.train import train_encoder
 from pipeline.training.api import evaluate_checkpoint, train_captioner

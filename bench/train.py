@@ -22,15 +22,15 @@ import numpy as np
 import torch
 
 from models import build_captioner
-from pipeline.config import CONFIG_DIR, load_yaml_with_bases
+from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases
 from pipeline.metrics.cider import CiderD
-from pipeline.training.distributed import resolve_device
+from pipeline.core.distributed import resolve_device
 from pipeline.training.engine import build_optimizer, resolve_amp
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.scst_step import greedy_rewards, scst_loss
 from pipeline.training.validation import autocast
 from pipeline.training.xe import xe_loss_sum
-from pipeline.vocab import BOS, EOS, Vocab
+from pipeline.core.vocab import BOS, EOS, Vocab
 from pipeline.world.captions import make_captions, tokenize
 from pipeline.world.scene import SceneParams, sample_scene
 

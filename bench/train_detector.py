@@ -27,7 +27,7 @@ from extractors.training.model import DetectorForTraining
 from extractors.training.optim import param_groups, set_trainable
 from extractors.training.stage import load_detector_config
 from extractors.training.targets import SamplingConfig
-from pipeline.config import CONFIG_DIR, load_config
+from pipeline.core.config import CONFIG_DIR, load_config
 from pipeline.world.generate import generate_world
 
 

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.config import load_config
+from pipeline.core.config import load_config
 from pipeline.world.generate import generate_world
 
 

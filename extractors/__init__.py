@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from pipeline.registry import Registry
+from pipeline.core.registry import Registry
 
 EXTRACTORS: Registry = Registry("extractor")
 

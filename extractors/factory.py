@@ -9,8 +9,8 @@ import torch
 from extractors import EXTRACTORS, available_extractors
 from extractors.spec import BottomUpSpec
 from extractors.weights import load_detector, random_detector
-from pipeline.console import get_logger
-from pipeline.errors import UsageError
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
 
 log = get_logger("extract")
 

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from extractors.bottom_up import BottomUpDetector, SelectionRule
 from extractors.preprocess import ImageLoadError, caffe_blob, list_images, load_rgb
-from pipeline.console import get_logger, make_progress
-from pipeline.errors import UsageError
+from pipeline.core.console import get_logger, make_progress
+from pipeline.core.errors import UsageError
 
 log = get_logger("extract")
 _COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
@@ -79,7 +79,7 @@ def items_from_file_list(list_file: Path, base: Path | None = None) -> list[Imag
 def items_from_coco(ann_file: Path, image_root: Path | None, with_boxes: bool) -> list[ImageItem]:
     """COCO ``images`` (key = image id) from an annotations file; ``with_boxes`` attaches its ``bbox``es
     (xywh -> x1, y1, x1 + w, y1 + h) as given boxes."""
-    from pipeline.fileio import read_json
+    from pipeline.core.fileio import read_json
 
     data = read_json(ann_file, "COCO annotations file")
     if not isinstance(data.get("images"), list):

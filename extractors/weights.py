@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from extractors.spec import BottomUpSpec
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 
 LAYOUTS = ("milvlg", "airsplay", "hf", "butd")
 BUTD_FORMAT = "butd-caption-detector"

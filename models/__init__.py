@@ -12,9 +12,9 @@ import importlib
 import pkgutil
 from typing import Any
 
-from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases
-from pipeline.errors import ConfigError
-from pipeline.registry import Registry
+from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases
+from pipeline.core.errors import ConfigError
+from pipeline.core.registry import Registry
 
 from models.base import Captioner, index_state
 

@@ -29,7 +29,7 @@ from models import register_captioner
 from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, multi_head_attend
 from models.transformer import FeedForward
 from models.base import Captioner, State
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 class AoARefinerLayer(nn.Module):

@@ -40,7 +40,7 @@ from torch import nn
 from models import register_captioner
 from models.base import Captioner, State
 from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 READOUTS = ("last", "sum", "mean")
 

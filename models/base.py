@@ -7,7 +7,7 @@ Inputs (all batch-first):
 * ``boxes``  ``(B, N, 4)`` float pixel boxes ``x1, y1, x2, y2`` (the geometry input),
 * ``sizes``  ``(B, 2)`` float image ``width, height`` in pixels.
 
-Captions are id tensors using :mod:`pipeline.vocab`'s specials (``PAD=0, BOS=1, EOS=2``).
+Captions are id tensors using :mod:`pipeline.core.vocab`'s specials (``PAD=0, BOS=1, EOS=2``).
 
 Teacher forcing: ``forward(...)`` encodes each image **once** and decodes all its captions:
 ``captions`` is ``(C, T)`` starting with BOS and ``caption_image`` ``(C,)`` maps each caption to its image.

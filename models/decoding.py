@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from models.base import Captioner, State, index_state
-from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
-from pipeline.errors import ConfigError
-from pipeline.vocab import BOS, EOS, PAD, UNK
+from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 METHODS = ("beam", "greedy", "sample")
 PENALTIES = ("wu", "avg")

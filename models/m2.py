@@ -35,8 +35,8 @@ from torch import nn
 from models import register_captioner
 from models.base import Captioner, State
 from models.m2_attention import PositionWiseFF, PostNormAttention
-from pipeline.errors import ConfigError
-from pipeline.vocab import PAD
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import PAD
 
 
 def sinusoid_table(num_positions: int, d_model: int) -> torch.Tensor:

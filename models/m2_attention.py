@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 def masked_fill_min(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from models.attention import MultiHeadAttention
 from models.base import Captioner, State
 from models.geometry import GEOMETRY_VARIANTS, GeometricBias, absolute_box_encoding, relative_geometry
 from models.normalization import NORM_KINDS, QueryNorm
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from models.transformer import Decoder, Encoder, EncoderLayer
 
 

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases
-from pipeline.errors import ConfigError
-from pipeline.vocab import BOS, EOS, PAD
+from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import BOS, EOS, PAD
 
 OBJECTIVES = ("cap2img", "cap2cap", "cap2all")
 STATE_MERGES = ("max", "concat")

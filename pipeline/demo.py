@@ -3,7 +3,7 @@ when done.
 
     world -> detector -> features -> data -> train-<model> -> eval-<model> -> pictures-<model>
 
-Every stage runs through :func:`pipeline.stages.run_stage` in ``OUT/<stage>/``; a stage's config includes the
+Every stage runs through :func:`pipeline.core.stages.run_stage` in ``OUT/<stage>/``; a stage's config includes the
 config digests of the stages it reads from, so changing an upstream setting redoes what depends on it (and
 is refused without ``--force``, like any changed stage). ``--models a,b,c`` trains and evaluates several
 captioners on the same features (comparison mode); a name is a registered captioner or a ``demo.variants``
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config
-from pipeline.console import get_logger
-from pipeline.errors import UsageError
-from pipeline.stages import StageResult, run_stage
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.stages import StageResult, run_stage
 
 log = get_logger("demo")
 
@@ -55,7 +55,7 @@ class DemoReport:
 
 def _with_inputs(cfg: Config | dict[str, Any], **upstream: StageResult) -> Config:
     """A stage config that also records the manifests' digests of the stages it reads from."""
-    from pipeline.stages import read_manifest
+    from pipeline.core.stages import read_manifest
 
     data = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
     data["inputs"] = {name: (read_manifest(r.directory) or {}).get("config_digest", "") for name, r in upstream.items()}
@@ -115,7 +115,7 @@ def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool):
 def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.captioning.run import caption_photos
-        from pipeline.captions.prepared import PreparedCaptions
+        from pipeline.caption_data.prepared import PreparedCaptions
 
         prepared = PreparedCaptions.load(data)
         keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
@@ -142,7 +142,7 @@ def _plain(node: Any) -> dict[str, Any]:
 def _grounding(scenes: dict[int, Any], ev: StageResult) -> dict[str, Any]:
     """Grounding accuracy of the eval stage's test captions against the world's test scenes (recomputed on every
     run from the stage's files: cheap, and it needs no change to a finished stage)."""
-    from pipeline.fileio import read_json
+    from pipeline.core.fileio import read_json
     from pipeline.world.grounding import grounding_scores
 
     predictions = read_json(ev.directory / ev.outputs["predictions"], "predictions file", expect=list)
@@ -214,7 +214,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     report.stages.append(features)
     store = features.directory / features.outputs["store"]
 
-    from pipeline.captions.prepare import prepare_captions
+    from pipeline.caption_data.prepare import prepare_captions
 
     prep_cfg = cfg.prepare.with_overrides(
         {"karpathy_json": str(world.directory / world.outputs["karpathy"]), "key": "filename"}
@@ -247,7 +247,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
             report.stages.append(pics)
             report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]
     report.seconds = time.perf_counter() - t0
-    from pipeline.fileio import atomic_write_text
+    from pipeline.core.fileio import atomic_write_text
 
     atomic_write_text(out / "summary.json", json.dumps(report.to_json(), indent=1) + "\n")
     return report

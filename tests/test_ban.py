@@ -9,8 +9,8 @@ import torch
 import models
 from models.ban import BANCaptioner
 from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
-from pipeline.errors import ConfigError
-from pipeline.vocab import BOS
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import BOS
 
 
 def count(module: torch.nn.Module) -> int:

@@ -15,9 +15,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.captions.prepare import prepare_captions
-from pipeline.config import load_config
-from pipeline.stages import run_stage
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.core.config import load_config
+from pipeline.core.stages import run_stage
 from pipeline.training.api import train_captioner
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import models
-from pipeline.vocab import BOS
+from pipeline.core.vocab import BOS
 
 V = 23
 SMALL = {  # small sizes so the contract runs fast; each model reads its own keys
@@ -131,7 +131,7 @@ def test_overfits_tiny_batch(name: str) -> None:
 
 
 def test_unknown_captioner_is_a_usage_error() -> None:
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
 
     with pytest.raises(UsageError, match="unknown captioner"):
         models.build_captioner("nope", 10)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from pipeline.core.errors import PipelineError, UsageError
 
 
 def draws() -> tuple:
@@ -80,13 +80,13 @@ def test_refuses_unsafe_foreign_truncated_and_missing_files(tmp_path: Path) -> N
 def test_atomic_writes_get_the_usual_file_mode(tmp_path: Path) -> None:
     import os
 
-    from pipeline.fileio import atomic_write_text
+    from pipeline.core.fileio import atomic_write_text
 
     mask = os.umask(0o022)
     try:
         import importlib
 
-        import pipeline.fileio as fio
+        import pipeline.core.fileio as fio
 
         importlib.reload(fio)
         path = fio.atomic_write_text(tmp_path / "x.json", "{}")

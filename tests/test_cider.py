@@ -133,7 +133,7 @@ def test_clipping_and_length_penalty() -> None:
 def test_token_id_mode_equals_word_mode(world_corpus: tuple[dict, dict]) -> None:
     refs, cands = world_corpus
     words = sorted({w for rs in refs.values() for r in rs for w in r} | {w for c in cands.values() for w in c})
-    wid = {w: k + 4 for k, w in enumerate(words)}  # ids from 4 like pipeline.vocab (0..3 are specials)
+    wid = {w: k + 4 for k, w in enumerate(words)}  # ids from 4 like pipeline.core.vocab (0..3 are specials)
     id_refs = {i: [[wid[w] for w in r] for r in rs] for i, rs in refs.items()}
     ids = list(refs)
     by_words = CiderD(refs).scores([cands[i] for i in ids], ids)
@@ -207,7 +207,7 @@ def test_save_and_load_give_identical_scores(world_corpus: tuple[dict, dict], tm
 
 
 def test_load_rejects_bad_files(tmp_path) -> None:
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
 
     with pytest.raises(PipelineError, match="cache not found"):
         CiderD.load(tmp_path / "none.npz")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.coco import EvalOptions, evaluate_files, score_captions
 from pipeline.metrics.coco_files import load_predictions, load_references, match_predictions
 from pipeline.metrics.java import JavaMissing, pycocoevalcap_dir

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import Config, load_config, load_yaml_with_bases, parse_override, validate_against
-from pipeline.errors import ConfigError
+from pipeline.core.config import Config, load_config, load_yaml_with_bases, parse_override, validate_against
+from pipeline.core.errors import ConfigError
 
 
 def write(path: Path, text: str) -> Path:
@@ -97,7 +97,7 @@ def test_open_mapping_accepts_several_overrides_and_stays_open() -> None:
 def test_open_mapping_declared_in_a_base_stays_open(tmp_path: Path) -> None:
     write(tmp_path / "base.yaml", "train: {xe: {}, n: 1}\n")
     write(tmp_path / "child.yaml", "_base_: base.yaml\ntrain: {xe: {epochs: 3}}\n")
-    import pipeline.config as pc
+    import pipeline.core.config as pc
 
     assert pc.open_paths_in_chain(tmp_path / "child.yaml") == frozenset({"train.xe"})
     data = pc.load_yaml_with_bases(tmp_path / "child.yaml")

@@ -24,8 +24,8 @@ from models.decoding import (
     sample,
     trigram_block_mask,
 )
-from pipeline.errors import ConfigError
-from pipeline.vocab import BOS, EOS, PAD, UNK
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 V = 23
 FAMILY = ["san", "nsan", "gsan", "ngsan"]

@@ -9,9 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.config import load_config
+from pipeline.core.config import load_config
 from pipeline.demo import demo_captioners, demo_train_config
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 from pipeline.training.api import train_captioner
 from train_helpers import make_world_run, train_overrides
 

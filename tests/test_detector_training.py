@@ -27,8 +27,8 @@ from extractors.training.optim import lr_at, set_trainable
 from extractors.training.stage import load_detector_config, train_detector
 from extractors.training.targets import SamplingConfig, anchor_targets, sample_rois
 from extractors.weights import describe, load_detector
-from pipeline.checkpoint import load_checkpoint
-from pipeline.errors import UsageError
+from pipeline.core.checkpoint import load_checkpoint
+from pipeline.core.errors import UsageError
 from pipeline.world.generate import generate_world
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ TINY = REPO / "configs" / "detector" / "tiny.yaml"
 
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory) -> Path:
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
 
     out = tmp_path_factory.mktemp("world")
     cfg = load_config("world", None, ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3", "world.workers=1"]).world

@@ -256,7 +256,7 @@ def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, l
 def test_keys_inputs_and_shard_parsing(tmp_path, monkeypatch):
     from extractors.run import image_key, items_from_paths, shard_items
     from pipeline.commands.extract import _parse_shard
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
 
     assert image_key(Path("/x/COCO_val2014_000000000042.jpg"), None) == "42"
     assert image_key(Path("/x/000000391895.jpg"), None) == "391895"  # COCO 2017 naming

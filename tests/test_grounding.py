@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.errors import PipelineError
+from pipeline.core.config import load_config
+from pipeline.core.errors import PipelineError
 from pipeline.world.generate import generate_world
 from pipeline.world.grounding import Scene, SceneObject, grounding_scores, judge_caption, load_scenes
 

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.importers import export_tsv, import_features, read_sizes
 from pipeline.importers.tsv import decode_butd, decode_obj36, iter_lines
 from pipeline.store import FeatureStore

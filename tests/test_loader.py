@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.captions import PreparedCaptions
-from pipeline.captions.prepare import prepare_captions
-from pipeline.config import load_config
+from pipeline.caption_data import PreparedCaptions
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.core.config import load_config
 from pipeline.data import BucketBatchSampler, CaptionDataset, build_loader, collate_images
-from pipeline.errors import PipelineError
-from pipeline.stages import run_stage
+from pipeline.core.errors import PipelineError
+from pipeline.core.stages import run_stage
 from pipeline.store import FeatureStore, open_writer
-from pipeline.vocab import BOS, EOS, PAD
+from pipeline.core.vocab import BOS, EOS, PAD
 from pipeline.world.generate import generate_world
 
 DIM = 32

@@ -11,7 +11,7 @@ import torch
 import models
 from models.m2 import M2Transformer, MeshedDecoderLayer, sinusoid_table
 from models.m2_attention import M2Attention
-from pipeline.vocab import BOS
+from pipeline.core.vocab import BOS
 
 
 def count(model: torch.nn.Module, trainable: bool = False) -> int:

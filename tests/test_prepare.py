@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.captions import PreparedCaptions
-from pipeline.captions.prepare import prepare_captions
-from pipeline.captions.text import tokenize
-from pipeline.config import load_config
-from pipeline.errors import UsageError
-from pipeline.stages import run_stage
+from pipeline.caption_data import PreparedCaptions
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.caption_data.text import tokenize
+from pipeline.core.config import load_config
+from pipeline.core.errors import UsageError
+from pipeline.core.stages import run_stage
 from pipeline.world.generate import generate_world
 
 REPO = Path(__file__).resolve().parent.parent

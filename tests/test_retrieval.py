@@ -14,10 +14,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.checkpoint import save_checkpoint
-from pipeline.config import load_config
+from pipeline.core.checkpoint import save_checkpoint
+from pipeline.core.config import load_config
 from pipeline.embedding.train import EncoderTrainer, train_encoder
-from pipeline.training.distributed import DistContext
+from pipeline.core.distributed import DistContext
 from pipeline.training.engine import TrainingInterrupted
 from pipeline.metrics.retrieval import caption_to_image_ranks, image_to_caption_ranks, recall_at, retrieval_metrics
 from train_helpers import make_world_run

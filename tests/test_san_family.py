@@ -12,7 +12,7 @@ import models
 from models.attention import MultiHeadAttention
 from models.geometry import GeometricBias, absolute_box_encoding, relative_geometry
 from models.normalization import LayerNorm, QueryNorm, masked_instance_norm
-from pipeline.vocab import BOS
+from pipeline.core.vocab import BOS
 
 V = 23
 FAMILY = ["san", "nsan", "gsan", "ngsan"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.training.schedules import apply_lr, build_schedule
 
 

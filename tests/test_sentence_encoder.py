@@ -10,7 +10,7 @@ import torch
 
 from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, sentence_tensor
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 SMALL = dict(word_dim=6, hidden_size=5, attn_hidden=7, attn_rows=4, image_head_hidden=9, decoder_hidden=8)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from store_helpers import IDENTITY, add_image, synthetic_image
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.store import FeatureStore, compact_store, is_store, merge_stores, open_writer
 from pipeline.store.merge import check_exactly_once
 

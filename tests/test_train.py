@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.config import load_config
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.config import load_config
 from pipeline.training.api import evaluate_checkpoint, train_captioner
-from pipeline.training.checkpoints import read_training_checkpoint
+from models.checkpoints import read_training_checkpoint
 from pipeline.training.validation import fast_cider
 from train_helpers import make_world_run, train_overrides
 

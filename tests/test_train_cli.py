@@ -13,13 +13,13 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.captions.prepare import prepare_captions
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.config import load_config
-from pipeline.stages import run_stage
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.config import load_config
+from pipeline.core.stages import run_stage
 from pipeline.store import FeatureStore, open_writer
 from pipeline.training.api import train_captioner
-from pipeline.training.checkpoints import read_training_checkpoint
+from models.checkpoints import read_training_checkpoint
 from train_helpers import make_world_run, train_overrides
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed (the PTB tokenizer needs it)")

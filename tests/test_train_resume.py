@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.training.checkpoints import read_training_checkpoint
+from models.checkpoints import read_training_checkpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from models import build_captioner
-from pipeline.config import CONFIG_DIR, load_config, load_yaml_with_bases
-from pipeline.errors import ConfigError
+from pipeline.core.config import CONFIG_DIR, load_config, load_yaml_with_bases
+from pipeline.core.errors import ConfigError
 from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
-from pipeline.training.distributed import DistContext
+from pipeline.core.distributed import DistContext
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.schedules import build_schedule
 from pipeline.training.scst_step import scst_loss
 from pipeline.training.xe import scheduled_sampling_log_probs, xe_loss_sum
-from pipeline.vocab import BOS, EOS, PAD, Vocab
+from pipeline.core.vocab import BOS, EOS, PAD, Vocab
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store
 from pipeline.world.vocab import COLOUR_NAMES, SHAPES
@@ -174,7 +174,7 @@ def test_rewards_of_samples_sharing_no_ngram_with_the_references_are_zero() -> N
 
 
 def test_noam_without_warmup_is_refused_not_silently_replaced() -> None:
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="warmup_iters >= 1"):
         recipe("m2", "xe", {"warmup_iters": 0})

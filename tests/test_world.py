@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.config import load_config
+from pipeline.core.config import load_config
 from pipeline.world.generate import generate_world
 
 NUM = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.captions.prepare import prepare_captions
-from pipeline.config import load_config
-from pipeline.stages import run_stage
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.core.config import load_config
+from pipeline.core.stages import run_stage
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import write_oracle_store
 

@@ -7,5 +7,5 @@
 * :mod:`~extractors.training.loop`     the resumable (AMP, DDP) training loop
 * :mod:`~extractors.training.export`   the ``butd`` weights file ``cli extract`` loads
 * :mod:`~extractors.training.evaluate` recall / class / attribute accuracy with the extractor's selection
-* :mod:`~extractors.training.stage`    ``train_detector(stage_dir, cfg)`` for :func:`pipeline.stages.run_stage`
+* :mod:`~extractors.training.stage`    ``train_detector(stage_dir, cfg)`` for :func:`pipeline.core.stages.run_stage`
 """

@@ -32,9 +32,9 @@ import torch
 from torch.utils.data import Dataset
 
 from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
-from pipeline.console import get_logger
-from pipeline.errors import UsageError
-from pipeline.fileio import read_json
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.fileio import read_json
 
 log = get_logger("train-detector")
 

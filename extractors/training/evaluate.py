@@ -24,8 +24,8 @@ from extractors.bottom_up import BottomUpDetector, SelectionRule
 from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
-from pipeline.console import get_logger, track
-from pipeline.errors import UsageError
+from pipeline.core.console import get_logger, track
+from pipeline.core.errors import UsageError
 
 log = get_logger("eval-detector")
 

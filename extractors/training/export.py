@@ -16,7 +16,7 @@ import torch
 
 from extractors.bottom_up import BottomUpDetector
 from extractors.weights import BUTD_FORMAT, BUTD_VERSION
-from pipeline.fileio import atomic_write_bytes
+from pipeline.core.fileio import atomic_write_bytes
 
 
 def scale_bbox_pred(sd: "OrderedDict[str, torch.Tensor]", factors: Sequence[float]) -> None:

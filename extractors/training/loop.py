@@ -31,10 +31,10 @@ from extractors.training.model import DetectorForTraining, LossConfig
 from extractors.training.optim import apply_lr, calibrate_batchnorm, lr_at, param_groups, set_trainable
 from extractors.training.targets import SamplingConfig
 from extractors.weights import load_detector
-from pipeline.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from pipeline.config import Config
-from pipeline.console import get_logger, is_main_process, make_progress
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger, is_main_process, make_progress
+from pipeline.core.errors import PipelineError, UsageError
 
 log = get_logger("train-detector")
 

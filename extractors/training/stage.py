@@ -1,6 +1,6 @@
-"""Detector training and evaluation as pipeline stages (:func:`pipeline.stages.run_stage` compatible).
+"""Detector training and evaluation as pipeline stages (:func:`pipeline.core.stages.run_stage` compatible).
 
-    from pipeline.stages import run_stage
+    from pipeline.core.stages import run_stage
     from extractors.training.stage import demo_detector_config, train_detector
     cfg = demo_detector_config("runs/demo/world")          # configs/detector/demo.yaml on the world's splits
     result = run_stage("runs/demo", "detector", cfg, train_detector)
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import CONFIG_DIR, Config, load_config
-from pipeline.console import get_logger
+from pipeline.core.config import CONFIG_DIR, Config, load_config
+from pipeline.core.console import get_logger
 
 log = get_logger("train-detector")
 

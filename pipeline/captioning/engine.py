@@ -26,9 +26,9 @@ from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
 from extractors.run import ImageItem
 from models.base import Captioner
 from models.decoding import DecodeOptions, generate
-from pipeline.console import get_logger
+from pipeline.core.console import get_logger
 from pipeline.data.dataset import cap_boxes
-from pipeline.vocab import BOS, Vocab
+from pipeline.core.vocab import BOS, Vocab
 
 log = get_logger("caption")
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config
-from pipeline.console import get_logger, make_progress, stdout_console
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write_bytes, atomic_write_text, read_json
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger, make_progress, stdout_console
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_bytes, atomic_write_text, read_json
 
 log = get_logger("caption")
 
@@ -69,8 +69,8 @@ def caption_photos(
     from extractors.run import items_from_paths
     from models.decoding import DecodeOptions
     from pipeline.captioning.engine import PhotoCaptioner
-    from pipeline.training.checkpoints import load_captioner
-    from pipeline.vocab import Vocab
+    from models.checkpoints import load_captioner
+    from pipeline.core.vocab import Vocab
 
     if output is not None and output.suffix.lower() not in (".jsonl", ".json", ".csv"):
         raise UsageError(f"--output must end in .jsonl, .json or .csv, not {output.name}")

@@ -9,9 +9,9 @@ from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-from pipeline.config import Config, load_config
-from pipeline.console import get_logger, setup_logging, stderr_console
-from pipeline.errors import PipelineError
+from pipeline.core.config import Config, load_config
+from pipeline.core.console import get_logger, setup_logging, stderr_console
+from pipeline.core.errors import PipelineError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,9 +75,9 @@ def init(verbose: bool = False, quiet: bool = False) -> None:
 def print_stage_result(result: Any, best_format: str = ".4f", outputs: bool = True, summary: bool = False) -> None:
     """Print a finished (or skipped) stage on stdout: its folder, the best validation score, outputs or summary.
 
-    ``result`` is a :class:`pipeline.stages.StageResult`; ``best_format`` formats ``summary['best']['value']``.
+    ``result`` is a :class:`pipeline.core.stages.StageResult`; ``best_format`` formats ``summary['best']['value']``.
     """
-    from pipeline.console import stdout_console
+    from pipeline.core.console import stdout_console
 
     con = stdout_console()
     con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)

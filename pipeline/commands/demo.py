@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.console import get_logger, stdout_console
-from pipeline.errors import UsageError
+from pipeline.core.console import get_logger, stdout_console
+from pipeline.core.errors import UsageError
 
 log = get_logger("demo")
 
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        from pipeline.config import load_config
+        from pipeline.core.config import load_config
 
         overrides: list[str] = []
         if quick:
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--models lists a captioner twice")
 
         if generate_only:
-            from pipeline.stages import run_stage
+            from pipeline.core.stages import run_stage
             from pipeline.world.generate import generate_world
 
             result = run_stage(out.parent if out.name else out, out.name, cfg.world, generate_world, force=force)

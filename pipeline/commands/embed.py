@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
-from pipeline.console import is_main_process, stdout_console
-from pipeline.errors import UsageError
+from pipeline.core.console import is_main_process, stdout_console
+from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:

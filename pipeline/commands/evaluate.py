@@ -19,8 +19,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.console import get_logger, stdout_console
-from pipeline.errors import UsageError
+from pipeline.core.console import get_logger, stdout_console
+from pipeline.core.errors import UsageError
 
 log = get_logger("evaluate")
 
@@ -94,7 +94,7 @@ def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: An
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
-    from pipeline.fileio import atomic_write_json
+    from pipeline.core.fileio import atomic_write_json
 
     report = _retrieval(encoder, store, data, section)
     _print_retrieval(report)
@@ -124,7 +124,7 @@ def _print_retrieval(report: dict[str, Any]) -> None:
 
 def _score_files(predictions: Path, references: Path, output: Path | None, section: Any, encoder: Path | None = None,
                  store: Path | None = None, data: Path | None = None) -> None:
-    from pipeline.fileio import atomic_write_json
+    from pipeline.core.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions, evaluate_files
 
     options = EvalOptions.from_config(section)
@@ -152,7 +152,7 @@ def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None,
                       encoder: Path | None = None) -> None:
     from types import SimpleNamespace
 
-    from pipeline.fileio import atomic_write_json
+    from pipeline.core.fileio import atomic_write_json
     from pipeline.training.api import evaluate_checkpoint
 
     split = str(section.split)

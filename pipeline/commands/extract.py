@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -37,7 +37,7 @@ def shard_store_path(store: Path, shard: tuple[int, int] | None) -> Path:
 
 def merge_shard_stores(store: Path) -> None:
     """Merge ``STORE.shards/i-of-n`` (all n present) into ``STORE``; each image must appear exactly once."""
-    from pipeline.console import stdout_console
+    from pipeline.core.console import stdout_console
     from pipeline.store import merge_stores
 
     folder = store.parent / f"{store.name}.shards"
@@ -114,7 +114,7 @@ def run(paths, weights, store, cfg, coco, image_root, file_list, shard, limit, s
     from extractors.bottom_up import BOX_MODES, SelectionRule
     from extractors.factory import build_for_extract, resolve_device
     from extractors.run import items_from_coco, items_from_file_list, items_from_paths, run_extraction, shard_items
-    from pipeline.console import get_logger, stdout_console
+    from pipeline.core.console import get_logger, stdout_console
     from pipeline.store import open_writer
 
     log = get_logger("extract")

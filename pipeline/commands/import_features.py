@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import QuietOpt, VerboseOpt, guarded, init
-from pipeline.console import stdout_console
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.console import stdout_console
+from pipeline.core.errors import PipelineError, UsageError
 
 
 def _user_error(exc: PipelineError) -> UsageError:

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import QuietOpt, SetOpt, VerboseOpt, guarded, init
-from pipeline.console import stdout_console
-from pipeline.errors import UsageError
+from pipeline.core.console import stdout_console
+from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -112,7 +112,7 @@ def _environment() -> None:
 def _run_dir(path: Path) -> None:
     from rich.table import Table
 
-    from pipeline.stages import RUNNING, read_manifest
+    from pipeline.core.stages import RUNNING, read_manifest
 
     stages = sorted(p for p in path.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or (p / RUNNING).exists()))
     if (path / "manifest.json").exists():

@@ -32,8 +32,8 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        from pipeline.captions.prepare import prepare_captions
-        from pipeline.stages import run_stage
+        from pipeline.caption_data.prepare import prepare_captions
+        from pipeline.core.stages import run_stage
 
         cfg = resolve_config("prepare", config, set_)
         result = run_stage(out, "data", cfg.prepare, prepare_captions, force=force)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
-from pipeline.console import is_main_process
+from pipeline.core.console import is_main_process
 
 
 def register(app: typer.Typer) -> None:

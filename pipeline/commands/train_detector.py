@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -37,8 +37,8 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
     ) -> None:
         init(verbose, quiet)
-        from pipeline.console import stdout_console
-        from pipeline.stages import run_stage
+        from pipeline.core.console import stdout_console
+        from pipeline.core.stages import run_stage
 
         overrides = list(set_ or [])
         if world is not None:
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         from extractors.factory import resolve_device
         from extractors.training.evaluate import summary_line
         from extractors.training.stage import evaluate_detector
-        from pipeline.console import stdout_console
+        from pipeline.core.console import stdout_console
 
         cfg = resolve_config("train_detector", config, list(set_ or []), show=False)
         result = evaluate_detector(weights, annotations, images, cfg, device=str(resolve_device(device)))

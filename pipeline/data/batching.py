@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from pipeline.data.dataset import CaptionDataset, caption_tensor, collate_images
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 PRELOAD_MODES = ("none", "memory", "pinned", "cuda")
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.console import get_logger
-from pipeline.errors import PipelineError
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError
 from pipeline.store import FeatureStore
-from pipeline.vocab import BOS, EOS, PAD
+from pipeline.core.vocab import BOS, EOS, PAD
 
 log = get_logger("data")
 

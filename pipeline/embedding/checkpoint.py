@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from models.sentence_encoder import SentenceEncoder, encoder_config
-from pipeline.checkpoint import load_checkpoint
-from pipeline.errors import PipelineError, UsageError
-from pipeline.vocab import Vocab
+from pipeline.core.checkpoint import load_checkpoint
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.vocab import Vocab
 
 REQUIRED = ("kind", "model", "vocab", "weights")
 

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.console import track
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.console import track
 from pipeline.data.dataset import caption_tensor
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.store import FeatureStore
-from pipeline.vocab import EOS, PAD
+from pipeline.core.vocab import EOS, PAD
 
 
 def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None) -> np.ndarray:

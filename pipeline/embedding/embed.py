@@ -17,10 +17,10 @@ import torch
 from pipeline.embedding.checkpoint import load_encoder
 from pipeline.embedding.heatmap import attention_heatmap
 from pipeline.embedding.retrieval import encode_batches, words_to_inputs
-from pipeline.errors import UsageError
-from pipeline.fileio import atomic_write, atomic_write_text
-from pipeline.training.distributed import resolve_device
-from pipeline.vocab import EOS, SPECIALS, UNK, Vocab
+from pipeline.core.errors import UsageError
+from pipeline.core.fileio import atomic_write, atomic_write_text
+from pipeline.core.distributed import resolve_device
+from pipeline.core.vocab import EOS, SPECIALS, UNK, Vocab
 
 OUTPUT_SUFFIXES = (".npy", ".jsonl")
 

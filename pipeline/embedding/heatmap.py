@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from pipeline.fileio import atomic_write
+from pipeline.core.fileio import atomic_write
 
 CELL_W, CELL_H, LABEL_W, WORD_H, GAP = 46, 12, 46, 70, 26
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.errors import ConfigError
-from pipeline.vocab import PAD
+from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import PAD
 
 RANKING_FORMS = ("batch", "sample")
 

@@ -16,10 +16,10 @@ import torch
 from models.sentence_encoder import SentenceEncoder, sentence_tensor
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import cosine_matrix
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.store import FeatureStore
-from pipeline.vocab import Vocab
+from pipeline.core.vocab import Vocab
 
 
 @torch.no_grad()
@@ -97,10 +97,10 @@ def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, s
     results file), of the generated captions (self-retrieval)."""
     from pathlib import Path
 
-    from pipeline.captions.prepared import PreparedCaptions
+    from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.embedding.checkpoint import load_encoder
-    from pipeline.fileio import read_json
-    from pipeline.training.distributed import resolve_device
+    from pipeline.core.fileio import read_json
+    from pipeline.core.distributed import resolve_device
 
     if store_path is None or data_path is None:
         raise UsageError("--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)")

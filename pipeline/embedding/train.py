@@ -2,7 +2,7 @@
 
 Built from the captioner trainer's pieces (:mod:`pipeline.training`): the DDP context and collectives
 (:mod:`.distributed`), AMP (``resolve_amp``/``autocast``), atomic checkpoints with every RNG state
-(:mod:`pipeline.checkpoint`) and the stage manifest (:func:`pipeline.stages.run_stage`). Only the step is
+(:mod:`pipeline.core.checkpoint`) and the stage manifest (:func:`pipeline.core.stages.run_stage`). Only the step is
 encoder-specific: the objective's loss (§3.4: L_VG, L_C or their sum), Adam and value clipping to [-5, 5].
 
 Exact resume: the batches of an epoch are a pure function of (seed, epoch) (:class:`SplitCaptions`), so
@@ -28,19 +28,19 @@ import torch
 from torch import nn
 
 from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from pipeline.config import Config
-from pipeline.console import get_logger
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
 from pipeline.embedding.checkpoint import read_encoder_checkpoint
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.embedding.retrieval import split_similarity
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.retrieval import retrieval_metrics
-from pipeline.stages import StageResult, run_stage
+from pipeline.core.stages import StageResult, run_stage
 from pipeline.store import FeatureStore
-from pipeline.training import distributed
+from pipeline.core import distributed
 from pipeline.training.engine import TrainingInterrupted, resolve_amp
 from pipeline.training.validation import autocast
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.console import get_logger, make_progress
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write, read_json
+from pipeline.core.console import get_logger, make_progress
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write, read_json
 from pipeline.importers.cocobu import read_cocobu
 from pipeline.importers.m2 import read_m2
 from pipeline.importers.tsv import decode_butd, decode_obj36, tsv_reader, write_tsv

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 
 SUFFIX = "_features"
 

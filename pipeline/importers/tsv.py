@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 Record = dict[str, Any]
 

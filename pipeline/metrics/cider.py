@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError
-from pipeline.fileio import atomic_write
+from pipeline.core.errors import PipelineError
+from pipeline.core.fileio import atomic_write
 from pipeline.metrics.ngrams import flatten, key_order, max_token_id, ngram_keys, ranges
-from pipeline.vocab import EOS, PAD
+from pipeline.core.vocab import EOS, PAD
 
 DF_MODES = ("corpus", "batch")
 _CHUNK = 1 << 20  # reference rows per chunk when computing norms
@@ -244,7 +244,7 @@ class CiderD:
             candidates: list of token lists (or whitespace-separated strings); in id mode, lists of ids or a
                 2-D integer array / tensor whose rows are cut at the first id in ``stop_ids``.
             image_ids: the image of each candidate (repeats allowed: several samples per image).
-            stop_ids: ids ending a row of an array input (default PAD and EOS of :mod:`pipeline.vocab`).
+            stop_ids: ids ending a row of an array input (default PAD and EOS of :mod:`pipeline.core.vocab`).
 
         Returns:
             float64 array of shape (len(candidates),).

@@ -26,8 +26,8 @@ from typing import Any
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.rouge.rouge import Rouge
 
-from pipeline.console import get_logger
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.cider import CiderD
 from pipeline.metrics.coco_files import load_predictions, load_references, match_predictions
 from pipeline.metrics.java import JavaMissing, find_java

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import read_json
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import read_json
 
 ImageId = Hashable
 DUPLICATES = ("error", "first")

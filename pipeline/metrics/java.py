@@ -16,7 +16,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 
 #: JVM flags given to every Java metric: English number formatting and UTF-8 I/O
 JVM_FLAGS = ("-Duser.language=en", "-Duser.country=US", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8")

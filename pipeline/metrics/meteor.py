@@ -15,7 +15,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.metrics.java import JVM_FLAGS, meteor_jar
 
 

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.metrics.java import JVM_FLAGS, java_major_version, spice_corenlp_jars, spice_jar
 
 ADD_OPENS = ("--add-opens", "java.base/java.lang=ALL-UNNAMED", "--add-opens", "java.base/java.util=ALL-UNNAMED")

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.metrics.java import JVM_FLAGS, ptb_jar
 
 #: tokens pycocoevalcap removes after PTB tokenisation (``tokenizer/ptbtokenizer.py``)

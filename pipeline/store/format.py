@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write_json, read_json
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_json, read_json
 
 FORMAT = "butd-caption-feature-store"
 SCHEMA_VERSION = 1

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 import numpy as np
 
-from pipeline.console import get_logger
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import fsync_dir
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import fsync_dir
 from pipeline.store.format import identity_text, new_manifest, read_manifest, segment_name, write_manifest
 from pipeline.store.reader import FeatureStore
 from pipeline.store.segment import Block, write_segment

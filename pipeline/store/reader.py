@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.store.format import MANIFEST, canonical_identity, identity_mismatch, read_manifest
 from pipeline.store.segment import SegmentIndex, read_segment_index
 
@@ -302,7 +302,7 @@ class FeatureStore:
 
 def load_identity_file(path: str | Path) -> dict[str, Any]:
     """Read an extractor identity from a JSON file (for ``--identity`` options)."""
-    from pipeline.fileio import read_json
+    from pipeline.core.fileio import read_json
 
     return canonical_identity(read_json(path, what="extractor identity"), source=str(path))
 

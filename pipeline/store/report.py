@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.console import stdout_console
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.console import stdout_console
+from pipeline.core.errors import PipelineError, UsageError
 
 
 def _human_bytes(n: int) -> str:

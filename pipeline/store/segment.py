@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError
+from pipeline.core.errors import PipelineError
 from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
 
 STR_DTYPE = None  # set lazily (h5py import is deferred)

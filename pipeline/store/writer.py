@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.console import get_logger
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import fsync_dir
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import fsync_dir
 from pipeline.store.format import (
     FEATURE_DTYPES,
     LOCK,

@@ -1,7 +1,7 @@
 """Python entry points of training and evaluation (used by ``cli train``, ``cli evaluate --model`` and the demo).
 
 * :func:`train_captioner` runs the ``train-<model>`` stage in a run directory (skipped when done with the
-  same config, resumed when interrupted) and returns its :class:`~pipeline.stages.StageResult`.
+  same config, resumed when interrupted) and returns its :class:`~pipeline.core.stages.StageResult`.
 * :func:`evaluate_checkpoint` decodes a split with a checkpoint's decoding settings, scores it with the COCO
   metrics and writes ``predictions_<split>.json`` (COCO results format) and ``metrics_<split>.json``.
 """
@@ -12,10 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config
-from pipeline.console import get_logger
-from pipeline.errors import UsageError
-from pipeline.stages import StageResult, read_manifest, run_stage
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.stages import StageResult, read_manifest, run_stage
 
 log = get_logger("train")
 
@@ -42,7 +42,7 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     Returns the stage result: ``outputs`` = {last, best, xe, log} (paths relative to ``result.directory``),
     ``summary`` = {model, stages, best {metric, value, stage, epoch}, global_steps, history}.
     """
-    from pipeline.training import distributed
+    from pipeline.core import distributed
     from pipeline.training.engine import Trainer
 
     import torch
@@ -104,15 +104,15 @@ def evaluate_checkpoint(
     import torch
 
     from models.decoding import DecodeOptions
-    from pipeline.captions.prepared import PreparedCaptions
-    from pipeline.config import load_config
+    from pipeline.caption_data.prepared import PreparedCaptions
+    from pipeline.core.config import load_config
     from pipeline.data import CaptionDataset
-    from pipeline.fileio import atomic_write_json
+    from pipeline.core.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions
     from pipeline.store import FeatureStore
     from pipeline.training.batches import BatchSource
-    from pipeline.training.checkpoints import load_captioner
-    from pipeline.training.distributed import DistContext, resolve_device
+    from models.checkpoints import load_captioner
+    from pipeline.core.distributed import DistContext, resolve_device
     from pipeline.training.validation import decode_split, score_split
 
     checkpoint = Path(checkpoint)

@@ -2,7 +2,7 @@
 
 The order of the training batches is a pure function of (seed, epoch) (:class:`BucketBatchSampler`), so a
 resumed run skips exactly the batches it already did (``start``) and every DDP rank sees the same global
-batches (each takes its :func:`~pipeline.training.distributed.shard`). ``preload: auto`` puts the features on
+batches (each takes its :func:`~pipeline.core.distributed.shard`). ``preload: auto`` puts the features on
 the GPU when they fit in ``preload_fraction`` of its free memory, in RAM when they fit in half of the
 available RAM, and otherwise reads the store in ``num_workers`` DataLoader processes.
 """
@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.console import get_logger
+from pipeline.core.console import get_logger
 from pipeline.data import BucketBatchSampler, CaptionDataset, FeatureBank, PreloadedLoader, collate_images
-from pipeline.errors import UsageError
-from pipeline.training.distributed import DistContext, shard
+from pipeline.core.errors import UsageError
+from pipeline.core.distributed import DistContext, shard
 
 log = get_logger("train.data")
 

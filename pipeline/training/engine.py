@@ -29,18 +29,18 @@ from torch import nn
 
 from models import build_captioner, model_config
 from models.decoding import DecodeOptions, decoding_options
-from pipeline.captions.prepared import PreparedCaptions
-from pipeline.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from pipeline.config import CONFIG_DIR, Config, load_yaml_with_bases
-from pipeline.console import get_logger
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases
+from pipeline.core.console import get_logger
 from pipeline.data import CaptionDataset
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write_bytes
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_bytes
 from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
-from pipeline.training.checkpoints import check_compatible, read_training_checkpoint
-from pipeline.training.distributed import DistContext, any_rank, broadcast_object, global_mean_factor
+from models.checkpoints import check_compatible, read_training_checkpoint
+from pipeline.core.distributed import DistContext, any_rank, broadcast_object, global_mean_factor
 from pipeline.training.recipe import StageRecipe, stage_recipe
 from pipeline.training.schedules import apply_lr, build_schedule
 from pipeline.training.scst_step import greedy_rewards, scst_loss

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from pipeline.vocab import PAD
+from pipeline.core.vocab import PAD
 
 
 def _xlogx(x: float) -> float:

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import deep_merge
-from pipeline.errors import ConfigError
+from pipeline.core.config import deep_merge
+from pipeline.core.errors import ConfigError
 from pipeline.training.scst import BASELINES
 
 OPTIMIZERS = ("adam", "adamw", "adamax", "sgd")

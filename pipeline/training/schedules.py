@@ -37,8 +37,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.errors import ConfigError
-from pipeline.registry import Registry
+from pipeline.core.errors import ConfigError
+from pipeline.core.registry import Registry
 
 SCHEDULES: Registry[type["Schedule"]] = Registry("learning-rate schedule")
 

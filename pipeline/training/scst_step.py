@@ -28,7 +28,7 @@ from models.base import Captioner
 from models.decoding import DecodeOptions, beam_search, greedy, sample
 from pipeline.metrics.cider import CiderD
 from pipeline.training.scst import advantages, policy_gradient_loss, sample_rewards
-from pipeline.vocab import Vocab
+from pipeline.core.vocab import Vocab
 
 
 @dataclass

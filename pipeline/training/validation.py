@@ -17,11 +17,11 @@ import torch
 
 from models.base import Captioner
 from models.decoding import DecodeOptions, generate
-from pipeline.console import track
+from pipeline.core.console import track
 from pipeline.metrics.cider import CiderD
 from pipeline.training.batches import BatchSource, eval_batches
-from pipeline.training.distributed import DistContext, gather_objects
-from pipeline.vocab import Vocab
+from pipeline.core.distributed import DistContext, gather_objects
+from pipeline.core.vocab import Vocab
 
 
 def autocast(device: torch.device, amp: str) -> Any:

@@ -20,7 +20,7 @@ import torch
 
 from models.base import Captioner, index_state
 from pipeline.training.losses import label_smoothed_nll
-from pipeline.vocab import PAD
+from pipeline.core.vocab import PAD
 
 
 def scheduled_sampling_log_probs(model: Captioner, batch: dict[str, Any], inputs: torch.Tensor, prob: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.fileio import atomic_write_json
+from pipeline.core.fileio import atomic_write_json
 from pipeline.world.vocab import (
     COLOUR_NAMES,
     SHAPES,

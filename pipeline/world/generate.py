@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import Config
-from pipeline.console import get_logger, make_progress
-from pipeline.errors import ConfigError
-from pipeline.fileio import atomic_write_bytes, atomic_write_json
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger, make_progress
+from pipeline.core.errors import ConfigError
+from pipeline.core.fileio import atomic_write_bytes, atomic_write_json
 from pipeline.world.captions import make_captions, tokenize
 from pipeline.world.export import SPLITS, write_annotations
 from pipeline.world.render import render_scene

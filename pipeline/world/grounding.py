@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
-from pipeline.fileio import read_json
+from pipeline.core.errors import PipelineError
+from pipeline.core.fileio import read_json
 from pipeline.world.captions import tokenize
 from pipeline.world.geometry import group_relation_holds, position
 from pipeline.world.vocab import PLURALS

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.console import get_logger
-from pipeline.errors import UsageError
-from pipeline.fileio import read_json
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.fileio import read_json
 from pipeline.store import open_writer
 from pipeline.world.vocab import COLOUR_NAMES, SHAPES, SIZE_NAMES
 

@@ -1,6 +1,6 @@
 """Training checkpoints: what they hold, compatibility checks, and rebuilding a captioner from one.
 
-Payload (plain containers and tensors only, written by :func:`pipeline.checkpoint.save_checkpoint`)::
+Payload (plain containers and tensors only, written by :func:`pipeline.core.checkpoint.save_checkpoint`)::
 
     kind        "train" (last.pt: everything to resume) | "weights" (best.pt, xe.pt: no optimizer/RNG)
     model       {"name", "config" (resolved constructor kwargs), "vocab_size"}
@@ -22,9 +22,9 @@ import torch
 
 from models import build_captioner
 from models.base import Captioner
-from pipeline.checkpoint import load_checkpoint
-from pipeline.errors import PipelineError, UsageError
-from pipeline.vocab import Vocab
+from pipeline.core.checkpoint import load_checkpoint
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.vocab import Vocab
 
 REQUIRED = ("kind", "model", "vocab", "weights")
 

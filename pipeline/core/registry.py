@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 T = TypeVar("T")
 

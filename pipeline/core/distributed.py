@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Follows ruotianluo's ``scripts/prepro_labels.py`` (the setup behind the publishe
 * ``restval`` images join ``train`` unless ``restval_to_train`` is false;
 * CIDEr-D document frequencies from the training references (``prepro_ngrams.py``), over words.
 
-Output files (in the stage folder, each written atomically): see :mod:`pipeline.captions.prepared`.
+Output files (in the stage folder, each written atomically): see :mod:`pipeline.caption_data.prepared`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.captions.prepared import save_prepared
-from pipeline.captions.text import document_frequencies, normalise_tokens, tokenize
-from pipeline.config import Config
-from pipeline.console import get_logger
-from pipeline.errors import ConfigError, PipelineError, UsageError
-from pipeline.fileio import read_json
-from pipeline.vocab import SPECIALS, UNK, Vocab
+from pipeline.caption_data.prepared import save_prepared
+from pipeline.caption_data.text import document_frequencies, normalise_tokens, tokenize
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
+from pipeline.core.errors import ConfigError, PipelineError, UsageError
+from pipeline.core.fileio import read_json
+from pipeline.core.vocab import SPECIALS, UNK, Vocab
 
 log = get_logger("prepare")
 
@@ -157,7 +157,7 @@ def build_vocab(entries: Sequence[ImageEntry], threshold: int, splits: Sequence[
 
 
 def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The stage function for :func:`pipeline.stages.run_stage`: read, validate, build, save atomically."""
+    """The stage function for :func:`pipeline.core.stages.run_stage`: read, validate, build, save atomically."""
     if cfg.key not in KEY_MODES:
         raise ConfigError(f"prepare.key must be one of {', '.join(KEY_MODES)}, not {cfg.key!r}")
     if int(cfg.max_length) < 1 or int(cfg.word_count_threshold) < 0:

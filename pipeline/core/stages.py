@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
-from pipeline.config import Config
-from pipeline.console import get_logger
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write_json, read_json
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_json, read_json
 
 log = get_logger("stages")
 

@@ -1,5 +1,5 @@
 """Caption data: tokenisation, the `prepare` stage and the prepared-data loader."""
 
-from pipeline.captions.prepared import PreparedCaptions
+from pipeline.caption_data.prepared import PreparedCaptions
 
 __all__ = ["PreparedCaptions"]

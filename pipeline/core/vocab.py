@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
-from pipeline.fileio import atomic_write_json, read_json
+from pipeline.core.errors import PipelineError
+from pipeline.core.fileio import atomic_write_json, read_json
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")

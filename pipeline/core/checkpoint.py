@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.errors import PipelineError, UsageError
-from pipeline.fileio import atomic_write_bytes
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_bytes
 
 FORMAT = "butd-caption-checkpoint"
 VERSION = 1

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError
 
 
 def _file_mode() -> int:

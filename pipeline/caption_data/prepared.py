@@ -2,7 +2,7 @@
 
 Files in the ``data`` stage folder (each written atomically; JSON and plain npz, never pickle)::
 
-    vocab.json        pipeline.vocab.Vocab (<pad>=0 <bos>=1 <eos>=2 <unk>=3, then words by frequency)
+    vocab.json        pipeline.core.vocab.Vocab (<pad>=0 <bos>=1 <eos>=2 <unk>=3, then words by frequency)
     images.json       {"format", "version", "max_length", "images": [{key, cocoid, file, split, width, height}]}
     labels.npz        labels int32 (C, max_length) word ids padded with 0, no BOS/EOS;
                       lengths int32 (C,); offsets int64 (N + 1,): image i owns captions offsets[i]:offsets[i+1]
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError
-from pipeline.fileio import atomic_write, atomic_write_json, read_json
-from pipeline.vocab import Vocab
+from pipeline.core.errors import PipelineError
+from pipeline.core.fileio import atomic_write, atomic_write_json, read_json
+from pipeline.core.vocab import Vocab
 
 if TYPE_CHECKING:
-    from pipeline.captions.prepare import ImageEntry
+    from pipeline.caption_data.prepare import ImageEntry
 
 FORMAT = "butd-caption-captions"
 VERSION = 1

@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
 
 
