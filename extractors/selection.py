@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from extractors import box_coding
+from extractors import box_coding, nms
 
 _BITS = 64
 
@@ -40,8 +40,10 @@ def max_conf_vectorized(boxes: torch.Tensor, scores: torch.Tensor, thresh: float
 
     ``boxes`` (B, R, 4) or (R, 4); ``scores`` (B, R, K) or (R, K) foreground class scores (>= 0);
     ``valid`` (B, R) marks real proposals (padding never suppresses a real one: it ranks last).
-    Returns (B, R) or (R,) float32.
+    Returns (B, R) or (R,) float32. On CPU: :func:`extractors.nms.max_conf` (same result, faster).
     """
+    if boxes.device.type == "cpu":
+        return nms.max_conf(boxes, scores, thresh, valid)
     single = boxes.dim() == 2
     if single:
         boxes, scores = boxes[None], scores[None]
