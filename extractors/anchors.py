@@ -1,6 +1,6 @@
 """Cell anchors and their grid: the py-faster-rcnn table (Caffe) and detectron2's ``DefaultAnchorGenerator``.
 
-The Caffe table (extractor.md §1.3 step 2) comes from ``generate_anchors(base 16, ratios, scales)``: base box
+The Caffe table (docs/extractor.md#anchors) comes from ``generate_anchors(base 16, ratios, scales)``: base box
 ``[0, 0, 15, 15]`` (centre 7.5), ratio enumeration with rounding, then scale enumeration, ratio-major order.
 The checkpoint's stored ``cell_anchors.0`` is what the detector uses; these functions build the defaults and
 are tested against the published 12-row table.

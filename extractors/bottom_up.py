@@ -1,6 +1,6 @@
 """The assembled bottom-up Faster R-CNN (Anderson et al. 2018, §3.1): C4 ResNet + RPN + res5 RoI head.
 
-Test time (extractor.md §1.3): backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 ->
+Test time (docs/extractor.md, docs/recipes.md): backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 ->
 ``pool5_flat`` -> class / box / attribute predictions -> box selection (Caffe per-class-NMS rule, the
 detectron2-port "maxnms", or user-given boxes) -> per-image :class:`RegionOutput` in original-image pixels.
 

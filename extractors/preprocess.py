@@ -1,4 +1,4 @@
-"""Image loading (robust, per peers.md §B.7.3) and the Caffe test-time image blob (extractor.md §1.3 step 1).
+"""Robust image loading (every failure recorded, nothing half-decoded) and the Caffe test-time blob (docs/recipes.md).
 
 ``load_rgb`` never lets a bad file crash a run: it raises :class:`ImageLoadError` with a short ``reason``
 (``empty``, ``unreadable``, ``not_an_image``, ``format_not_allowed``, ``too_large``, ``truncated``,

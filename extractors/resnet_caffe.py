@@ -1,6 +1,6 @@
 """Caffe-style ResNet (MSRA ResNet-101 of the bottom-up-attention model), C4 backbone and res5 stage.
 
-Faithful to ``test.prototxt`` of peteanderson80/bottom-up-attention (extractor.md §1.1): 7x7/2 stem conv,
+Faithful to ``test.prototxt`` of peteanderson80/bottom-up-attention (docs/extractor.md#backbone): 7x7/2 stem conv,
 3x3/2 max-pool with pad 0 in *ceil* mode, bottleneck blocks with the stride on the first 1x1 conv, every conv
 bias-free and followed by a frozen BatchNorm + Scale (``y = (x - mean) / sqrt(var + eps) * gamma + beta``).
 Module paths reproduce the detectron2 state-dict keys (``backbone.res4.0.conv1.norm.running_mean`` ...).

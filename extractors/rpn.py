@@ -7,7 +7,7 @@ Head: 3x3 conv (C4 -> ``rpn_channels``) + ReLU, then 1x1 ``objectness_logits`` a
   2-way softmax (``rpn_cls_prob_reshape``), score = foreground probability.
 * d2: A logits, score = the logit (sigmoid is monotone; detectron2 ranks by logits).
 
-Proposals (``ProposalLayer.forward`` / MILVLG ``find_top_bua_rpn_proposals``, extractor.md §1.3 step 3):
+Proposals (``ProposalLayer.forward`` / MILVLG ``find_top_bua_rpn_proposals``, docs/extractor.md#region-proposals):
 caffe: decode (``+1``), clip to [0, W-1], drop boxes with ``w + 1 < min_size * scale``, top ``pre_nms`` by
 score, NMS 0.7 (``+1`` areas, ``>=``), first ``post_nms``. d2: top ``pre_nms`` by logit first, then decode, clip
 to [0, W], drop empty boxes, NMS 0.7 (torchvision), first ``post_nms``.

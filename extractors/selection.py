@@ -1,6 +1,6 @@
 """Box selection after the RoI head: the Caffe ``generate_tsv.py`` rule and the detectron2-port "maxnms".
 
-**Caffe** (``get_detections_from_im``, extractor.md §1.3 step 5; MILVLG ``save_roi_features``): for every
+**Caffe** (``get_detections_from_im``, docs/extractor.md#box-selection; MILVLG ``save_roi_features``): for every
 foreground class c, greedy NMS at 0.3 over *all* proposals ranked by that class's score; each proposal keeps
 ``max_conf = max(score_c)`` over the classes in which it survived. Proposals with ``max_conf >= 0.2`` are kept;
 if fewer than ``min_boxes`` (more than ``max_boxes``), the ``min_boxes`` (``max_boxes``) highest ``max_conf``

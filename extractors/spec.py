@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 CAFFE_PIXEL_MEANS_BGR = (102.9801, 115.9465, 122.7717)
-"""py-faster-rcnn ``PIXEL_MEANS`` in BGR order (extractor.md §1.2)."""
+"""py-faster-rcnn ``PIXEL_MEANS`` in BGR order (``lib/fast_rcnn/config.py``; docs/recipes.md)."""
 
 FLAVORS = ("caffe", "d2")
 
@@ -21,7 +21,7 @@ class BottomUpSpec:
     """Architecture + test-time recipe of the detector.
 
     ``flavor`` selects the semantics that differ between the Caffe original (and MILVLG's caffe mode) and the
-    detectron2 ports (airsplay / HF-lxmert), extractor.md §2:
+    detectron2 ports (airsplay / HF-lxmert), docs/extractor.md#flavors:
 
     * ``caffe``: 24-channel 2-way softmax objectness (background first), Caffe anchor table (centre 7.5,
       ratio-major), legacy ``+1`` box coder with weights (1,1,1,1) for RPN and box head, clip to ``size-1``,
@@ -116,10 +116,10 @@ class BottomUpSpec:
 
 
 def caffe_r101() -> BottomUpSpec:
-    """The Caffe / MILVLG caffe-mode R-101 (extractor.md §1, §3)."""
+    """The Caffe / MILVLG caffe-mode R-101 (docs/extractor.md#flavors)."""
     return BottomUpSpec()
 
 
 def d2_r101() -> BottomUpSpec:
-    """The airsplay / HF-lxmert R-101 semantics at the Caffe test scale 600/1000 (extractor.md §4, §5)."""
+    """The airsplay / HF-lxmert R-101 semantics at the Caffe test scale 600/1000 (docs/extractor.md#flavors)."""
     return BottomUpSpec(flavor="d2", rpn_min_size=0.0, box_reg_weights=(10.0, 10.0, 5.0, 5.0))

@@ -1,6 +1,6 @@
 """Checkpoint layouts of the public bottom-up weights, strict loaders, a restricted unpickler, SHA-256.
 
-Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths):
+Layouts (docs/extractor.md#weights-layouts; key paths are detectron2 module paths):
 
 * ``milvlg`` - MILVLG ``bua-caffe-frcn-r101_with_attributes[_fix36].pth`` (= ``-k10-100`` / ``-k36``): torch
   file, a state dict (bare or under ``"model"``); caffe semantics (24-ch objectness, ``bbox_pred`` 6404,
@@ -18,7 +18,7 @@ Layouts (extractor.md §3.5, §4.4, §5.4; key paths are detectron2 module paths
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
-files, whose exact contents extractor.md §10 marks unverified); the first mismatch is reported in one line naming the file and the key. Pickles are read with
+files, whose exact contents their authors do not document); the first mismatch is reported in one line naming the file and the key. Pickles are read with
 :class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
 ``torch.load(weights_only=True)``.
 """
@@ -139,7 +139,7 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
         if key.endswith(".norm.running_var"):
             nbt = key[: -len("running_var")] + NBT
             table[nbt] = ()
-            if layout != "hf":  # BatchNorm2d counters: absent from the public files (§3.5, §4.4), tolerated
+            if layout != "hf":  # BatchNorm2d counters: absent from the public files (docs/extractor.md#weights-layouts), tolerated
                 optional.add(nbt)
     if layout not in ("hf", "butd"):  # our own files always carry their anchors
         optional.add(ANCHOR_KEY)

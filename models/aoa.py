@@ -1,21 +1,21 @@
 """``aoa``: AoANet (Huang, Wang, Chen & Wei, "Attention on Attention for Image Captioning", ICCV 2019).
 
-Facts and official-code behaviour: ``shared/reference/models.md`` §2 (the paper configuration of ``train.sh``).
+Equations, choices and switches: docs/models.md#aoa (official code husthuaan/AoANet, configuration of ``train.sh``).
 
-Feature embedding (§2.2)
+Feature embedding (docs/models.md#aoa-refiner)
     ``A = Drop(ReLU(X W_e + b_e))`` on real regions only; padded rows are exactly 0.
-Refiner (paper section "Encoder with AoA"; models.md §2.3), ``num_layers`` (6) layers
+Refiner (paper section "Encoder with AoA"; docs/models.md#aoa-refiner), ``num_layers`` (6) layers
     ``A~ = LN(A)``; ``V^ = concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k))) V_j`` with ``Q, K, V = A~ W_{q,k,v}`` and
     no output projection; ``A <- A + Drop(AoA(V^, A~))`` (pre-norm residual), an optional FF sub-layer
     (``use_ff``, off in the paper), and a final LN. ``a_bar`` = masked mean of the refined regions.
-Decoder (paper section "Decoder with AoA"; models.md §2.4), one step
+Decoder (paper section "Decoder with AoA"; docs/models.md#aoa-decoder), one step
     ``x_t = [Drop(ReLU(E w_{t-1})); a_bar + Drop(c_{t-1})]``, ``h_t, m_t = LSTM(x_t, h_{t-1}, m_{t-1})``,
     ``a^_t = MHA(W_q LN(h_t), K, V)`` with keys/values the two halves of ``A W_c + b_c`` (first half VALUES,
     second half KEYS; not projected again), ``c_t = AoA(a^_t, h_t)``, ``p(w_t) = softmax(W_p Drop(c_t) + b_p)``.
 
 Vocabulary: the official model shares index 0 for BOS/EOS/PAD and has ``V + 1`` outputs; here the pipeline's
 vocabulary (specials PAD/BOS/EOS/UNK included) is both the embedding and the output size, so the official
-``V_words = 10,369`` corresponds to ``vocab_size = 10,370`` (87,369,858 parameters, models.md §2.9).
+``V_words = 10,369`` corresponds to ``vocab_size = 10,370`` (87,369,858 parameters, docs/models.md#aoa-parameter-count).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pipeline.core.errors import ConfigError
 
 
 class AoARefinerLayer(nn.Module):
-    """One refiner layer: ``A + Drop(AoA(MHA(LN(A)), LN(A)))`` [+ ``A + Drop(FF(LN(A)))``] (models.md §2.3)."""
+    """One refiner layer: ``A + Drop(AoA(MHA(LN(A)), LN(A)))`` [+ ``A + Drop(FF(LN(A)))``] (docs/models.md#aoa-refiner)."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, use_ff: bool, dropout: float, attn_dropout: float,
                  dropout_aoa: float) -> None:
@@ -63,7 +63,7 @@ class AoARefinerLayer(nn.Module):
 
 @register_captioner("aoa")
 class AoANet(Captioner):
-    """AoANet captioner (see the module docstring; models.md §2)."""
+    """AoANet captioner (see the module docstring; docs/models.md#aoa)."""
 
     def __init__(
         self,
@@ -88,10 +88,10 @@ class AoANet(Captioner):
         self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
         layers = [AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)
                   for _ in range(1 if identical_refiner_init else num_layers)][:num_layers]
-        if identical_refiner_init:  # the official layers are deep copies of one layer (models.md §2.8)
+        if identical_refiner_init:  # the official layers are deep copies of one layer (docs/models.md#aoa-choices)
             layers += [copy.deepcopy(layers[0]) for _ in range(num_layers - 1)]
         self.refiner = nn.ModuleList(layers)
-        # num_layers = 0 is the official "without refining" variant (no final LN either; models.md §2.9)
+        # num_layers = 0 is the official "without refining" variant (no final LN either; docs/models.md#aoa-choices)
         self.refiner_norm = BesselLayerNorm(d_model) if num_layers > 0 else nn.Identity()
         self.ctx2att = nn.Linear(d_model, 2 * d_model)
         self.embed = nn.Sequential(nn.Embedding(vocab_size, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
@@ -114,7 +114,7 @@ class AoANet(Captioner):
             x = layer(x, allowed)
         x = self.refiner_norm(x)
         mean = (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)
-        values, keys = self.ctx2att(x).chunk(2, dim=-1)  # first half VALUES, second half KEYS (§2.10 item 1)
+        values, keys = self.ctx2att(x).chunk(2, dim=-1)  # first half VALUES, second half KEYS (docs/models.md#aoa-refiner)
         return {"values": values, "keys": keys, "mean": mean, "allowed": allowed}
 
     # ----------------------------------------------------------------------------------------- decoder

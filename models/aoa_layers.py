@@ -1,4 +1,4 @@
-"""Building blocks of AoANet (Huang et al., ICCV 2019; models.md §2.3-2.4).
+"""Building blocks of AoANet (Huang et al., ICCV 2019; docs/models.md#aoa).
 
 * :class:`BesselLayerNorm`: the Harvard-style LayerNorm of the official code,
   ``a * (x - mean) / (std_unbiased + eps) + b`` (eps added to the *std*, Bessel-corrected std).
@@ -16,12 +16,12 @@ import math
 import torch
 from torch import nn
 
-#: the official code masks with -1e9 (models.md §2.10 item 3), not -inf
+#: the official code masks with -1e9 (husthuaan/AoANet ``AoAModel.py``), not -inf
 MASK_VALUE = -1e9
 
 
 class BesselLayerNorm(nn.Module):
-    """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (models.md §2.3, ``TransformerModel.LayerNorm``)."""
+    """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (docs/models.md#aoa-attention-on-attention, ``TransformerModel.LayerNorm``)."""
 
     def __init__(self, features: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -47,7 +47,7 @@ def multi_head_attend(
     """``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k))) V_j`` for ``(B, nq, d)`` queries and ``(B, nk, d)`` keys/values.
 
     ``allowed`` ``(B, nk)`` bool (True = real region); masked logits are set to -1e9 as in the official code.
-    There is deliberately no output projection (models.md §2.10 item 4).
+    There is deliberately no output projection (docs/models.md#aoa-attention-on-attention).
     """
     qh, kh, vh = split_heads(q, num_heads), split_heads(k, num_heads), split_heads(v, num_heads)
     scores = qh @ kh.transpose(-1, -2) / math.sqrt(qh.shape[-1])
@@ -60,7 +60,7 @@ def multi_head_attend(
 class AttentionOnAttention(nn.Module):
     """AoA (paper section "Attention on Attention": ``i_hat = sigmoid(W_g [v; q] + b_g) * (W_i [v; q] + b_i)``): ``GLU(W [attended; query] + b)``, the first half information, the second the gate.
 
-    ``dropout`` acts on the concatenated input (0.3 in the refiner, none in the decoder; models.md §2.5).
+    ``dropout`` acts on the concatenated input (0.3 in the refiner, none in the decoder; docs/models.md#aoa-refiner).
     """
 
     def __init__(self, d_model: int, dropout: float = 0.0) -> None:

@@ -1,4 +1,4 @@
-"""Multi-head scaled dot-product attention (Transformer, Vaswani et al. Eq. 1-2; models.md §5.2).
+"""Multi-head scaled dot-product attention (Vaswani et al. 2017, Eq. 1 and §3.2.2; docs/models.md#san-equations).
 
 ``softmax(Q K^T / sqrt(d_k) + bias) V`` per head, with four ``Linear(d, d)`` projections (q, k, v, output),
 dropout on the attention probabilities, and:

@@ -1,4 +1,4 @@
-"""``ban``: a captioner built from Bilinear Attention Networks (Kim, Jun & Zhang, NeurIPS 2018; models.md §4).
+"""``ban``: a captioner built from Bilinear Attention Networks (Kim, Jun & Zhang, NeurIPS 2018; docs/models.md#ban).
 
 BAN is a VQA model: a GRU reads the question, ``G`` low-rank bilinear attention maps relate every region to
 every question word at once (one softmax over the flattened region x word grid per glimpse), each glimpse's
@@ -10,12 +10,12 @@ Design choice: an **Up-Down style recurrent decoder** (a GRU language model, BAN
 ``[word embedding; mean region feature]`` as the first LSTM of Up-Down is) followed by **causal BAN glimpses**,
 organised like the layers of a causal Transformer decoder:
 
-* token ``t`` sees regions ``i`` and prefix positions ``j <= t`` only. For glimpse ``g`` (BAN-P "Bilinear
+* token ``t`` sees regions ``i`` and prefix positions ``j <= t`` only. For glimpse ``g`` (Kim et al. 2018, "Bilinear
   attention map"), ``L_g[i, j] = sum_k H[g, k] X'[i, k] Y'[j, k] + b_g`` with ``X' = Drop(ReLU(U^T x_i))``,
   ``Y' = ReLU(V^T q_j)`` from the GRU states ``q_j``; ``A^{(t)}_g = softmax`` over the flattened grid
   ``{(i, j): region i real, j <= t}``. Like BAN, all maps come from the initial (GRU) states.
 * glimpse pooling ``f_g(t)[k] = sum_{i, j<=t} X''_g[i, k] A^{(t)}_g[i, j] Y''_g[j, k]`` with
-  ``Y''_g[j] = ReLU(V_g'^T q^{g-1}_j)`` read from the *updated* states, and the residual update (BAN-P "Residual
+  ``Y''_g[j] = ReLU(V_g'^T q^{g-1}_j)`` read from the *updated* states, and the residual update (Kim et al. 2018, "Residual
   learning of attention") ``q^g_t = q^{g-1}_t + P_g^T f_g(t)``.
 * BAN broadcasts each glimpse's update to *all* question positions. Doing that per prefix would make every
   token revise all earlier tokens (``O(T^2 d)`` per glimpse and a full recomputation at every decoding step);

@@ -1,15 +1,15 @@
 """Low-rank bilinear building blocks of Bilinear Attention Networks (Kim, Jun & Zhang, NeurIPS 2018).
 
-Facts: ``shared/reference/models.md`` §4 (``jnhwkim/ban-vqa``: ``fc.py``, ``bc.py``, ``attention.py``).
+Official code: ``jnhwkim/ban-vqa`` (``fc.py``, ``bc.py``, ``attention.py``); docs/models.md#ban-bilinear-attention.
 
 * :class:`WNLinear`: ``weight_norm(Linear, dim=None)``, i.e. ``W = g V / ||V||_F`` with **one scalar** ``g`` per
-  matrix (models.md §4.2); at init ``g = ||V||_F`` so ``W`` starts as PyTorch's default Linear.
+  matrix (``fc.py``); at init ``g = ||V||_F`` so ``W`` starts as PyTorch's default Linear.
 * :class:`FCLayer`: BAN's one-layer ``FCNet``: ``act(WNLinear(Drop(x)))``.
-* :class:`BilinearAttentionMap`: the bilinear attention map (BAN-P, "Bilinear attention map":
+* :class:`BilinearAttentionMap`: the bilinear attention map (Kim et al. 2018, "Bilinear attention map":
   ``A = softmax(((1 p^T) o X^T U) V^T Y)``; code ``BiAttention`` + ``BCNet`` with ``k = 3``): ``logits[g, i, j] = sum_k H[g, k] * X'[i, k] * Y'[j, k] + b_g`` with
   ``X' = Drop(ReLU(U^T x_i))`` (regions) and ``Y' = ReLU(V^T y_j)`` (the other modality), rank ``K' = k * d``.
   The softmax over the flattened ``(i, j)`` grid is done by the caller (it owns the masks).
-* :class:`BilinearPooling`: a glimpse's joint representation (BAN-P, "Bilinear attention networks":
+* :class:`BilinearPooling`: a glimpse's joint representation (Kim et al. 2018, "Bilinear attention networks":
   ``f'_k = (X^T U')_k^T A (Y^T V')_k``; code ``BCNet`` with ``k = 1``):
   ``f[k] = sum_{i,j} X''[i, k] A[i, j] Y''[j, k]`` with ``X'' = ReLU(U'^T x)``, ``Y'' = ReLU(V'^T y)``; the caller
   supplies the contraction with ``A`` (see :mod:`models.ban` for the causal factorisation).
@@ -43,7 +43,7 @@ class WNLinear(nn.Module):
 
 
 class FCLayer(nn.Module):
-    """BAN ``FCNet([in, out], act, dropout)``: ``act(WNLinear(Drop(x)))`` (models.md §4.2)."""
+    """BAN ``FCNet([in, out], act, dropout)``: ``act(WNLinear(Drop(x)))`` (docs/models.md#ban-bilinear-attention)."""
 
     def __init__(self, in_features: int, out_features: int, dropout: float = 0.0, relu: bool = True) -> None:
         super().__init__()
@@ -60,7 +60,7 @@ class BilinearAttentionMap(nn.Module):
     """Logits of ``glimpses`` low-rank bilinear attention maps between regions and a second set (bilinear attention map).
 
     Rank ``K' = k * hidden``; ``H`` is weight-normalised with one scalar over the whole ``(G, K')`` matrix and
-    initialised N(0, 1), the per-glimpse bias ``b_g`` N(0, 1) (models.md §4.3).
+    initialised N(0, 1), the per-glimpse bias ``b_g`` N(0, 1) (``attention.py``).
     """
 
     def __init__(self, v_dim: int, q_dim: int, hidden: int, glimpses: int, k: int = 3, dropout: float = 0.2,

@@ -1,4 +1,4 @@
-"""Box geometry for the G-SAN encoder (NG-SAN §4.2, models.md §3.4).
+"""Box geometry for the G-SAN encoder (Guo et al. 2020 §4.2; docs/models.md#gsan).
 
 * :func:`relative_geometry`: the relative geometry feature ``f^g_ij`` of every (query i, key j) box pair
   (Eq. 8, in the Relation-Networks / ORT form the paper cites):
@@ -18,7 +18,7 @@
 
   where ``Q' = X W_Q' + b`` / ``K' = X W_K' + b`` are geometric queries / keys with their own weights, and
   ``G^h_ij = G_ij W^h + c^h`` maps the shared geometry embedding (size ``geometry_dim``) into head ``h``'s
-  space "in the same way as Q, K". Choices (the paper does not state them, models.md §3.6):
+  space "in the same way as Q, K". Choices (the paper does not state them, docs/models.md#gsan-choices):
   ``geometry_dim = 128`` with the per-head map reproduces the 41.5M of Tables 4/6 at L = 4 (the minimal
   reading, ``geometry_dim = d_k`` and no map, gives 41.25M); the dot-product biases are scaled by
   ``1/sqrt(d_k)`` like the content logits (switch ``scale``).

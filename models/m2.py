@@ -1,13 +1,13 @@
 """``m2``: the Meshed-Memory Transformer (Cornia, Stefanini, Baraldi & Cucchiara, CVPR 2020).
 
-Facts and official-code behaviour: ``shared/reference/models.md`` §1. Equations below are the paper's.
+Equations, choices and switches: docs/models.md#m2 (official code: aimagelab/meshed-memory-transformer).
 
-Encoder (§3.1 of the paper; models.md §1.2-1.4)
+Encoder (§3.1 of the paper; docs/models.md#m2-encoder)
     ``X0 = LN(Drop(ReLU(X W_in + b_in)))``, then ``num_layers`` layers of memory-augmented self-attention
     (Eq. 2, ``m = num_memory`` learnable slots) and position-wise FF (Eq. 4), each wrapped in AddNorm (Eq. 5,
     post-norm). **Every** layer's output is kept: the multi-level encoding ``Y_1 .. Y_L`` ("full encoder").
 
-Meshed decoder (§3.2; models.md §1.5), for any number of encoder levels ``L`` and decoder layers
+Meshed decoder (§3.2; docs/models.md#m2-decoder), for any number of encoder levels ``L`` and decoder layers
     ``S = LN(E + Drop(SelfAttn(E)))`` (causal), ``C_i = LN(S + Drop(Attn(S, Y_i)))`` with **one** cross-attention
     module shared by all levels (Eq. 7), ``alpha_i = sigmoid(W_i [S; C_i] + b_i)`` element-wise gates, one per
     level (Eq. 8), ``M = sum_i alpha_i * C_i / sqrt(L)`` (Eq. 6, the official code hard-wires ``L = 3``), then
@@ -16,11 +16,11 @@ Meshed decoder (§3.2; models.md §1.5), for any number of encoder levels ``L`` 
 
 Switches
     ``official_mask``: the official encoder derives its padding mask from the rows of ``X0`` that sum to 0
-        *after* the input LayerNorm, which in practice masks nothing (models.md §1.4): padded regions take part
+        *after* the input LayerNorm, which in practice masks nothing (docs/models.md#m2-choices): padded regions take part
         as keys in encoder self-attention and decoder cross-attention. ``false`` (default) masks them with the
         ``mask`` input; ``true`` reproduces the official computation for parity.
     ``official_init``: the official ``init_weights`` applies ``xavier_uniform_`` to every parameter with
-        ``dim > 1`` (models.md §1.9), which turns the frozen sinusoid position table into a frozen *random* table
+        ``dim > 1`` (docs/models.md#m2-choices), which turns the frozen sinusoid position table into a frozen *random* table
         and overwrites the N(0, 1/d_k) / N(0, 1/m) memory init. ``false`` (default, the paper) applies the same
         override to every other matrix but keeps the sinusoids and the memory init; ``true`` reproduces the code.
 """
@@ -66,7 +66,7 @@ class MemoryAugmentedEncoder(nn.Module):
 
     def forward(self, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the stacked levels and the key mask the decoder must use (True = attend)."""
-        x = self.norm(self.dropout(torch.relu(self.fc(feats))))  # models.md §1.2: Linear-ReLU-Drop-LN
+        x = self.norm(self.dropout(torch.relu(self.fc(feats))))  # docs/models.md#m2-encoder: Linear-ReLU-Drop-LN
         if self.official_mask:
             allowed = x.sum(-1) != 0  # official: computed after the LayerNorm, masks (almost) nothing
         else:
@@ -115,7 +115,7 @@ class MeshedDecoderLayer(nn.Module):
 
 @register_captioner("m2")
 class M2Transformer(Captioner):
-    """Meshed-Memory Transformer captioner (see the module docstring; models.md §1)."""
+    """Meshed-Memory Transformer captioner (see the module docstring; docs/models.md#m2)."""
 
     def __init__(
         self,
@@ -148,7 +148,7 @@ class M2Transformer(Captioner):
         self._global_xavier(official_init)
 
     def _global_xavier(self, official: bool) -> None:
-        """models.md §1.9: xavier on every ``dim > 1`` parameter; ``official=False`` spares positions and memory."""
+        """docs/models.md#m2-choices: xavier on every ``dim > 1`` parameter; ``official=False`` spares positions and memory."""
         spared = set()
         if not official:
             spared.add(id(self.pos_emb.weight))

@@ -1,12 +1,12 @@
-"""Attention blocks of the Meshed-Memory Transformer (Cornia et al., CVPR 2020; models.md §1.3-1.6).
+"""Attention blocks of the Meshed-Memory Transformer (Cornia et al., CVPR 2020; docs/models.md#m2).
 
 * :class:`M2Attention`: multi-head scaled dot-product attention, optionally **memory-augmented**
   (paper Eq. 2): ``M_mem(X) = Attention(W_q X, [W_k X; M_k], [W_v X; M_v])`` with ``m`` learnable key
-  and value slots. As in the official code (models.md §1.3) the slots are concatenated *after* the key
+  and value slots. As in the official code (docs/models.md#m2-encoder) the slots are concatenated *after* the key
   and value projections, scaled by ``sqrt(d_k)`` and ``sqrt(m)`` at forward time, split across heads by
   channel, shared by the batch, and never masked.
-* :class:`PostNormAttention`: ``LN(X + Drop(Attn(X, Y, Y)))`` (post-norm, §1.4).
-* :class:`PositionWiseFF`: ``LN(X + Drop(W2 Drop(ReLU(W1 X + b1)) + b2))`` (paper Eq. 4, §1.4).
+* :class:`PostNormAttention`: ``LN(X + Drop(Attn(X, Y, Y)))`` (post-norm, Eq. 5).
+* :class:`PositionWiseFF`: ``LN(X + Drop(W2 Drop(ReLU(W1 X + b1)) + b2))`` (paper Eq. 4, post-norm).
 
 Keys and values are projected separately (:meth:`M2Attention.project_kv`) so that decoders can cache
 them: the decoder's self-attention grows its key/value cache one token at a time, and the cross-attention
@@ -110,7 +110,7 @@ class M2Attention(nn.Module):
 
 
 class PostNormAttention(nn.Module):
-    """``LN(X + Drop(Attn(X, ...)))``: M2's ``MultiHeadAttention`` wrapper (models.md §1.4)."""
+    """``LN(X + Drop(Attn(X, ...)))``: M2's ``MultiHeadAttention`` wrapper (Eq. 5; docs/models.md#m2-encoder)."""
 
     def __init__(self, d_model: int, num_heads: int, dropout: float, num_memory: int = 0) -> None:
         super().__init__()

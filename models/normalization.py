@@ -1,6 +1,6 @@
 """Normalization layers of the SAN family.
 
-* :class:`LayerNorm`: the LayerNorm of the SAN baseline (ruotianluo TransformerModel, models.md §5.2):
+* :class:`LayerNorm`: the LayerNorm of the SAN baseline (ruotianluo TransformerModel; docs/models.md#san-equations):
   ``a * (x - mean) / (std + eps) + b`` with the **unbiased** std and ``eps`` added to the std (not to the
   variance). It is not ``nn.LayerNorm``.
 * :func:`masked_instance_norm`: NG-SAN Eq. 6, instance normalization of a ``(B, N, C)`` tensor per image and
@@ -9,7 +9,7 @@
   N-SAN encoder: ``instance`` (the paper's NSA, default), ``batch`` or ``layer`` (the ablation of Table 2),
   with or without the affine ``gamma, beta`` (off by default, "IN w/o gamma, beta").
 
-Project decision (models.md §3.3 leaves it open): padded regions are **excluded** from the IN and BN
+Project decision (the paper leaves it open; docs/models.md#nsan-choices): padded regions are **excluded** from the IN and BN
 statistics, so adding padding never changes an output.
 """
 

@@ -1,6 +1,6 @@
 """The NG-SAN family (Guo et al., CVPR 2020): ``san``, ``nsan``, ``gsan``, ``ngsan``.
 
-All four share the SAN baseline (NG-SAN §3.2, §5.1; exact structure: models.md §3.5 and §5):
+All four share the SAN baseline (Guo et al. 2020 §3.2, §5.1; exact structure: docs/models.md#san):
 
 * region features ``(B, N, feat_dim)`` -> ``Linear(feat_dim, d) + ReLU + Dropout`` (padded rows set to 0);
 * ``L`` pre-norm encoder layers without positions ("regions have no natural order");
@@ -163,7 +163,7 @@ def _base_kwargs(feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_lay
 class SAN(SelfAttentionCaptioner):
     """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487).
 
-    Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (models.md §3.5). The ruotianluo model
+    Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (docs/models.md#san-parameter-count). The ruotianluo model
     has ``V + 1`` outputs (its shared BOS/EOS/PAD index 0); ours has ``V`` because our vocabulary already holds
     its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
     """

@@ -1,9 +1,9 @@
-"""Self-attentive visually grounded sentence encoder (Yoo, Shin & Lee 2017; models.md §6).
+"""Self-attentive visually grounded sentence encoder (Yoo, Shin & Lee 2017; docs/sentence_encoder.md).
 
 A caption X (word ids, then ``<eos>``) is encoded by a bidirectional LSTM (§3.1)::
 
-    h_S = max(h→_T, h←_1)                             element-wise max of the two final states (§6.2)
-    A   = softmax_T( W_a2 tanh(W_a1 H) )               n_a attention rows over the T words (§6.4)
+    h_S = max(h→_T, h←_1)                             element-wise max of the two final states (§3.1)
+    A   = softmax_T( W_a2 tanh(W_a1 H) )               n_a attention rows over the T words (§3.3)
     C   = A Hᵀ,  h_A = max(c_1, ..., c_{n_a})          max-pooled over the n_a context rows
     h   = [h_A ; h_S]                                  the sentence representation (h = h_S without attention)
 
@@ -13,7 +13,7 @@ and ``h`` feeds two heads: an image-feature predictor (``image_head_layers`` lay
 (§3.1, loss L_C). Which heads exist follows ``objective``: ``cap2img`` (L_VG), ``cap2cap`` (L_C) or
 ``cap2all`` (L_C + L_VG) (§3.4).
 
-Project decisions where the paper is ambiguous (models.md §6.8 item 6), both switches:
+Project decisions where the paper is ambiguous (docs/sentence_encoder.md), both switches:
 
 * ``state_merge``: the attention reads per-step states h_t. ``max`` (default) takes the element-wise max of
   the two directions, h_t ∈ R^{d_h} as the paper writes it, so that h_A (d_h) + h_S (d_h) = 2 d_h = 2048
@@ -49,7 +49,7 @@ def encoder_config(overrides: dict[str, Any] | list[str] | None = None) -> Confi
 
 class StructuredSelfAttention(nn.Module):
     """A = softmax(W_a2 tanh(W_a1 H)) over the T steps for each of n_a rows; C = A Hᵀ; h_A = max over rows
-    (YOO-P §3.3, models.md §6.4). Padding steps get exactly zero weight (their scores are -inf)."""
+    (Yoo et al. 2017 §3.3). Padding steps get exactly zero weight (their scores are -inf)."""
 
     def __init__(self, state_dim: int, attn_hidden: int, attn_rows: int) -> None:
         super().__init__()
@@ -127,7 +127,7 @@ class SentenceEncoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Orthogonal recurrent weights, Xavier for all other matrices, zero biases (YOO-P §4.1)."""
+        """Orthogonal recurrent weights, Xavier for all other matrices, zero biases (Yoo et al. 2017 §4.1)."""
         for name, p in self.named_parameters():
             if "weight_hh" in name:
                 for chunk in p.data.chunk(4, 0):  # one orthogonal block per gate
@@ -153,7 +153,7 @@ class SentenceEncoder(nn.Module):
         mask = torch.arange(t, device=tokens.device)[None, :] < lengths.to(tokens.device)[:, None]
         packed = pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, (h_n, _) = self.lstm(packed)
-        h_s = torch.maximum(h_n[0], h_n[1])  # §6.2: element-wise max of the final forward/backward states
+        h_s = torch.maximum(h_n[0], h_n[1])  # §3.1: element-wise max of the final forward/backward states
         result: dict[str, Tensor] = {"h_S": h_s, "mask": mask}
         if self.attention is None:
             result["h"] = h_s

@@ -1,4 +1,4 @@
-"""Pre-norm Transformer encoder and decoder of the SAN family (models.md §3.2 and §5.2).
+"""Pre-norm Transformer encoder and decoder of the SAN family (Guo et al. 2020 §3.2; docs/models.md#san-equations).
 
 Every sub-layer is ``x + Dropout(sublayer(LN(x)))`` (pre-norm, the ruotianluo TransformerModel the SAN
 parameter counts match), each stack ends with a final :class:`~models.normalization.LayerNorm`.

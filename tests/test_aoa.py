@@ -1,4 +1,4 @@
-"""AoANet (models.md §2): exact parameter counts, the custom LayerNorm, the AoA gate, the refiner layer and the
+"""AoANet (docs/models.md#aoa): exact parameter counts, the custom LayerNorm, the AoA gate, the refiner layer and the
 decoder step against their equations on hand-built examples."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def count(model: torch.nn.Module) -> int:
     ],
 )
 def test_parameter_count_matches_reference_exactly(vocab_size: int, overrides: dict, expected: int) -> None:
-    """models.md §2.9: 2049 * (V + 1) + 66,121,728 for the paper configuration."""
+    """docs/models.md#aoa-parameter-count: 2049 * (V + 1) + 66,121,728 for the paper configuration."""
     with torch.device("meta"):
         model = models.build_captioner("aoa", vocab_size, **overrides)
     print(f"aoa vocab_size={vocab_size} {overrides}: {count(model):,} parameters")
@@ -159,4 +159,4 @@ def test_docstrings_cite_paper_sections() -> None:
     import models.aoa as aoa
 
     assert "Encoder with AoA" in aoa.__doc__ and "Decoder with AoA" in aoa.__doc__
-    assert "Attention on Attention" in AttentionOnAttention.__doc__ and "models.md §2" in aoa.__doc__
+    assert "Attention on Attention" in AttentionOnAttention.__doc__ and "docs/models.md#aoa" in aoa.__doc__

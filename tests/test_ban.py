@@ -1,4 +1,4 @@
-"""BAN captioner (models.md §4): exact parameter counts of the BAN blocks, weight normalisation, the bilinear
+"""BAN captioner (docs/models.md#ban): exact parameter counts of the BAN blocks, weight normalisation, the bilinear
 attention map, and the causal glimpses + residual learning against a per-prefix loop implementation."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def count(module: torch.nn.Module) -> int:
 
 
 def test_block_parameter_counts_match_ban_exactly() -> None:
-    """models.md §4.5 (num_hid 1280, v_dim 2048, k = 3, 8 glimpses, 3129 answers)."""
+    """The VQA model of jnhwkim/ban-vqa at its defaults (num_hid 1280, v_dim 2048, k = 3, 8 glimpses, 3129 answers)."""
     with torch.device("meta"):
         assert count(BilinearAttentionMap(2048, 1280, 1280, glimpses=8, k=3)) == 12_817_931
         assert count(BilinearPooling(2048, 1280, 1280)) == 4_262_402

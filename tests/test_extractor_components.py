@@ -1,4 +1,4 @@
-"""Every detector component against its definition on small inputs (extractor.md §1)."""
+"""Every detector component against its definition on small inputs (docs/extractor.md)."""
 
 from __future__ import annotations
 

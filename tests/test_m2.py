@@ -1,4 +1,4 @@
-"""M2 (models.md §1): exact parameter count, memory attention and meshed gating on hand-built examples,
+"""M2 (docs/models.md#m2): exact parameter count, memory attention and meshed gating on hand-built examples,
 the official-parity switches."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def batch(feat_dim: int = 12, n: int = 6):
 
 
 def test_parameter_count_matches_reference_exactly() -> None:
-    """models.md §1.8 at V = 10201: 38,439,424 parameters, 38,411,264 trainable (the frozen position table)."""
+    """The official model at V = 10201: 38,439,424 parameters, 38,411,264 trainable (the frozen position table)."""
     with torch.device("meta"):
         model = models.build_captioner("m2", 10201)
     print(f"m2 V=10201: {count(model):,} parameters, {count(model, True):,} trainable")
@@ -140,7 +140,7 @@ def test_official_mask_reproduces_the_unmasked_official_behaviour() -> None:
 
 
 def test_init_switch_position_table_and_memory() -> None:
-    """official_init reproduces the global xavier override (models.md §1.9); the default keeps sinusoids."""
+    """official_init reproduces the global xavier override (docs/models.md#m2-choices); the default keeps sinusoids."""
     paper, official = small(), small(official_init=True)
     table = sinusoid_table(55, 16)
     torch.testing.assert_close(paper.pos_emb.weight, table)

@@ -35,7 +35,7 @@ def test_noam_m2_epoch_step_quirk() -> None:
 
 
 def test_aoanet_step_decay() -> None:
-    """lr = 2e-4 * 0.8^floor(e/3) (models.md 2.6)."""
+    """lr = 2e-4 * 0.8^floor(e/3) (husthuaan/AoANet train.py)."""
     s = build_schedule({"type": "step", "lr": 2e-4, "decay_rate": 0.8, "decay_every": 3, "decay_start": 0})
     got = []
     for _ in range(10):

@@ -1,5 +1,5 @@
 """The self-attentive grounded sentence encoder (models/sentence_encoder.py) and its losses: shapes,
-masking, the equations of models.md §6.2-6.4, the ablation and objective switches, Eq. 1 on hand-built batches."""
+masking, the equations of Yoo et al. 2017 §3.1-3.3, the ablation and objective switches, Eq. 1 on hand-built batches."""
 
 from __future__ import annotations
 

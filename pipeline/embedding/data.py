@@ -1,11 +1,11 @@
 """Training and evaluation data of the grounded sentence encoder.
 
-Image side (YOO-P uses a global ResNet-101 vector): one vector per image, the mean of its region features
+Image side (Yoo et al. 2017 use a global ResNet-101 vector): one vector per image, the mean of its region features
 in our store (the store holds no global feature), read once into an (N, D) float32 table.
 
 Caption side: the prepared labels (``cli prepare``). A training batch holds B distinct images of the split;
 for each, a source caption X and a target caption Y, another caption of the same image when it has
-several (§6.1). Batches are a pure function of (seed, epoch), so a resumed run sees the same ones.
+several (Yoo et al. 2017 §3). Batches are a pure function of (seed, epoch), so a resumed run sees the same ones.
 """
 
 from __future__ import annotations

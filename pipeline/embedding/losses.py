@@ -1,4 +1,4 @@
-"""Losses of the grounded sentence encoder (YOO-P §3.1-3.4, models.md §6.3-6.5).
+"""Losses of the grounded sentence encoder (Yoo, Shin & Lee 2017 §3.1-3.4; docs/sentence_encoder.md).
 
 Visual grounding, Eq. 1, with cosine similarity s(c, j) = cos(h̃_I of caption c, h_I of image j)::
 

@@ -1,5 +1,5 @@
 """M2 Transformer's ``coco_detections.hdf5``: datasets ``<id>_features`` [K, 2048], ``<id>_boxes`` [K, 4]
-and optionally ``<id>_cls_prob`` [K, C] (``peers.md`` §A.2.2). Read one image at a time.
+and optionally ``<id>_cls_prob`` [K, C] (aimagelab/meshed-memory-transformer). Read one image at a time.
 
 Class probabilities become ``class_ids``/``class_scores``: with C = 1601 column 0 is the Caffe background
 and is dropped, so ids are 0-based lines of the VG object vocabulary like the obj36 ``objects_id``.

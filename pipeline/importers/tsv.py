@@ -1,7 +1,7 @@
 """Bottom-up-attention TSV files: the original BUTD format and LXMERT's ``obj36`` format (read and write).
 
 Both are tab-separated, header-less, one image per ``\\r\\n``-terminated line, arrays as standard base64 of
-C-order little-endian buffers (``extractor.md`` §6.1, §6.3; ``shared/data/README.md``):
+C-order little-endian buffers (peteanderson80/bottom-up-attention ``tools/generate_tsv.py``; airsplay/lxmert):
 
 * ``butd``:  image_id, image_w, image_h, num_boxes, boxes f32[K,4], features f32[K,D]   (width first)
 * ``obj36``: img_id, img_h, img_w, objects_id i64[K], objects_conf f32[K], attrs_id i64[K],

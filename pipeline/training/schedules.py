@@ -11,21 +11,21 @@ Built from a YAML ``schedule:`` mapping by :func:`build_schedule`; ``type`` pick
 ``noam`` (M2, ruotianluo's Transformer, X-LAN)
     lr(s) = factor * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), s = iteration + 1
     (Vaswani et al. Eq. 3; M2 ``train.py:191-199`` with d_model 512, warmup 10000). M2's code also steps
-    its scheduler once at the start of every XE epoch, the first included (models.md §1.10);
+    its scheduler once at the start of every XE epoch, the first included (aimagelab/meshed-memory-transformer ``train.py``);
     ``extra_step_per_epoch: true`` reproduces that quirk: during epoch e (0-based), s = iteration + e + 2.
 ``step`` (AoANet, NG-SAN)
     lr = lr0 * min(1, (iteration + 1) / warmup_iters) * rate^k with k = (epoch - decay_start) // decay_every
     once epoch > decay_start, else 0 (ruotianluo's ``learning_rate_decay_*`` options, epochs counted from
-    0). AoANet: lr0 2e-4, rate 0.8, every 3, start 0, no warm-up (lr = 2e-4 * 0.8^floor(e/3), models.md
-    §2.6). NG-SAN (ruotianluo ``transformer_step.yml``, "from arXiv 2003.08897"): lr0 3e-4, linear warm-up
+    0). AoANet: lr0 2e-4, rate 0.8, every 3, start 0, no warm-up (lr = 2e-4 * 0.8^floor(e/3), husthuaan/AoANet
+    ``train.py``). NG-SAN (ruotianluo ``transformer_step.yml``, "from arXiv 2003.08897"): lr0 3e-4, linear warm-up
     over 33,000 iterations, rate 0.5, every 3, start 3, so the first halving is at epoch 6, i.e. "after 6
-    epochs, decayed by 1/2 every 3 epochs" (models.md §3.1).
+    epochs, decayed by 1/2 every 3 epochs" (Guo et al. 2020 §5.1).
 ``plateau`` (AoANet / X-LAN SCST)
     lr = lr0 * factor^(number of reductions); a reduction happens at an epoch end when the metric has not
     improved (relative threshold, mode max or min) for more than ``patience`` epochs, as
     ``torch.optim.lr_scheduler.ReduceLROnPlateau`` does. AoANet SCST: factor 0.5, patience 3.
 ``constant`` (M2 SCST: 5e-6)
-``gradual`` (BAN, models.md §4.4)
+``gradual`` (BAN, jnhwkim/ban-vqa ``train.py``)
     lr = lr0 * warmup_factors[epoch] for the first epochs (BAN: x0.5, 1, 1.5, 2 over epochs 0-3), then
     lr0 * warmup_factors[-1] * rate^m with m = the number of decay epochs ``decay_start, decay_start +
     decay_every, ...`` that are <= epoch (BAN: x0.25 at epochs 10, 12, 14, ...).

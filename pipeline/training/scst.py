@@ -12,7 +12,7 @@ expected reward is estimated with a baseline b (Rennie et al. 2017, Eq. 7-9):
     ruotianluo ``StructureLosses``; needs k >= 2).
 ``mean``
     b = mean of the k rewards of the image, sample i included (M2: the k beams of beam search,
-    ``M2: train.py:119``).
+    aimagelab/meshed-memory-transformer ``train.py``).
 
 Everything here is a pure function of arrays; the training loop draws the samples.
 """
@@ -97,7 +97,7 @@ def policy_gradient_loss(
         advantage: (N,) r - b per sample (no gradient flows through it).
         normalize: ``"tokens"``: sum over all tokens divided by the number of tokens (ruotianluo);
             ``"steps"``: per sample the sum over its tokens divided by T, then the mean over samples
-            (M2's ``-mean_t(log p) * (r - b)`` over the fixed number of decoding steps, models.md §1.10).
+            (M2's ``-mean_t(log p) * (r - b)`` over the fixed number of decoding steps, aimagelab/meshed-memory-transformer ``train.py``).
     """
     if token_log_probs.shape != mask.shape or token_log_probs.ndim != 2:
         raise ValueError(f"token_log_probs {tuple(token_log_probs.shape)} and mask {tuple(mask.shape)} must both be (N, T)")
