@@ -1,7 +1,10 @@
-"""A tiny name -> factory registry, used for captioners, extractors and stages.
+"""A tiny name -> factory registry: ``Registry(kind)`` with ``register(name)`` (a decorator), ``get``, ``names``.
 
-Adding a model is one module that decorates its factory with ``@CAPTIONERS.register("name")`` plus one
-YAML in ``configs/``; nothing else needs editing.
+Three registries use it: captioners (``models.CAPTIONERS``, filled by the decorator
+``models.register_captioner("name")``, which also sets the class's ``name``), detector presets
+(``extractors.EXTRACTORS``, ``@EXTRACTORS.register("name")`` on a spec factory) and learning-rate schedules
+(``pipeline.training.schedules.SCHEDULES``). Adding a captioner is one module in ``models/`` decorated with
+``@register_captioner("name")`` plus ``configs/models/name.yaml`` (docs/extending.md).
 """
 
 from __future__ import annotations
