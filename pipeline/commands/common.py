@@ -11,7 +11,8 @@ import typer
 
 from pipeline.core.config import Config, load_config
 from pipeline.core.console import get_logger, setup_logging, stderr_console
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import PipelineError, os_error_message
+from pipeline.core.keys import markup_escape
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,12 +31,18 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and erro
 
 def fail(message: str, code: int = 2) -> None:
     """Print one line to stderr and exit with ``code`` (2 = usage error, 1 = runtime failure)."""
+    message = "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else c for c in message)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     stderr_console().print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
     raise typer.Exit(code)
 
 
 def guarded(fn: F) -> F:
-    """Turn :class:`PipelineError` into one clear line and its exit code; Ctrl-C exits 130 without a traceback."""
+    """Turn :class:`PipelineError` into one clear line and its exit code; Ctrl-C exits 130 without a traceback.
+
+    An ``OSError`` (no permission, read-only or full disk, a file that vanished) becomes one line naming the
+    action and the path, exit 1: the stores and stages commit atomically, so what was committed stays intact.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -45,6 +52,10 @@ def guarded(fn: F) -> F:
             raise
         except PipelineError as exc:
             fail(_escape(str(exc)), exc.exit_code)
+        except OSError as exc:
+            fail(_escape(os_error_message(exc, _action_from_traceback(exc))), 1)
+        except MemoryError:
+            fail("out of memory: use a smaller --batch-size or fewer --workers", 1)
         except KeyboardInterrupt:
             stderr_console().print("interrupted; finished work is kept and the stage resumes on the next run")
             raise typer.Exit(130) from None
@@ -53,7 +64,31 @@ def guarded(fn: F) -> F:
 
 
 def _escape(text: str) -> str:
-    return text.replace("[", "\\[")
+    return markup_escape(text)
+
+
+_ACTIONS = {
+    "mkdir": "create folder", "makedirs": "create folder", "mkstemp": "write", "_mkstemp_inner": "write",
+    "write_text": "write", "write_bytes": "write", "read_text": "read", "read_bytes": "read", "unlink": "delete",
+    "rmtree": "delete", "rename": "rename", "replace": "rename", "iterdir": "list folder", "scandir": "list folder",
+    "copyfile": "copy", "copy2": "copy", "save": "write", "imwrite": "write", "savefig": "write", "stat": "read",
+    "touch": "create",
+}
+
+
+def _action_from_traceback(exc: BaseException) -> str | None:
+    """Best guess of what failed from the innermost frame with a known file-system function name."""
+    tb = exc.__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    for name in reversed(names):
+        if name in _ACTIONS:
+            return _ACTIONS[name]
+        if name in ("open", "_opener", "__init__") and getattr(exc, "filename", None) is not None:
+            return "open"
+    return None
 
 
 def resolve_config(stage: str, config: Path | None, overrides: list[str] | None, show: bool = True) -> Config:

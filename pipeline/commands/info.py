@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
     def info_command(
         target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file.")] = None,
         model: Annotated[Optional[str], typer.Option("--model", help="Build captioner NAME and print its parameter count.")] = None,
+        verify: Annotated[bool, typer.Option("--verify", help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).")] = False,
         set_: SetOpt = None,
         verbose: VerboseOpt = False,
         quiet: QuietOpt = False,
@@ -43,6 +44,14 @@ def register(app: typer.Typer) -> None:
             _environment()
         elif not target.exists():
             raise UsageError(f"no such file or directory: {target}")
+        elif verify:
+            if not _is_feature_store(target):
+                raise UsageError(f"--verify needs a feature store (a folder with store.json or an .h5 file), not {target}")
+            from pipeline.core.errors import PipelineError
+            from pipeline.store.report import print_verify_report
+
+            if not print_verify_report(target):
+                raise PipelineError(f"feature store {target} is damaged (see the lines above)")
         elif _is_feature_store(target):
             from pipeline.store.report import print_store_info
 

@@ -23,3 +23,61 @@ class UsageError(PipelineError):
 
 class ConfigError(UsageError):
     """A config file or a ``--set`` override is invalid."""
+
+
+_ERRNO_IN_TEXT = None  # compiled lazily
+
+
+def annotate_os_error(exc: OSError, action: str, path: object = None) -> OSError:
+    """Record on ``exc`` what was being done (``action``, e.g. "write feature segment") and on which path.
+
+    The innermost annotation wins (it is the most specific). h5py's OSErrors carry their errno only in the
+    text (``errno = 28``); it is copied into ``exc.errno`` so the message can say "disk full". Returns ``exc``.
+    """
+    global _ERRNO_IN_TEXT
+    if getattr(exc, "butd_action", None) is None:
+        exc.butd_action = action  # type: ignore[attr-defined]
+    if exc.filename is None and path is not None:
+        try:
+            exc.filename = str(path)
+        except (AttributeError, TypeError):
+            pass
+    if exc.errno is None:
+        import re
+
+        _ERRNO_IN_TEXT = _ERRNO_IN_TEXT or re.compile(r"errno = (\d+)")
+        m = _ERRNO_IN_TEXT.search(str(exc))
+        if m:
+            try:
+                exc.errno = int(m.group(1))
+            except (AttributeError, TypeError):
+                pass
+    return exc
+
+
+def os_error_message(exc: OSError, action: str | None = None) -> str:
+    """One line for an OSError: the action, the path, the system's reason, and what to do about it."""
+    import errno as errno_mod
+    import os
+
+    action = getattr(exc, "butd_action", None) or action or "access"
+    path = exc.filename
+    where = f" {os.fsdecode(path)!s}" if path is not None else ""
+    if exc.filename2 is not None:
+        where += f" -> {os.fsdecode(exc.filename2)}"
+    code = exc.errno
+    reason = exc.strerror or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if code is not None and not exc.strerror:
+        reason = os.strerror(code)
+    hint = {
+        errno_mod.ENOSPC: "disk full: free space and rerun (finished work is kept and resumes)",
+        errno_mod.EDQUOT: "disk quota exceeded: free space and rerun (finished work is kept and resumes)",
+        errno_mod.EACCES: "check the permissions or choose another path",
+        errno_mod.EPERM: "check the permissions or choose another path",
+        errno_mod.EROFS: "the file system is read-only: choose a writable path",
+        errno_mod.ENOENT: "check the path",
+    }.get(code or -1)
+    from pipeline.core.keys import key_to_text
+
+    line = f"cannot {action}{key_to_text(where)}: {reason}"
+    return f"{line} ({hint})" if hint else line

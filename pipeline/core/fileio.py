@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
 
 
 def _file_mode() -> int:
@@ -40,10 +40,19 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     """Write a file atomically: ``write`` fills a temporary file in the same folder, then it is renamed.
 
     A reader (or a crash at any instant) sees either the old file or the complete new one, never a part.
+    An ``OSError`` (no permission, read-only or full disk) propagates annotated with the action and the
+    final path (see :func:`pipeline.core.errors.os_error_message`), the temporary file removed.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise annotate_os_error(exc, "create folder", path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        exc.filename = str(path)
+        raise annotate_os_error(exc, "write", path)
     try:
         os.fchmod(fd, _MODE)
         with os.fdopen(fd, "wb") as fh:
@@ -51,11 +60,14 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:
             pass
+        if isinstance(exc, OSError):
+            exc.filename, exc.filename2 = str(path), None
+            annotate_os_error(exc, "write", path)
         raise
     fsync_dir(path.parent)
     return path
@@ -83,6 +95,10 @@ def read_json(path: str | Path, what: str = "JSON file", expect: type | None = d
             obj = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PipelineError(f"{what} {path} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise PipelineError(f"{what} {path} is nested too deeply to be read") from None
+    except OSError as exc:
+        raise annotate_os_error(exc, f"read {what}", path)
     if expect is not None and not isinstance(obj, expect):
         raise PipelineError(f"{what} {path} must hold a JSON {expect.__name__}, not {type(obj).__name__}")
     return obj

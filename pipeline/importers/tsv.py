@@ -7,6 +7,10 @@ C-order little-endian buffers (peteanderson80/bottom-up-attention ``tools/genera
 * ``obj36``: img_id, img_h, img_w, objects_id i64[K], objects_conf f32[K], attrs_id i64[K],
   attrs_conf f32[K], num_boxes, boxes f32[K,4], features f32[K,D]                       (height first)
 
+The ``image_id`` column holds the key's text form (:func:`pipeline.core.keys.key_to_text`: backslash escapes
+for undecodable bytes, control characters, tabs and line breaks), so any key a store holds is written on one
+line and read back exactly; a plain id (``397133``) is written as itself.
+
 Files are streamed line by line (a line is ~400 KB for 36 boxes); nothing else is held in memory.
 """
 
@@ -22,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pipeline.core.errors import PipelineError
+from pipeline.core.keys import key_from_text, key_to_text
 
 Record = dict[str, Any]
 
@@ -65,6 +70,22 @@ def coco_key(raw: str) -> str:
     return str(int(m.group(1))) if m else raw
 
 
+def _key(field: bytes, where: str) -> str:
+    """The key of an ``image_id`` field: UTF-8 text form (undecodable bytes kept as surrogate escapes)."""
+    try:
+        text = field.decode("utf-8")
+    except UnicodeDecodeError:
+        text = field.decode("utf-8", "surrogateescape")
+    try:
+        return key_from_text(text)
+    except PipelineError as exc:
+        raise PipelineError(f"{where}: image id column: {exc}") from None
+
+
+def _key_field(key: str) -> bytes:
+    return key_to_text(key).encode("utf-8")
+
+
 def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes]]]:
     """(``file:line``, tab-split fields) for every non-empty line, streaming."""
     with path.open("rb") as fh:
@@ -78,9 +99,9 @@ def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
     if len(fields) != len(BUTD_COLUMNS):
         raise PipelineError(f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), found {len(fields)} (truncated row?)")
-    key = fields[0].decode("utf-8", "replace")
+    key = _key(fields[0], where)
     k = _int(fields[3], "num_boxes", where)
-    where = f"{where} (image {key})"
+    where = f"{where} (image {key_to_text(key)})"
     return {
         "key": coco_key(key) if keys == "coco-id" else key,
         "image_w": _int(fields[1], "image_w", where),
@@ -94,9 +115,9 @@ def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Reco
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
     if len(fields) != len(OBJ36_COLUMNS):
         raise PipelineError(f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), found {len(fields)} (truncated row?)")
-    raw = fields[0].decode("utf-8", "replace")
+    raw = _key(fields[0], where)
     k = _int(fields[7], "num_boxes", where)
-    where = f"{where} (image {raw})"
+    where = f"{where} (image {key_to_text(raw)})"
     return {
         "key": coco_key(raw) if keys == "coco-id" else raw,
         "image_h": _int(fields[1], "img_h", where),
@@ -130,7 +151,7 @@ def _b64(arr: np.ndarray, dtype: str) -> bytes:
 def encode_butd(rec: Record) -> bytes:
     feats = np.asarray(rec["features"])
     return b"\t".join([
-        rec["key"].encode(), str(rec["image_w"]).encode(), str(rec["image_h"]).encode(), str(len(feats)).encode(),
+        _key_field(rec["key"]), str(rec["image_w"]).encode(), str(rec["image_h"]).encode(), str(len(feats)).encode(),
         _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),
     ]) + b"\r\n"
 
@@ -138,10 +159,10 @@ def encode_butd(rec: Record) -> bytes:
 def encode_obj36(rec: Record) -> bytes:
     for name in ("class_ids", "class_scores", "attr_ids", "attr_scores"):
         if name not in rec:
-            raise PipelineError(f"image {rec['key']}: the store has no {name}, which the obj36 format needs")
+            raise PipelineError(f"image {key_to_text(rec['key'])}: the store has no {name}, which the obj36 format needs")
     feats = np.asarray(rec["features"])
     return b"\t".join([
-        rec["key"].encode(), str(rec["image_h"]).encode(), str(rec["image_w"]).encode(),
+        _key_field(rec["key"]), str(rec["image_h"]).encode(), str(rec["image_w"]).encode(),
         _b64(rec["class_ids"], "<i8"), _b64(rec["class_scores"], "<f4"),
         _b64(rec["attr_ids"], "<i8"), _b64(rec["attr_scores"], "<f4"),
         str(len(feats)).encode(), _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),

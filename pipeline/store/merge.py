@@ -18,7 +18,7 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import fsync_dir
 from pipeline.store.format import identity_text, new_manifest, read_manifest, segment_name, write_manifest
-from pipeline.store.reader import FeatureStore
+from pipeline.store.reader import FeatureStore, verify_block
 from pipeline.store.segment import Block, write_segment
 
 log = get_logger("store")
@@ -32,12 +32,9 @@ def iter_blocks(store: FeatureStore, block_images: int = 256) -> Iterator[Block]
         for lo in range(0, seg.num_images, block_images):
             hi = min(lo + block_images, seg.num_images)
             r0, r1 = int(seg.offsets[lo]), int(seg.offsets[hi])
-            yield Block(
-                keys=seg.keys[lo:hi],
-                counts=np.diff(seg.offsets[lo : hi + 1]),
-                sizes=seg.sizes[lo:hi],
-                rows={f: store._read_rows(st, si, f, r0, r1 - r0) for f in fields},
-            )
+            rows = {f: store._read_rows(st, si, f, r0, r1 - r0) for f in fields}
+            verify_block(seg, lo, rows)  # never copy damaged rows into a new store
+            yield Block(keys=seg.keys[lo:hi], counts=np.diff(seg.offsets[lo : hi + 1]), sizes=seg.sizes[lo:hi], rows=rows)
 
 
 def _check_compatible(stores: Sequence[FeatureStore]) -> None:

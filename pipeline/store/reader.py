@@ -6,7 +6,9 @@ uses it: it pickles to its path, so it works in DataLoader workers under ``fork`
 
 Reading one image touches only that image's rows: for contiguous segments each row field is one
 ``os.pread`` at the dataset's byte offset (HDF5 reports it once, when the index is read); chunked or
-compressed segments are read through h5py.
+compressed segments are read through h5py. Each image's rows are checked against the CRC-32 its segment
+recorded (see :mod:`pipeline.store.segment`): damaged data is refused with one line naming the segment and
+the image, never returned.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _State:
         self.start = np.concatenate(start) if start else np.zeros(0, np.int64)
         self.count = np.concatenate(count) if count else np.zeros(0, np.int64)
         self.sizes = np.concatenate(sizes) if sizes else np.zeros((0, 2), np.int32)
+        self.first = np.concatenate([[0], np.cumsum([seg.num_images for seg in segments])]).astype(np.int64)
         self.fds: OrderedDict[int, int] = OrderedDict()
         self.h5: OrderedDict[int, Any] = OrderedDict()
         self.memory: dict[str, np.ndarray] | None = None
@@ -263,8 +266,10 @@ class FeatureStore:
             for name, arr in st.memory.items():
                 out[name] = arr[s : s + count]
             return out
-        for name in st.segments[si].sources:
-            out[name] = self._read_rows(st, si, name, start, count)
+        seg = st.segments[si]
+        rows = {name: self._read_rows(st, si, name, start, count) for name in seg.sources}
+        seg.check_rows(i - int(st.first[si]), rows)
+        out.update(rows)
         return out
 
     def get(self, key: str) -> dict[str, Any]:
@@ -287,6 +292,8 @@ class FeatureStore:
         for si, seg in enumerate(st.segments):
             for name in memory:
                 memory[name][row : row + seg.num_rows] = self._read_rows(st, si, name, 0, seg.num_rows)
+            seg_rows = {name: memory[name][row : row + seg.num_rows] for name in memory}
+            verify_block(seg, 0, seg_rows)
             row += seg.num_rows
         st.memory = memory
         st.mem_start = np.concatenate([[0], np.cumsum(st.count)[:-1]]).astype(np.int64)
@@ -298,6 +305,21 @@ class FeatureStore:
         if st.memory is None:
             self.preload()
         return st.memory, st.mem_start, st.count  # type: ignore[return-value]
+
+
+def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray]) -> None:
+    """Check images ``lo..`` of ``seg`` whose rows (from row ``offsets[lo]`` on) are ``rows``; refuse damage."""
+    if seg.crc is None or not rows:
+        return
+    from pipeline.store.segment import row_checksums
+
+    n = len(next(iter(rows.values())))
+    hi = int(np.searchsorted(seg.offsets, seg.offsets[lo] + n, side="right")) - 1
+    local = seg.offsets[lo : hi + 1] - seg.offsets[lo]
+    got = row_checksums(rows, local, list(seg.sources))
+    bad = np.flatnonzero(got != seg.crc[lo:hi])
+    if len(bad):
+        seg.check_rows(lo + int(bad[0]), {k: v[local[bad[0]] : local[bad[0] + 1]] for k, v in rows.items()})
 
 
 def load_identity_file(path: str | Path) -> dict[str, Any]:

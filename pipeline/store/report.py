@@ -61,6 +61,35 @@ def print_store_info(path: Path) -> None:
                 z=info["features_sampled"]["zero_fraction"],
             ),
         ]
+    lines.append(f"checksums: {info['checksums']}")
     lines.append(f"extractor identity: {json.dumps(info['identity'], sort_keys=True)}")
     for line in lines:
         con.print(line, highlight=False, markup=False)
+
+
+def print_verify_report(path: Path) -> bool:
+    """``info --verify``: read every row, print one line per damaged segment or image, and a summary line.
+
+    Returns True when nothing is damaged.
+    """
+    from pipeline.core.keys import key_to_text
+    from pipeline.store.verify import verify_store
+
+    report = verify_store(path)
+    con = stdout_console()
+    for seg, why in report.bad_segments:
+        con.print(f"damaged segment {seg}: {why}", highlight=False, markup=False)
+    for seg, key, why in report.bad_images:
+        con.print(f"damaged image {key_to_text(key)} in {seg}: {why}", highlight=False, markup=False)
+    if report.unchecksummed_segments:
+        con.print(
+            f"{len(report.unchecksummed_segments)} of {report.segments} segments were written before checksums: "
+            "only their structure and finiteness could be checked", highlight=False, markup=False,
+        )
+    status = "ok" if report.ok else "DAMAGED"
+    con.print(
+        f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} segments; "
+        f"{len(report.bad_images)} damaged images, {len(report.bad_segments)} damaged segments",
+        highlight=False, markup=False,
+    )
+    return report.ok

@@ -6,12 +6,23 @@ published segment is always complete. Because a segment is never appended to, it
 offset HDF5 reports for the dataset (no HDF5 call per read, no chunk cache, nothing else read). A chunked
 layout (rows per chunk, optional ``lzf``/``gzip`` compression for archival copies) is available too; the
 reader then goes through h5py for that dataset.
+
+**Checksums.** Every segment written by this version carries ``row_crc32`` (n,) uint32: for each image the
+CRC-32 (zlib) of its rows' bytes, field after field in the order ``features``, ``boxes``, then the optional
+fields; and the attribute ``index_crc32``, the CRC-32 of the keys, offsets and image sizes. Readers check an
+image's CRC each time they read its rows and the index CRC when they open the segment, so flipped bytes are
+refused with one line naming the segment (and the image) instead of surfacing as NaNs. Segments written
+before checksums existed have neither and are still read (``info`` says so).
+
+**Keys** are stored as their exact bytes (:func:`pipeline.core.keys.key_to_bytes`), so a file name that is not
+valid UTF-8 round-trips losslessly; valid UTF-8 keys are stored as before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import PipelineError
+from pipeline.core.keys import check_key, display_key, key_from_bytes, key_to_bytes
 from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
 
 STR_DTYPE = None  # set lazily (h5py import is deferred)
@@ -35,6 +47,36 @@ def field_dtype(name: str, feature_dtype: str) -> np.dtype:
 
 def field_width(name: str, feature_dim: int) -> int | None:
     return feature_dim if name == "features" else 4 if name == "boxes" else None
+
+
+def row_fields_of(fields: Sequence[str]) -> list[str]:
+    """The row datasets of a segment in checksum order: features, boxes, then the optional fields present."""
+    return ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]
+
+
+def row_checksums(rows: dict[str, np.ndarray], offsets: np.ndarray, order: Sequence[str]) -> np.ndarray:
+    """CRC-32 per image of its rows' bytes, chained over the fields in ``order`` (arrays in the stored dtype).
+
+    ``offsets`` (n + 1,) are row offsets relative to the arrays' first row.
+    """
+    arrays = [np.ascontiguousarray(rows[name]) for name in order]
+    out = np.zeros(len(offsets) - 1, dtype="<u4")
+    for i in range(len(out)):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        crc = 0
+        for arr in arrays:
+            crc = zlib.crc32(arr[a:b].tobytes(), crc)
+        out[i] = crc
+    return out
+
+
+def index_checksum(keys: Sequence[str], offsets: np.ndarray, sizes: np.ndarray) -> int:
+    """CRC-32 of a segment's index: each key's bytes (NUL-terminated), then offsets (<i8) and sizes (<i4)."""
+    crc = 0
+    for k in keys:
+        crc = zlib.crc32(key_to_bytes(k) + b"\0", crc)
+    crc = zlib.crc32(np.ascontiguousarray(offsets, dtype="<i8").tobytes(), crc)
+    return zlib.crc32(np.ascontiguousarray(sizes, dtype="<i4").tobytes(), crc)
 
 
 @dataclass
@@ -76,7 +118,25 @@ def write_segment(
     """
     import h5py
 
-    row_fields = ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]
+    row_fields = row_fields_of(fields)
+    try:
+        _write_segment_file(h5py, path, blocks, num_images, num_rows, identity, feature_dtype, feature_dim, fields,
+                            row_fields, chunk_rows, compression)
+        if fsync:
+            _fsync_file(path)
+    except OSError as exc:
+        from pipeline.core.errors import annotate_os_error
+
+        path.unlink(missing_ok=True)
+        raise annotate_os_error(exc, "write feature segment", path) from None
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], num_images: int, num_rows: int,
+                        identity: dict[str, Any], feature_dtype: str, feature_dim: int, fields: Sequence[str],
+                        row_fields: list[str], chunk_rows: int, compression: str | None) -> None:
     with h5py.File(path, "w", locking=False) as fh:
         fh.attrs["format"] = FORMAT
         fh.attrs["schema_version"] = SCHEMA_VERSION
@@ -87,6 +147,7 @@ def write_segment(
         fh.attrs["num_images"] = num_images
         fh.attrs["num_rows"] = num_rows
         fh.attrs["complete"] = False
+        fh.attrs["checksum"] = "crc32"
         dsets = {}
         for name in row_fields:
             width = field_width(name, feature_dim)
@@ -100,31 +161,41 @@ def write_segment(
         keys_ds = fh.create_dataset("keys", shape=(num_images,), dtype=h5py.string_dtype("utf-8"))
         offsets = np.zeros(num_images + 1, dtype="<i8")
         sizes = np.zeros((num_images, 2), dtype="<i4")
+        crcs = np.zeros(num_images, dtype="<u4")
+        all_keys: list[str] = []
         img = row = 0
         for block in blocks:
             n = len(block.keys)
             r = int(block.counts.sum())
             if img + n > num_images or row + r > num_rows:
                 raise PipelineError(f"segment {path}: more data than announced")
+            stored: dict[str, np.ndarray] = {}
             for name in row_fields:
                 arr = block.rows[name]
                 if len(arr) != r:
                     raise PipelineError(f"segment {path}: field {name} has {len(arr)} rows, expected {r}")
+                with np.errstate(over="ignore", invalid="ignore"):
+                    stored[name] = np.ascontiguousarray(arr, dtype=field_dtype(name, feature_dtype))
                 if r:
-                    dsets[name][row : row + r] = arr
+                    dsets[name][row : row + r] = stored[name]
             if n:
-                keys_ds[img : img + n] = block.keys
-                offsets[img + 1 : img + n + 1] = row + np.cumsum(block.counts)
+                for k in block.keys:
+                    check_key(k, f"segment {path}")
+                keys_ds[img : img + n] = [key_to_bytes(k) for k in block.keys]
+                all_keys.extend(block.keys)
+                local = np.concatenate([[0], np.cumsum(block.counts)]).astype(np.int64)
+                offsets[img + 1 : img + n + 1] = row + local[1:]
                 sizes[img : img + n] = block.sizes
+                crcs[img : img + n] = row_checksums(stored, local, row_fields)
             img += n
             row += r
         if img != num_images or row != num_rows:
             raise PipelineError(f"segment {path}: wrote {img} images / {row} rows, announced {num_images} / {num_rows}")
         fh.create_dataset("offsets", data=offsets)
         fh.create_dataset("image_size", data=sizes)
+        fh.create_dataset("row_crc32", data=crcs)
+        fh.attrs["index_crc32"] = index_checksum(all_keys, offsets, sizes)
         fh.attrs["complete"] = True
-    if fsync:
-        _fsync_file(path)
 
 
 @dataclass
@@ -154,6 +225,22 @@ class SegmentIndex:
     offsets: np.ndarray
     sizes: np.ndarray
     sources: dict[str, RowSource]
+    crc: np.ndarray | None = None  # row_crc32 per image; None for segments written before checksums
+
+    @property
+    def checksummed(self) -> bool:
+        return self.crc is not None
+
+    def check_rows(self, i: int, rows: dict[str, np.ndarray]) -> None:
+        """Refuse image ``i`` if the CRC of its ``rows`` (every row field) differs from the stored one."""
+        if self.crc is None:
+            return
+        got = row_checksums(rows, np.array([0, len(rows["features"])]), list(self.sources))[0]
+        if int(got) != int(self.crc[i]):
+            raise PipelineError(
+                f"{self.path}: stored rows of image {display_key(self.keys[i])} are damaged (checksum mismatch); "
+                "restore the segment from a backup or re-extract (`info --verify STORE` lists every damaged image)"
+            )
 
     @property
     def num_images(self) -> int:
@@ -204,16 +291,25 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
         for name in ("keys", "offsets", "image_size", "features", "boxes"):
             if name not in fh:
                 raise PipelineError(f"{path}: dataset '{name}' is missing")
-        keys = [k.decode("utf-8") if isinstance(k, bytes) else str(k) for k in fh["keys"][()]]
+        keys = [key_from_bytes(k) for k in fh["keys"][()]]
         offsets = np.asarray(fh["offsets"][()], dtype=np.int64)
         sizes = np.asarray(fh["image_size"][()], dtype=np.int32)
+        crc = None
+        if "index_crc32" in fh.attrs or "row_crc32" in fh:
+            if "index_crc32" not in fh.attrs or "row_crc32" not in fh:
+                raise PipelineError(f"{path}: checksum records are incomplete (segment damaged)")
+            if index_checksum(keys, offsets, sizes) != int(fh.attrs["index_crc32"]):
+                raise PipelineError(f"{path}: the segment index (keys, offsets, sizes) is damaged (checksum mismatch)")
+            crc = np.asarray(fh["row_crc32"][()], dtype=np.uint32)
+            if crc.shape != (n,):
+                raise PipelineError(f"{path}: row checksums do not match num_images={n}")
         if len(keys) != n or offsets.shape != (n + 1,) or sizes.shape != (n, 2):
             raise PipelineError(f"{path}: index arrays do not match num_images={n}")
         if offsets[0] != 0 or offsets[-1] != r or np.any(np.diff(offsets) < 0):
             raise PipelineError(f"{path}: offsets are not increasing from 0 to {r}")
         file_size = path.stat().st_size
         sources: dict[str, RowSource] = {}
-        for name in ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]:
+        for name in row_fields_of(fields):
             if name not in fh:
                 raise PipelineError(f"{path}: dataset '{name}' is missing")
             ds = fh[name]
@@ -230,8 +326,8 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
             sources[name] = RowSource(name, want_dtype, width, offset)
     except PipelineError:
         raise
-    except (KeyError, ValueError, TypeError, OSError) as exc:
-        raise PipelineError(f"{path}: corrupt feature segment ({type(exc).__name__}: {exc})") from None
+    except (KeyError, ValueError, TypeError, OSError, RuntimeError) as exc:
+        raise PipelineError(f"{path}: corrupt feature segment ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     finally:
         fh.close()
-    return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources)
+    return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources, crc)

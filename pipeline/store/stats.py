@@ -17,6 +17,16 @@ def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
+def _checksum_state(store: "FeatureStore") -> str:
+    segs = store._st().segments
+    old = sum(1 for s in segs if not s.checksummed)
+    if not old:
+        return "crc32 per image (checked on every read; `info --verify` checks all)"
+    if old == len(segs):
+        return "none (written before checksums; damage cannot be detected, `info --verify` checks structure only)"
+    return f"crc32 per image in {len(segs) - old} of {len(segs)} segments ({old} written before checksums)"
+
+
 def store_info(store: "FeatureStore", sample: int = 256) -> dict[str, Any]:
     """Summary of ``store``. Box statistics use every box; feature statistics a sample of ``sample`` images."""
     keys = store.keys()
@@ -32,6 +42,7 @@ def store_info(store: "FeatureStore", sample: int = 256) -> dict[str, Any]:
         "fields": store.fields,
         "size_on_disk_bytes": _disk_bytes(store.path),
         "identity": store.identity,
+        "checksums": _checksum_state(store),
     }
     if not keys:
         return info

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.console import get_logger
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
+from pipeline.core.keys import check_key, display_key
 from pipeline.core.fileio import fsync_dir
 from pipeline.store.format import (
     FEATURE_DTYPES,
@@ -63,6 +64,7 @@ def validate_image(
     """Check one image's arrays; raise a one-line :class:`PipelineError` naming ``where`` and the key."""
     if not isinstance(key, str) or not key:
         raise PipelineError(f"{where}: image id must be a non-empty string, got {key!r}")
+    check_key(key, where)
     if features.ndim != 2 or features.shape[0] < 1:
         raise PipelineError(f"{where}: image {key}: features must be (N>=1, D), got shape {features.shape}")
     if feature_dim is not None and features.shape[1] != feature_dim:
@@ -201,7 +203,7 @@ class FeatureStoreWriter:
         """
         self._check_open()
         if self.has(key):
-            raise PipelineError(f"feature store {self.path}: duplicate image id {key!r}")
+            raise PipelineError(f"feature store {self.path}: duplicate image id {display_key(key)}")
         feats = np.asarray(features)
         dtype = FEATURE_DTYPES[self._manifest["feature_dtype"]]
         given = {
@@ -262,6 +264,17 @@ class FeatureStoreWriter:
             rows={f: self._buffers[f].view() for f in ["features", "boxes"] + fields},
         )
         n, rows = len(self._pending), int(counts.sum())
+        try:
+            self._publish(tmp, final, name, block, n, rows, fields)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise annotate_os_error(exc, "commit to feature store", self.path)
+        log.debug("store %s: commit %d published %d images (%d rows) in %s", self.path, self._manifest["commit"], n, rows, name)
+        return n
+
+    def _publish(self, tmp: Path, final: Path, name: str, block: Block, n: int, rows: int, fields: list[str]) -> None:
+        """Write the segment, rename it into place and commit ``store.json`` (the commit point)."""
+        m = self._manifest
         write_segment(
             tmp, [block], num_images=n, num_rows=rows, identity=m["identity"], feature_dtype=m["feature_dtype"],
             feature_dim=m["feature_dim"], fields=fields, chunk_rows=self.chunk_rows, compression=self.compression,
@@ -278,8 +291,6 @@ class FeatureStoreWriter:
         self._manifest = new
         self._committed.update(self._pending_keys)
         self._reset_pending()
-        log.debug("store %s: commit %d published %d images (%d rows) in %s", self.path, new["commit"], n, rows, name)
-        return n
 
     def discard_pending(self) -> int:
         """Drop images added since the last commit (nothing on disk changes)."""
@@ -368,8 +379,11 @@ def open_writer(
         raise UsageError(f"{path} is a file; a writer needs a store directory (single-file stores are read-only)")
     if path.is_dir() and not (path / MANIFEST).exists() and any(p.name != LOCK for p in path.iterdir()):
         raise UsageError(f"{path} exists, is not empty and is not a feature store; choose another path")
-    path.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise annotate_os_error(exc, "open feature store for writing", path)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

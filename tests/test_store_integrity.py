@@ -1,0 +1,235 @@
+"""Store robustness: bytes-safe keys, per-image checksums, `info --verify`, old stores, write failures."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from store_helpers import IDENTITY, add_image, synthetic_image
+from typer.testing import CliRunner
+
+from cli import app
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.keys import key_from_name
+from pipeline.store import FeatureStore, compact_store, merge_stores, open_writer
+
+REPO = Path(__file__).resolve().parent.parent
+ODD_KEYS = [key_from_name(b"caf\xe9.jpg"), "a\nb.jpg", "[/x].jpg", "tab\there", "back\\slash", "日本.jpg"]
+
+
+def _write(path: Path, keys: list[str], commit_every: int = 0) -> None:
+    with open_writer(path, IDENTITY, commit_every=commit_every) as w:
+        for i, k in enumerate(keys):
+            add_image(w, dict(synthetic_image(i), key=k))
+
+
+def test_odd_keys_round_trip_through_segments_merge_and_compact(tmp_path):
+    _write(tmp_path / "s", ODD_KEYS, commit_every=2)
+    st = FeatureStore(tmp_path / "s")
+    assert st.keys() == ODD_KEYS
+    for i, k in enumerate(ODD_KEYS):
+        np.testing.assert_array_equal(st.get(k)["boxes"], synthetic_image(i)["boxes"])
+    assert merge_stores([tmp_path / "s"], tmp_path / "m.h5") == len(ODD_KEYS)
+    assert FeatureStore(tmp_path / "m.h5").keys() == ODD_KEYS
+    assert compact_store(tmp_path / "s") == len(ODD_KEYS)
+    assert FeatureStore(tmp_path / "s").keys() == ODD_KEYS
+    assert not list((tmp_path / "s").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("bad", ["", "nul\x00key", "lone\ud800"])
+def test_unrepresentable_keys_refused_before_anything_is_written(tmp_path, bad):
+    with open_writer(tmp_path / "s", IDENTITY) as w:
+        add_image(w, synthetic_image(0))
+        with pytest.raises(PipelineError):
+            add_image(w, dict(synthetic_image(1), key=bad))
+    assert FeatureStore(tmp_path / "s").keys() == ["img00000"]
+
+
+def _flip(path: Path, dataset: str, row: int, byte: int = 3) -> None:
+    with h5py.File(path, "r") as fh:
+        ds = fh[dataset]
+        offset = ds.id.get_offset() + row * ds.dtype.itemsize * (ds.shape[1] if ds.ndim == 2 else 1) + byte
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def _rows_of(store: Path, key: str) -> int:
+    return int(FeatureStore(store)._st().start[FeatureStore(store)._position(key)])
+
+
+def test_flipped_feature_bytes_are_refused_and_verify_names_the_key(tmp_path):
+    store = tmp_path / "s"
+    _write(store, [f"k{i}" for i in range(6)], commit_every=3)
+    seg = store / "seg-000001.h5"
+    row = _rows_of(store, "k4") - int(FeatureStore(store)._st().start[3])
+    _flip(seg, "features", row + 1)
+    st = FeatureStore(store)
+    with pytest.raises(PipelineError, match=r"seg-000001\.h5.*k4.*damaged"):
+        st.get("k4")
+    for k in ("k0", "k3", "k5"):  # the rest stays readable
+        assert st.get(k)["features"].shape[1] == 64
+    with pytest.raises(PipelineError, match="k4"):
+        FeatureStore(store).preload()
+    with pytest.raises(PipelineError, match="k4"):
+        merge_stores([store], tmp_path / "copy")  # damaged rows are never copied on
+    res = CliRunner().invoke(app, ["info", str(store)])
+    assert res.exit_code != 0 and "nan" not in res.output and "k4" in res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+    assert res.exit_code == 1, res.output
+    assert "damaged image k4 in seg-000001.h5: checksum mismatch" in res.output
+    assert "1 damaged images" in res.output and "6 of 6 images read" in res.output
+
+
+def test_verify_clean_store_and_boxes_damage(tmp_path):
+    store = tmp_path / "s"
+    _write(store, [f"k{i}" for i in range(4)])
+    res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+    assert res.exit_code == 0 and "ok: 4 of 4 images" in res.output
+    assert "checksums: crc32" in CliRunner().invoke(app, ["info", str(store)]).output
+    _flip(store / "seg-000000.h5", "boxes", _rows_of(store, "k2"), byte=0)
+    res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+    assert res.exit_code == 1 and "damaged image k2" in res.output
+
+
+def test_damaged_keys_index_refused_with_one_line(tmp_path):
+    store = tmp_path / "s"
+    _write(store, ["aaaa", "bbbb"])
+    seg = store / "seg-000000.h5"
+    data = seg.read_bytes()
+    i = data.find(b"bbbb")
+    assert i > 0
+    seg.write_bytes(data[:i] + b"bbcb" + data[i + 4 :])
+    with pytest.raises(PipelineError, match=r"seg-000000\.h5.*(index|corrupt)"):
+        FeatureStore(store)
+    res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+    assert res.exit_code == 1 and "damaged segment seg-000000.h5" in res.output
+
+
+def test_old_store_without_checksums_still_reads(tmp_path):
+    store = tmp_path / "s"
+    _write(store, ["a", "b"])
+    with h5py.File(store / "seg-000000.h5", "r+") as fh:  # what a store written before checksums looks like
+        del fh["row_crc32"]
+        del fh.attrs["index_crc32"]
+        del fh.attrs["checksum"]
+    st = FeatureStore(store)
+    np.testing.assert_array_equal(st.get("b")["boxes"], synthetic_image(1)["boxes"])
+    out = CliRunner().invoke(app, ["info", str(store)]).output
+    assert "checksums: none (written before checksums" in out
+    res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+    assert res.exit_code == 0 and "written before checksums" in res.output
+
+
+def test_disk_full_during_commit_keeps_committed_data(tmp_path, monkeypatch):
+    import pipeline.store.segment as segment
+
+    store = tmp_path / "s"
+    real = segment._write_segment_file
+    w = open_writer(store, IDENTITY)
+    add_image(w, synthetic_image(0))
+    w.commit()
+    add_image(w, synthetic_image(1))
+
+    def full(*args, **kw):
+        real(*args, **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(segment, "_write_segment_file", full)
+    with pytest.raises(OSError) as err:
+        w.commit()
+    assert err.value.errno == errno.ENOSPC and getattr(err.value, "butd_action") == "write feature segment"
+    assert not list(store.glob("*.tmp"))
+    monkeypatch.setattr(segment, "_write_segment_file", real)
+    w.commit()  # space freed: the pending image commits
+    w.close()
+    assert FeatureStore(store).keys() == ["img00000", "img00001"]
+
+
+def _unshare_ok() -> bool:
+    if not shutil.which("unshare") or sys.platform != "linux":
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+FILL = """
+import sys
+from store_helpers import IDENTITY, add_image, synthetic_image
+from pipeline.store import open_writer
+w = open_writer(sys.argv[1], IDENTITY)
+i = 0
+try:
+    while True:
+        add_image(w, synthetic_image(i)); w.commit(); i += 1
+except OSError as exc:
+    print(f"ERRNO={exc.errno} ACTION={exc.butd_action} COMMITTED={i}")
+w.close()
+"""
+
+
+@pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user namespaces (unshare -rm) to mount a tiny tmpfs")
+def test_real_full_disk_and_read_only_disk(tmp_path):
+    """A real 300 KiB tmpfs fills up while a store commits; committed images verify; the CLI says one line
+    for a full and for a read-only disk (exit 1, no traceback)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _write(tmp_path / "src", [f"k{i}" for i in range(40)])
+    (tmp_path / "fill.py").write_text(FILL)
+    py = sys.executable
+    env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    shell = (
+        f"mount -t tmpfs -o size=300k tmpfs {mnt} || exit 9; "
+        f"{py} {tmp_path}/fill.py {mnt}/s; {py} {REPO}/cli.py info --verify {mnt}/s; echo VERIFY=$?; "
+        f"{py} {REPO}/cli.py export-features {tmp_path}/src --out {mnt}/x.tsv; echo FULL=$?; "
+        f"mount -o remount,ro {mnt} && {py} {REPO}/cli.py export-features {tmp_path}/src --out {mnt}/y.tsv; echo RO=$?"
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "ERRNO=28 ACTION=write feature segment" in out, out
+    committed = int(out.split("COMMITTED=")[1].split()[0])
+    assert committed >= 3 and f"ok: {committed} of {committed} images" in out and "VERIFY=0" in out, out
+    assert "FULL=1" in out and f"cannot write {mnt}/x.tsv: No space left on device (disk full" in out, out
+    assert "RO=1" in out and f"cannot write {mnt}/y.tsv: Read-only file system" in out, out
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("fmt", ["butd-tsv", "obj36-tsv"])
+def test_export_import_round_trips_every_key(tmp_path, fmt):
+    """A key with a newline, a tab, a backslash or a non-UTF-8 byte: one line per image, same keys back."""
+    store = tmp_path / "s"
+    keys = ODD_KEYS + ["COCO_val2014_000000000042"]
+    _write(store, keys)
+    out = tmp_path / "x.tsv"
+    res = CliRunner().invoke(app, ["export-features", str(store), "--out", str(out), "--format", fmt])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes().count(b"\n") == len(keys)
+    out.read_bytes().decode("utf-8")  # the file is valid UTF-8
+    res = CliRunner().invoke(app, ["import-features", str(out), "--format", fmt, "--store", str(tmp_path / "back"),
+                                   "--keys", "raw"])
+    assert res.exit_code == 0, res.output
+    back = FeatureStore(tmp_path / "back")
+    assert sorted(back.keys()) == sorted(keys)
+    np.testing.assert_array_equal(back.get(ODD_KEYS[1])["boxes"], synthetic_image(1)["boxes"])
+
+
+def test_import_of_a_malformed_key_escape_is_a_bad_row(tmp_path):
+    store = tmp_path / "s"
+    _write(store, ["a", "b"])
+    out = tmp_path / "x.tsv"
+    assert CliRunner().invoke(app, ["export-features", str(store), "--out", str(out)]).exit_code == 0
+    out.write_bytes(out.read_bytes().replace(b"b\t", b"b\\q\t", 1))
+    res = CliRunner().invoke(app, ["import-features", str(out), "--format", "butd-tsv", "--store", str(tmp_path / "back"),
+                                   "--skip-bad"])
+    assert res.exit_code == 0 and "malformed escape" in res.output
+    assert FeatureStore(tmp_path / "back").keys() == ["a"]
