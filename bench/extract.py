@@ -2,17 +2,18 @@
 feature agreement, and the speed-up of the vectorised per-class NMS over the per-class loop.
 
 Random weights with the full ResNet-101 preset (the speed does not depend on the values). Images are the real
-photos of ../shared/data/photos, cycled; decoding is timed separately (it runs in DataLoader workers in
+photos of ``--photos DIR`` (``.jpg`` files), cycled; decoding is timed separately (it runs in DataLoader workers in
 ``cli extract``).
 
-    python -m bench.extract --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 --batches 1,4
-    python -m bench.extract --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 --channels-last
+    python -m bench.extract --photos DIR --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 --batches 1,4
+    python -m bench.extract --photos DIR --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 --channels-last
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +26,6 @@ from extractors.run import precision_context
 from extractors.selection import max_conf_loop, max_conf_vectorized
 from extractors.spec import caffe_r101
 from extractors.weights import random_detector
-
-PHOTOS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "photos"
 
 
 def _sync(dev: torch.device) -> None:
@@ -94,6 +93,7 @@ def bench_nms(dev: torch.device, images: int, repeat: int) -> tuple[float, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--photos", type=Path, default=None, help="folder of .jpg photos to cycle through (required)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--images", type=int, default=4)
     ap.add_argument("--batches", default="1,4,8")
@@ -107,6 +107,10 @@ def main() -> None:
     ap.add_argument("--nms-images", type=int, default=4)
     ap.add_argument("--skip-agreement", action="store_true")
     args = ap.parse_args()
+    files = sorted(args.photos.glob("*.jpg")) if args.photos is not None else []
+    if not files:
+        sys.stderr.write("error: --photos DIR must name a folder of .jpg photos\n")
+        raise SystemExit(2)
     dev = torch.device(args.device)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     spec = caffe_r101().with_(min_size=args.min_size, max_size=args.max_size, post_nms_topk=args.proposals)
@@ -115,7 +119,6 @@ def main() -> None:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     build = time.perf_counter() - t0
-    files = sorted(PHOTOS.glob("*.jpg"))
     t0 = time.perf_counter()
     decoded = [caffe_blob(load_rgb(f), args.min_size, args.max_size) for f in files]
     decode_ms = (time.perf_counter() - t0) / len(files) * 1e3
