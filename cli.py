@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage or validation error.
 from __future__ import annotations
 
 import importlib
+from typing import Annotated, Optional
 
 import typer
 
@@ -22,6 +23,33 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
 )
+
+
+
+@app.callback()
+def _global_options(
+    threads: Annotated[
+        Optional[str],
+        typer.Option(
+            "--threads", envvar="BUTD_THREADS", show_default=False, metavar="INT",
+            help="Torch CPU threads per process (default: the cores this process may use, minus its DataLoader "
+            "workers, divided among torchrun processes; see pipeline/core/threads.py). Put it before the command: "
+            "`butd-caption --threads 1 demo`.",
+        ),
+    ] = None,
+) -> None:
+    """Process-wide settings applied before any command runs (the thread policy)."""
+    from pipeline.commands.common import fail
+    from pipeline.core import threads as thread_policy
+    from pipeline.core.errors import UsageError
+
+    try:
+        if threads is not None and not threads.strip().isdigit():
+            raise UsageError(f"--threads (or BUTD_THREADS) must be a whole number, got {threads!r}")
+        thread_policy.prepare_process(None if threads is None else int(threads))
+    except UsageError as exc:
+        fail(str(exc))
+
 
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from extractors.bottom_up import BottomUpDetector, SelectionRule
 from extractors.preprocess import ImageLoadError, caffe_blob, list_images, load_rgb
+from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import UsageError
 
@@ -201,7 +202,7 @@ def run_extraction(
     fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
     t0 = time.perf_counter()
     ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels)
-    loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=workers, collate_fn=_collate,
+    loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=thread_policy.loader_workers(workers), collate_fn=_collate,
                         pin_memory=dev.type == "cuda", persistent_workers=False)
     since_commit = 0
 

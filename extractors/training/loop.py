@@ -31,6 +31,7 @@ from extractors.training.model import DetectorForTraining, LossConfig
 from extractors.training.optim import apply_lr, calibrate_batchnorm, lr_at, param_groups, set_trainable
 from extractors.training.targets import SamplingConfig
 from extractors.weights import load_detector
+from pipeline.core import threads as thread_policy
 from pipeline.core.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger, is_main_process, make_progress
@@ -242,7 +243,7 @@ def _train(stage_dir: Path, cfg: Config) -> TrainResult:
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.enabled else model
 
     max_iter = int(tc.max_iter)
-    loader = DataLoader(batches, batch_size=1, sampler=range(start, max_iter), collate_fn=collate_one, num_workers=int(cfg.data.workers),
+    loader = DataLoader(batches, batch_size=1, sampler=range(start, max_iter), collate_fn=collate_one, num_workers=thread_policy.loader_workers(int(cfg.data.workers), int(tc.threads) or None),
                         generator=torch.Generator().manual_seed(int(tc.seed)), persistent_workers=False)
     steps = [int(s) for s in tc.steps]
     running: dict[str, float] = {}

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from pipeline.data.dataset import CaptionDataset, caption_tensor, collate_images
+from pipeline.core import threads as thread_policy
 from pipeline.core.errors import UsageError
 
 PRELOAD_MODES = ("none", "memory", "pinned", "cuda")
@@ -197,6 +198,7 @@ def build_loader(
             raise UsageError("preload=cuda needs a CUDA device; use memory or pinned")
         bank = FeatureBank(dataset, "cuda" if preload == "cuda" else "cpu", pin=preload == "pinned")
         return PreloadedLoader(dataset, bank, sampler)
+    num_workers = thread_policy.loader_workers(num_workers)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_images, num_workers=num_workers,
         persistent_workers=num_workers > 0, multiprocessing_context=multiprocessing_context if num_workers > 0 else None,

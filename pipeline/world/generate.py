@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core import threads as thread_policy
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import ConfigError
@@ -110,7 +111,7 @@ def _records(tasks: list[tuple], workers: int) -> Iterator[dict[str, Any]]:
             yield make_image(t)
         return
     ctx = mp.get_context("spawn")
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(thread_policy.pool_size(workers)) as pool:
         yield from pool.imap(make_image, tasks, chunksize=32)
 
 

@@ -1,0 +1,157 @@
+"""Thread policy: how many torch threads, DataLoader workers and pool processes a command uses.
+
+One rule for every command, sized from the cores this process may run on (``os.sched_getaffinity``, so
+``taskset``, cgroups/cpusets of containers and Slurm allocations count, not the machine's total):
+
+* ``processes``: the processes of this job on this machine (torchrun's ``LOCAL_WORLD_SIZE``, else 1); each
+  gets an equal share, ``budget = max(1, cores // processes)``;
+* ``workers``: DataLoader workers per process (one thread each: torch sets that in its workers), at most
+  ``budget - 1`` so that the compute threads keep at least one core;
+* ``threads``: torch intra-op (OpenMP) threads per process, ``max(1, budget - workers)``;
+
+so ``processes x (threads + workers) <= cores`` whenever ``cores >= processes`` (one thread per process is
+the floor). An explicit thread count (``--threads N`` of the CLI, the ``BUTD_THREADS`` or ``OMP_NUM_THREADS``
+environment variable, or a config's own ``threads`` key) is used as given, and the workers shrink to what is
+left of the budget.
+
+Over-subscription is what makes a CPU run collapse on a shared machine: OpenMP threads that busy-wait at
+every barrier while another process holds their core. :func:`prepare_process` therefore also asks OpenMP to
+sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, unless the user set it), before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from pipeline.core.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """The resolved numbers: ``cores`` available, ``processes`` on this machine, per process ``threads``
+    (torch intra-op) and ``workers`` (DataLoader), and whether ``threads`` was given explicitly."""
+
+    cores: int
+    processes: int
+    threads: int
+    workers: int
+    explicit: bool = False
+
+    @property
+    def busy(self) -> int:
+        """Threads that may compute at once on this machine: ``processes x (threads + workers)``."""
+        return self.processes * (self.threads + self.workers)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity mask; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def local_processes() -> int:
+    """Processes of this job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (1 outside torchrun)."""
+    return _positive_env("LOCAL_WORLD_SIZE") or 1
+
+
+def explicit_threads() -> int | None:
+    """The user's thread count: ``BUTD_THREADS`` (what ``--threads`` sets), else ``OMP_NUM_THREADS``, else None."""
+    return _positive_env("BUTD_THREADS") or _positive_env("OMP_NUM_THREADS", strict=False)
+
+
+def _positive_env(name: str, strict: bool = True) -> int | None:
+    """A positive integer from the environment; ``strict=False`` reads OpenMP's list form ("4,2": 4) and
+    ignores what it cannot read (the variable belongs to OpenMP, not to us)."""
+    raw = os.environ.get(name, "").strip()
+    if not strict:
+        raw = raw.split(",")[0].strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        if not strict:
+            return None
+        raise UsageError(f"environment variable {name}={raw!r} is not a whole number") from None
+    if value < 1 and not strict:
+        return None
+    if value < 1:
+        raise UsageError(f"environment variable {name}={raw!r} must be at least 1")
+    return value
+
+
+def plan(workers: int = 0, threads: int | None = None, processes: int | None = None, cores: int | None = None) -> ThreadPlan:
+    """Resolve the policy above. ``workers``: the DataLoader workers the command asks for (a ceiling);
+    ``threads``: an explicit per-process thread count (default: :func:`explicit_threads`); ``processes`` and
+    ``cores`` default to :func:`local_processes` and :func:`available_cores`."""
+    if workers < 0:
+        raise UsageError(f"workers must be >= 0, got {workers}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"threads must be >= 1, got {threads}")
+    cores = available_cores() if cores is None else max(1, int(cores))
+    processes = local_processes() if processes is None else max(1, int(processes))
+    budget = max(1, cores // processes)
+    if threads is None:
+        threads = explicit_threads()
+    if threads is not None:
+        return ThreadPlan(cores, processes, int(threads), min(workers, max(0, budget - threads)), explicit=True)
+    used_workers = min(workers, budget - 1)
+    return ThreadPlan(cores, processes, max(1, budget - used_workers), used_workers)
+
+
+def prepare_process(threads: int | None = None) -> None:
+    """Call before torch is imported (the CLI does, first thing): OpenMP threads sleep when idle
+    (``OMP_WAIT_POLICY=PASSIVE`` unless set) and ``threads`` (``--threads``) becomes ``BUTD_THREADS``, which
+    child processes (DataLoader workers, torchrun ranks) inherit, and torch's thread count."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is None:
+        explicit_threads()  # validate the environment early: one clear line, not a failure mid-run
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    os.environ["BUTD_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(int(threads))  # torch reads the latter at import
+    if torch_loaded():
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def apply(workers: int = 0, threads: int | None = None) -> ThreadPlan:
+    """Resolve :func:`plan` and set torch's intra-op thread count to it; returns the plan.
+
+    Without an explicit count the threads only ever go down: a lower count set earlier (a config's
+    ``num_threads``) is kept, and the workers are still capped by the budget."""
+    import torch
+
+    resolved = plan(workers=workers, threads=threads)
+    if not resolved.explicit and torch.get_num_threads() < resolved.threads:
+        resolved = replace(resolved, threads=torch.get_num_threads())
+    if torch.get_num_threads() != resolved.threads:
+        torch.set_num_threads(resolved.threads)
+    return resolved
+
+
+def loader_workers(requested: int, threads: int | None = None) -> int:
+    """DataLoader workers to start for ``requested`` (the config's value), with torch's threads set to match."""
+    return apply(workers=max(0, int(requested)), threads=threads).workers
+
+
+def pool_size(requested: int) -> int:
+    """Worker processes for a process pool doing single-threaded work: at most this process's core budget."""
+    resolved = plan()
+    return max(1, min(int(requested), max(1, resolved.cores // resolved.processes)))
+
+
+def describe(resolved: ThreadPlan) -> str:
+    """One line for logs: ``2 cores: 1 process x (1 torch thread + 1 DataLoader worker)``."""
+    return (f"{resolved.cores} core(s): {resolved.processes} process(es) x ({resolved.threads} torch thread(s)"
+            f"{' (explicit)' if resolved.explicit else ''} + {resolved.workers} DataLoader worker(s))")
+
+
+def torch_loaded() -> bool:
+    """Whether torch is already imported (then ``OMP_WAIT_POLICY`` can no longer take effect)."""
+    return "torch" in sys.modules

@@ -1,0 +1,111 @@
+"""The thread policy (pipeline/core/threads.py): resolved numbers, explicit counts, the CLI's --threads."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pipeline.core import threads
+from pipeline.core.errors import UsageError
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No inherited thread settings; torch's thread count restored afterwards."""
+    for name in ("BUTD_THREADS", "OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "cores,workers,processes,expected",
+    [
+        (2, 0, 1, (2, 0)),  # the whole machine for torch
+        (2, 2, 1, (1, 1)),  # 2 cores, 2 workers asked: one decodes, one computes
+        (1, 2, 1, (1, 0)),  # one core: no workers, one thread
+        (16, 2, 1, (14, 2)),
+        (16, 4, 4, (1, 3)),  # 4 torchrun ranks share 16 cores: 4 each
+        (16, 0, 8, (2, 0)),
+        (8, 0, 16, (1, 0)),  # more processes than cores: the floor is one thread each
+        (64, 8, 2, (24, 8)),
+    ],
+)
+def test_resolved_numbers(cores, workers, processes, expected):
+    plan = threads.plan(workers=workers, processes=processes, cores=cores)
+    assert (plan.threads, plan.workers) == expected
+    assert not plan.explicit
+
+
+def test_never_oversubscribed_when_there_are_enough_cores():
+    for cores, workers, processes in itertools.product(range(1, 33), range(0, 9), range(1, 9)):
+        plan = threads.plan(workers=workers, processes=processes, cores=cores)
+        assert plan.threads >= 1 and 0 <= plan.workers <= workers
+        if cores >= processes:
+            assert plan.busy <= cores, plan
+        else:
+            assert plan.busy == processes  # one thread each, no workers
+
+
+def test_explicit_threads_win_and_workers_take_the_rest(monkeypatch):
+    assert threads.plan(workers=4, threads=3, processes=1, cores=8) == threads.ThreadPlan(8, 1, 3, 4, explicit=True)
+    assert threads.plan(workers=4, threads=6, processes=1, cores=8).workers == 2
+    assert threads.plan(workers=4, threads=8, processes=1, cores=8).workers == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,1")  # OpenMP's nested list form: the first level counts
+    assert threads.plan(workers=2, processes=1, cores=8).threads == 3
+    monkeypatch.setenv("BUTD_THREADS", "2")  # --threads beats OMP_NUM_THREADS
+    assert threads.plan(workers=2, processes=1, cores=8) == threads.ThreadPlan(8, 1, 2, 2, explicit=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("BUTD_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads.plan(workers=1, cores=8) == threads.ThreadPlan(8, 4, 1, 1)
+
+
+def test_bad_values_are_usage_errors(monkeypatch):
+    with pytest.raises(UsageError, match="workers"):
+        threads.plan(workers=-1)
+    with pytest.raises(UsageError, match="threads"):
+        threads.plan(threads=0)
+    monkeypatch.setenv("BUTD_THREADS", "many")
+    with pytest.raises(UsageError, match="BUTD_THREADS"):
+        threads.explicit_threads()
+    monkeypatch.setenv("BUTD_THREADS", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "garbage")  # not ours: ignored, not an error
+    assert threads.explicit_threads() == 1
+
+
+def test_cores_come_from_the_affinity_mask():
+    assert threads.available_cores() == len(os.sched_getaffinity(0))
+
+
+def test_loader_workers_sets_torch_threads_to_match(monkeypatch):
+    monkeypatch.setattr(threads, "available_cores", lambda: 8)
+    torch.set_num_threads(8)
+    assert threads.loader_workers(2) == 2
+    assert torch.get_num_threads() == 6
+    torch.set_num_threads(1)  # a lower count set earlier (a config's num_threads) is kept
+    assert threads.loader_workers(2) == 2 and torch.get_num_threads() == 1
+    monkeypatch.setenv("BUTD_THREADS", "7")
+    assert threads.loader_workers(3) == 1 and torch.get_num_threads() == 7
+    assert threads.pool_size(20) == 8 and threads.pool_size(3) == 3
+
+
+def test_cli_threads_option(monkeypatch):
+    import cli
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["--threads", "0", "info"])
+    assert res.exit_code == 2 and "error: --threads must be at least 1" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(cli.app, ["--threads", "two", "info"])
+    assert res.exit_code == 2 and "whole number" in res.output
+    res = runner.invoke(cli.app, ["--threads", "1", "info", "--help"])
+    assert res.exit_code == 0
+    assert os.environ["BUTD_THREADS"] == "1" and torch.get_num_threads() == 1
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
