@@ -1,5 +1,5 @@
 """Benchmark of the bottom-up extractor: images/s and peak memory per batch size and precision, bf16 vs fp32
-feature agreement, and the speed-up of the vectorised per-class NMS over the per-class loop.
+feature agreement, and the per-class NMS row of ``python -m bench --only nms``.
 
 Random weights with the full ResNet-101 preset (the speed does not depend on the values). Images are the real
 photos of ``--photos DIR`` (``.jpg`` files), cycled; decoding is timed separately (it runs in DataLoader workers in
@@ -23,7 +23,6 @@ import torch
 from extractors.bottom_up import SelectionRule
 from extractors.preprocess import caffe_blob, load_rgb
 from extractors.run import precision_context
-from extractors.selection import max_conf_loop, max_conf_vectorized
 from extractors.spec import caffe_r101
 from extractors.weights import random_detector
 
@@ -71,24 +70,14 @@ def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, fl
     return float(cos.min()), float(cos.mean()), float(same)
 
 
-def bench_nms(dev: torch.device, images: int, repeat: int) -> tuple[float, float]:
-    g = torch.Generator().manual_seed(0)
-    xy = torch.rand(images, 300, 2, generator=g) * 500
-    boxes = torch.cat([xy, xy + 10 + torch.rand(images, 300, 2, generator=g) * 300], 2).to(dev)
-    scores = torch.softmax(torch.randn(images, 300, 1601, generator=g) * 3, 2)[:, :, 1:].contiguous().to(dev)
-    max_conf_vectorized(boxes, scores)
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        vec = max_conf_vectorized(boxes, scores)
-    _sync(dev)
-    t_vec = (time.perf_counter() - t0) / repeat / images
-    t0 = time.perf_counter()
-    loop = torch.stack([max_conf_loop(boxes[i], scores[i]) for i in range(images)])
-    _sync(dev)
-    t_loop = (time.perf_counter() - t0) / images
-    assert torch.equal(vec, loop), "vectorised NMS differs from the loop"
-    return t_loop * 1e3, t_vec * 1e3
+def bench_nms(repeats: int = 3) -> str:
+    """The per-class NMS row of :mod:`bench.nms` (300 x 1600, uniform boxes) through the harness: warm-up,
+    interleaved repeats and the exact check on every timed round on both sides."""
+    from bench import harness, nms
+
+    row = harness.measure(nms.cases("default")[0], repeats=repeats, warmup=1)
+    return (f"per-class NMS ({row.work}, CPU): loop {row.baseline_min:.1f} ms, extractors.nms {row.project_min:.2f} ms "
+            f"(min of {row.repeats}), speed-up x{row.speedup_min:.1f} (identical kept indices per class)")
 
 
 def main() -> None:
@@ -104,7 +93,7 @@ def main() -> None:
     ap.add_argument("--proposals", type=int, default=300, help="RPN post-NMS proposals (Caffe: 300; fewer for a quick CPU run)")
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--cudnn-benchmark", action="store_true")
-    ap.add_argument("--nms-images", type=int, default=4)
+    ap.add_argument("--skip-nms", action="store_true", help="skip the per-class NMS row (CPU, 300 x 1600)")
     ap.add_argument("--skip-agreement", action="store_true")
     args = ap.parse_args()
     files = sorted(args.photos.glob("*.jpg")) if args.photos is not None else []
@@ -145,9 +134,8 @@ def main() -> None:
         n = min(len(blobs), 8)
         cmin, cmean, same = bench_agreement(model, blobs, scales, sizes, dev, n)
         print(f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}")
-    loop_ms, vec_ms = bench_nms(dev, args.nms_images, 3)
-    print(f"per-class NMS (300 proposals x 1600 classes, {args.nms_images} images): loop {loop_ms:.1f} ms/img, "
-          f"vectorised {vec_ms:.2f} ms/img, speed-up {loop_ms / vec_ms:.1f}x (identical results)")
+    if not args.skip_nms:
+        print(bench_nms())
 
 
 if __name__ == "__main__":

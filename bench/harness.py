@@ -47,6 +47,7 @@ class Case:
     sync: Callable[[], None] = field(default=lambda: None)
     per_call: float = 1.0  # divide times by this (e.g. per image); ``unit`` names it
     unit: str = "ms"
+    reports: str = "time"  # "value": an unpaired ``run_project`` returns the figure itself (in ``unit``)
 
 
 @dataclass
@@ -108,7 +109,8 @@ def measure(case: Case, repeats: int = 3, warmup: int = 1) -> Row:
     diffs: list[float] = []
     for r in range(repeats):
         if not paired:
-            t_ours.append(_timed(case.run_project, case.sync)[0])
+            dt, value = _timed(case.run_project, case.sync)
+            t_ours.append(float(value) if case.reports == "value" else dt)
             continue
         if r % 2 == 0:
             dt_o, ours = _timed(case.run_project, case.sync)
@@ -119,7 +121,7 @@ def measure(case: Case, repeats: int = 3, warmup: int = 1) -> Row:
         diffs.append(_checked(case, ours, theirs, f"timed round {r + 1}"))
         t_ours.append(dt_o)
         t_base.append(dt_b)
-    scale = (1e3 if case.unit == "ms" else 1.0) / case.per_call
+    scale = (1e3 if case.unit == "ms" and case.reports == "time" else 1.0) / case.per_call
     p_min, p_med = min(t_ours) * scale, statistics.median(t_ours) * scale
     b_min = b_med = s_min = s_med = None
     if paired:

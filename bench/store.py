@@ -1,32 +1,30 @@
-"""Feature-store benchmark: write and random-read throughput of our store vs the usual alternatives.
+"""Feature store: random single-image reads from the project's store vs the usual per-image alternatives.
 
-Layouts, all holding the same synthetic images (10-100 boxes, D=2048, ReLU-like features, float32 boxes):
+All layouts hold the same synthetic images (10-100 boxes, D=2048 ReLU-like float16 features, float32
+boxes), written once before timing:
 
-* ``store``           our store (contiguous immutable segments, reads by pread at the dataset offset)
-* ``store-nofsync``   the same written with ``fsync=False`` (kill-safe, not power-loss durable)
-* ``store-chunked``   our store with rows chunked by 64 (reads through h5py)
-* ``h5-groups``       one HDF5 group per image with ``features``/``boxes`` datasets (M2-style)
-* ``npz-dir``         one uncompressed ``.npz`` per image (MILVLG / ruotianluo-style directory)
+* ``store``        the project's store (``pipeline.store``: contiguous segments, reads by offset, CRC-checked)
+* ``npz``          one uncompressed ``.npz`` per image (``np.savez``)
+* ``npz-compressed`` one ``np.savez_compressed`` file per image (MILVLG / ruotianluo-style directories)
+* ``h5-groups``    one plain h5py group per image with ``features``/``boxes`` datasets (M2-style)
 
-Reads fetch features + boxes of single images in random order; "warm" reads come from the page cache
-(after a full pass), "cold" reads after ``posix_fadvise(DONTNEED)`` on every file (best effort: the
-kernel may keep pages). Usage::
-
-    python bench/store.py --images 20000 --reads 5000 --dtype float16 float32 --out /tmp/bench-store
+One timed call reads ``reads`` random images (features and boxes) in a fixed random order; the page cache is
+warm (a full untimed pass first, then every repeat is another full pass), and every image read is compared
+with the store's (exact). ``python -m bench --only store [--size default|tiny]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import time
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from bench.harness import Case
 from pipeline.store import FeatureStore, open_writer
 
 IDENTITY = {"name": "bench-synthetic", "config": {"boxes": [10, 100]}}
@@ -85,102 +83,99 @@ def write_groups(path: Path, src: Source, dtype: str) -> None:
             g.attrs["size"] = (wd, ht)
 
 
-def write_npz(path: Path, src: Source, dtype: str) -> None:
+def write_npz(path: Path, src: Source, dtype: str, compressed: bool = False) -> None:
     path.mkdir()
+    save = np.savez_compressed if compressed else np.savez
     for i in range(len(src)):
         key, f, b, wd, ht = src.image(i, np.dtype(dtype))
-        np.savez(path / f"{key}.npz", features=f, boxes=b, size=np.array([wd, ht]))
+        save(path / f"{key}.npz", features=f, boxes=b, size=np.array([wd, ht]))
 
 
-# -- readers ----------------------------------------------------------------------------------------------
-def reader_store(path: Path) -> tuple[Callable[[str], int], Callable[[], None]]:
+# -- readers: key -> (features, boxes) -------------------------------------------------------------------
+Reader = Callable[[str], tuple[np.ndarray, np.ndarray]]
+
+
+def reader_store(path: Path) -> tuple[Reader, Callable[[], None]]:
     store = FeatureStore(path)
 
-    def read(key: str) -> int:
+    def read(key: str) -> tuple[np.ndarray, np.ndarray]:
         rec = store.get(key)
-        return rec["features"].nbytes + rec["boxes"].nbytes
+        return rec["features"], rec["boxes"]
 
     return read, store.close
 
 
-def reader_groups(path: Path) -> tuple[Callable[[str], int], Callable[[], None]]:
+def reader_groups(path: Path) -> tuple[Reader, Callable[[], None]]:
     fh = h5py.File(path, "r")
 
-    def read(key: str) -> int:
+    def read(key: str) -> tuple[np.ndarray, np.ndarray]:
         g = fh[key]
-        f, b = g["features"][()], g["boxes"][()]
-        return f.nbytes + b.nbytes
+        return g["features"][()], g["boxes"][()]
 
     return read, fh.close
 
 
-def reader_npz(path: Path) -> tuple[Callable[[str], int], Callable[[], None]]:
-    def read(key: str) -> int:
+def reader_npz(path: Path) -> tuple[Reader, Callable[[], None]]:
+    def read(key: str) -> tuple[np.ndarray, np.ndarray]:
         with np.load(path / f"{key}.npz") as z:
-            f, b = z["features"], z["boxes"]
-        return f.nbytes + b.nbytes
+            return z["features"], z["boxes"]
 
     return read, lambda: None
 
 
-LAYOUTS = {
-    "store": (lambda p, s, d: write_store(p, s, d), reader_store, ""),
-    "store-nofsync": (lambda p, s, d: write_store(p, s, d, fsync=False), reader_store, ""),
-    "store-chunked": (lambda p, s, d: write_store(p, s, d, chunk_rows=64), reader_store, ""),
+BASELINES = {
+    "npz": (lambda p, s, d: write_npz(p, s, d), reader_npz, ""),
+    "npz-compressed": (lambda p, s, d: write_npz(p, s, d, compressed=True), reader_npz, ""),
     "h5-groups": (write_groups, reader_groups, ".h5"),
-    "npz-dir": (write_npz, reader_npz, ""),
 }
+SIZES = {"tiny": {"images": 40, "dim": 64, "reads": 20}, "default": {"images": 1000, "dim": 2048, "reads": 400}}
 
 
-def time_reads(read: Callable[[str], int], keys: list[str]) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    nbytes = sum(read(k) for k in keys)
-    dt = time.perf_counter() - t0
-    return len(keys) / dt, nbytes / dt / 2**20
+def differing_reads(ours: list[tuple[np.ndarray, np.ndarray]], theirs: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """How many reads differ (features dtype, shape or values, or boxes); 0 when exact."""
+    if len(ours) != len(theirs):
+        return float("inf")
+    return float(sum(not (fa.dtype == fb.dtype and np.array_equal(fa, fb) and np.array_equal(ba, bb))
+                     for (fa, ba), (fb, bb) in zip(ours, theirs)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--images", type=int, default=20000)
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--reads", type=int, default=5000, help="random single-image reads per measurement")
-    ap.add_argument("--dtype", nargs="+", default=["float16", "float32"])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--out", type=Path, default=Path("/tmp/bench-store"))
-    ap.add_argument("--keep", action="store_true", help="keep the files")
-    args = ap.parse_args()
+def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], Callable[[], None]]:
+    """One row per baseline layout, and a cleanup function (closes files, removes the folder unless ``root``
+    was given). Files go to ``root`` or a fresh temporary folder."""
+    cfg = SIZES[size]
+    dtype = "float16"
+    workdir = Path(tempfile.mkdtemp(prefix="bench-store-")) if root is None else Path(root)
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = Source(cfg["images"], cfg["dim"])
+    keys = [str(i) for i in np.random.default_rng(1).choice(cfg["images"], size=min(cfg["reads"], cfg["images"]), replace=False)]
+    closers: list[Callable[[], None]] = []
+    store_path = workdir / "store"
+    shutil.rmtree(store_path, ignore_errors=True)
+    write_store(store_path, src, dtype, fsync=False)
+    read_store, close = reader_store(store_path)
+    closers.append(close)
+    out = []
+    for name, (write, reader, suffix) in BASELINES.items():
+        path = workdir / f"{name}{suffix}"
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        write(path, src, dtype)
+        read, close = reader(path)
+        closers.append(close)
+        mib = disk_bytes(path) / 2**20
+        out.append(Case("store reads", "pipeline.store", name, f"{len(keys)} random images (D={cfg['dim']}, {dtype})",
+                        lambda r=read_store: [r(k) for k in keys], lambda r=read: [r(k) for k in keys], differing_reads, 0.0,
+                        note=f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache"))
 
-    src = Source(args.images, args.dim)
-    rng = np.random.default_rng(1)
-    keys = [str(i) for i in rng.choice(args.images, size=min(args.reads, args.images), replace=False)]
-    rows = int(src.counts.sum())
-    print(f"# {args.images} images, {rows} boxes (10-100 per image), D={args.dim}, {len(keys)} random reads, {os.cpu_count()} CPUs")
-    print(f"{'dtype':8} {'layout':14} {'write img/s':>11} {'write MB/s':>10} {'size MiB':>9} "
-          f"{'cold img/s':>10} {'cold MB/s':>9} {'warm img/s':>10} {'warm MB/s':>9}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    for dtype in args.dtype:
-        raw = rows * (args.dim * np.dtype(dtype).itemsize + 16)
-        for name in args.layouts:
-            write, reader, suffix = LAYOUTS[name]
-            path = args.out / f"{name}-{dtype}{suffix}"
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            t0 = time.perf_counter()
-            write(path, src, dtype)
-            os.sync()
-            wt = time.perf_counter() - t0
-            drop_cache(path)
-            read, close = reader(path)
-            cold = time_reads(read, keys)
-            for k in keys:  # fill the page cache
-                read(k)
-            warm = time_reads(read, keys)
-            close()
-            print(f"{dtype:8} {name:14} {len(src) / wt:11.0f} {raw / wt / 2**20:10.0f} {disk_bytes(path) / 2**20:9.0f} "
-                  f"{cold[0]:10.0f} {cold[1]:9.0f} {warm[0]:10.0f} {warm[1]:9.0f}", flush=True)
-            if not args.keep:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    def cleanup() -> None:
+        for c in closers:
+            c()
+        if root is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    return out, cleanup
 
 
 if __name__ == "__main__":
-    main()
+    from bench.__main__ import main
+
+    raise SystemExit(main(["--only", "store"]))

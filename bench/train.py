@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="images per batch for every model (default: the paper's)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cider", action="store_true", help="also run bench/cider.py's reward speed-up measurement")
+    ap.add_argument("--cider", action="store_true", help="also run the CIDEr-D rows of python -m bench (vs pycocoevalcap)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,12 +138,9 @@ def main() -> None:
             epoch = COCO_TRAIN_IMAGES / ips
             print(f"{name:<7}{stage:<6}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m", flush=True)
     if args.cider:
-        import sys
+        from bench.__main__ import main as bench_main
 
-        from bench import cider
-
-        sys.argv = [sys.argv[0], "--repeats", "5"]
-        cider.main()
+        bench_main(["--only", "cider", "--repeats", "5", "--threads", str(torch.get_num_threads())])
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ rewards are on words, as the papers evaluate.
 Speed: n-grams are packed into exact 64-bit keys (:mod:`pipeline.metrics.ngrams`), the reference side
 (per-image n-gram table with the term frequencies of each reference, reference norms and lengths) is
 built once, vectorised, and a call is a handful of sorts, binary searches and ``bincount`` over all
-candidates at once (``bench/cider.py`` measures the speed-up).
+candidates at once (``python -m bench --only cider`` measures the speed-up against pycocoevalcap).
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""The CUDA table of ``python -m bench --device cuda``: throughput rows (no baseline, so no ratio).
+
+* ``extract``: bottom-up extraction (ResNet-101 C4 preset, random weights: speed does not depend on the
+  values) on synthetic 480x640 photos at the Caffe test scale 600/1000, 300 proposals, batch 8, fp32 and
+  bf16; reported per image (``s/img``; images/s is its inverse).
+* ``train``: one XE and one SCST optimisation step of each ``--models`` captioner at its paper batch size on
+  synthetic COCO-shaped tensors (36 x 2048 regions, 5 captions of 8-16 words, 9,487 words), reported as the
+  projected Karpathy-train epoch (113,287 images) in seconds (``bench.train.bench_stage`` does the step).
+* ``decode``: beam search (beam 5, 20 words) over 5,000 images of synthetic features in batches of 500.
+
+Not run in the test suite (no GPU there); ``python -m bench --device cuda`` on a machine with one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bench.harness import Case
+
+COCO_TRAIN_IMAGES = 113_287
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def cases(name: str, size: str, models: list[str]) -> list[Case]:
+    """The rows of one CUDA bench (``extract``, ``train`` or ``decode``)."""
+    if name == "extract":
+        return _extract_cases(size)
+    if name == "train":
+        return [c for m in models for c in _train_cases(m, size)]
+    return [_decode_case(m, size) for m in models]
+
+
+def _extract_cases(size: str) -> list[Case]:
+    from extractors.bottom_up import SelectionRule
+    from extractors.preprocess import caffe_blob
+    from extractors.run import precision_context
+    from extractors.spec import caffe_r101
+    from extractors.weights import random_detector
+
+    images, batch = (4, 2) if size == "tiny" else (64, 8)
+    dev = torch.device("cuda")
+    spec = caffe_r101()
+    model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
+    rng = np.random.default_rng(0)
+    decoded = [caffe_blob(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), spec.min_size, spec.max_size) for _ in range(4)]
+    blobs = [torch.from_numpy(decoded[i % 4][0]).pin_memory() for i in range(images)]
+    scales = [decoded[i % 4][1] for i in range(images)]
+    sizes = [(480, 640)] * images
+    rule = SelectionRule.for_mode("adaptive")
+
+    def run(precision: str):
+        def go() -> None:
+            with precision_context(precision, dev):
+                for i in range(0, images, batch):
+                    model.detect(blobs[i : i + batch], scales[i : i + batch], sizes[i : i + batch], rule)
+        return go
+
+    return [Case("extract", f"bottom-up R101 {p}", None, f"{images} images, batch {batch}, 600/1000, 300 proposals",
+                 run(p), sync=_sync, per_call=images, unit="s/img") for p in ("fp32", "bf16")]
+
+
+def _train_cases(name: str, size: str) -> list[Case]:
+    from bench.train import COCO_TRAIN_IMAGES as images
+    from bench.train import VOCAB_SIZE, bench_stage, reference_corpus
+    from pipeline.core.vocab import Vocab
+    from pipeline.training.engine import resolve_amp
+
+    dev = torch.device("cuda")
+    amp = resolve_amp("auto", dev)
+    words = ("<pad>", "<bos>", "<eos>", "<unk>")
+    vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
+    scorer = reference_corpus(Vocab(words), 200 if size == "tiny" else 2000)
+    out = []
+    for stage in ("xe", "scst"):
+        def epoch(stage: str = stage) -> float:
+            batch, sec = bench_stage(name, stage, 2 if size == "tiny" else None, 1 if size == "tiny" else 5, dev, amp, scorer, vocab)
+            return images / batch * sec
+
+        out.append(Case(f"train {stage}", f"{name} {stage} epoch (projected, {amp})", None,
+                        f"{images} images at the paper batch size; timed steps x epoch length", epoch, unit="s",
+                        reports="value"))
+    return out
+
+
+def _decode_case(name: str, size: str) -> Case:
+    from bench.decode import make_inputs, run_once
+    from bench.train import VOCAB_SIZE
+    from models import build_captioner
+
+    dev = torch.device("cuda")
+    total, batch = (20, 10) if size == "tiny" else (5000, 500)
+    model = build_captioner(name, VOCAB_SIZE).to(dev).eval()
+    inputs = make_inputs(batch, 36, int(getattr(model, "feat_dim", 2048)), dev)
+
+    def go() -> None:
+        with torch.inference_mode():
+            for _ in range(total // batch):
+                run_once(model, inputs, 5, 20)
+
+    return Case("decode", f"{name} beam-5", None, f"{total} images, batch {batch}, max 20 words", go, sync=_sync, unit="s")
