@@ -79,8 +79,22 @@ def test_bad_values_are_usage_errors(monkeypatch):
     assert threads.explicit_threads() == 1
 
 
-def test_cores_come_from_the_affinity_mask():
-    assert threads.available_cores() == len(os.sched_getaffinity(0))
+def test_cores_come_from_the_affinity_mask_and_the_cgroup_quota(tmp_path, monkeypatch):
+    quota = threads.cgroup_cpu_limit()
+    expected = len(os.sched_getaffinity(0)) if quota is None else min(len(os.sched_getaffinity(0)), quota)
+    assert threads.available_cores() == expected
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # docker run --cpus 1.5: 2 cores' worth of threads
+    assert threads.cgroup_cpu_limit(tmp_path) == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert threads.cgroup_cpu_limit(v1) == 4
+    assert threads.cgroup_cpu_limit(tmp_path / "missing") is None
+    monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda: 1)
+    assert threads.available_cores() == 1
 
 
 def test_loader_workers_sets_torch_threads_to_match(monkeypatch):

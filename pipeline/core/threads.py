@@ -1,7 +1,8 @@
 """Thread policy: how many torch threads, DataLoader workers and pool processes a command uses.
 
 One rule for every command, sized from the cores this process may run on (``os.sched_getaffinity``, so
-``taskset``, cgroups/cpusets of containers and Slurm allocations count, not the machine's total):
+``taskset``, cpusets of containers and Slurm allocations count, not the machine's total; and a cgroup CPU
+quota such as ``docker run --cpus 2``):
 
 * ``processes``: the processes of this job on this machine (torchrun's ``LOCAL_WORLD_SIZE``, else 1); each
   gets an equal share, ``budget = max(1, cores // processes)``;
@@ -21,9 +22,11 @@ sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, unless the user set it),
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pipeline.core.errors import UsageError
 
@@ -46,11 +49,32 @@ class ThreadPlan:
 
 
 def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity mask; ``os.cpu_count()`` where that is unknown)."""
+    """Cores this process may run on: its CPU affinity mask (``os.cpu_count()`` where that is unknown),
+    lowered to a cgroup CPU quota where one is set (``docker run --cpus``, Kubernetes CPU limits)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpu_limit()
+    return cores if quota is None else max(1, min(cores, quota))
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The CPU quota of this process's cgroup in whole cores (rounded up), or None when unlimited or unknown.
+    Reads cgroup v2 ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") or v1 ``cpu/cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us`` under ``root``."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.is_file():
+            quota, period = (v2.read_text().split() + ["100000"])[:2]
+        else:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def local_processes() -> int:
