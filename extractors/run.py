@@ -202,6 +202,7 @@ def run_extraction(
     fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
     t0 = time.perf_counter()
     ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels)
+    threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
     loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=thread_policy.loader_workers(workers), collate_fn=_collate,
                         pin_memory=dev.type == "cuda", persistent_workers=False)
     since_commit = 0
@@ -247,6 +248,7 @@ def run_extraction(
                 progress.advance(task, len(batch))
         writer.commit()
     finally:
+        torch.set_num_threads(threads_before)
         if fail_fh is not None:
             fail_fh.close()
     summary.seconds = time.perf_counter() - t0
