@@ -1,11 +1,12 @@
-"""Shared CLI plumbing: the error boundary, common options, and printing the resolved config."""
+"""Shared CLI plumbing: the error boundary, printing the resolved config and stage results (the common options
+themselves are declared in :mod:`pipeline.commands.options`)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import typer
 
@@ -15,18 +16,6 @@ from pipeline.core.errors import PipelineError, os_error_message
 from pipeline.core.keys import markup_escape
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-ConfigOpt = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", help="YAML config (may use _base_); defaults to the stage's file in configs/."),
-]
-SetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", "-s", help="Dotted override KEY=VALUE (value read as YAML), repeatable: --set train.lr=1e-4"),
-]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Redo a stage that already finished.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -104,6 +93,7 @@ def resolve_config(stage: str, config: Path | None, overrides: list[str] | None,
 
 
 def init(verbose: bool = False, quiet: bool = False) -> None:
+    """Set up logging: debug with ``verbose``, warnings only with ``quiet``."""
     setup_logging(verbose=verbose, quiet=quiet)
 
 

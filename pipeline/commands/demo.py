@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.commands.options import CommandOptions, command, out_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
 
@@ -19,46 +19,36 @@ GROUNDING_COLUMNS = (("objects", "object_accuracy", "phrases"), ("relations", "r
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "demo",
-        help=(
-            "Run the whole pipeline on the embedded synthetic world (no download): generate the world, train "
-            "the demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate "
-            "on the test split, caption a few test images with pictures. Finished stages are skipped on a "
-            "second run; an interrupted stage resumes.\n\n"
-            "Examples:\n\n"
-            "    butd-caption demo --out runs/demo\n\n"
-            "    butd-caption demo --quick --out runs/ci\n\n"
-            "    butd-caption demo --models san,ngsan,m2,aoa,ban --out runs/compare\n\n"
-            "    butd-caption demo --generate-only --out world --num-images 2000 --seed 1"
-        ),
-    )
-    @guarded
+    @command(app, "demo", force=True)
     def demo_command(
-        out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created if missing).")] = Path("runs/demo"),
+        opts: CommandOptions,
+        out: out_option("Run directory (created if missing).") = Path("runs/demo"),
         models: Annotated[Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")] = None,
         generate_only: Annotated[bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")] = False,
         num_images: Annotated[Optional[int], typer.Option("--num-images", min=1, help="Images in the world (world.num_images).")] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
         quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        force: ForceOpt = False,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Run the whole pipeline on the embedded synthetic world (no download): generate the world, train the
+        demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate on the
+        test split, caption a few test images with pictures. Finished stages are skipped on a second run; an
+        interrupted stage resumes.
+
+        Examples:
+
+            butd-caption demo --out runs/demo
+
+            butd-caption demo --quick --out runs/ci
+
+            butd-caption demo --models san,ngsan,m2,aoa,ban --out runs/compare
+
+            butd-caption demo --generate-only --out world --num-images 2000 --seed 1
+        """
         from pipeline.core.config import load_config
 
-        overrides: list[str] = []
-        if quick:
-            overrides += list(load_config("demo", config).demo.quick_overrides)
-        overrides += list(set_ or [])
-        if num_images is not None:
-            overrides.append(f"world.num_images={num_images}")
-        if seed is not None:
-            overrides.append(f"world.seed={seed}")
-        cfg = resolve_config("demo", config, overrides)
+        first = list(load_config("demo", opts.config).demo.quick_overrides) if quick else []
+        extra = [f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None]
+        cfg = opts.resolve("demo", extra, first=first)
         names = [m.strip() for m in (models.split(",") if models else cfg.demo.models) if m.strip()]
         if not names:
             raise UsageError("--models needs at least one captioner name")
@@ -69,13 +59,13 @@ def register(app: typer.Typer) -> None:
             from pipeline.core.stages import run_stage
             from pipeline.world.generate import generate_world
 
-            result = run_stage(out.parent if out.name else out, out.name, cfg.world, generate_world, force=force)
+            result = run_stage(out.parent if out.name else out, out.name, cfg.world, generate_world, force=opts.force)
             stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
 
         from pipeline.demo import run_demo
 
-        report = run_demo(out, cfg, names, force=force)
+        report = run_demo(out, cfg, names, force=opts.force)
         _print_report(report)
 
 

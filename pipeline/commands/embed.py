@@ -7,67 +7,61 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
+from pipeline.commands.common import print_stage_result
+from pipeline.commands.options import CommandOptions, Everyday, command, out_option, output_option
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
 
+#: ``--precision fp32`` is the config's ``amp: none``
+ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.amp",
+                            precision_values={"fp32": "none"})
+EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size")
+
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "train-encoder",
-        help=(
-            "Train the self-attentive visually grounded sentence encoder (CAP2IMG, CAP2CAP or CAP2ALL) into "
-            "OUT/encoder/ (best.pt by validation caption-to-image R@1, last.pt to resume, log.jsonl).\n\nExamples:\n\n"
-            "    butd-caption train-encoder --out runs/w --set encoder.model_overrides.objective=cap2img\n\n"
-            "    butd-caption train-encoder --out runs/w --set encoder.model_overrides={self_attention: false, hidden_size: 2048}"
-        ),
-    )
-    @guarded
+    @command(app, "train-encoder", force=True, everyday=ENCODER_EVERYDAY)
     def train_encoder_command(
-        out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (encoder.store / encoder.data default to OUT/features/store and OUT/data).")] = Path("runs/train"),
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        force: ForceOpt = False,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
+        opts: CommandOptions,
+        out: out_option("Run directory (encoder.store / encoder.data default to OUT/features/store and OUT/data).") = Path("runs/train"),
     ) -> None:
-        init(verbose, quiet)
+        """Train the self-attentive visually grounded sentence encoder (CAP2IMG, CAP2CAP or CAP2ALL) into
+        OUT/encoder/ (best.pt by validation caption-to-image R@1, last.pt to resume, log.jsonl).
+
+        Examples:
+
+            butd-caption train-encoder --out runs/w --set encoder.model_overrides.objective=cap2img
+
+            butd-caption train-encoder --out runs/w --set encoder.model_overrides={self_attention: false, hidden_size: 2048}
+        """
         from pipeline.embedding.train import train_encoder
 
-        cfg = resolve_config("embed", config, set_, show=verbose)
-        result = train_encoder(out, cfg, force=force)
-        if not is_main_process():
-            return
-        print_stage_result(result, best_format=".2f")
+        result = train_encoder(out, opts.resolve("embed", show=opts.verbose), force=opts.force)
+        if is_main_process():
+            print_stage_result(result, best_format=".2f")
 
-    @app.command(
-        "embed",
-        help=(
-            "Sentence embeddings from a trained encoder for a file of sentences (one per line, or JSON lines with "
-            "'text'), written as .npy or .jsonl; --visualize also draws the self-attention rows over the words (PNG).\n\n"
-            "Example:\n\n    butd-caption embed --checkpoint runs/w/encoder/best.pt --input sents.txt --output emb.npy --visualize att.png"
-        ),
-    )
-    @guarded
+    @command(app, "embed", everyday=EMBED_EVERYDAY)
     def embed_command(
+        opts: CommandOptions,
         checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", "-k", help="Encoder checkpoint (train-encoder's best.pt).")] = None,
         input_path: Annotated[Optional[Path], typer.Option("--input", "-i", help="Sentences: text (one per line) or .jsonl with 'text'.")] = None,
-        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Embeddings file: .npy or .jsonl.")] = None,
+        output: output_option("Embeddings file: .npy or .jsonl.") = None,
         visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Also write a PNG heatmap of the attention rows over the words.")] = None,
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Sentence embeddings from a trained encoder for a file of sentences (one per line, or JSON lines with
+        'text'), written as .npy or .jsonl; --visualize also draws the self-attention rows over the words
+        (PNG).
+
+        Example:
+
+            butd-caption embed --checkpoint runs/w/encoder/best.pt --input sents.txt --output emb.npy --visualize att.png
+        """
         if checkpoint is None or input_path is None or output is None:
             raise UsageError("give --checkpoint ENCODER.pt, --input SENTENCES and --output EMBEDDINGS.npy|.jsonl")
         if visualize is not None and visualize.suffix.lower() != ".png":
             raise UsageError(f"--visualize must name a .png file, not {visualize.name!r}")
         from pipeline.embedding.embed import embed_file
 
-        cfg = resolve_config("embed", config, set_, show=verbose)
-        result = embed_file(checkpoint, input_path, output, cfg.embed, visualize)
+        result = embed_file(checkpoint, input_path, output, opts.resolve("embed", show=opts.verbose).embed, visualize)
         con = stdout_console()
         con.print(f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False)
         if "heatmap" in result:

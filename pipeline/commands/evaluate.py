@@ -18,34 +18,27 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
 
 log = get_logger("evaluate")
 
 
+EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "evaluate",
-        help=(
-            "Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).\n\n"
-            "Examples:\n\n"
-            "    butd-caption evaluate --predictions results.json --references captions_test.json\n\n"
-            "    butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider\n\n"
-            "    butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test\n\n"
-            "    butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt"
-        ),
-    )
-    @guarded
+    @command(app, "evaluate", everyday=EVALUATE_EVERYDAY)
     def evaluate_command(
+        opts: CommandOptions,
         predictions: Annotated[
             Optional[Path], typer.Option("--predictions", "-p", help="COCO results file: [{image_id, caption}, ...].")
         ] = None,
         references: Annotated[
             Optional[Path], typer.Option("--references", "-r", help="COCO captions file with the reference captions.")
         ] = None,
-        output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the metrics as JSON here.")] = None,
+        output: output_option("Write the metrics as JSON here.") = None,
         metrics: Annotated[
             Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
         ] = None,
@@ -57,19 +50,26 @@ def register(app: typer.Typer) -> None:
         retrieval: Annotated[
             Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
         ] = None,
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
-        overrides = list(set_ or [])
+        """Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).
+
+        Examples:
+
+            butd-caption evaluate --predictions results.json --references captions_test.json
+
+            butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider
+
+            butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test
+
+            butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt
+        """
+        extra: list[str] = []
         if metrics is not None:
             names = [m.strip() for m in metrics.split(",") if m.strip()]
-            overrides.append(f"evaluate.metrics=[{','.join(names)}]")
+            extra.append(f"evaluate.metrics=[{','.join(names)}]")
         if split is not None:
-            overrides.append(f"evaluate.split={split}")
-        cfg = resolve_config("evaluate", config, overrides, show=verbose)
+            extra.append(f"evaluate.split={split}")
+        cfg = opts.resolve("evaluate", extra, show=opts.verbose)
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
 def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None) -> dict[str, Any]:
     from pipeline.embedding.retrieval import evaluate_retrieval_files
 
-    return evaluate_retrieval_files(encoder, store, data, str(section.split), predictions=predictions)
+    return evaluate_retrieval_files(encoder, store, data, str(section.split), device=str(section.device), predictions=predictions)
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
@@ -156,7 +156,8 @@ def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None,
     from pipeline.training.api import evaluate_checkpoint
 
     split = str(section.split)
-    res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding)
+    res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding,
+                              device=str(section.device), batch_size=int(section.batch_size), precision=str(section.precision))
     report = _retrieval(encoder, store, data, section, Path(res["predictions"])) if encoder is not None else None
     if output is not None:
         payload = {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")}

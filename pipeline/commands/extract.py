@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, resolve_config
+from pipeline.commands.options import CommandOptions, Everyday, command
 from pipeline.core.errors import PipelineError, UsageError
 
 
@@ -56,21 +56,15 @@ def merge_shard_stores(store: Path) -> None:
     stdout_console().print(f"merged {n} shards ({total} images) into {store}")
 
 
+#: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.run.precision_context)
+EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_size", precision="extract.precision",
+                            num_workers="extract.workers", precision_choices=("fp32", "tf32", "bf16"))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "extract",
-        help=(
-            "Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a "
-            "feature store. Resumable: images already in the store are skipped. Bad images are listed in "
-            "STORE/failures.jsonl and the run continues.\n\n"
-            "Examples:\n\n"
-            "    butd-caption extract photos/ --weights bua-caffe-frcn-r101_with_attributes.pth --store runs/feats\n\n"
-            "    butd-caption extract --coco annotations/instances_val2014.json --image-root val2014 --boxes given --weights W --store S\n\n"
-            "    butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)"
-        ),
-    )
-    @guarded
+    @command(app, "extract", everyday=EXTRACT_EVERYDAY)
     def extract_command(
+        opts: CommandOptions,
         paths: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")] = None,
         weights: Annotated[str, typer.Option("--weights", "-w", help="Detector weights (.pth MILVLG, .pkl airsplay, .bin HF) or 'random'.")] = "",
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store directory (created or resumed).")] = None,
@@ -79,25 +73,26 @@ def register(app: typer.Typer) -> None:
         image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")] = None,
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
         preset: Annotated[Optional[str], typer.Option("--preset", help="auto | bottom-up-caffe-r101 | bottom-up-d2-r101")] = None,
-        device: Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")] = None,
-        precision: Annotated[Optional[str], typer.Option("--precision", help="fp32 | tf32 | bf16")] = None,
-        batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Images per forward pass.")] = None,
-        workers: Annotated[Optional[int], typer.Option("--workers", help="Image-decoding processes.")] = None,
         shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed.")] = False,
         merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
-        overrides = list(set_ or [])
-        for key, val in (("boxes", boxes), ("preset", preset), ("device", device), ("precision", precision), ("batch_size", batch_size), ("workers", workers)):
-            if val is not None:  # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
-                overrides.append(f"extract.{key}={json.dumps(val)}")
-        cfg = resolve_config("extract", config, overrides).extract
+        # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
+        """Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a
+        feature store. Resumable: images already in the store are skipped. Bad images are listed in
+        STORE/failures.jsonl and the run continues.
+
+        Examples:
+
+            butd-caption extract photos/ --weights bua-caffe-frcn-r101_with_attributes.pth --store runs/feats
+
+            butd-caption extract --coco annotations/instances_val2014.json --image-root val2014 --boxes given --weights W --store S
+
+            butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)
+        """
+        extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset)) if val is not None]
+        cfg = opts.resolve("extract", extra).extract
         if store is None:
             raise UsageError("--store is required")
         if merge_shards:

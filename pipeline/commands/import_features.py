@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import QuietOpt, VerboseOpt, guarded, init
+from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
 
@@ -19,18 +19,9 @@ def _user_error(exc: PipelineError) -> UsageError:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "import-features",
-        help=(
-            "Import public feature files into a store (streaming, resumable).\n\n"
-            "Formats: butd-tsv (original bottom-up TSV, 36 or 10-100 boxes), obj36-tsv (LXMERT, with object and "
-            "attribute ids), cocobu (ATT_DIR [BOX_DIR] of ruotianluo npz/npy, needs --sizes), m2-hdf5 "
-            "(coco_detections.hdf5, needs --sizes).\n\n"
-            "Example:\n\n    butd-caption import-features --format butd-tsv trainval_36.tsv --store feats"
-        ),
-    )
-    @guarded
+    @command(app, "import-features", config=False, overrides=False)
     def import_features_command(
+        opts: CommandOptions,
         sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
         fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv | cocobu | m2-hdf5")],
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
@@ -40,10 +31,17 @@ def register(app: typer.Typer) -> None:
         sizes: Annotated[Optional[Path], typer.Option("--sizes", help="COCO json with images[].id/width/height (cocobu, m2-hdf5).")] = None,
         skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,
         commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Import public feature files into a store (streaming, resumable).
+
+        Formats: butd-tsv (original bottom-up TSV, 36 or 10-100 boxes), obj36-tsv (LXMERT, with object and
+        attribute ids), cocobu (ATT_DIR [BOX_DIR] of ruotianluo npz/npy, needs --sizes), m2-hdf5
+        (coco_detections.hdf5, needs --sizes).
+
+        Example:
+
+            butd-caption import-features --format butd-tsv trainval_36.tsv --store feats
+        """
         from pipeline.importers import import_features, read_sizes
         from pipeline.store import load_identity_file
 
@@ -64,20 +62,19 @@ def register(app: typer.Typer) -> None:
         for where, message in report.bad:
             con.print(f"  bad: {message}", highlight=False, markup=False)
 
-    @app.command(
-        "export-features",
-        help="Write a store back to a TSV (butd-tsv or obj36-tsv); a float32 store round-trips byte for byte.\n\n"
-        "Example:\n\n    butd-caption export-features feats --format butd-tsv --out feats.tsv",
-    )
-    @guarded
+    @command(app, "export-features", config=False, overrides=False)
     def export_features_command(
+        opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
         out: Annotated[Path, typer.Option("--out", help="TSV file to write.")],
         fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv")] = "butd-tsv",
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Write a store back to a TSV (butd-tsv or obj36-tsv); a float32 store round-trips byte for byte.
+
+        Example:
+
+            butd-caption export-features feats --format butd-tsv --out feats.tsv
+        """
         from pipeline.importers import export_tsv
 
         try:
@@ -86,21 +83,20 @@ def register(app: typer.Typer) -> None:
             raise _user_error(exc) from None
         stdout_console().print(f"rows written: {n} -> {out}", highlight=False)
 
-    @app.command(
-        "merge-features",
-        help="Merge store shards (one per GPU or machine) into one store, checking that each image appears "
-        "exactly once. A destination ending in .h5 becomes a single-file store.\n\n"
-        "Example:\n\n    butd-caption merge-features shard-0 shard-1 --out feats",
-    )
-    @guarded
+    @command(app, "merge-features", config=False, overrides=False)
     def merge_features_command(
+        opts: CommandOptions,
         shards: Annotated[list[Path], typer.Argument(help="Shard store directories.")],
         out: Annotated[Path, typer.Option("--out", help="Destination store (must not exist).")],
         expect: Annotated[Optional[Path], typer.Option("--expect", help="Text file of image ids that must be present, one per line.")] = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Merge store shards (one per GPU or machine) into one store, checking that each image appears exactly
+        once. A destination ending in .h5 becomes a single-file store.
+
+        Example:
+
+            butd-caption merge-features shard-0 shard-1 --out feats
+        """
         from pipeline.store import merge_stores
 
         expected = None

@@ -10,36 +10,32 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import QuietOpt, SetOpt, VerboseOpt, guarded, init
+from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "info",
-        help=(
-            "Show the environment (versions, devices, Java), or inspect TARGET: a run directory "
-            "(stages and their status), a config file, or (later issues) a feature store, checkpoint or "
-            "detector weights.\n\n"
-            "Examples:\n\n"
-            "    butd-caption info\n\n"
-            "    butd-caption info runs/demo\n\n"
-            "    butd-caption info --model ngsan --set num_layers=6"
-        ),
-    )
-    @guarded
+    @command(app, "info", config=False)
     def info_command(
+        opts: CommandOptions,
         target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file.")] = None,
         model: Annotated[Optional[str], typer.Option("--model", help="Build captioner NAME and print its parameter count.")] = None,
         verify: Annotated[bool, typer.Option("--verify", help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).")] = False,
-        set_: SetOpt = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Show the environment (versions, devices, Java), or inspect TARGET: a run directory (stages and their
+        status), a config file, or (later issues) a feature store, checkpoint or detector weights.
+
+        Examples:
+
+            butd-caption info
+
+            butd-caption info runs/demo
+
+            butd-caption info --model ngsan --set num_layers=6
+        """
         if model is not None:
-            _model_info(model, set_ or [])
+            _model_info(model, list(opts.overrides))
         elif target is None:
             _environment()
         elif not target.exists():

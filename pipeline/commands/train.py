@@ -3,40 +3,38 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, ForceOpt, QuietOpt, SetOpt, VerboseOpt, guarded, init, print_stage_result, resolve_config
+from pipeline.commands.common import print_stage_result
+from pipeline.commands.options import CommandOptions, Everyday, command, out_option
 from pipeline.core.console import is_main_process
+
+#: the everyday options of `train`: both stages' batch size; ``--precision fp32`` is the config's ``amp: none``
+TRAIN_EVERYDAY = Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
+                          precision="train.amp", num_workers="train.num_workers", precision_values={"fp32": "none"})
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "train",
-        help=(
-            "Train a captioner: cross-entropy, then self-critical CIDEr-D, with the paper schedule of "
-            "configs/models/<model>.yaml. Writes OUT/train-<model>/ (last.pt, best.pt, xe.pt, log.jsonl); an "
-            "interrupted run resumes from the exact batch when the command is run again.\n\nExamples:\n\n"
-            "    butd-caption train --out runs/coco --set train.model=ngsan\n\n"
-            "    butd-caption train --out runs/w --set train.model=san --set train.xe.epochs=5 --set train.scst.epochs=2\n\n"
-            "    torchrun --nproc_per_node 8 cli.py train --out runs/coco --set train.model=m2"
-        ),
-    )
-    @guarded
+    @command(app, "train", force=True, everyday=TRAIN_EVERYDAY)
     def train_command(
-        out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (train.store / train.data default to OUT/features/store and OUT/data).")] = Path("runs/train"),
-        config: ConfigOpt = None,
-        set_: SetOpt = None,
-        force: ForceOpt = False,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
+        opts: CommandOptions,
+        out: out_option("Run directory (train.store / train.data default to OUT/features/store and OUT/data).") = Path("runs/train"),
     ) -> None:
-        init(verbose, quiet)
+        """Train a captioner: cross-entropy, then self-critical CIDEr-D, with the paper schedule of
+        configs/models/<model>.yaml. Writes OUT/train-<model>/ (last.pt, best.pt, xe.pt, log.jsonl); an
+        interrupted run resumes from the exact batch when the command is run again.
+
+        Examples:
+
+            butd-caption train --out runs/coco --set train.model=ngsan
+
+            butd-caption train --out runs/w --set train.model=san --set train.xe.epochs=5 --set train.scst.epochs=2
+
+            torchrun --nproc_per_node 8 cli.py train --out runs/coco --set train.model=m2
+        """
         from pipeline.training.api import train_captioner
 
-        cfg = resolve_config("train", config, set_, show=verbose)
-        result = train_captioner(out, cfg, force=force)
-        if not is_main_process():
-            return
-        print_stage_result(result)
+        result = train_captioner(out, opts.resolve("train", show=opts.verbose), force=opts.force)
+        if is_main_process():
+            print_stage_result(result)

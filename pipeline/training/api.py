@@ -88,6 +88,7 @@ def evaluate_checkpoint(
     device: str = "auto",
     batch_size: int = 50,
     fast_only: bool = False,
+    precision: str = "auto",
 ) -> dict[str, Any]:
     """Decode ``split`` with the checkpoint's model and decoding settings and score it.
 
@@ -98,6 +99,7 @@ def evaluate_checkpoint(
         eval_section: the ``evaluate:`` config section (metrics, tokenizer, Java); default configs/evaluate.yaml.
         decoding: overrides of the checkpoint's decoding options (e.g. ``{"beam_size": 1}``).
         fast_only: only the fast CIDEr-D (no Java), e.g. for tests.
+        precision: decoding autocast: ``auto`` (bf16 on a CUDA device that supports it, else fp32) | fp32 | bf16 | fp16.
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
@@ -124,7 +126,12 @@ def evaluate_checkpoint(
     options = DecodeOptions.from_mapping({**dict(ckpt.get("decoding") or {}), **dict(decoding or {})})
     source = BatchSource(dataset, "memory" if dev.type == "cpu" else "cuda", dev)
     ctx = DistContext(device=dev)
-    amp = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    if precision == "auto":
+        amp = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    elif precision in ("fp32", "bf16", "fp16"):
+        amp = "none" if precision == "fp32" else precision
+    else:
+        raise UsageError(f"precision must be auto, fp32, bf16 or fp16, not {precision!r}")
     preds = decode_split(model, source, prepared.vocab, options, ctx, batch_size, amp, description=f"decoding {split}")
     references = prepared.references()
     scores = score_split(preds, references, full=not fast_only, options=EvalOptions.from_config(section))

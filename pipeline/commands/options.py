@@ -1,0 +1,197 @@
+"""The options every command shares, declared once.
+
+A command module declares only the options that are special to it; :func:`command` registers the function
+with the root app, adds the common options it asks for and hands them over as one :class:`CommandOptions`::
+
+    @command(app, "train", help="...", force=True,
+             everyday=Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size")))
+    def train_command(opts: CommandOptions, out: OutDir = Path("runs/train")) -> None:
+        cfg = opts.resolve("train")            # configs/train.yaml + --config + --set + the everyday options
+
+Common options (all commands): ``--config/-c``, ``--set/-s`` (repeatable), ``--verbose/-v``, ``--quiet/-q``;
+on request ``--force``. The *everyday* options of a command that runs a model are ``--device``,
+``--batch-size``, ``--precision`` and ``--num-workers``; :class:`Everyday` says which config keys each one sets
+(a command may also read ``opts.device`` etc. itself). Logging is set up and errors become one ``error:``
+line (:func:`pipeline.commands.common.guarded`) before the command body runs.
+
+To add a common option: a field of :class:`CommandOptions`, an entry of ``_OPTIONS`` and, if it maps onto
+config keys, a field of :class:`Everyday`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from pipeline.commands.common import guarded, init, resolve_config
+from pipeline.core.config import Config
+from pipeline.core.errors import UsageError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+ConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="YAML config (may use _base_); defaults to the stage's file in configs/."),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Dotted override KEY=VALUE (value read as YAML), repeatable: --set train.lr=1e-4"),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Redo a stage that already finished.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
+BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Batch size (images per step or forward pass).")]
+
+
+def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
+    """A ``--precision`` option whose help lists the values the command accepts."""
+    return Annotated[Optional[str], typer.Option("--precision", help=f"{' | '.join(choices)} (default: the config's)")]
+
+
+NumWorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", "--workers", min=0, help="Data-loading processes (0: in the main process).")]
+
+
+def out_option(help_text: str, short: bool = True) -> Any:
+    """An ``--out`` option (``-o`` too unless ``short`` is False) with the command's own help."""
+    names = ("--out", "-o") if short else ("--out",)
+    return Annotated[Path, typer.Option(*names, help=help_text)]
+
+
+def output_option(help_text: str) -> Any:
+    """An optional ``--output/-o`` file option with the command's own help."""
+    return Annotated[Optional[Path], typer.Option("--output", "-o", help=help_text)]
+
+
+Keys = str | Sequence[str]
+
+
+def _keys(value: Keys | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class Everyday:
+    """Which dotted config keys the everyday options set for one command (a tuple sets several keys).
+
+    ``precision_choices`` are the values ``--precision`` accepts; ``precision_values`` translates a value for the
+    config (e.g. ``{"fp32": "none"}`` for an ``amp:`` key).
+    """
+
+    device: Keys | None = None
+    batch_size: Keys | None = None
+    precision: Keys | None = None
+    num_workers: Keys | None = None
+    precision_choices: tuple[str, ...] = PRECISIONS
+    precision_values: dict[str, str] = field(default_factory=dict)
+    direct: tuple[str, ...] = ()  # everyday options the command reads from ``opts`` itself (no config key)
+
+    def offered(self) -> tuple[str, ...]:
+        """The everyday options this command declares."""
+        mapped = tuple(n for n in ("device", "batch_size", "precision", "num_workers") if getattr(self, n) is not None)
+        return mapped + tuple(n for n in self.direct if n not in mapped)
+
+
+@dataclass(frozen=True)
+class CommandOptions:
+    """The common options of one command invocation."""
+
+    config: Path | None = None
+    overrides: tuple[str, ...] = ()
+    force: bool = False
+    verbose: bool = False
+    quiet: bool = False
+    device: str | None = None
+    batch_size: int | None = None
+    precision: str | None = None
+    num_workers: int | None = None
+    everyday: Everyday = field(default_factory=Everyday)
+
+    def everyday_overrides(self) -> list[str]:
+        """``KEY=VALUE`` overrides for the everyday options that were given (strings as JSON = YAML strings)."""
+        out: list[str] = []
+        if self.precision is not None and self.precision not in self.everyday.precision_choices:
+            raise UsageError(f"--precision must be one of {', '.join(self.everyday.precision_choices)}, not {self.precision!r}")
+        for name in ("device", "batch_size", "precision", "num_workers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "precision":
+                value = self.everyday.precision_values.get(value, value)
+            for key in _keys(getattr(self.everyday, name)):
+                out.append(f"{key}={json.dumps(value)}")
+        return out
+
+    def resolve(self, stage: str, extra: Sequence[str] = (), first: Sequence[str] = (), show: bool = True) -> Config:
+        """``configs/<stage>.yaml`` (or ``--config``) with ``first``, ``--set``, ``extra`` and the everyday options
+        applied in that order (later wins)."""
+        overrides = [*first, *self.overrides, *extra, *self.everyday_overrides()]
+        return resolve_config(stage, self.config, overrides, show=show)
+
+
+_OPTIONS: dict[str, tuple[str, Any, Any]] = {  # CommandOptions field -> (parameter name, annotation, default)
+    "config": ("config", ConfigOpt, None),
+    "overrides": ("set_", SetOpt, None),
+    "force": ("force", ForceOpt, False),
+    "device": ("device", DeviceOpt, None),
+    "batch_size": ("batch_size", BatchSizeOpt, None),
+    "precision": ("precision", precision_option(), None),
+    "num_workers": ("num_workers", NumWorkersOpt, None),
+    "verbose": ("verbose", VerboseOpt, False),
+    "quiet": ("quiet", QuietOpt, False),
+}
+
+
+def help_from_doc(fn: Callable[..., Any]) -> str:
+    """A command's help from its docstring: paragraphs re-joined into one line each (Typer's rich help keeps
+    single line breaks), paragraphs indented by 4 spaces (examples) kept as they are."""
+    paragraphs = (inspect.getdoc(fn) or "").split("\n\n")
+    return "\n\n".join(p if p.startswith("    ") else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def command(app: typer.Typer, name: str, *, help: str | None = None, config: bool = True, overrides: bool = True, force: bool = False,
+            everyday: Everyday | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(opts, **own_options)`` as command ``name`` with the common options added to its signature.
+
+    The command's help is ``help`` or else ``fn``'s docstring (paragraphs; example lines indented by 4 spaces).
+
+    ``config``: offer ``--config``; ``overrides``: offer ``--set``; ``force``: offer ``--force``; ``everyday``: the
+    everyday options and the config keys they set. ``--verbose``/``--quiet`` are always offered.
+    """
+    ev = everyday or Everyday()
+    fields = (["config"] if config else []) + (["overrides"] if overrides else []) + (["force"] if force else [])
+    fields += list(ev.offered()) + ["verbose", "quiet"]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "opts"]
+        taken = {p.name for p in own}
+        common = [_OPTIONS[f] if f != "precision" else ("precision", precision_option(ev.precision_choices), None) for f in fields]
+        clash = taken & {param for param, _, _ in common}
+        if clash:
+            raise TypeError(f"command {name}: {', '.join(sorted(clash))} is a common option; drop it from the function")
+        params = own + [inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
+                        for param, ann, default in common]
+
+        def body(**kwargs: Any) -> Any:
+            values = {f: kwargs.pop(_OPTIONS[f][0]) for f in fields}
+            values["overrides"] = tuple(values.get("overrides") or ())
+            opts = CommandOptions(everyday=ev, **values)
+            init(opts.verbose, opts.quiet)
+            return fn(opts, **kwargs)
+
+        body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+        body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        body.__annotations__ = {p.name: p.annotation for p in params}
+        app.command(name, help=help if help is not None else help_from_doc(fn))(guarded(body))
+        return fn
+
+    return decorate

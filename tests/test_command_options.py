@@ -1,0 +1,85 @@
+"""The common command options (pipeline/commands/options.py): declared once, mapped onto each command's config."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from cli import app
+from pipeline.commands.options import CommandOptions, Everyday
+from pipeline.core.errors import UsageError
+
+EVERYDAY = {"--device", "--batch-size", "--precision", "--num-workers"}
+#: the everyday options each model command offers (the rest have no meaning there: no data loader, no autocast)
+OFFERED = {
+    "extract": EVERYDAY,
+    "train": EVERYDAY,
+    "train-detector": EVERYDAY,
+    "evaluate": {"--device", "--batch-size", "--precision"},
+    "train-encoder": {"--device", "--batch-size", "--precision"},
+    "caption": {"--device", "--batch-size"},
+    "embed": {"--device", "--batch-size"},
+    "eval-detector": {"--device"},
+}
+
+
+def _options(name: str) -> set[str]:
+    cmd = get_command(app).commands[name]
+    return {opt for p in cmd.params for opt in p.opts}
+
+
+@pytest.mark.parametrize("name", sorted(OFFERED))
+def test_model_commands_offer_the_everyday_options(name):
+    opts = _options(name)
+    assert opts & EVERYDAY == OFFERED[name]
+    assert {"--config", "--set", "--verbose", "--quiet"} <= opts
+
+
+def test_every_command_has_verbose_and_quiet_and_no_everyday_options_where_no_model_runs():
+    group = get_command(app)
+    for name in group.commands:
+        assert {"--verbose", "--quiet"} <= _options(name), name
+    for name in ("prepare", "import-features", "export-features", "merge-features", "info", "demo"):
+        assert not _options(name) & EVERYDAY, name
+
+
+def test_train_options_map_onto_both_stages_and_the_amp_key():
+    opts = CommandOptions(device="cpu", batch_size=7, precision="fp32", num_workers=0, overrides=("train.xe.lr=0.5",),
+                          everyday=Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
+                                            precision="train.amp", num_workers="train.num_workers", precision_values={"fp32": "none"}))
+    cfg = opts.resolve("train", show=False).train
+    assert cfg.device == "cpu" and cfg.num_workers == 0 and cfg.amp == "none"
+    assert cfg.xe.batch_size == 7 and cfg.scst.batch_size == 7 and cfg.xe.lr == 0.5
+    # the everyday options win over --set, --set over the defaults
+    opts = CommandOptions(batch_size=3, overrides=("train.xe.batch_size=9",), everyday=Everyday(batch_size="train.xe.batch_size"))
+    assert opts.resolve("train", show=False).train.xe.batch_size == 3
+
+
+def test_precision_is_checked_against_the_command_choices():
+    with pytest.raises(UsageError, match="--precision must be one of fp32, tf32, bf16"):
+        CommandOptions(precision="fp16", everyday=Everyday(precision="extract.precision",
+                                                           precision_choices=("fp32", "tf32", "bf16"))).everyday_overrides()
+    res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", "s", "--precision", "fp64"])
+    assert res.exit_code == 2 and "--precision must be one of fp32, tf32, bf16, not 'fp64'" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_command_flags_reach_the_config(tmp_path):
+    """`evaluate` maps its everyday options onto evaluate.* (checked through a bad device value's error)."""
+    res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", str(tmp_path / "s"), "--batch-size", "0"])
+    assert res.exit_code == 2  # min=1 on the shared option
+    opts = CommandOptions(device="cuda:3", batch_size=8, precision="bf16",
+                          everyday=Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision"))
+    section = opts.resolve("evaluate", show=False).evaluate
+    assert (section.device, section.batch_size, section.precision) == ("cuda:3", 8, "bf16")
+
+
+def test_a_common_option_cannot_be_declared_twice():
+    from pipeline.commands.options import command
+
+    with pytest.raises(TypeError, match="device is a common option"):
+        @command(typer.Typer(), "x", help="x", everyday=Everyday(device="extract.device"))
+        def x(opts: CommandOptions, device: str = "cpu") -> None:  # noqa: ARG001
+            pass
