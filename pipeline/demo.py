@@ -62,41 +62,6 @@ def _with_inputs(cfg: Config | dict[str, Any], **upstream: StageResult) -> Confi
     return Config(data)
 
 
-def _extract_work(world_dir: Path, weights: Path, ecfg: Config):
-    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        import torch
-
-        from extractors.bottom_up import SelectionRule
-        from extractors.factory import build_for_extract, resolve_device
-        from extractors.run import items_from_paths, run_extraction
-        from pipeline.store import open_writer
-
-        device = resolve_device(str(ecfg.device))
-        model, identity = build_for_extract(str(weights), "auto", {}, None, None, int(ecfg.random_seed), device)
-        rule = SelectionRule.for_mode(
-            str(ecfg.boxes),
-            **{k: v for k, v in (("min_boxes", ecfg.min_boxes), ("max_boxes", ecfg.max_boxes)) if v is not None},
-            conf_thresh=float(ecfg.conf_thresh),
-            nms_thresh=float(ecfg.nms_thresh),
-        )
-        items = items_from_paths([world_dir / "images"])
-        with open_writer(stage_dir / "store", identity, feature_dtype=str(ecfg.feature_dtype)) as writer:
-            summary = run_extraction(
-                model, items, writer, rule, batch_size=int(ecfg.batch_size), workers=int(ecfg.workers),
-                precision=str(ecfg.precision), failures_path=stage_dir / "failures.jsonl", commit_every=int(ecfg.commit_every),
-            )
-        del torch
-        boxes_per_image = summary.boxes / max(summary.extracted, 1)
-        return {"store": "store", "failures": "failures.jsonl"}, {
-            "images": summary.total,
-            "extracted": summary.extracted + summary.skipped,
-            "failed": summary.failed,
-            "boxes_per_image": round(boxes_per_image, 2),
-        }
-
-    return work
-
-
 def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.training.api import evaluate_checkpoint
@@ -208,9 +173,10 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     report.detector = dict(detector.summary.get("eval", {}))
     weights = detector.directory / detector.outputs["weights"]
 
-    features = run_stage(
-        out, "features", _with_inputs(cfg.extract, detector=detector), _extract_work(world.directory, weights, cfg.extract), force=force
-    )
+    from extractors.stage import ExtractJob, extract_features
+
+    features = extract_features(out, "features", cfg.extract, ExtractJob(str(weights), (str(world.directory / "images"),)),
+                                config=_with_inputs(cfg.extract, detector=detector), force=force)
     report.stages.append(features)
     store = features.directory / features.outputs["store"]
 

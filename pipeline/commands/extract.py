@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -78,7 +78,6 @@ def register(app: typer.Typer) -> None:
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed.")] = False,
         merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
     ) -> None:
-        # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
         """Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a
         feature store. Resumable: images already in the store are skipped. Bad images are listed in
         STORE/failures.jsonl and the run continues.
@@ -91,6 +90,7 @@ def register(app: typer.Typer) -> None:
 
             butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)
         """
+        # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
         extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset)) if val is not None]
         cfg = opts.resolve("extract", extra).extract
         if store is None:
@@ -102,66 +102,27 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--weights is required (a .pth/.pkl/.bin file, or 'random' for smoke tests)")
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
-        run(paths or [], weights, store, cfg, coco, image_root, file_list, _parse_shard(shard), limit, strict)
+        from extractors.stage import ExtractJob, extract_features
+
+        parts = _parse_shard(shard)
+        job = ExtractJob(weights, tuple(str(p) for p in paths or ()), None if file_list is None else str(file_list),
+                         None if image_root is None else str(image_root), None if coco is None else str(coco), parts, limit, store=".")
+        target = shard_store_path(store, parts)
+        _print_result(extract_features(target.parent, target.name, cfg, job, reopen=True), strict)
 
 
-def run(paths, weights, store, cfg, coco, image_root, file_list, shard, limit, strict) -> None:
-    from extractors.bottom_up import BOX_MODES, SelectionRule
-    from extractors.factory import build_for_extract, resolve_device
-    from extractors.run import items_from_coco, items_from_file_list, items_from_paths, run_extraction, shard_items
-    from pipeline.core.console import get_logger, stdout_console
-    from pipeline.store import open_writer
+def _print_result(result: Any, strict: bool) -> None:
+    """The stage's counts on stdout; with ``strict``, failures become exit 1."""
+    from pipeline.core.console import stdout_console
 
-    log = get_logger("extract")
-    mode = str(cfg.boxes)
-    if mode not in BOX_MODES:
-        raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
-    if mode == "given" and coco is None:
-        raise UsageError("--boxes given needs --coco ANNOTATIONS (the boxes come from its 'annotations')")
-    items = []
-    if paths:
-        items += items_from_paths(paths)
-    if file_list is not None:
-        items += items_from_file_list(file_list, image_root)
-    if coco is not None:
-        items += items_from_coco(coco, image_root, with_boxes=mode == "given")
-    if not items:
-        raise UsageError("no images found in the given inputs")
-    if shard is not None:
-        items = shard_items(items, *shard)
-    if limit is not None:
-        items = items[: max(0, limit)]
-    rule_kw = {"conf_thresh": float(cfg.conf_thresh), "nms_thresh": float(cfg.nms_thresh)}
-    if cfg.min_boxes is not None:
-        rule_kw["min_boxes"] = int(cfg.min_boxes)
-    if cfg.max_boxes is not None:
-        rule_kw["max_boxes"] = int(cfg.max_boxes)
-    rule = SelectionRule.for_mode(mode, **rule_kw)
-    dev = resolve_device(str(cfg.device))
-    if dev.type == "cuda" and shard is not None and "LOCAL_RANK" in os.environ and dev.index is None:
-        import torch
-
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    model, identity = build_for_extract(weights, str(cfg.preset), cfg.spec.to_dict() if hasattr(cfg.spec, "to_dict") else dict(cfg.spec),
-                                        None if cfg.min_size is None else int(cfg.min_size), None if cfg.max_size is None else int(cfg.max_size), int(cfg.random_seed), dev)
-    model.roi_chunk = int(cfg.roi_chunk)
-    identity["config"]["precision"] = str(cfg.precision)
-    identity["config"]["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh}
-    target = shard_store_path(store, shard)
-    log.info("extracting %d images with %s on %s (%s) into %s", len(items), identity["name"], dev, cfg.precision, target)
-    with open_writer(target, identity, feature_dtype=str(cfg.feature_dtype)) as writer:
-        summary = run_extraction(model, items, writer, rule, batch_size=int(cfg.batch_size), workers=int(cfg.workers),
-                                 precision=str(cfg.precision), max_pixels=int(cfg.max_pixels),
-                                 failures_path=Path(target) / "failures.jsonl", commit_every=int(cfg.commit_every))
-    rate = summary.extracted / summary.seconds if summary.seconds > 0 else 0.0
-    stdout_console().print(
-        f"extracted {summary.extracted}, skipped (already in store) {summary.skipped}, failed {summary.failed} "
-        f"of {summary.total} images; {summary.boxes} boxes; {rate:.2f} images/s; store {target}"
-    )
-    if summary.failed:
-        reasons: dict[str, int] = {}
-        for f in summary.failures:
-            reasons[f["reason"]] = reasons.get(f["reason"], 0) + 1
-        stdout_console().print("failures: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + f" (see {Path(target) / 'failures.jsonl'})")
+    s, store = result.summary, result.directory / result.outputs["store"]
+    con = stdout_console()
+    if result.skipped:
+        con.print(f"already done with this config ({store}); the last pass:", highlight=False)
+    con.print(f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, failed {s['failed']} of {s['images']} "
+              f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {store}", highlight=False)
+    if s["failed"]:
+        reasons = ", ".join(f"{k} {v}" for k, v in s["failure_reasons"].items())
+        con.print(f"failures: {reasons} (see {result.directory / result.outputs['failures']})", highlight=False)
         if strict:
-            raise PipelineError(f"{summary.failed} images failed (--strict)")
+            raise PipelineError(f"{s['failed']} images failed (--strict)")

@@ -30,6 +30,8 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
 from pipeline.core.keys import check_key, display_key
 from pipeline.core.fileio import fsync_dir
+from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
+from pipeline.core.stages import RUNNING as STAGE_RUNNING
 from pipeline.store.format import (
     FEATURE_DTYPES,
     LOCK,
@@ -377,7 +379,9 @@ def open_writer(
         raise UsageError("compression needs chunk_rows > 0")
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path} is a file; a writer needs a store directory (single-file stores are read-only)")
-    if path.is_dir() and not (path / MANIFEST).exists() and any(p.name != LOCK for p in path.iterdir()):
+    # a store may be the folder of its own extraction stage (cli extract): the stage's bookkeeping files may be there
+    allowed = {LOCK, STAGE_MANIFEST, STAGE_RUNNING}
+    if path.is_dir() and not (path / MANIFEST).exists() and any(p.name not in allowed for p in path.iterdir()):
         raise UsageError(f"{path} exists, is not empty and is not a feature store; choose another path")
     try:
         path.mkdir(parents=True, exist_ok=True)

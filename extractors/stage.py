@@ -1,0 +1,193 @@
+"""Feature extraction as a pipeline stage (:func:`pipeline.core.stages.run_stage`), used by ``cli extract`` and
+the demo alike.
+
+    from extractors.stage import ExtractJob, extract_features
+    job = ExtractJob(weights="bua-caffe-frcn-r101_with_attributes.pth", paths=("photos",))
+    result = extract_features("runs/x", "features", load_config("extract").extract, job)
+    store = result.directory / result.outputs["store"]      # runs/x/features/store
+
+The stage config is the ``extract:`` section plus the job (weights and inputs), so its manifest says what was
+extracted from what. A feature store accumulates: images already in it are skipped, an image that failed is
+tried again, and the store refuses another extractor (its identity). So a finished extraction is done again
+(a new pass over its inputs, cheap for the images already in the store) when it recorded failures or when the
+same store is given other inputs or settings (``reopen=True``, what ``cli extract`` does); the manifest records the
+last pass. The demo keeps the strict stage rule (a changed config needs ``--force``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.config import Config
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.stages import MANIFEST, RUNNING, StageResult, read_manifest, run_stage
+
+log = get_logger("extract")
+
+FAILURES = "failures.jsonl"
+
+
+@dataclass(frozen=True)
+class ExtractJob:
+    """What one extraction reads and where its store goes (the parts that are not settings of ``extract:``).
+
+    ``paths``: image folders (recursive), files or globs; ``file_list``: a text file with one image per line;
+    ``coco``: a COCO annotations file (its images, and with ``boxes: given`` its boxes), ``image_root`` the
+    folder of the file-list / COCO images; ``shard`` (i, n) keeps every n-th image from i, ``limit`` the first N;
+    ``store``: the store's folder inside the stage folder (``"."``: the stage folder is the store); failures are
+    listed in ``STAGE/failures.jsonl``.
+    """
+
+    weights: str
+    paths: tuple[str, ...] = ()
+    file_list: str | None = None
+    image_root: str | None = None
+    coco: str | None = None
+    shard: tuple[int, int] | None = None
+    limit: int | None = None
+    store: str = "store"
+
+    def to_config(self) -> dict[str, Any]:
+        """The job as plain data for the stage config (absolute paths, so a manifest says which files)."""
+        def where(p: str | None) -> str | None:
+            return None if p is None else str(Path(p).absolute())
+
+        data = asdict(self)
+        data.update(paths=[str(Path(p).absolute()) if "*" not in p else p for p in self.paths], file_list=where(self.file_list),
+                    image_root=where(self.image_root), coco=where(self.coco), shard=list(self.shard) if self.shard else None,
+                    weights=self.weights if self.weights == "random" else where(self.weights))
+        return data
+
+
+def stage_config(section: Config, job: ExtractJob) -> Config:
+    """The config of an extraction stage: ``{"extract": section, "job": job}`` (its digest decides "already done")."""
+    return Config({"extract": section.to_dict(), "job": job.to_config()})
+
+
+def selection_rule(section: Config) -> Any:
+    """The box selection rule of an ``extract:`` section (mode, box counts, thresholds)."""
+    from extractors.bottom_up import BOX_MODES, SelectionRule
+
+    mode = str(section.boxes)
+    if mode not in BOX_MODES:
+        raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
+    kwargs: dict[str, Any] = {"conf_thresh": float(section.conf_thresh), "nms_thresh": float(section.nms_thresh)}
+    if section.min_boxes is not None:
+        kwargs["min_boxes"] = int(section.min_boxes)
+    if section.max_boxes is not None:
+        kwargs["max_boxes"] = int(section.max_boxes)
+    return SelectionRule.for_mode(mode, **kwargs)
+
+
+def collect_items(job: ExtractJob, mode: str) -> list[Any]:
+    """The images of ``job`` (folders, file list, COCO file), sharded and limited; usage errors when there are none."""
+    from extractors.run import items_from_coco, items_from_file_list, items_from_paths, shard_items
+
+    if mode == "given" and job.coco is None:
+        raise UsageError("--boxes given needs --coco ANNOTATIONS (the boxes come from its 'annotations')")
+    items = []
+    if job.paths:
+        items += items_from_paths(list(job.paths))
+    if job.file_list is not None:
+        items += items_from_file_list(Path(job.file_list), None if job.image_root is None else Path(job.image_root))
+    if job.coco is not None:
+        items += items_from_coco(Path(job.coco), None if job.image_root is None else Path(job.image_root), with_boxes=mode == "given")
+    if not items:
+        raise UsageError("no images found in the given inputs")
+    if job.shard is not None:
+        items = shard_items(items, *job.shard)
+    if job.limit is not None:
+        items = items[: max(0, job.limit)]
+    return items
+
+
+def _device(section: Config, job: ExtractJob) -> Any:
+    """``extract.device``; under torchrun with shards, ``cuda`` means this rank's GPU."""
+    from extractors.factory import resolve_device
+
+    dev = resolve_device(str(section.device))
+    if dev.type == "cuda" and job.shard is not None and "LOCAL_RANK" in os.environ and dev.index is None:
+        import torch
+
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return dev
+
+
+def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = None
+                 ) -> Callable[[Path, Config], tuple[dict[str, Any], dict[str, Any]]]:
+    """The stage function: extract ``job``'s images (or the already collected ``items``) with the settings of
+    ``section`` into ``STAGE/job.store``.
+
+    Resumable (images already in the store are skipped); the summary holds the counts, boxes, speed and failure
+    reasons (each failure is a line of ``STAGE/failures.jsonl``).
+    """
+
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        from extractors.factory import build_for_extract
+        from extractors.run import run_extraction
+        from pipeline.store import open_writer
+
+        rule = selection_rule(section)
+        todo = items if items is not None else collect_items(job, rule.mode)
+        dev = _device(section, job)
+        spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
+        model, identity = build_for_extract(job.weights, str(section.preset), spec, None if section.min_size is None else int(section.min_size),
+                                            None if section.max_size is None else int(section.max_size), int(section.random_seed), dev)
+        model.roi_chunk = int(section.roi_chunk)
+        identity["config"]["precision"] = str(section.precision)
+        identity["config"]["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh}
+        store = stage_dir / job.store
+        log.info("extracting %d images with %s on %s (%s) into %s", len(todo), identity["name"], dev, section.precision, store)
+        with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
+            summary = run_extraction(model, todo, writer, rule, batch_size=int(section.batch_size), workers=int(section.workers),
+                                     precision=str(section.precision), max_pixels=int(section.max_pixels),
+                                     failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every))
+        reasons: dict[str, int] = {}
+        for failure in summary.failures:
+            reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1
+        return {"store": job.store, "failures": FAILURES}, {
+            "images": summary.total,
+            "extracted": summary.extracted,
+            "already_in_store": summary.skipped,
+            "failed": summary.failed,
+            "boxes": summary.boxes,
+            "boxes_per_image": round(summary.boxes / max(summary.extracted, 1), 2),
+            "images_per_second": round(summary.extracted / summary.seconds, 2) if summary.seconds > 0 else 0.0,
+            "failure_reasons": dict(sorted(reasons.items())),
+        }
+
+    return work
+
+
+def _reopen(stage_dir: Path, digest: str) -> None:
+    """Let a finished or interrupted extraction run again over its store: a new pass when the last one recorded
+    failures or ran with another config (the store itself skips what it holds and refuses another extractor)."""
+    manifest = read_manifest(stage_dir)
+    if manifest is not None and (manifest["config_digest"] != digest or manifest.get("summary", {}).get("failed")):
+        log.info("extract: %s holds an earlier extraction (%s); extracting again into its store",
+                 stage_dir, "other inputs or settings" if manifest["config_digest"] != digest else "with failures")
+        (stage_dir / MANIFEST).unlink()
+    if (stage_dir / RUNNING).exists():
+        (stage_dir / RUNNING).unlink()
+
+
+def extract_features(run_dir: str | Path, name: str, section: Config, job: ExtractJob, *, force: bool = False,
+                     config: Config | None = None, reopen: bool = False) -> StageResult:
+    """Run (or resume, or skip when done) the extraction stage ``run_dir/name`` through :func:`run_stage`.
+
+    ``config`` is the stage config whose digest is recorded (default :func:`stage_config`); ``reopen``: a store
+    that accumulates (see the module docstring) instead of the strict stage rule. The selection settings, the
+    inputs and the weights file are checked before the stage folder is touched.
+    """
+    cfg = config if config is not None else stage_config(section, job)
+    items = collect_items(job, selection_rule(section).mode)
+    if job.weights != "random" and not Path(job.weights).is_file():
+        raise UsageError(f"weights file not found: {job.weights}")
+    if reopen:
+        _reopen(Path(run_dir) / name, cfg.digest())
+    return run_stage(run_dir, name, cfg, extract_work(section, job, items), force=force)
