@@ -123,3 +123,17 @@ def test_cli_threads_option(monkeypatch):
     assert res.exit_code == 0
     assert os.environ["BUTD_THREADS"] == "1" and torch.get_num_threads() == 1
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_every_command_offers_threads(monkeypatch):
+    import cli
+
+    runner = CliRunner()
+    for cmd in cli.app.registered_commands:
+        name = cmd.name or cmd.callback.__name__
+        assert "--threads" in runner.invoke(cli.app, [name, "--help"], terminal_width=200).output, name
+    res = runner.invoke(cli.app, ["demo", "--threads", "0"])
+    assert res.exit_code == 2 and "error: --threads must be at least 1" in res.output
+    res = runner.invoke(cli.app, ["info", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert os.environ["BUTD_THREADS"] == "1" and torch.get_num_threads() == 1

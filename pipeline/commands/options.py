@@ -8,7 +8,8 @@ with the root app, adds the common options it asks for and hands them over as on
     def train_command(opts: CommandOptions, out: OutDir = Path("runs/train")) -> None:
         cfg = opts.resolve("train")            # configs/train.yaml + --config + --set + the everyday options
 
-Common options (all commands): ``--config/-c``, ``--set/-s`` (repeatable), ``--verbose/-v``, ``--quiet/-q``;
+Common options (all commands): ``--config/-c``, ``--set/-s`` (repeatable), ``--verbose/-v``, ``--quiet/-q``,
+``--threads`` (the thread policy of :mod:`pipeline.core.threads`, applied before the body runs);
 on request ``--force``. The *everyday* options of a command that runs a model are ``--device``,
 ``--batch-size``, ``--precision`` and ``--num-workers``; :class:`Everyday` says which config keys each one sets
 (a command may also read ``opts.device`` etc. itself). Logging is set up and errors become one ``error:``
@@ -30,6 +31,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pipeline.commands.common import guarded, init, resolve_config
+from pipeline.core import threads as thread_policy
 from pipeline.core.config import Config
 from pipeline.core.errors import UsageError
 
@@ -46,6 +48,12 @@ SetOpt = Annotated[
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo a stage that already finished.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option("--threads", show_default=False,
+                 help="Torch CPU threads per process (default: the cores this process may use, less its DataLoader workers; "
+                      "pipeline/core/threads.py). Also BUTD_THREADS."),
+]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
 BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Batch size (images per step or forward pass).")]
 
@@ -113,6 +121,7 @@ class CommandOptions:
     batch_size: int | None = None
     precision: str | None = None
     num_workers: int | None = None
+    threads: int | None = None
     everyday: Everyday = field(default_factory=Everyday)
 
     def everyday_overrides(self) -> list[str]:
@@ -147,6 +156,7 @@ _OPTIONS: dict[str, tuple[str, Any, Any]] = {  # CommandOptions field -> (parame
     "num_workers": ("num_workers", NumWorkersOpt, None),
     "verbose": ("verbose", VerboseOpt, False),
     "quiet": ("quiet", QuietOpt, False),
+    "threads": ("threads", ThreadsOpt, None),
 }
 
 
@@ -168,7 +178,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
     """
     ev = everyday or Everyday()
     fields = (["config"] if config else []) + (["overrides"] if overrides else []) + (["force"] if force else [])
-    fields += list(ev.offered()) + ["verbose", "quiet"]
+    fields += list(ev.offered()) + ["threads", "verbose", "quiet"]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
@@ -186,6 +196,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
             values["overrides"] = tuple(values.get("overrides") or ())
             opts = CommandOptions(everyday=ev, **values)
             init(opts.verbose, opts.quiet)
+            thread_policy.prepare_process(opts.threads)
             return fn(opts, **kwargs)
 
         body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
