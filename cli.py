@@ -33,7 +33,7 @@ def _global_options(
         typer.Option(
             "--threads", envvar="BUTD_THREADS", show_default=False, metavar="INT",
             help="Torch CPU threads per process (default: the cores this process may use, minus its DataLoader "
-            "workers, divided among torchrun processes; see pipeline/core/threads.py). Put it before the command: "
+            "workers, divided among torchrun processes; see pipeline/core/threads.py). Before the command or after it: "
             "`butd-caption --threads 1 demo`.",
         ),
     ] = None,
