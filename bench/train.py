@@ -21,8 +21,7 @@ import time
 import numpy as np
 import torch
 
-from models import build_captioner
-from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases
+from models import build_captioner, model_card
 from pipeline.metrics.cider import CiderD
 from pipeline.core.distributed import resolve_device
 from pipeline.training.engine import build_optimizer, resolve_amp
@@ -69,8 +68,7 @@ def sync(device: torch.device) -> None:
 
 
 def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab) -> tuple[int, float]:
-    sched = load_yaml_with_bases(CONFIG_DIR / "models" / f"{name}.yaml").get("schedule") or {}
-    recipe = stage_recipe(stage, sched, None, 30, name)
+    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
     b = batch_size or recipe.batch_size
     torch.manual_seed(0)
     model = build_captioner(name, VOCAB_SIZE).to(device).train()

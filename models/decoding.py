@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from models.base import Captioner, State, index_state
-from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
+from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases
 from pipeline.core.errors import ConfigError
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
@@ -85,15 +85,14 @@ class DecodeOptions:
 
 
 def decoding_config(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> Config:
-    """The ``decoding:`` section of ``configs/models/<model_name>.yaml`` over ``configs/decoding.yaml``."""
-    defaults = load_yaml_with_bases(CONFIG_DIR / "decoding.yaml")["decoding"]
-    data = dict(defaults)
-    if model_name is not None:
-        path = CONFIG_DIR / "models" / f"{model_name}.yaml"
-        section = load_yaml_with_bases(path).get("decoding", {}) if path.is_file() else {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{path}: 'decoding' must be a mapping")
-        data = validate_against(defaults, section, str(path), prefix="decoding.")
+    """The ``decoding:`` section of captioner ``model_name``'s card (:func:`models.model_card`) over
+    ``configs/decoding.yaml``; only the defaults without a name."""
+    if model_name is None:
+        data = load_yaml_with_bases(CONFIG_DIR / "decoding.yaml")["decoding"]
+    else:
+        from models import model_card
+
+        data = model_card(model_name).decoding.to_dict()
     return Config(data).with_overrides(overrides, source="decoding")
 
 

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from models import build_captioner, model_config
+from models import build_captioner, model_card, model_config
 from models.decoding import DecodeOptions, decoding_options
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases
+from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.data import CaptionDataset
 from pipeline.core.errors import PipelineError, UsageError
@@ -140,9 +140,8 @@ class Trainer:
         self.model_cfg = model_config(cfg.model, overrides).to_dict()
         seed_everything(int(cfg.seed))  # the initial weights depend on the seed only (same on every rank)
         self.model = build_captioner(cfg.model, len(self.vocab), **self.model_cfg).to(ctx.device)
-        yaml_path = CONFIG_DIR / "models" / f"{cfg.model}.yaml"
-        schedule = load_yaml_with_bases(yaml_path).get("schedule") or {}
-        self.recipes = {s: stage_recipe(s, schedule, _plain(cfg[s]), cfg.default_epochs, f"{yaml_path}: schedule")
+        card = model_card(cfg.model)
+        self.recipes = {s: stage_recipe(s, card.schedule.to_dict(), _plain(cfg[s]), cfg.default_epochs, f"{card.path}: schedule")
                         for s in self.stages}
         for r in self.recipes.values():
             if r.max_caption_len is not None and r.max_caption_len != self.data.max_length:
