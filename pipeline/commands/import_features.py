@@ -10,6 +10,7 @@ import typer
 
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
+from pipeline.importers.formats import format_choices, sizes_formats
 from pipeline.core.errors import PipelineError, UsageError
 
 
@@ -19,24 +20,24 @@ def _user_error(exc: PipelineError) -> UsageError:
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "import-features", config=False, overrides=False)
+    from pipeline.importers import formats
+
+    @command(app, "import-features", config=False, overrides=False, help_fields={"formats": formats.format_help()})
     def import_features_command(
         opts: CommandOptions,
         sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
-        fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv | cocobu | m2-hdf5")],
+        fmt: Annotated[str, typer.Option("--format", "-f", help=format_choices())],
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
         dtype: Annotated[str, typer.Option("--dtype", help="float16 (default) or float32 (exact round trip).")] = "float16",
         identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
         keys: Annotated[Optional[str], typer.Option("--keys", help="raw (ids as in the file) or coco-id (COCO_train2014_000000123 -> 123).")] = None,
-        sizes: Annotated[Optional[Path], typer.Option("--sizes", help="COCO json with images[].id/width/height (cocobu, m2-hdf5).")] = None,
+        sizes: Annotated[Optional[Path], typer.Option("--sizes", help=f"COCO json with images[].id/width/height ({sizes_formats()}).")] = None,
         skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,
         commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
     ) -> None:
         """Import public feature files into a store (streaming, resumable).
 
-        Formats: butd-tsv (original bottom-up TSV, 36 or 10-100 boxes), obj36-tsv (LXMERT, with object and
-        attribute ids), cocobu (ATT_DIR [BOX_DIR] of ruotianluo npz/npy, needs --sizes), m2-hdf5
-        (coco_detections.hdf5, needs --sizes).
+        {formats}
 
         Example:
 
@@ -62,14 +63,16 @@ def register(app: typer.Typer) -> None:
         for where, message in report.bad:
             con.print(f"  bad: {message}", highlight=False, markup=False)
 
-    @command(app, "export-features", config=False, overrides=False)
+    @command(app, "export-features", config=False, overrides=False, help_fields={"formats": formats.format_help(export=True)})
     def export_features_command(
         opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
-        out: Annotated[Path, typer.Option("--out", help="TSV file to write.")],
-        fmt: Annotated[str, typer.Option("--format", "-f", help="butd-tsv | obj36-tsv")] = "butd-tsv",
+        out: Annotated[Path, typer.Option("--out", help="File to write.")],
+        fmt: Annotated[str, typer.Option("--format", "-f", help=format_choices(export=True))] = "butd-tsv",
     ) -> None:
-        """Write a store back to a TSV (butd-tsv or obj36-tsv); a float32 store round-trips byte for byte.
+        """Write a store back to a feature file; a float32 store round-trips byte for byte.
+
+        {formats}
 
         Example:
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -160,18 +160,23 @@ _OPTIONS: dict[str, tuple[str, Any, Any]] = {  # CommandOptions field -> (parame
 }
 
 
-def help_from_doc(fn: Callable[..., Any]) -> str:
+def help_from_doc(fn: Callable[..., Any], fields: Mapping[str, str] | None = None) -> str:
     """A command's help from its docstring: paragraphs re-joined into one line each (Typer's rich help keeps
-    single line breaks), paragraphs indented by 4 spaces (examples) kept as they are."""
-    paragraphs = (inspect.getdoc(fn) or "").split("\n\n")
+    single line breaks), paragraphs indented by 4 spaces (examples) kept as they are; ``{name}`` is replaced by
+    ``fields[name]`` (text generated at registration, e.g. from a registry)."""
+    doc = inspect.getdoc(fn) or ""
+    for name, text in (fields or {}).items():
+        doc = doc.replace("{" + name + "}", text)
+    paragraphs = doc.split("\n\n")
     return "\n\n".join(p if p.startswith("    ") else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
 def command(app: typer.Typer, name: str, *, help: str | None = None, config: bool = True, overrides: bool = True, force: bool = False,
-            everyday: Everyday | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            everyday: Everyday | None = None, help_fields: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(opts, **own_options)`` as command ``name`` with the common options added to its signature.
 
-    The command's help is ``help`` or else ``fn``'s docstring (paragraphs; example lines indented by 4 spaces).
+    The command's help is ``help`` or else ``fn``'s docstring (paragraphs; example lines indented by 4 spaces) with
+    ``help_fields`` filled in (:func:`help_from_doc`).
 
     ``config``: offer ``--config``; ``overrides``: offer ``--set``; ``force``: offer ``--force``; ``everyday``: the
     everyday options and the config keys they set. ``--verbose``/``--quiet`` are always offered.
@@ -202,7 +207,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
         body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
         body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         body.__annotations__ = {p.name: p.annotation for p in params}
-        app.command(name, help=help if help is not None else help_from_doc(fn))(guarded(body))
+        app.command(name, help=help if help is not None else help_from_doc(fn, help_fields))(guarded(body))
         return fn
 
     return decorate

@@ -1,7 +1,7 @@
 """Importing public feature files into a feature store, and exporting a store back to TSV.
 
-Formats (``--format``): ``butd-tsv`` (original bottom-up TSV, trainval_36 or adaptive 10-100),
-``obj36-tsv`` (LXMERT), ``cocobu`` (ruotianluo npz/npy directories), ``m2-hdf5`` (M2 coco_detections.hdf5).
+Each format (``--format``) is one :class:`~pipeline.importers.formats.Format` record registered by the module that
+reads it: ``butd-tsv`` and ``obj36-tsv`` (:mod:`.tsv`), ``cocobu`` (:mod:`.cocobu`), ``m2-hdf5`` (:mod:`.m2`).
 Every source is streamed one image at a time; the import is resumable (images already committed to the
 store are skipped) and every bad row is either an error naming the file and row/id, or (``skip_bad``)
 reported and counted.
@@ -9,7 +9,7 @@ reported and counted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,24 +17,13 @@ from typing import Any
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
-from pipeline.importers.cocobu import read_cocobu
-from pipeline.importers.m2 import read_m2
-from pipeline.importers.tsv import decode_butd, decode_obj36, tsv_reader, write_tsv
-from pipeline.store import FeatureStore, open_writer, validate_image
+from pipeline.importers import cocobu, m2, tsv  # noqa: F401  (each registers its formats)
+from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 
 log = get_logger("import")
 
-Reader = Callable[..., Iterator[tuple[str, Callable[[], dict[str, Any]]]]]
+__all__ = ["FORMATS", "Format", "ImportReport", "export_tsv", "import_features", "read_sizes", "register_format"]
 
-FORMATS: dict[str, Reader] = {
-    "butd-tsv": tsv_reader(decode_butd),
-    "obj36-tsv": tsv_reader(decode_obj36),
-    "cocobu": read_cocobu,
-    "m2-hdf5": read_m2,
-}
-EXPORT_FORMATS = {"butd-tsv": "butd", "obj36-tsv": "obj36"}
-DEFAULT_KEYS = {"butd-tsv": "raw", "obj36-tsv": "coco-id", "cocobu": "raw", "m2-hdf5": "raw"}
-NEEDS_SIZES = ("cocobu", "m2-hdf5")
 OPTIONAL = ("class_ids", "class_scores", "attr_ids", "attr_scores")
 
 
@@ -90,23 +79,24 @@ def import_features(
     Raises :class:`PipelineError` on the first bad row unless ``skip_bad``; duplicate ids within the
     import are bad rows; ids already committed by an earlier (interrupted) run are skipped.
     """
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown feature format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    keys = keys or DEFAULT_KEYS[fmt]
+    spec = FORMATS.get(fmt)  # an unknown name is a usage error listing the known ones
+    keys = keys or spec.default_keys
     if keys not in ("raw", "coco-id"):
         raise UsageError(f"keys must be raw or coco-id, not {keys!r}")
     paths = [Path(s) for s in sources]
     for p in paths:
         if not p.exists():
             raise UsageError(f"input not found: {p}")
-    if fmt in NEEDS_SIZES and sizes is None:
+    if spec.needs_sizes and sizes is None:
         raise UsageError(f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+    from pipeline.store import open_writer, validate_image
+
     report = ImportReport()
     seen_keys: set[str] = set()
     with open_writer(store, identity or default_identity(fmt), feature_dtype, commit_every=commit_every) as writer, \
             make_progress() as progress:
         task = progress.add_task(f"import {fmt}", total=None)
-        for where, decode in FORMATS[fmt](paths, keys=keys, sizes=sizes):
+        for where, decode in spec.reader(paths, keys=keys, sizes=sizes):
             if limit is not None and report.seen >= limit:
                 break
             report.seen += 1
@@ -135,18 +125,22 @@ def import_features(
     return report
 
 
-def iter_store_records(store: FeatureStore) -> Iterator[dict[str, Any]]:
+def iter_store_records(store: Any) -> Iterator[dict[str, Any]]:
+    """Every image record of an open :class:`pipeline.store.FeatureStore`, in store order."""
     for i in range(len(store)):
         yield store.get_position(i)
 
 
 def export_tsv(store_path: str | Path, out: str | Path, fmt: str = "butd-tsv") -> int:
-    """Write every image of a store as a TSV in ``fmt`` (atomically); returns the row count.
+    """Write every image of a store in ``fmt`` (a format with an exporter; atomically); returns the row count.
 
     Features are written as float32: exporting a float32 store reproduces the imported file byte for byte.
     """
-    if fmt not in EXPORT_FORMATS:
-        raise UsageError(f"cannot export to {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    spec = FORMATS.get(fmt)
+    if spec.exporter is None:
+        raise UsageError(f"cannot export to {fmt!r}; choose one of {', '.join(f.name for f in export_formats())}")
+    from pipeline.store import FeatureStore
+
     store = FeatureStore(store_path)
     if store.feature_dtype != "float32":
         log.warning("store %s holds float16 features: the TSV will hold them widened to float32", store_path)
@@ -154,7 +148,7 @@ def export_tsv(store_path: str | Path, out: str | Path, fmt: str = "butd-tsv") -
 
     def write(fh: Any) -> None:
         nonlocal count
-        count = write_tsv(fh, iter_store_records(store), EXPORT_FORMATS[fmt])
+        count = spec.exporter(fh, iter_store_records(store))
 
     atomic_write(out, write)
     return count

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
 
 
@@ -73,3 +74,7 @@ def read_cocobu(
                     "image_w": w, "image_h": h}
 
         yield str(path), decode
+
+
+register_format(Format("cocobu", read_cocobu, "raw", True, None,
+                       help="ruotianluo cocobu_att and cocobu_box directories of npz/npy: give ATT_DIR, optionally BOX_DIR"))

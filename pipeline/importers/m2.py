@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
 
 SUFFIX = "_features"
@@ -60,3 +61,6 @@ def read_m2(
                     return rec
 
                 yield where, decode
+
+
+register_format(Format("m2-hdf5", read_m2, "raw", True, None, help="M2 Transformer coco_detections.hdf5"))

@@ -20,11 +20,13 @@ import base64
 import binascii
 import re
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError
 from pipeline.core.keys import key_from_text, key_to_text
 
@@ -177,3 +179,9 @@ def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
         out.write(encode(rec))
         n += 1
     return n
+
+
+register_format(Format("butd-tsv", tsv_reader(decode_butd), "raw", False, partial(write_tsv, fmt="butd"),
+                       help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes"))
+register_format(Format("obj36-tsv", tsv_reader(decode_obj36), "coco-id", False, partial(write_tsv, fmt="obj36"),
+                       help="LXMERT obj36 TSV, with object and attribute ids"))
