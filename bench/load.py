@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -28,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_demo(out: Path, env: dict[str, str], extra: list[str]) -> tuple[float, dict, tuple[float, float]]:
+def run_demo(out: Path, env: dict[str, str], extra: list[str], demo_args: list[str]) -> tuple[float, dict, tuple[float, float]]:
     """One ``demo --quick`` from scratch: (wall seconds, metrics, (load before, load after))."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, str(REPO / "cli.py"), *extra, "demo", "--quick", "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "cli.py"), *extra, "demo", "--quick", "--out", str(out), *demo_args]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the demo's environment (repeatable)")
     ap.add_argument("--cli", default="", help="options before the command, e.g. '--threads 1'")
+    ap.add_argument("--demo-args", default="", help="more demo options (a smaller run: '--num-images 40 --set ...')")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     env = dict(os.environ)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
                 time.sleep(2)
             try:
-                wall, metrics, (l0, l1) = run_demo(args.out / f"{condition}-{i}", env, args.cli.split())
+                wall, metrics, (l0, l1) = run_demo(args.out / f"{condition}-{i}", env, args.cli.split(), shlex.split(args.demo_args))
             finally:
                 for h in hogs:
                     h.kill()

@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
 
 
@@ -156,6 +157,7 @@ def apply(workers: int = 0, threads: int | None = None) -> ThreadPlan:
         resolved = replace(resolved, threads=torch.get_num_threads())
     if torch.get_num_threads() != resolved.threads:
         torch.set_num_threads(resolved.threads)
+    get_logger("threads").debug("thread policy: %s", describe(resolved))
     return resolved
 
 
