@@ -2,13 +2,16 @@
 
 Resumable (images already committed are skipped), shardable (``shard = (i, n)`` takes every n-th image of the
 sorted input list), robust (a bad image goes to ``failures.jsonl`` in the store with its reason and the run
-goes on). Keys are COCO ids when the file name carries one (``COCO_train2014_000000150367.jpg`` -> ``150367``),
-otherwise the path relative to the input folder.
+goes on: unreadable or undecodable files, inputs that are missing, dangling or looping links or folders,
+images too thin for the network, and any image on which the detector raises). Keys are COCO ids when the file name carries one (``COCO_train2014_000000150367.jpg`` -> ``150367``),
+otherwise the path relative to the input folder, made from the file name the OS gives by the bytes-safe rule
+of :mod:`pipeline.core.keys` (failures records and messages carry the key's text form).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from contextlib import contextmanager, nullcontext
@@ -22,10 +25,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from extractors.bottom_up import BottomUpDetector, SelectionRule
-from extractors.preprocess import ImageLoadError, caffe_blob, list_images, load_rgb
+from extractors.inputs import input_problem, scan_images
+from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.keys import key_from_name, key_to_text
 
 log = get_logger("extract")
 _COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
@@ -36,6 +41,7 @@ class ImageItem:
     key: str
     path: Path
     boxes: np.ndarray | None = None  # given boxes (N, 4) x1y1x2y2 in original pixels
+    problem: tuple[str, str] | None = None  # (reason, detail) found before reading: missing, dangling link, ...
 
 
 def image_key(path: Path, root: Path | None) -> str:
@@ -46,20 +52,27 @@ def image_key(path: Path, root: Path | None) -> str:
         return str(int(m.group(1) or m.group(2)))
     if root is not None:
         try:
-            return path.relative_to(root).as_posix()
+            return key_from_name(path.relative_to(root).as_posix())
         except ValueError:
             pass
-    return path.name
+    return key_from_name(path.name)
 
 
 def items_from_paths(paths: list[str | Path]) -> list[ImageItem]:
-    """Folders (recursive), files and globs -> items; duplicate keys are a usage error."""
+    """Folders (recursive), files and globs -> items; duplicate keys are a usage error.
+
+    Inputs that cannot be images (a missing path, a dangling or looping link, a folder named like an image)
+    become items carrying their ``problem``: the run reports each by path and goes on.
+    """
     items: list[ImageItem] = []
     for p in paths:
         p = Path(p)
         root = p if p.is_dir() else None
-        for f in list_images([p]):
+        scan = scan_images([p])
+        for f in scan.files:
             items.append(ImageItem(image_key(f, root), f))
+        for f, reason, detail in scan.problems:
+            items.append(ImageItem(image_key(f, root), f, problem=(reason, detail)))
     return _unique(items)
 
 
@@ -69,11 +82,15 @@ def items_from_file_list(list_file: Path, base: Path | None = None) -> list[Imag
         raise UsageError(f"file list not found: {list_file}")
     root = base or list_file.parent
     items = []
-    for line in list_file.read_text(encoding="utf-8").splitlines():
+    try:
+        text = list_file.read_bytes().decode("utf-8", "surrogateescape")  # names that are not UTF-8 stay exact
+    except OSError as exc:
+        raise UsageError(f"cannot read file list {list_file}: {exc.strerror or exc}") from None
+    for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             f = Path(line) if Path(line).is_absolute() else root / line
-            items.append(ImageItem(image_key(f, root), f))
+            items.append(ImageItem(image_key(f, root), f, problem=input_problem(f)))
     return _unique(items)
 
 
@@ -101,7 +118,7 @@ def items_from_coco(ann_file: Path, image_root: Path | None, with_boxes: bool) -
         except (KeyError, TypeError, ValueError):
             raise UsageError(f"{ann_file}: an image entry lacks 'id' or 'file_name'") from None
         b = np.asarray(boxes.get(iid, []), dtype=np.float32).reshape(-1, 4) if with_boxes else None
-        items.append(ImageItem(str(iid), root / name, b))
+        items.append(ImageItem(str(iid), root / name, b, problem=input_problem(root / name)))
     return _unique(items)
 
 
@@ -109,7 +126,8 @@ def _unique(items: list[ImageItem]) -> list[ImageItem]:
     seen: dict[str, Path] = {}
     for it in items:
         if it.key in seen and seen[it.key] != it.path:
-            raise UsageError(f"two images map to the same key {it.key!r}: {seen[it.key]} and {it.path}")
+            raise UsageError(f"two images map to the same key {key_to_text(it.key)!r}: {key_to_text(str(seen[it.key]))} "
+                             f"and {key_to_text(str(it.path))}")
         seen[it.key] = it.path
     out, done = [], set()
     for it in items:
@@ -126,17 +144,45 @@ def shard_items(items: list[ImageItem], index: int, count: int) -> list[ImageIte
     return items[index::count]
 
 
+def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_side: int) -> str | None:
+    """Why an image is too thin for the network, or None.
+
+    After the test-time resize (longest side capped) a 2000x2 photo becomes 1000x1: below the backbone's
+    feature stride (``min_side``, 16 px for the ResNet-101 C4 detector) the feature map has no full cell, the
+    detector either fails or sees nothing, so such images are refused with this reason before the model runs.
+    """
+    h, w = int(blob_hw[0]), int(blob_hw[1])
+    if min(h, w) >= min_side:
+        return None
+    return (f"{orig_hw[1]}x{orig_hw[0]} image resizes to {w}x{h} for the network: its short side {min(h, w)} px is "
+            f"below the {min_side} px minimum (the backbone's feature stride)")
+
+
+def record_settings(identity: dict[str, Any], rule: SelectionRule, precision: str) -> dict[str, Any]:
+    """``identity`` with the box selection and the precision recorded under ``config`` (what ``extract`` and
+    ``caption --cache`` store, and what :func:`pipeline.store.format.feature_settings_diff` compares)."""
+    config = dict(identity.get("config") or {})
+    config["precision"] = str(precision)
+    config["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh,
+                       "nms": rule.nms_thresh}
+    return dict(identity, config=config)
+
+
 class ImageDataset(Dataset):
     """Decodes images into Caffe blobs in DataLoader workers; failures are returned, never raised."""
 
-    def __init__(self, items: list[ImageItem], min_size: int, max_size: int, pixel_means, max_pixels: int) -> None:
+    def __init__(self, items: list[ImageItem], min_size: int, max_size: int, pixel_means, max_pixels: int,
+                 min_side: int = 16) -> None:
         self.items, self.min_size, self.max_size, self.means, self.max_pixels = items, min_size, max_size, pixel_means, max_pixels
+        self.min_side = min_side
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         it = self.items[i]
+        if it.problem is not None:
+            return {"item": it, "error": it.problem[0], "detail": it.problem[1]}
         try:
             rgb = load_rgb(it.path, self.max_pixels)
         except ImageLoadError as exc:
@@ -145,6 +191,9 @@ class ImageDataset(Dataset):
             blob, scale = caffe_blob(rgb, self.min_size, self.max_size, self.means)
         except (cv2.error, ValueError, MemoryError) as exc:
             return {"item": it, "error": "decode_error", "detail": f"cannot build the image blob: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        thin = thin_image_reason(rgb.shape[:2], blob.shape[1:], self.min_side)
+        if thin is not None:
+            return {"item": it, "error": "too_thin", "detail": thin}
         return {"item": it, "blob": torch.from_numpy(blob), "scale": scale, "size": rgb.shape[:2]}
 
 
@@ -201,17 +250,18 @@ def run_extraction(
         log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
     fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
     t0 = time.perf_counter()
-    ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels)
+    ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels, min_side=spec.feature_stride)
     threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
     loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=thread_policy.loader_workers(workers), collate_fn=_collate,
                         pin_memory=dev.type == "cuda", persistent_workers=False)
     since_commit = 0
 
     def fail(it: ImageItem, reason: str, detail: str) -> None:
-        rec = {"key": it.key, "path": str(it.path), "reason": reason, "detail": detail}
+        path = key_to_text(os.fsdecode(it.path))
+        rec = {"key": key_to_text(it.key), "path": path, "reason": reason, "detail": key_to_text(detail)}
         summary.failures.append(rec)
         summary.failed += 1
-        log.warning("skipped %s: %s (%s)", it.path, reason, detail)
+        log.warning("skipped %s: %s (%s)", path, reason, rec["detail"])
         if fail_fh is not None:
             fail_fh.write(json.dumps(rec) + "\n")
             fail_fh.flush()
@@ -230,15 +280,16 @@ def run_extraction(
                     else:
                         good.append(rec)
                 if good:
-                    given = [_clip_given(r["item"].boxes, r["size"]) for r in good] if rule.mode == "given" else None
-                    with precision_context(precision, dev):
-                        outs = model.detect([r["blob"] for r in good], [r["scale"] for r in good], [tuple(r["size"]) for r in good], rule, given)
-                    for r, o in zip(good, outs):
+                    for r, o in guarded_detect(model, good, rule, precision, dev, fail):
                         if o.boxes.shape[0] == 0:
                             fail(r["item"], "no_regions", "the detector returned no region for this image")
                             continue
-                        writer.add(r["item"].key, o.features, o.boxes, o.image_w, o.image_h,
-                                   class_ids=o.class_ids, class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
+                        try:
+                            writer.add(r["item"].key, o.features, o.boxes, o.image_w, o.image_h, class_ids=o.class_ids,
+                                       class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
+                        except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
+                            fail(r["item"], "invalid_output", str(exc))
+                            continue
                         summary.extracted += 1
                         summary.boxes += int(o.boxes.shape[0])
                         since_commit += 1
@@ -253,6 +304,30 @@ def run_extraction(
             fail_fh.close()
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _detect(model: BottomUpDetector, recs: list[dict[str, Any]], rule: SelectionRule, precision: str,
+            dev: torch.device) -> list[Any]:
+    given = [_clip_given(r["item"].boxes, r["size"]) for r in recs] if rule.mode == "given" else None
+    with precision_context(precision, dev):
+        return model.detect([r["blob"] for r in recs], [r["scale"] for r in recs], [tuple(r["size"]) for r in recs], rule, given)
+
+
+def guarded_detect(model: BottomUpDetector, recs: list[dict[str, Any]], rule: SelectionRule, precision: str,
+                   dev: torch.device, fail: Any) -> list[tuple[dict[str, Any], Any]]:
+    """The per-image guard: run the batch; if the model raises, run each image alone and send the ones that
+    still raise to ``fail(item, "model_error", detail)``, so one odd image never costs the others."""
+    try:
+        return list(zip(recs, _detect(model, recs, rule, precision, dev)))
+    except (RuntimeError, ValueError, IndexError, TypeError, ZeroDivisionError, AssertionError) as exc:
+        if len(recs) == 1:
+            fail(recs[0]["item"], "model_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return []
+        log.debug("batch of %d failed (%s); retrying image by image", len(recs), exc)
+    out = []
+    for r in recs:
+        out += guarded_detect(model, [r], rule, precision, dev, fail)
+    return out
 
 
 def _clip_given(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:

@@ -99,6 +99,11 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
         items += items_from_coco(Path(job.coco), None if job.image_root is None else Path(job.image_root), with_boxes=mode == "given")
     if not items:
         raise UsageError("no images found in the given inputs")
+    if all(it.problem is not None for it in items):  # every input missing, a dangling link, not a file, ...
+        from pipeline.core.keys import key_to_text
+
+        shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])
+        raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
     if job.shard is not None:
         items = shard_items(items, *job.shard)
     if job.limit is not None:
@@ -129,7 +134,7 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from extractors.factory import build_for_extract
-        from extractors.run import run_extraction
+        from extractors.run import record_settings, run_extraction
         from pipeline.store import open_writer
 
         rule = selection_rule(section)
@@ -139,8 +144,7 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
         model, identity = build_for_extract(job.weights, str(section.preset), spec, None if section.min_size is None else int(section.min_size),
                                             None if section.max_size is None else int(section.max_size), int(section.random_seed), dev)
         model.roi_chunk = int(section.roi_chunk)
-        identity["config"]["precision"] = str(section.precision)
-        identity["config"]["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh}
+        identity = record_settings(identity, rule, str(section.precision))
         store = stage_dir / job.store
         log.info("extracting %d images with %s on %s (%s) into %s", len(todo), identity["name"], dev, section.precision, store)
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:

@@ -121,7 +121,8 @@ class FeatureCache:
     def __init__(self, path: Path, identity: dict[str, Any]) -> None:
         from pipeline.store import FeatureStore, open_writer
 
-        self.writer = open_writer(path, identity)
+        # any store whose settings agree on what determines the features will do (e.g. one made by `extract`)
+        self.writer = open_writer(path, identity, match="features")
         self.reader = FeatureStore(path)
 
     def has(self, key: str) -> bool:
@@ -181,6 +182,9 @@ class PhotoCaptioner:
             images: list[np.ndarray | None] = [None] * len(chunk)
             todo = []
             for i, it in enumerate(chunk):
+                if getattr(it, "problem", None) is not None:  # missing, dangling link, folder named x.jpg, ...
+                    results[i].error = f"{it.problem[0]}: {it.problem[1]}"
+                    continue
                 try:
                     if cache is not None and cache.has(it.key):
                         records[i] = cache.get(it.key)  # features extracted by an earlier run

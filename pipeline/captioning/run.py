@@ -77,6 +77,11 @@ def caption_photos(
     items = items_from_paths(photos)
     if not items:
         raise UsageError(f"no image files found in {', '.join(photos)}")
+    if all(it.problem is not None for it in items):
+        from pipeline.core.keys import key_to_text
+
+        shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])  # type: ignore[index]
+        raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
     ckpt_path = find_checkpoint(model)
     det_weights = find_detector(model, ckpt_path, weights)
     device = resolve_device(str(cfg.device))
@@ -107,7 +112,9 @@ def caption_photos(
     if cache is not None:
         from pipeline.captioning.engine import FeatureCache
 
-        writer = FeatureCache(cache, identity)
+        from extractors.run import record_settings
+
+        writer = FeatureCache(cache, record_settings(identity, rule, "fp32"))
     results = []
     try:
         with make_progress() as progress, torch.inference_mode(False):

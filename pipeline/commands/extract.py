@@ -53,7 +53,7 @@ def merge_shard_stores(store: Path) -> None:
         missing = sorted(set(range(n)) - set(have))
         raise UsageError(f"{folder}: shards {missing} of {n} are missing; run them first")
     total = merge_stores(shards, store)
-    stdout_console().print(f"merged {n} shards ({total} images) into {store}")
+    stdout_console().print(f"merged {n} shards ({total} images) into {store}", markup=False, highlight=False)
 
 
 #: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.run.precision_context)
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         preset: Annotated[Optional[str], typer.Option("--preset", help="auto | bottom-up-caffe-r101 | bottom-up-d2-r101")] = None,
         shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
-        strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed.")] = False,
+        strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file.")] = False,
         merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
     ) -> None:
         """Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a
@@ -90,6 +90,8 @@ def register(app: typer.Typer) -> None:
 
             butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)
         """
+        if limit is not None and limit < 0:
+            raise UsageError(f"--limit must be 0 or more, not {limit}")
         # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
         extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset)) if val is not None]
         cfg = opts.resolve("extract", extra).extract
@@ -114,15 +116,18 @@ def register(app: typer.Typer) -> None:
 def _print_result(result: Any, strict: bool) -> None:
     """The stage's counts on stdout; with ``strict``, failures become exit 1."""
     from pipeline.core.console import stdout_console
+    from pipeline.core.keys import key_to_text
 
     s, store = result.summary, result.directory / result.outputs["store"]
     con = stdout_console()
     if result.skipped:
-        con.print(f"already done with this config ({store}); the last pass:", highlight=False)
+        con.print(f"already done with this config ({key_to_text(str(store))}); the last pass:", highlight=False, markup=False)
     con.print(f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, failed {s['failed']} of {s['images']} "
-              f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {store}", highlight=False)
+              f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {key_to_text(str(store))}",
+              highlight=False, markup=False)
     if s["failed"]:
         reasons = ", ".join(f"{k} {v}" for k, v in s["failure_reasons"].items())
-        con.print(f"failures: {reasons} (see {result.directory / result.outputs['failures']})", highlight=False)
+        con.print(f"failures: {reasons} (see {key_to_text(str(result.directory / result.outputs['failures']))})",
+                  highlight=False, markup=False)
         if strict:
             raise PipelineError(f"{s['failed']} images failed (--strict)")

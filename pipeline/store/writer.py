@@ -39,6 +39,7 @@ from pipeline.store.format import (
     OPTIONAL_FIELDS,
     SEGMENT_GLOB,
     canonical_identity,
+    feature_settings_diff,
     identity_mismatch,
     new_manifest,
     read_manifest,
@@ -354,6 +355,7 @@ def open_writer(
     chunk_rows: int = 0,
     compression: str | None = None,
     fsync: bool = True,
+    match: str = "identity",
 ) -> FeatureStoreWriter:
     """Create a store directory at ``path``, or resume the one there.
 
@@ -368,11 +370,16 @@ def open_writer(
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"`` (needs ``chunk_rows``; slower reads).
         fsync: fsync each segment before publishing it (default). ``False`` is faster and still safe against
             a killed process (publication order holds in the page cache), but not against power loss.
+        match: ``identity`` (an existing store must have exactly this identity) or ``features`` (it must agree
+            on what determines the features, :func:`pipeline.store.format.feature_settings_diff`; the store
+            keeps its own identity and dtype, as a cache does).
     """
     path = Path(path)
     identity = canonical_identity(extractor)
     if feature_dtype not in FEATURE_DTYPES:
         raise UsageError(f"feature_dtype must be one of {sorted(FEATURE_DTYPES)}, not {feature_dtype!r}")
+    if match not in ("identity", "features"):
+        raise UsageError(f"match must be identity or features, not {match!r}")
     if compression not in (None, "lzf", "gzip"):
         raise UsageError(f"compression must be lzf, gzip or none, not {compression!r}")
     if compression and not chunk_rows:
@@ -396,7 +403,15 @@ def open_writer(
     try:
         if (path / MANIFEST).exists():
             manifest = read_manifest(path)
-            if manifest["identity"] != identity:
+            if match == "features":
+                differ = feature_settings_diff(manifest["identity"], identity)
+                if differ:
+                    raise UsageError(
+                        f"feature store {path} holds features made with other settings: {'; '.join(differ)}; "
+                        "use another store path"
+                    )
+                feature_dtype = manifest["feature_dtype"]
+            elif manifest["identity"] != identity:
                 raise UsageError(identity_mismatch(str(path), manifest["identity"], identity))
             if manifest["feature_dtype"] != feature_dtype:
                 raise UsageError(
