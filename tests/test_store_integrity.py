@@ -233,3 +233,40 @@ def test_import_of_a_malformed_key_escape_is_a_bad_row(tmp_path):
                                    "--skip-bad"])
     assert res.exit_code == 0 and "malformed escape" in res.output
     assert FeatureStore(tmp_path / "back").keys() == ["a"]
+
+
+@pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user namespaces (unshare -rm) to mount a read-only tmpfs")
+def test_every_writing_command_on_a_read_only_disk_is_one_line(tmp_path, shared_data):
+    """extract, import-features, export-features, merge-features, prepare and demo writing to a read-only
+    file system: each exits 1 with one `error: cannot ...` line naming the path, no traceback."""
+    import json as _json
+
+    _write(tmp_path / "src", ["a", "b"])
+    assert CliRunner().invoke(app, ["export-features", str(tmp_path / "src"), "--out", str(tmp_path / "x.tsv")]).exit_code == 0
+    karpathy = tmp_path / "k.json"
+    karpathy.write_text(_json.dumps({"images": [{"cocoid": 1, "filename": "1.jpg", "split": "train",
+                                                 "sentences": [{"tokens": ["a", "dog"], "raw": "a dog"}]}]}))
+    photo = shared_data / "photos" / "000456.jpg"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cli = f"{sys.executable} {REPO}/cli.py"
+    commands = {
+        "extract": f"extract {photo} --weights random --store {ro}/s --workers 0",
+        "import": f"import-features {tmp_path}/x.tsv --format butd-tsv --store {ro}/s",
+        "export": f"export-features {tmp_path}/src --out {ro}/y.tsv",
+        "merge": f"merge-features {tmp_path}/src --out {ro}/m",
+        "prepare": f"prepare --set prepare.karpathy_json={karpathy} --out {ro}/run",
+        "demo": f"demo --out {ro}/demo --quick",
+    }
+    shell = f"mount -t tmpfs -o ro tmpfs {ro} || exit 9; " + "; ".join(
+        f"echo '<<{name}>>'; {cli} {cmd} 2>&1; echo \"<<rc=$?>>\"" for name, cmd in commands.items())
+    env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="400")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    out = proc.stdout + proc.stderr
+    for name in commands:
+        part = out.split(f"<<{name}>>")[1].split("<<rc=")
+        text, rc = part[0], part[1].split(">>")[0]
+        assert rc == "1", (name, out)
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Read-only file system" in errors[0] and str(ro) in errors[0], (name, text)
+        assert "Traceback" not in text, (name, text)

@@ -15,6 +15,7 @@ Output files (in the stage folder, each written atomically): see :mod:`pipeline.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -65,13 +66,39 @@ def _key(mode: str, cocoid: Any, filepath: str, filename: str, path: Path, where
     return f"{filepath}/{filename}" if filepath else filename
 
 
+def _string_tokens(tokens: list[Any], where: str, dropped: list[str]) -> list[str]:
+    """The string tokens of a caption; each non-string one (a number, null, a list) is noted in ``dropped``."""
+    out = []
+    for k, t in enumerate(tokens):
+        if isinstance(t, str):
+            out.append(t)
+        else:
+            dropped.append(f"{where}.tokens[{k}] = {json.dumps(t)[:20]}")
+    return out
+
+
+def warn_caption_problems(path: Path, empty: list[str], dropped: list[str]) -> None:
+    """One warning each for empty captions and dropped non-string tokens: the count and the first few."""
+    if dropped:
+        log.warning("%s: dropped %d non-string tokens, e.g. %s", path, len(dropped), "; ".join(dropped[:3]))
+    if empty:
+        log.warning("%s: %d captions are empty (no word once normalised), e.g. %s; they are kept as ruotianluo's "
+                    "prepro_labels keeps them (a label of <eos> only): remove them from the file to drop them",
+                    path, len(empty), ", ".join(empty[:3]))
+
+
 def read_karpathy(path: Path, key_mode: str, use_given_tokens: bool) -> list[ImageEntry]:
-    """Parse ``dataset_coco.json`` (validated; errors name the file and the image index)."""
+    """Parse ``dataset_coco.json`` (validated; errors name the file and the image index).
+
+    Non-string tokens are dropped and empty captions kept, each with a warning (count and first few).
+    """
     data = read_json(path, what="Karpathy split file")
     images = data.get("images")
     if not isinstance(images, list):
         raise _bad(path, "no 'images' list (expected Karpathy's dataset_coco.json)")
     out = []
+    empty: list[str] = []
+    dropped: list[str] = []
     for i, img in enumerate(images):
         where = f"images[{i}]"
         if not isinstance(img, dict) or not isinstance(img.get("sentences"), list) or not isinstance(img.get("split"), str):
@@ -83,16 +110,19 @@ def read_karpathy(path: Path, key_mode: str, use_given_tokens: bool) -> list[Ima
             if not isinstance(sent, dict):
                 raise _bad(path, f"{where}.sentences[{j}] is not an object")
             if use_given_tokens and isinstance(sent.get("tokens"), list):
-                caps.append(normalise_tokens(sent["tokens"]))
+                caps.append(normalise_tokens(_string_tokens(sent["tokens"], f"{where}.sentences[{j}]", dropped)))
             elif isinstance(sent.get("raw"), str):
                 caps.append(tokenize(sent["raw"]))
             else:
                 raise _bad(path, f"{where}.sentences[{j}] has neither 'tokens' nor 'raw'")
+            if not caps[-1]:
+                empty.append(f"{where}.sentences[{j}]")
         filename = str(img.get("filename", ""))
         cocoid = img.get("cocoid", img.get("id"))
         out.append(ImageEntry(_key(key_mode, cocoid, str(img.get("filepath", "")), filename, path, where),
                               int(cocoid) if isinstance(cocoid, int) else None,
                               f"{img.get('filepath', '')}/{filename}".lstrip("/"), img["split"], captions=caps))
+    warn_caption_problems(path, empty, dropped)
     return out
 
 
@@ -133,10 +163,14 @@ def read_coco_captions(files: dict[str, str], split_file: str | None, key_mode: 
             by_id[img["id"]] = ImageEntry(
                 _key(key_mode, img["id"], "", img["file_name"], path, f"images[{i}]"), img["id"], img["file_name"],
                 split, img.get("width"), img.get("height"))
+        empty: list[str] = []
         for i, ann in enumerate(data["annotations"]):
             if not isinstance(ann, dict) or not isinstance(ann.get("caption"), str) or ann.get("image_id") not in by_id:
                 raise _bad(path, f"annotations[{i}] lacks a 'caption' or refers to an unknown image_id")
             by_id[ann["image_id"]].captions.append(tokenize(ann["caption"]))
+            if not by_id[ann["image_id"]].captions[-1]:
+                empty.append(f"annotations[{i}]")
+        warn_caption_problems(path, empty, [])
     entries = sorted(by_id.values(), key=lambda e: e.cocoid or 0)
     if split_file:
         split = _read_split_file(Path(split_file))

@@ -63,6 +63,8 @@ def register(app: typer.Typer) -> None:
 
         result = embed_file(checkpoint, input_path, output, opts.resolve("embed", show=opts.verbose).embed, visualize)
         con = stdout_console()
-        con.print(f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False)
+        con.print(f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False, markup=False)
+        if result.get("failed"):
+            con.print(f"not embedded: {result['failed']} (rows left empty; see {result['failures']})", highlight=False, markup=False)
         if "heatmap" in result:
             con.print(f"attention heatmap: {result['heatmap']}", highlight=False)

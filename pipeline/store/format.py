@@ -23,13 +23,18 @@ dataset             shape / dtype        meaning
 ``class_scores``    (R,) f32 (optional)  its confidence
 ``attr_ids``        (R,) i32 (optional)  attribute per box (0-based VG attribute line)
 ``attr_scores``     (R,) f32 (optional)  its confidence
-``keys``            (n,) utf-8 strings   image ids (COCO id as text, or a relative path)
+``keys``            (n,) utf-8 strings   image ids (COCO id as text, or a relative path), as their exact
+                                         bytes (:mod:`pipeline.core.keys`: a non-UTF-8 file name survives)
 ``offsets``         (n + 1,) i64         image i owns rows offsets[i] : offsets[i + 1]
 ``image_size``      (n, 2) i32           width, height in pixels
+``row_crc32``       (n,) u4              CRC-32 of each image's rows (all row fields), checked on read
 ==================  ===================  ==========================================================
 
 Segment attributes: ``format``, ``schema_version``, ``identity`` (JSON), ``num_images``, ``num_rows``,
-``feature_dim``, ``feature_dtype``, ``fields`` (JSON list) and ``complete`` (set last). A segment file is
+``feature_dim``, ``feature_dtype``, ``fields`` (JSON list), ``checksum`` (``crc32``), ``index_crc32`` (CRC-32
+of keys, offsets and sizes) and ``complete`` (set last). Segments written before checksums lack
+``row_crc32``/``index_crc32``/``checksum`` and are still read (``info`` says their damage cannot be detected);
+``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`). A segment file is
 also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store is
 shipped as one file.
 """
