@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
         model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt) or run directory.")] = DEFAULT_RUN,
         weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights file, or `random` (smoke tests).")] = None,
         output: output_option("Write results: .jsonl, .json or .csv.") = None,
-        n_best: Annotated[Optional[int], typer.Option("--n-best", min=1, help="Hypotheses per photo (beam search).")] = None,
-        beam_size: Annotated[Optional[int], typer.Option("--beam-size", min=1, help="Beam size (default: the checkpoint's).")] = None,
+        n_best: Annotated[Optional[int], typer.Option("--n-best", help="Hypotheses per photo (beam search).")] = None,
+        beam_size: Annotated[Optional[int], typer.Option("--beam-size", help="Beam size (default: the checkpoint's).")] = None,
         visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Write one PNG per photo (boxes, caption, word heat strip).")] = None,
         cache: Annotated[Optional[Path], typer.Option("--cache", help="Feature store to reuse and extend (keys as in `extract`).")] = None,
     ) -> None:

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         out: out_option("Run directory (created if missing).") = Path("runs/demo"),
         models: Annotated[Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")] = None,
         generate_only: Annotated[bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")] = False,
-        num_images: Annotated[Optional[int], typer.Option("--num-images", min=1, help="Images in the world (world.num_images).")] = None,
+        num_images: Annotated[Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
         quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
     ) -> None:

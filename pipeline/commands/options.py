@@ -55,7 +55,7 @@ ThreadsOpt = Annotated[
                       "pipeline/core/threads.py). Also BUTD_THREADS."),
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
-BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Batch size (images per step or forward pass).")]
+BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Batch size (images per step or forward pass).")]
 
 
 def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
@@ -63,7 +63,7 @@ def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
     return Annotated[Optional[str], typer.Option("--precision", help=f"{' | '.join(choices)} (default: the config's)")]
 
 
-NumWorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", "--workers", min=0, help="Data-loading processes (0: in the main process).")]
+NumWorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", "--workers", help="Data-loading processes (0: in the main process).")]
 
 
 def out_option(help_text: str, short: bool = True) -> Any:
