@@ -137,3 +137,14 @@ def test_every_command_offers_threads(monkeypatch):
     res = runner.invoke(cli.app, ["info", "--threads", "1"])
     assert res.exit_code == 0, res.output
     assert os.environ["BUTD_THREADS"] == "1" and torch.get_num_threads() == 1
+
+
+def test_a_command_applies_the_policy_before_its_body(monkeypatch):
+    """torch's default thread count ignores cgroup quotas: every command sets the policy's count first."""
+    import cli
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 1)
+    torch.set_num_threads(2)
+    res = CliRunner().invoke(cli.app, ["info"])
+    assert res.exit_code == 0, res.output
+    assert torch.get_num_threads() == 1 and "BUTD_THREADS" not in os.environ

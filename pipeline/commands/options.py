@@ -202,6 +202,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
             opts = CommandOptions(everyday=ev, **values)
             init(opts.verbose, opts.quiet)
             thread_policy.prepare_process(opts.threads)
+            thread_policy.apply()  # torch's own default ignores cgroup quotas and torchrun's processes
             return fn(opts, **kwargs)
 
         body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
