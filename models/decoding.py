@@ -17,9 +17,22 @@ compute. Beam indices are computed with integer division (``//``), never ``/``.
 
 Length penalty (ranking of finished hypotheses): ``score = sum log p / lp(len)`` where ``len`` counts the
 generated tokens including ``<eos>`` and ``lp = ((5 + len) / 6) ** alpha`` (``wu``, Wu et al. 2016) or
-``len ** alpha`` (``avg``); ``alpha = 0`` ranks by the plain summed log-probability. Beam search stops an
-image once ``beam_size`` hypotheses have ended (the fairseq rule); with ``beam_size = 1`` it returns exactly
-the greedy caption.
+``len ** alpha`` (``avg``); ``alpha = 0`` ranks by the plain summed log-probability.
+
+Stop rule of beam search (``stop_rule``):
+
+* ``exact`` (default): every step keeps the ``beam_size`` best unfinished hypotheses; an image stops only when
+  its ``n_best``-th best finished score is at least the best score any unfinished hypothesis could still reach
+  (log-probabilities are <= 0, so a hypothesis of summed log-probability ``s`` can reach at most
+  ``s / max(lp(len + 1), lp(max_len))`` under the active length penalty), or at ``max_len``. So the search never
+  returns a caption that scores below one it would still have found.
+* ``first_k``: stop once ``beam_size`` hypotheses have ended (the fairseq rule; kept for comparison).
+* ``official_m2`` / ``official_aoanet``: the searches of the two released implementations, to reproduce
+  their published numbers (:mod:`models.beam_official`).
+
+With ``beam_size = 1`` the ``first_k`` rule, and the ``exact`` rule without length penalty, return exactly the
+greedy caption (with a length penalty the exact rule may go on past the greedy ``<eos>`` and find a caption
+that ranks higher).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 METHODS = ("beam", "greedy", "sample")
 PENALTIES = ("wu", "avg")
+STOP_RULES = ("exact", "first_k", "official_m2", "official_aoanet")
 NEG_INF = float("-inf")
 
 
@@ -56,6 +70,7 @@ class DecodeOptions:
     top_k: int = 0
     top_p: float = 1.0
     collapse_repeats: bool = False  # post-processing of the final words (applied by the caller)
+    stop_rule: str = "exact"
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,6 +84,12 @@ class DecodeOptions:
             problems.append(f"n_best ({self.n_best}) cannot exceed beam_size ({self.beam_size})")
         if self.method == "greedy" and self.n_best != 1:
             problems.append("greedy decoding returns one caption per image (n_best must be 1)")
+        if self.stop_rule not in STOP_RULES:
+            problems.append(f"stop_rule must be one of {STOP_RULES}, got {self.stop_rule!r}")
+        elif self.stop_rule == "official_m2" and (self.length_penalty != 0 or self.block_trigrams):
+            problems.append("stop_rule official_m2 has no length penalty and no trigram blocking (M2's beam search)")
+        elif self.stop_rule == "official_aoanet" and self.block_trigrams:
+            problems.append("stop_rule official_aoanet has no trigram blocking (AoANet's beam search)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append("need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         if problems:
@@ -232,8 +253,33 @@ def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None =
 # --- beam search -----------------------------------------------------------------------------------------
 
 
+def reachable_bound(scores: torch.Tensor, generated: int, options: DecodeOptions) -> torch.Tensor:
+    """The best ranking score unfinished hypotheses of summed log-probability ``scores`` can still reach.
+
+    Log-probabilities are <= 0, so every continuation keeps the sum at most ``s``; the hypothesis can end at any
+    length in ``generated + 1 .. max_len``, where ``s / lp(len)`` is largest for the largest ``lp`` (``lp`` is
+    monotone in ``len``).
+    """
+    lp = length_penalty(torch.tensor([generated + 1, options.max_len]), options.length_penalty, options.length_penalty_kind)
+    return scores / float(lp.max())
+
+
+def _image_done(found: list[tuple[float, torch.Tensor, int, torch.Tensor]], bound: float, options: DecodeOptions) -> bool:
+    """The stop rule for one image (see the module docstring)."""
+    if options.stop_rule == "first_k":
+        return len(found) >= options.beam_size
+    if len(found) < options.n_best:
+        return False
+    nth = sorted((h[0] for h in found), reverse=True)[options.n_best - 1]
+    return nth >= bound
+
+
 def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     """Batched beam search; returns the ``options.n_best`` best hypotheses per image, best first."""
+    if options.stop_rule in ("official_m2", "official_aoanet"):
+        from models.beam_official import official_search
+
+        return official_search(model, enc, options)
     k, n_best, max_len = options.beam_size, options.n_best, options.max_len
     num_images = _rows(enc)
     device = _device(enc)
@@ -274,7 +320,8 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
         new_scores = top_scores.gather(1, pick)
         new_rows = src_rows.gather(1, pick)  # (alive, k)
         new_words = words.gather(1, pick)
-        done = torch.tensor([len(finished[int(i)]) >= k for i in images.tolist()], device=device)
+        bounds = reachable_bound(new_scores.detach().max(1).values, t + 1, options).tolist()
+        done = torch.tensor([_image_done(finished[int(i)], b, options) for i, b in zip(images.tolist(), bounds)], device=device)
         if bool(done.all()):
             break
         if bool(done.any()):
@@ -289,7 +336,7 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
 
 
 def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]], n_best: int, options: DecodeOptions, device: torch.device) -> Generated:
-    """The ``n_best`` finished hypotheses of every image, best first (every image has >= beam_size)."""
+    """The ``n_best`` finished hypotheses of every image, best first (every image has >= n_best)."""
     num_images = len(finished)
     steps = max((h[2] for hyps in finished for h in hyps), default=1)
     tokens = torch.full((num_images, n_best, steps), PAD, dtype=torch.long, device=device)

@@ -95,9 +95,11 @@ def test_beam_one_equals_greedy(name: str) -> None:
     with torch.no_grad():
         enc = model.encode(*batch())
         g = greedy(model, enc, DecodeOptions(method="greedy", max_len=15))
-        b = beam_search(model, enc, DecodeOptions(beam_size=1, max_len=15, length_penalty=0.7))
-    t = min(g.tokens.shape[-1], b.tokens.shape[-1])
-    assert torch.equal(g.tokens[..., :t], b.tokens[..., :t]) and torch.equal(g.lengths, b.lengths)
+        b = beam_search(model, enc, DecodeOptions(beam_size=1, max_len=15, length_penalty=0.7, stop_rule="first_k"))
+        e = beam_search(model, enc, DecodeOptions(beam_size=1, max_len=15))
+    for out in (b, e):  # first_k with any penalty, and the exact rule without one, are greedy at beam 1
+        t = min(g.tokens.shape[-1], out.tokens.shape[-1])
+        assert torch.equal(g.tokens[..., :t], out.tokens[..., :t]) and torch.equal(g.lengths, out.lengths)
     torch.testing.assert_close(g.logprob, b.logprob, atol=1e-4, rtol=0)
     assert (g.lengths > 1).any()  # not trivially ending at once
 
