@@ -19,6 +19,10 @@ Switches
         *after* the input LayerNorm, which in practice masks nothing (docs/models.md#m2-choices): padded regions take part
         as keys in encoder self-attention and decoder cross-attention. ``false`` (default) masks them with the
         ``mask`` input; ``true`` reproduces the official computation for parity.
+    ``fixed_regions``: the official data field hands the model exactly 50 rows per image: the first 50 detections
+        of the features file, zero-padded (``data/field.py``, ``max_detections``); with ``official_mask`` the zero
+        rows take part in attention, so the count matters. ``null`` (default) uses the regions as given; an
+        integer keeps the first ``fixed_regions`` regions of each image and zero-pads to that count.
     ``official_init``: the official ``init_weights`` applies ``xavier_uniform_`` to every parameter with
         ``dim > 1`` (docs/models.md#m2-choices), which turns the frozen sinusoid position table into a frozen *random* table
         and overwrites the N(0, 1/d_k) / N(0, 1/m) memory init. ``false`` (default, the paper) applies the same
@@ -131,12 +135,16 @@ class M2Transformer(Captioner):
         max_len: int = 54,
         official_mask: bool = False,
         official_init: bool = False,
+        fixed_regions: int | None = None,
     ) -> None:
         super().__init__(vocab_size)
         num_dec_layers = num_layers if num_dec_layers is None else num_dec_layers
         if num_layers < 1 or num_dec_layers < 1:
             raise ConfigError(f"model m2: needs num_layers >= 1 and num_dec_layers >= 1, got {num_layers}, {num_dec_layers}")
         self.feat_dim, self.d_model, self.max_len = feat_dim, d_model, max_len
+        if fixed_regions is not None and fixed_regions < 1:
+            raise ConfigError(f"model m2: fixed_regions must be null or >= 1, got {fixed_regions}")
+        self.fixed_regions = fixed_regions
         self.encoder = MemoryAugmentedEncoder(feat_dim, d_model, num_heads, d_ff, num_layers, num_memory, dropout,
                                               official_mask)
         self.word_emb = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
@@ -162,9 +170,21 @@ class M2Transformer(Captioner):
     # ----------------------------------------------------------------------------------------- encoder
     def encode(self, feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor) -> State:
         """Multi-level encoding, projected once into every decoder layer's cross-attention keys/values."""
+        if self.fixed_regions is not None:
+            feats, mask = self._fixed_rows(feats, mask)
         levels, allowed = self.encoder(feats, mask)
         ks, vs = zip(*(layer.cross_attn.attention.project_kv(levels) for layer in self.layers))
         return {"cross_k": torch.stack(ks, 1), "cross_v": torch.stack(vs, 1), "allowed": allowed}
+
+    def _fixed_rows(self, feats: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``fixed_regions`` regions of every image, zero rows up to that count (official data field)."""
+        n = self.fixed_regions
+        feats, mask = feats[:, :n], mask[:, :n].bool()
+        feats = feats * mask[..., None].to(feats.dtype)
+        if feats.shape[1] < n:
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, n - feats.shape[1]))
+            mask = torch.nn.functional.pad(mask, (0, n - mask.shape[1]), value=False)
+        return feats, mask
 
     # ----------------------------------------------------------------------------------------- decoder
     def _check_length(self, length: int) -> None:

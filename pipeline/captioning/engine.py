@@ -25,6 +25,7 @@ from extractors.bottom_up import BottomUpDetector, RegionOutput, SelectionRule
 from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
 from extractors.run import ImageItem
 from models.base import Captioner
+from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
 from pipeline.data.dataset import cap_boxes
@@ -226,7 +227,7 @@ class PhotoCaptioner:
         for j, res in enumerate(results):
             hyps = []
             for h in range(out.tokens.shape[1]):
-                words = self.vocab.decode(out.tokens[j, h].tolist())
+                words = caption_words(self.vocab, out.tokens[j, h, : int(out.lengths[j, h])].tolist(), self.options)
                 hyps.append((" ".join(words), float(out.scores[j, h])))
             res.caption, res.score = hyps[0]
             res.nbest = hyps

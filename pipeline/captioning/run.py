@@ -58,15 +58,19 @@ def find_detector(model: Path, checkpoint: Path, weights: str | None) -> str:
 
 def caption_photos(
     photos: list[str], model: Path, weights: str | None, cfg: Config, output: Path | None = None,
-    visualize: Path | None = None, cache: Path | None = None,
+    visualize: Path | None = None, cache: Path | None = None, decoding: dict[str, Any] | None = None, vocab: Path | None = None,
 ) -> list[Any]:
-    """Caption ``photos`` and report; returns the :class:`CaptionResult` list."""
+    """Caption ``photos`` and report; returns the :class:`CaptionResult` list.
+
+    ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
+    """
     import torch
 
     from extractors.bottom_up import SelectionRule
     from extractors.factory import load_for_inference, resolve_device
     from extractors.names import detector_names
     from extractors.run import items_from_paths
+    from models.captions import merge_decoding
     from models.decoding import DecodeOptions
     from pipeline.captioning.engine import PhotoCaptioner
     from models.checkpoints import load_captioner
@@ -85,7 +89,9 @@ def caption_photos(
     ckpt_path = find_checkpoint(model)
     det_weights = find_detector(model, ckpt_path, weights)
     device = resolve_device(str(cfg.device))
-    captioner, ckpt = load_captioner(ckpt_path, device)
+    captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
+    cfg = _release_features(cfg, ckpt.get("release"))
+    overrides = dict(decoding or {})
     vocab = Vocab(tuple(ckpt["vocab"]))
     decoding = dict(ckpt.get("decoding") or {})
     if cfg.beam_size is not None:
@@ -93,7 +99,7 @@ def caption_photos(
     decoding["n_best"] = int(cfg.n_best) if decoding.get("method", "beam") == "beam" else 1
     if decoding.get("method", "beam") == "beam":
         decoding["beam_size"] = max(int(decoding.get("beam_size", 3)), decoding["n_best"])
-    options = DecodeOptions.from_mapping(decoding)
+    options = DecodeOptions.from_mapping(merge_decoding(decoding, overrides))
 
     detector, identity, info = load_for_inference(
         det_weights, "auto", {}, cfg.min_size and int(cfg.min_size), cfg.max_size and int(cfg.max_size), 0, device
@@ -145,6 +151,23 @@ def caption_photos(
     if len(bad) == len(results):
         raise PipelineError(f"none of the {len(results)} photos could be captioned")
     return results
+
+
+def _release_features(cfg: Config, release: dict[str, Any] | None) -> Config:
+    """A released model expects the Caffe bottom-up features it was trained on: its recipe and box limits
+    unless the config names others (models.released); says so in one line."""
+    if not release:
+        return cfg
+    from models.released import features_line
+
+    feats = release.get("features") or {}
+    changes: dict[str, Any] = {}
+    if "recipe" in cfg and cfg.recipe in (None, "auto"):
+        changes["recipe"] = feats.get("recipe", "caffe")
+    if "boxes" in cfg and cfg.boxes is None:
+        changes["boxes"] = feats.get("boxes", "adaptive")
+    log.info("%s", features_line(release))
+    return cfg.with_overrides(changes, source="released model") if changes else cfg
 
 
 def _print_table(results: list[Any], n_best: int) -> None:

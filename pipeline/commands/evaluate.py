@@ -18,6 +18,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from pipeline.commands.decoding_opts import (
+    BeamSizeOpt, LengthPenaltyOpt, MaxLenOpt, NBestOpt, StopRuleOpt, TrigramOpt, decoding_overrides,
+)
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
@@ -42,10 +45,16 @@ def register(app: typer.Typer) -> None:
         metrics: Annotated[
             Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint (best.pt) to decode a split with.")] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint (best.pt), or released M2/AoANet .pth, to decode a split with.")] = None,
+        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (with --model).")] = None,
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval).")] = None,
         data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval).")] = None,
-        beam_size: Annotated[Optional[int], typer.Option("--beam-size", help="Override the checkpoint's beam size (with --model).")] = None,
+        beam_size: BeamSizeOpt = None,
+        n_best: NBestOpt = None,
+        max_len: MaxLenOpt = None,
+        length_penalty: LengthPenaltyOpt = None,
+        block_trigrams: TrigramOpt = None,
+        stop_rule: StopRuleOpt = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
         retrieval: Annotated[
             Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
@@ -61,6 +70,8 @@ def register(app: typer.Typer) -> None:
 
             butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test
 
+            butd-caption evaluate --model meshed_memory_transformer.pth --vocab vocab.pkl --store STORE --data DATA --split test
+
             butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt
         """
         extra: list[str] = []
@@ -75,7 +86,8 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
             if store is None or data is None:
                 raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
-            _score_checkpoint(model, store, data, output, cfg.evaluate, {"beam_size": beam_size} if beam_size else {}, retrieval)
+            decoding = decoding_overrides(beam_size, n_best, max_len, length_penalty, block_trigrams, stop_rule)
+            _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
         if retrieval is None and (store is not None or data is not None):
             raise UsageError("--store and --data are used with --model CKPT or --retrieval ENCODER.pt")
@@ -149,7 +161,7 @@ def _score_files(predictions: Path, references: Path, output: Path | None, secti
 
 
 def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None, section: Any, decoding: dict[str, Any],
-                      encoder: Path | None = None) -> None:
+                      encoder: Path | None = None, vocab: Path | None = None) -> None:
     from types import SimpleNamespace
 
     from pipeline.core.fileio import atomic_write_json
@@ -157,7 +169,8 @@ def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None,
 
     split = str(section.split)
     res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding,
-                              device=str(section.device), batch_size=int(section.batch_size), precision=str(section.precision))
+                              device=str(section.device), batch_size=int(section.batch_size), precision=str(section.precision),
+                              companion=vocab)
     report = _retrieval(encoder, store, data, section, Path(res["predictions"])) if encoder is not None else None
     if output is not None:
         payload = {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")}

@@ -54,6 +54,8 @@ def register(app: typer.Typer) -> None:
             print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
+        elif target.suffix in (".pt", ".pth") and _captioner_info(target):
+            pass
         elif target.suffix in (".pth", ".pkl", ".bin"):
             _weights_info(target)
         else:
@@ -148,6 +150,19 @@ def _model_info(name: str, overrides: list[str]) -> None:
     con.print(f"model: {name}")
     con.print(f"parameters: {n} ({n / 1e6:.2f}M) at vocabulary size {vocab_size}")
     con.print(cfg.to_yaml().rstrip())
+
+
+def _captioner_info(path: Path) -> bool:
+    """A native captioner checkpoint or a released M2 / AoANet file (models.released); False if neither."""
+    from models.released import describe_captioner
+
+    described = describe_captioner(path)
+    if described is None:
+        return False
+    con = stdout_console()
+    for key, value in described.items():
+        con.print(f"{key}: {value}", highlight=False, markup=False)
+    return True
 
 
 def _weights_info(path: Path) -> None:

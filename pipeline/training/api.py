@@ -89,6 +89,7 @@ def evaluate_checkpoint(
     batch_size: int = 50,
     fast_only: bool = False,
     precision: str = "auto",
+    companion: str | Path | None = None,
 ) -> dict[str, Any]:
     """Decode ``split`` with the checkpoint's model and decoding settings and score it.
 
@@ -100,11 +101,15 @@ def evaluate_checkpoint(
         decoding: overrides of the checkpoint's decoding options (e.g. ``{"beam_size": 1}``).
         fast_only: only the fast CIDEr-D (no Java), e.g. for tests.
         precision: decoding autocast: ``auto`` (bf16 on a CUDA device that supports it, else fp32) | fp32 | bf16 | fp16.
+        companion: a released model's vocabulary file (M2 ``vocab.pkl``, AoANet ``infos_*.pkl``) when
+            ``checkpoint`` is a released weights file (``models.released``); such a model decodes with its own
+            vocabulary and its captions are scored as text against the split's references.
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
     import torch
 
+    from models.captions import merge_decoding
     from models.decoding import DecodeOptions
     from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.core.config import load_config
@@ -115,24 +120,26 @@ def evaluate_checkpoint(
     from pipeline.training.batches import BatchSource
     from models.checkpoints import load_captioner
     from pipeline.core.distributed import DistContext, resolve_device
+    from pipeline.core.vocab import Vocab
     from pipeline.training.validation import decode_split, score_split
 
     checkpoint = Path(checkpoint)
     prepared = PreparedCaptions.load(data)
     dev = resolve_device(device)
-    model, ckpt = load_captioner(checkpoint, dev, prepared.vocab)
+    model, ckpt = load_captioner(checkpoint, dev, prepared.vocab, companion=companion)
+    vocab = Vocab(tuple(ckpt["vocab"])) if ckpt.get("release") else prepared.vocab
     section = eval_section if eval_section is not None else load_config("evaluate", None, []).evaluate
     dataset = CaptionDataset(FeatureStore(store), prepared, split)
-    options = DecodeOptions.from_mapping({**dict(ckpt.get("decoding") or {}), **dict(decoding or {})})
+    options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
     source = BatchSource(dataset, "memory" if dev.type == "cpu" else "cuda", dev)
     ctx = DistContext(device=dev)
-    if precision == "auto":
-        amp = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    if precision == "auto":  # released models decode in fp32, as published
+        amp = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() and not ckpt.get("release") else "none"
     elif precision in ("fp32", "bf16", "fp16"):
         amp = "none" if precision == "fp32" else precision
     else:
         raise UsageError(f"precision must be auto, fp32, bf16 or fp16, not {precision!r}")
-    preds = decode_split(model, source, prepared.vocab, options, ctx, batch_size, amp, description=f"decoding {split}")
+    preds = decode_split(model, source, vocab, options, ctx, batch_size, amp, description=f"decoding {split}")
     references = prepared.references()
     scores = score_split(preds, references, full=not fast_only, options=EvalOptions.from_config(section))
     out = Path(out_dir) if out_dir is not None else checkpoint.parent

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from models.base import Captioner
+from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import track
 from pipeline.metrics.cider import CiderD
@@ -44,11 +45,8 @@ def decode_split(
     for batch in track(source.iterate(batches), description, total=len(batches)):
         with autocast(ctx.device, amp):
             g = generate(model, batch["feats"], batch["mask"], batch["boxes"], batch["sizes"], options)
-        for key, row in zip(batch["keys"], g.tokens[:, 0].tolist()):
-            words = vocab.decode(row)
-            if options.collapse_repeats:
-                words = [w for i, w in enumerate(words) if i == 0 or w != words[i - 1]]
-            mine[key] = " ".join(words)
+        for key, row, n in zip(batch["keys"], g.tokens[:, 0].tolist(), g.lengths[:, 0].tolist()):
+            mine[key] = " ".join(caption_words(vocab, row[:n], options))
     model.train(was_training)
     merged: dict[str, str] = {}
     for part in gather_objects(mine, ctx):

@@ -1,0 +1,201 @@
+"""Released captioner checkpoints of other projects, read once and converted to this project's native format.
+
+Supported releases (one module each, whose docstring states the parameter, special-token and vocabulary-row
+mapping and the parity switches it sets):
+
+* ``m2`` (:mod:`models.released.m2`): aimagelab/meshed-memory-transformer ``meshed_memory_transformer.pth`` +
+  ``vocab.pkl``;
+* ``aoanet`` (:mod:`models.released.aoanet`): husthuaan/AoANet ``model-best.pth`` + ``infos_*.pkl``.
+
+A release is recognised from the content of its weights file (never from its name). :func:`convert_release`
+builds the native checkpoint payload (``models/checkpoints.py``: model name and constructor config, word list,
+weights, the paper's decoding settings and the features the release expects); :func:`ensure_native` writes it
+once into a cache keyed by the SHA-256 of both source files, so later runs read the safe native file only.
+Pickles are read with the restricted unpickler of :mod:`models.released.unpickle`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+
+log = get_logger("released")
+
+CONVERTER_VERSION = 1
+RELEASES = {
+    "m2": {"title": "M2 Meshed-Memory Transformer (aimagelab/meshed-memory-transformer)", "companion": "vocab.pkl",
+           "companion_glob": "vocab.pkl"},
+    "aoanet": {"title": "AoANet (husthuaan/AoANet)", "companion": "infos_*.pkl", "companion_glob": "infos_*.pkl"},
+}
+
+
+def detect(obj: Any) -> str | None:
+    """``m2``, ``aoanet`` or None for an object loaded from a weights file."""
+    from models.released import aoanet, m2
+
+    if m2.is_release(obj):
+        return "m2"
+    if aoanet.is_release(obj):
+        return "aoanet"
+    return None
+
+
+def load_release(path: str | Path) -> tuple[str | None, Any]:
+    """Load ``path`` safely (weights only) and say which release it is (None: not a known release)."""
+    from models.released.unpickle import load_weights_file
+
+    obj = load_weights_file(path, "captioner weights file")
+    return detect(obj), obj
+
+
+def find_companion(weights: Path, kind: str, companion: str | Path | None) -> Path:
+    """The vocabulary file of a release: ``companion`` if given, else the only match next to the weights."""
+    spec = RELEASES[kind]
+    if companion is not None:
+        path = Path(companion)
+        if not path.is_file():
+            raise UsageError(f"{spec['companion']} file not found: {path}")
+        return path
+    found = sorted(weights.parent.glob(spec["companion_glob"]))
+    if len(found) == 1:
+        return found[0]
+    where = f"next to {weights}" if not found else f"several next to {weights} ({', '.join(p.name for p in found)})"
+    raise UsageError(f"{weights} is a released {kind} model: pass its {spec['companion']} with --vocab (none found {where})")
+
+
+def convert_release(weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None) -> dict[str, Any]:
+    """The native checkpoint payload for a released model (``kind: weights``, with ``release`` metadata)."""
+    from models.released import aoanet, m2
+
+    weights = Path(weights)
+    kind, obj = loaded if loaded is not None else load_release(weights)
+    if kind is None:
+        raise UsageError(f"{weights} is neither a butd-caption checkpoint nor a released M2 / AoANet captioner")
+    vocab_path = find_companion(weights, kind, companion)
+    if kind == "m2":
+        conv = m2.convert(obj, m2.read_vocab(vocab_path), str(weights))
+    else:
+        conv = aoanet.convert(obj, aoanet.read_infos(vocab_path), str(weights))
+    _check_fits(conv, weights)
+    features = conv["features"]
+    return {
+        "kind": "weights",
+        "model": {"name": conv["name"], "config": conv["config"], "vocab_size": len(conv["vocab"])},
+        "vocab": conv["vocab"],
+        "weights": conv["weights"],
+        "decoding": conv["decoding"],
+        "train_config": {"max_boxes": None},  # M2 keeps its first 50 regions itself (fixed_regions)
+        "release": {"kind": kind, "title": RELEASES[kind]["title"], "weights_file": weights.name,
+                    "vocab_file": vocab_path.name, "features": features, "converter_version": CONVERTER_VERSION},
+    }
+
+
+def _check_fits(conv: dict[str, Any], source: Path) -> None:
+    """Build the project's model and load the converted weights strictly (key names and shapes)."""
+    import torch
+
+    from models import build_captioner
+
+    with torch.device("meta"):
+        model = build_captioner(conv["name"], len(conv["vocab"]), **conv["config"])
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in conv["weights"].items()}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    bad = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+    if missing or extra or bad:
+        detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
+                  else f"{bad[0]} has shape {got[bad[0]]}, expected {want[bad[0]]}")
+        raise UsageError(f"{source}: the released weights do not fit a '{conv['name']}' model ({detail})")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where converted releases are kept: ``$BUTD_CACHE/released`` or ``~/.cache/butd-caption/released``."""
+    root = os.environ.get("BUTD_CACHE")
+    return Path(root) / "released" if root else Path.home() / ".cache" / "butd-caption" / "released"
+
+
+def write_native(payload: dict[str, Any], out: str | Path) -> Path:
+    """Write a converted payload as a native checkpoint (atomic)."""
+    from pipeline.core.checkpoint import save_checkpoint
+
+    return save_checkpoint(out, payload)
+
+
+def ensure_native(weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None) -> Path:
+    """The cached native checkpoint of a released model, converting it on first use."""
+    weights = Path(weights)
+    kind, obj = loaded if loaded is not None else load_release(weights)
+    if kind is None:
+        raise UsageError(f"{weights} is neither a butd-caption checkpoint nor a released M2 / AoANet captioner")
+    vocab_path = find_companion(weights, kind, companion)
+    key = hashlib.sha256(f"{_sha256(weights)}:{_sha256(vocab_path)}:{CONVERTER_VERSION}".encode()).hexdigest()[:20]
+    target = cache_dir() / f"{kind}-{weights.stem}-{key}.pt"
+    if target.is_file():
+        log.info("released %s model %s: using the converted copy %s", kind, weights.name, target)
+        return target
+    payload = convert_release(weights, vocab_path, (kind, obj))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_native(payload, target)
+    except OSError as exc:
+        raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
+                         "or convert once with `cli convert-captioner`") from None
+    log.info("released %s model %s converted once to %s", kind, weights.name, target)
+    return target
+
+
+def features_line(release: dict[str, Any]) -> str:
+    """One line saying which features a released model expects."""
+    feats = release.get("features") or {}
+    cap = f", the first {feats['max_boxes']} regions" if feats.get("max_boxes") else ""
+    return (f"{release.get('title', release.get('kind'))}: {feats.get('recipe', 'caffe')} recipe, {feats.get('boxes', 'adaptive')} "
+            f"boxes (10-100){cap}, as its training features ({feats.get('note', '')}); change with --set caption.boxes=... / caption.max_boxes=...")
+
+
+def describe_captioner(path: str | Path) -> dict[str, Any] | None:
+    """What a captioner file holds (a native checkpoint or a release), or None if it is neither (``cli info``)."""
+    from models.checkpoints import read_training_checkpoint
+    from pipeline.core.errors import PipelineError
+
+    path = Path(path)
+    try:
+        ckpt = read_training_checkpoint(path)
+    except PipelineError:
+        ckpt = None
+    if ckpt is not None:
+        out = {"file": str(path), "format": f"butd-caption checkpoint ({ckpt['kind']})", "model": ckpt["model"]["name"],
+               "vocabulary": f"{len(ckpt['vocab']):,} words", "decoding": ckpt.get("decoding") or "the model's defaults"}
+        release = ckpt.get("release")
+        if release:
+            out["converted from"] = f"{release['title']}: {release['weights_file']} + {release['vocab_file']}"
+            out["features"] = features_line(release)
+        return out
+    try:
+        kind, obj = load_release(path)
+    except UsageError:
+        return None
+    if kind is None:
+        return None
+    from models.released import aoanet, m2
+
+    module = m2 if kind == "m2" else aoanet
+    state = obj["state_dict"] if kind == "m2" else obj
+    params = sum(int(v.numel()) for k, v in state.items() if hasattr(v, "numel") and "running_" not in k)
+    rows = state["decoder.word_emb.weight"].shape[0] if kind == "m2" else state["embed.0.weight"].shape[0]
+    return {"file": str(path), "format": f"released captioner: {RELEASES[kind]['title']}", "layout": kind,
+            "parameters": f"{params:,}", "vocabulary rows": f"{rows:,}", "needs": f"its {RELEASES[kind]['companion']} (--vocab)",
+            "decoding": module.DECODING, "features": module.FEATURES["note"],
+            "use": f"cli caption PHOTOS --model {path.name} --vocab {RELEASES[kind]['companion']} --weights DETECTOR.pth"}

@@ -1,0 +1,240 @@
+"""Reading the files released captioners ship, without running anything from them.
+
+Pickles (M2's ``vocab.pkl``, AoANet's ``infos_*.pkl``) go through :class:`RestrictedUnpickler`: every global
+the file names must be in an explicit allowlist of ``(module, name)`` pairs, and each admitted name is bound to
+a stand-in defined here (a plain container or a recorder of state), never to the real class or function.
+Nothing is imported and no constructor of the original code runs; a file naming any other global is refused
+with one line that names the file. The stand-ins are then rebuilt into plain Python values (``argparse``
+namespaces into dicts, NumPy scalars and arrays decoded from their bytes with a numeric dtype only).
+
+The ``.pth`` weight files are read with ``torch.load(weights_only=True)``; the extra globals admitted there are
+only NumPy's array/scalar rebuilders and numeric dtypes (M2's training checkpoint stores NumPy's RNG state and
+NumPy scalars next to the weights).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.core.errors import UsageError
+
+
+class Refused(pickle.UnpicklingError):
+    """A pickle named a global outside the allowlist."""
+
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.qualified = f"{module}.{name}"
+
+
+class StandIn:
+    """Records the state pickle gives an object (``BUILD``); subclasses name what they stand for."""
+
+    stands_for = "object"
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self.stands_for}>"
+
+
+class NamespaceStandIn(StandIn):
+    stands_for = "argparse.Namespace"
+
+
+class M2VocabStandIn(StandIn):
+    stands_for = "data.vocab.Vocab"
+
+
+class _ObjectBase:
+    """Stands for ``builtins.object`` as the base argument of ``copyreg._reconstructor`` (protocol 0/1)."""
+
+
+def _reconstructor(cls: Any, base: Any, state: Any) -> StandIn:
+    """``copyreg._reconstructor(cls, object, None)`` for stand-in classes only."""
+    if not (isinstance(cls, type) and issubclass(cls, StandIn)) or base is not _ObjectBase or state is not None:
+        raise pickle.UnpicklingError("copyreg._reconstructor called with unexpected arguments")
+    return cls.__new__(cls)
+
+
+def _m2_unk_index() -> int:
+    """Stands for ``data.vocab._default_unk_index`` (the default factory of ``stoi``; never called)."""
+    return 0
+
+
+def _counter(mapping: Any = None) -> dict[Any, Any]:
+    """``collections.Counter`` pickles as ``Counter(dict)``: a plain dict here."""
+    if mapping is not None and not isinstance(mapping, dict):
+        raise pickle.UnpicklingError("Counter state is not a dict")
+    return dict(mapping or {})
+
+
+def _defaultdict(factory: Any = None, *rest: Any) -> dict[Any, Any]:
+    """``collections.defaultdict(factory)``: a plain dict (items follow via SETITEMS); only M2's factory."""
+    if rest or factory not in (None, _m2_unk_index):
+        raise pickle.UnpicklingError("defaultdict with an unexpected default factory")
+    return {}
+
+
+class _DType(StandIn):
+    stands_for = "numpy.dtype"
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def numpy(self) -> np.dtype:
+        """The NumPy dtype, numeric kinds only (booleans, integers, floats, complex)."""
+        order = "<"
+        if isinstance(getattr(self, "state", None), tuple) and len(self.state) > 1 and self.state[1] in ("<", ">", "|", "="):
+            order = self.state[1]
+        dtype = np.dtype(self.code).newbyteorder(order) if order in "<>" else np.dtype(self.code)
+        if dtype.kind not in "biufc":
+            raise pickle.UnpicklingError(f"non-numeric dtype {self.code!r}")
+        return dtype
+
+
+def _np_dtype(code: Any, align: Any = False, copy: Any = True) -> _DType:
+    if not isinstance(code, str) or len(code) > 4:
+        raise pickle.UnpicklingError("unexpected dtype code")
+    return _DType(code)
+
+
+def _raw_bytes(data: Any) -> bytes:
+    if isinstance(data, str):  # Python 2 pickles read with encoding='latin-1'
+        return data.encode("latin-1")
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    raise pickle.UnpicklingError("array data is not bytes")
+
+
+def _np_scalar(dtype: Any, data: Any = b"") -> Any:
+    """``numpy.core.multiarray.scalar(dtype, bytes)`` -> the Python number."""
+    if not isinstance(dtype, _DType):
+        raise pickle.UnpicklingError("scalar without a dtype")
+    return np.frombuffer(_raw_bytes(data), dtype=dtype.numpy(), count=1)[0].item()
+
+
+class _Array(StandIn):
+    stands_for = "numpy.ndarray"
+
+    def numpy(self) -> np.ndarray:
+        _, shape, dtype, fortran, raw = self.state
+        if not isinstance(dtype, _DType) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise pickle.UnpicklingError("malformed array state")
+        arr = np.frombuffer(_raw_bytes(raw), dtype=dtype.numpy(), count=int(np.prod(shape, dtype=np.int64)))
+        return arr.reshape(shape, order="F" if fortran else "C").copy()
+
+
+class _ArrayClass:
+    """Stands for ``numpy.ndarray`` as the class argument of ``_reconstruct``."""
+
+
+def _np_reconstruct(cls: Any, shape: Any = (0,), typecode: Any = b"b") -> _Array:
+    if cls is not _ArrayClass:
+        raise pickle.UnpicklingError("_reconstruct of something other than ndarray")
+    return _Array()
+
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """Protocol-2 pickles written by Python 3 spell ``bytes`` as ``_codecs.encode(str, 'latin1')``."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode with unexpected arguments")
+    return text.encode("latin-1")
+
+
+_PY = {"builtins": "builtins", "__builtin__": "builtins", "copy_reg": "copyreg", "copyreg": "copyreg"}
+
+#: the stand-ins every reader may use to rebuild the protocol-0/1 object form and NumPy values
+COMMON: dict[tuple[str, str], Any] = {
+    ("copyreg", "_reconstructor"): _reconstructor,
+    ("builtins", "object"): _ObjectBase,
+    ("_codecs", "encode"): _codecs_encode,
+}
+NUMPY: dict[tuple[str, str], Any] = {
+    (mod, name): fn
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray")
+    for name, fn in (("scalar", _np_scalar), ("_reconstruct", _np_reconstruct))
+} | {("numpy", "dtype"): _np_dtype, ("numpy", "ndarray"): _ArrayClass}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` only returns the stand-ins of ``allowed``."""
+
+    def __init__(self, file: io.BufferedIOBase, allowed: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(file, encoding="latin-1")
+        self.allowed = dict(allowed)
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (_PY.get(module, module), name)
+        if key in self.allowed:
+            return self.allowed[key]
+        raise Refused(module, name)
+
+
+def plain(obj: Any, depth: int = 0) -> Any:
+    """Rebuild stand-ins into plain values: namespaces -> dicts, NumPy arrays decoded, containers walked."""
+    if depth > 50:
+        raise pickle.UnpicklingError("nesting too deep")
+    if isinstance(obj, _Array):
+        return obj.numpy()
+    if isinstance(obj, StandIn):
+        state = getattr(obj, "state", {})
+        return {"__stand_in__": obj.stands_for, **({str(k): plain(v, depth + 1) for k, v in state.items()} if isinstance(state, dict) else {"state": plain(state, depth + 1)})}
+    if isinstance(obj, dict):
+        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [plain(v, depth + 1) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, (str, bytes, int, float, bool, complex, type(None), set, frozenset)):
+        return obj
+    raise pickle.UnpicklingError(f"unexpected object of type {type(obj).__name__}")
+
+
+def restricted_load(path: str | Path, allowed: Mapping[tuple[str, str], Any], what: str) -> Any:
+    """Unpickle ``path`` admitting only ``allowed`` globals; return plain values. Errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{what} not found: {path}")
+    data = path.read_bytes()
+    try:
+        return plain(RestrictedUnpickler(io.BytesIO(data), {**COMMON, **allowed}).load())
+    except Refused as exc:
+        raise UsageError(
+            f"{path}: refused to load: it names the global '{exc.qualified}', which a {what} does not hold "
+            "(nothing from the file was run)"
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            UnicodeDecodeError, RecursionError, OverflowError) as exc:
+        raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _numpy_safe_globals() -> list[Any]:
+    from numpy._core import multiarray as ma
+
+    dtypes = sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"}, key=str)
+    return [ma._reconstruct, (ma._reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, ma.scalar,
+            (ma.scalar, "numpy.core.multiarray.scalar"), *dtypes]
+
+
+def load_weights_file(path: str | Path, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of a released ``.pth`` (NumPy arrays/scalars admitted); errors name it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{what} not found: {path}")
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for truncated, foreign or unsafe files
+        first = str(exc).strip().splitlines()
+        detail = next((line for line in first if "Unsupported global" in line or "got <" in line), first[0] if first else "")
+        raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {detail.strip()[:160]})") from None
+
+

@@ -1,0 +1,45 @@
+"""The decoding options shared by the commands that decode captions (``caption``, ``evaluate --model``).
+
+Values are checked where they are used (:class:`models.decoding.DecodeOptions`: one ``error:`` line, exit 2).
+
+Each option overrides the checkpoint's own decoding settings (its ``decoding`` section: the paper's test-time
+setting for released models, ``configs/models/<name>.yaml`` for trained ones); see models/decoding.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from models.decoding import STOP_RULES
+from pipeline.core.errors import UsageError
+
+BeamSizeOpt = Annotated[Optional[int], typer.Option("--beam-size", help="Beam size (default: the checkpoint's).")]
+NBestOpt = Annotated[Optional[int], typer.Option("--n-best", help="Hypotheses returned per image (beam search).")]
+MaxLenOpt = Annotated[Optional[int], typer.Option("--max-len", help="Most generated tokens, <eos> included.")]
+LengthPenaltyOpt = Annotated[
+    Optional[float], typer.Option("--length-penalty", help="Alpha of the length penalty ((5+len)/6)^alpha; 0 = none.")
+]
+TrigramOpt = Annotated[
+    Optional[bool], typer.Option("--block-trigrams/--no-block-trigrams", help="Forbid repeating a trigram within a caption.")
+]
+StopRuleOpt = Annotated[
+    Optional[str],
+    typer.Option("--stop-rule", help=f"Beam-search stop rule: {' | '.join(STOP_RULES)} (official_*: the releases' own searches)."),
+]
+
+
+def decoding_overrides(
+    beam_size: int | None = None, n_best: int | None = None, max_len: int | None = None, length_penalty: float | None = None,
+    block_trigrams: bool | None = None, stop_rule: str | None = None,
+) -> dict[str, Any]:
+    """The given options as a ``decoding`` mapping (unset ones are left to the checkpoint)."""
+    if stop_rule is not None and stop_rule not in STOP_RULES:
+        raise UsageError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, not {stop_rule!r}")
+    given = {"beam_size": beam_size, "n_best": n_best, "max_len": max_len, "length_penalty": length_penalty,
+             "block_trigrams": block_trigrams, "stop_rule": stop_rule}
+    out = {k: v for k, v in given.items() if v is not None}
+    if "beam_size" in out or "n_best" in out:
+        out.setdefault("method", "beam")
+    return out
