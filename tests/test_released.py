@@ -15,7 +15,7 @@ from models.released import aoanet as rel_aoa
 from models.released import m2 as rel_m2
 from pipeline.core.errors import UsageError
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
-from tests.release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
+from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 SMALL_M2 = dict(d=16, d_ff=24, m=3, d_in=12, max_len=10)
 SMALL_AOA = dict(d=16, d_in=12)
@@ -133,7 +133,7 @@ def test_aoanet_infos_any_pickle_protocol(tmp_path, protocol: int) -> None:
 
 
 def test_aoanet_unsupported_option_is_one_clear_error(tmp_path) -> None:
-    from tests.release_helpers import aoanet_options
+    from release_helpers import aoanet_options
 
     write_aoanet(tmp_path, WORDS + ["UNK"], **SMALL_AOA)
     infos = tmp_path / "infos_aoanet-best.pkl"
