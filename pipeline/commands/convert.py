@@ -7,34 +7,29 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.common import QuietOpt, VerboseOpt, guarded, init
-from pipeline.core.console import get_logger, stdout_console
-
-log = get_logger("convert")
+from pipeline.commands.options import CommandOptions, command
+from pipeline.core.console import stdout_console
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "convert-captioner",
-        help=(
-            "Convert a released captioner into a native checkpoint (safe to load, usable by caption / evaluate / info): "
-            "M2's meshed_memory_transformer.pth with its vocab.pkl, or AoANet's model-best.pth with its infos_*.pkl. "
-            "The pickles are read with a restricted unpickler; nothing from the files is run. (caption and evaluate "
-            "also convert on first use, into a cache: $BUTD_CACHE or ~/.cache/butd-caption.)\n\n"
-            "Examples:\n\n"
-            "    butd-caption convert-captioner meshed_memory_transformer.pth --vocab vocab.pkl --out m2.pt\n\n"
-            "    butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --out aoanet.pt"
-        ),
-    )
-    @guarded
+    @command(app, "convert-captioner", config=False, overrides=False)
     def convert_command(
+        opts: CommandOptions,
         source: Annotated[Path, typer.Argument(help="Released weights file (.pth).")],
         out: Annotated[Path, typer.Option("--out", "-o", help="Native checkpoint to write (.pt).")],
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="M2 vocab.pkl or AoANet infos_*.pkl (default: found next to SOURCE).")] = None,
-        verbose: VerboseOpt = False,
-        quiet: QuietOpt = False,
     ) -> None:
-        init(verbose, quiet)
+        """Convert a released captioner into a native checkpoint (safe to load; usable by caption, evaluate and info):
+        M2's meshed_memory_transformer.pth with its vocab.pkl, or AoANet's model-best.pth with its infos_*.pkl.
+        The pickles are read with a restricted unpickler; nothing from the files is run. caption and evaluate also
+        convert on first use, into a cache ($BUTD_CACHE or ~/.cache/butd-caption).
+
+        Examples:
+
+            butd-caption convert-captioner meshed_memory_transformer.pth --vocab vocab.pkl --out m2.pt
+
+            butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --out aoanet.pt
+        """
         from models.released import convert_release, write_native
 
         payload = convert_release(source, vocab)
@@ -42,5 +37,6 @@ def register(app: typer.Typer) -> None:
         model = payload["model"]
         n = sum(int(w.numel()) for w in payload["weights"].values())
         con = stdout_console()
-        con.print(f"{out}: {payload['release']['title']} -> '{model['name']}' ({n:,} weights, {model['vocab_size']:,} words)", highlight=False)
+        con.print(f"{out}: {payload['release']['title']} -> '{model['name']}' ({n:,} weights, {model['vocab_size']:,} words)",
+                  highlight=False, markup=False)
         con.print(f"decoding: {payload['decoding']}", highlight=False, markup=False)
