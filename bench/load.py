@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("bench.load")
 
 
 def run_demo(out: Path, env: dict[str, str], extra: list[str], demo_args: list[str]) -> tuple[float, dict, tuple[float, float]]:
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo-args", default="", help="more demo options (a smaller run: '--num-images 40 --set ...')")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     env = dict(os.environ)
     env.update(dict(kv.split("=", 1) for kv in args.env))
     rows: list[dict] = []
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     h.kill()
                     h.wait()
             rows.append({"condition": condition, "repeat": i, "seconds": wall, "load_before": l0, "load_after": l1, "metrics": metrics})
-            print(f"{condition:<7} run {i}: {wall:7.1f} s  load average {l0:.2f} -> {l1:.2f}", file=sys.stderr, flush=True)
+            log.info("%-7s run %d: %7.1f s  load average %.2f -> %.2f", condition, i, wall, l0, l1)
     if not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)
     same = all(r["metrics"] == rows[0]["metrics"] for r in rows)
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"demo --quick on {result['cores']} cores: alone {alone:.1f} s, beside {args.hogs} busy process(es) {loaded:.1f} s")
     if not same:
-        print("error: the runs' metrics differ; no slowdown reported", file=sys.stderr)
+        sys.stderr.write("error: the runs' metrics differ; no slowdown reported\n")
         return 1
     print(f"slowdown x{loaded / alone:.2f} (identical metrics in all {len(rows)} runs)")
     return 0
