@@ -28,7 +28,7 @@ from models.base import Captioner
 from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
-from pipeline.data.dataset import cap_boxes
+from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
 
 log = get_logger("caption")
@@ -78,18 +78,9 @@ def regions_to_record(o: RegionOutput) -> dict[str, Any]:
 
 def batch_tensors(records: Sequence[dict[str, Any]], device: torch.device) -> dict[str, torch.Tensor]:
     """Pad region records into the captioner's input tensors (as the training collate does)."""
-    n = max(len(r["boxes"]) for r in records)
-    d = records[0]["features"].shape[1]
-    feats = torch.zeros(len(records), n, d)
-    boxes = torch.zeros(len(records), n, 4)
-    mask = torch.zeros(len(records), n, dtype=torch.bool)
-    for i, r in enumerate(records):
-        k = len(r["boxes"])
-        feats[i, :k] = torch.from_numpy(np.asarray(r["features"], dtype=np.float32))
-        boxes[i, :k] = torch.from_numpy(np.asarray(r["boxes"], dtype=np.float32))
-        mask[i, :k] = True
+    feats, boxes, mask = pad_regions([r["features"] for r in records], [r["boxes"] for r in records], torch.float32, device)
     sizes = torch.tensor([[r["image_w"], r["image_h"]] for r in records], dtype=torch.float32)
-    return {"feats": feats.to(device), "mask": mask.to(device), "boxes": boxes.to(device), "sizes": sizes.to(device)}
+    return {"feats": feats, "mask": mask, "boxes": boxes, "sizes": sizes.to(device)}
 
 
 @torch.no_grad()

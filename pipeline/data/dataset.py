@@ -49,6 +49,38 @@ def cap_boxes(rec: dict[str, Any], max_boxes: int | None) -> dict[str, Any]:
     return out
 
 
+def _fill(dst: torch.Tensor, src: Any) -> None:
+    """Copy ``src`` (a tensor, or a possibly read-only numpy array) into ``dst``."""
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+    elif dst.device.type == "cpu" and dst.dtype in (torch.float16, torch.float32, torch.float64):
+        dst.numpy()[...] = src  # numpy casts; no tensor view of a read-only store buffer
+    else:
+        dst.copy_(torch.from_numpy(np.array(src)))
+
+
+def pad_regions(features: Sequence[Any], boxes: Sequence[Any], dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad per-image regions (numpy arrays or tensors, image j with K_j rows) to the batch's most regions N.
+
+    Returns ``feats`` (B, N, D) in ``dtype`` (default: the first image's), ``boxes`` (B, N, 4) float32 and
+    ``mask`` (B, N) bool, True for the K_j real regions of row j; on ``device`` (default CPU). The one padding
+    of region inputs: the training collate, the preloaded feature bank and captioning photos all use it.
+    """
+    counts = [len(f) for f in features]
+    b, n = len(counts), max(counts, default=0)
+    first = features[0] if counts else np.zeros((0, 0), np.float32)
+    if dtype is None:
+        dtype = first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(np.zeros(0, dtype=first.dtype)).dtype
+    feats = torch.zeros((b, n, first.shape[1]), dtype=dtype, device=device)
+    out_boxes = torch.zeros((b, n, 4), dtype=torch.float32, device=device)
+    for j, k in enumerate(counts):
+        _fill(feats[j, :k], features[j])
+        _fill(out_boxes[j, :k], boxes[j])
+    mask = torch.arange(n, device=device)[None, :] < torch.tensor(counts, dtype=torch.int64, device=device)[:, None]
+    return feats, out_boxes, mask
+
+
 class CaptionDataset(Dataset):
     """Images of one split that have features in the store, with their captions.
 
@@ -139,19 +171,8 @@ def caption_tensor(labels: Sequence[np.ndarray], lengths: Sequence[np.ndarray]) 
 
 def collate_images(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Pad a list of dataset items into one batch (see the module docstring)."""
-    b = len(items)
     counts = [len(it["boxes"]) for it in items]
-    n = max(counts)
-    d = items[0]["features"].shape[1]
-    feats_np = np.zeros((b, n, d), dtype=items[0]["features"].dtype)
-    boxes_np = np.zeros((b, n, 4), dtype=np.float32)
-    mask_np = np.zeros((b, n), dtype=bool)
-    for j, it in enumerate(items):
-        k = counts[j]
-        feats_np[j, :k] = it["features"]  # one copy out of the (read-only) store buffers
-        boxes_np[j, :k] = it["boxes"]
-        mask_np[j, :k] = True
-    feats, boxes, mask = torch.from_numpy(feats_np), torch.from_numpy(boxes_np), torch.from_numpy(mask_np)
+    feats, boxes, mask = pad_regions([it["features"] for it in items], [it["boxes"] for it in items])  # one copy out of the store buffers
     captions, caption_image, caption_lengths = caption_tensor([it["labels"] for it in items], [it["lengths"] for it in items])
     return {
         "keys": [it["key"] for it in items],
