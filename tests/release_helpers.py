@@ -99,6 +99,11 @@ def write_m2_checkpoint(path: Path, vocab: int, seed: int = 0, **sizes: int) -> 
     """``meshed_memory_transformer.pth`` as M2's train.py saves it (legacy torch format, NumPy RNG state inside)."""
     torch.manual_seed(seed)
     model = M2Layout(vocab, **sizes)
+    with torch.no_grad():  # trained LayerNorms: their biases keep the release's encoder mask empty, as in the real file
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.normal_(1.0, 0.1)
+                module.bias.normal_(0.0, 0.1)
     state = model.state_dict()
     np_state = np.random.RandomState(seed).get_state()
     payload = {
