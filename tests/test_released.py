@@ -196,3 +196,17 @@ def test_cli_convert_and_info(m2_files, tmp_path) -> None:
     assert "M2 Meshed-Memory Transformer" in info.output and "official_m2" in info.output
     info_native = runner.invoke(cli.app, ["info", str(out)])
     assert info_native.exit_code == 0 and "converted from" in info_native.output
+
+
+def test_cli_info_names_the_vocabulary_pickles(m2_files, aoa_files, shared_data) -> None:
+    import cli
+
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["info", str(shared_data / "m2" / "vocab.pkl")])
+    assert res.exit_code == 0, res.output
+    assert "M2 vocab.pkl" in res.output and "10,201 words" in res.output
+    res = runner.invoke(cli.app, ["info", str(aoa_files[1])])
+    assert res.exit_code == 0, res.output
+    assert "AoANet infos pickle" in res.output and "rnn_size=16" in res.output
+    res = runner.invoke(cli.app, ["info", str(aoa_files[0])])
+    assert res.exit_code == 0 and "AoANet (husthuaan/AoANet)" in res.output

@@ -171,6 +171,8 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     from pipeline.core.errors import PipelineError
 
     path = Path(path)
+    if path.suffix == ".pkl":
+        return _describe_vocabulary(path)
     try:
         ckpt = read_training_checkpoint(path)
     except PipelineError:
@@ -199,3 +201,25 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
             "parameters": f"{params:,}", "vocabulary rows": f"{rows:,}", "needs": f"its {RELEASES[kind]['companion']} (--vocab)",
             "decoding": module.DECODING, "features": module.FEATURES["note"],
             "use": f"cli caption PHOTOS --model {path.name} --vocab {RELEASES[kind]['companion']} --weights DETECTOR.pth"}
+
+
+def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
+    """M2's ``vocab.pkl`` or AoANet's ``infos_*.pkl`` (restricted unpickler), else None."""
+    from models.released import aoanet, m2
+
+    try:
+        itos = m2.read_vocab(path)
+        return {"file": str(path), "format": "M2 vocab.pkl (data.vocab.Vocab, read with a restricted unpickler)",
+                "vocabulary": f"{len(itos):,} words: {' '.join(itos[:8])} ...", "use": "--vocab with meshed_memory_transformer.pth"}
+    except UsageError:
+        pass
+    try:
+        infos = aoanet.read_infos(path)
+    except UsageError:
+        return None
+    opt = infos["opt"]
+    words = aoanet.project_words(infos["vocab"])
+    return {"file": str(path), "format": "AoANet infos pickle (argparse options + vocab, read with a restricted unpickler)",
+            "vocabulary": f"{len(infos['vocab']):,} words (+ index 0 = BOS/EOS/PAD): {' '.join(words[4:10])} ...",
+            "options": ", ".join(f"{k}={opt.get(k)}" for k in ("caption_model", "rnn_size", "num_heads", "refine", "use_ff", "att_feat_size")),
+            "use": "--vocab with model-best.pth"}

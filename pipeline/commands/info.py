@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
             print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
-        elif target.suffix in (".pt", ".pth") and _captioner_info(target):
+        elif target.suffix in (".pt", ".pth", ".pkl") and _captioner_info(target):
             pass
         elif target.suffix in (".pth", ".pkl", ".bin"):
             _weights_info(target)
