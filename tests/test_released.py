@@ -124,6 +124,19 @@ def test_aoanet_layout_conversion_and_rows(aoa_files) -> None:
     assert float(logp[0, PAD].exp()) == 0.0 and abs(float(logp[0, 2:].exp().sum()) - 1) < 1e-5
 
 
+def test_dataparallel_prefix_and_zip_format(tmp_path) -> None:
+    state = write_aoanet(tmp_path, WORDS + ["UNK"], **SMALL_AOA)
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "model-best.pth")  # saved from DataParallel
+    assert convert_release(tmp_path / "model-best.pth")["model"]["name"] == "aoa"  # infos found next to it
+    write_m2_vocab(tmp_path / "vocab.pkl", WORDS)
+    write_m2_checkpoint(tmp_path / "m2.pth", 4 + len(WORDS), **SMALL_M2)
+    from models.released.unpickle import load_weights_file
+
+    obj = load_weights_file(tmp_path / "m2.pth", "M2 checkpoint")  # re-saved in the zip format of torch >= 1.6
+    torch.save(obj, tmp_path / "m2zip.pth")
+    assert load_release(tmp_path / "m2zip.pth")[0] == "m2"
+
+
 @pytest.mark.parametrize("protocol", [0, 2, 4])
 def test_aoanet_infos_any_pickle_protocol(tmp_path, protocol: int) -> None:
     write_aoanet(tmp_path, WORDS + ["UNK"], protocol=protocol, **SMALL_AOA)

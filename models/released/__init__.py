@@ -194,7 +194,7 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     from models.released import aoanet, m2
 
     module = m2 if kind == "m2" else aoanet
-    state = obj["state_dict"] if kind == "m2" else obj
+    state = obj["state_dict"] if kind == "m2" else aoanet.unwrap(obj)
     params = sum(int(v.numel()) for k, v in state.items() if hasattr(v, "numel") and "running_" not in k)
     rows = state["decoder.word_emb.weight"].shape[0] if kind == "m2" else state["embed.0.weight"].shape[0]
     return {"file": str(path), "format": f"released captioner: {RELEASES[kind]['title']}", "layout": kind,

@@ -58,7 +58,7 @@ INFOS_GLOBALS = {("argparse", "Namespace"): NamespaceStandIn, **COMMON, **NUMPY}
 REQUIRED = {"caption_model": "aoa", "use_multi_head": 2, "multi_head_scale": 1, "decoder_type": "AoA", "refine_aoa": 1,
             "mean_feats": 1, "use_bn": 0, "logit_layers": 1, "norm_att_feat": 0, "use_box": 0, "out_res": 0}
 DECODING = {"method": "beam", "beam_size": 2, "max_len": 20, "length_penalty": 0.0, "block_trigrams": False,
-            "stop_rule": "official_aoanet"}
+            "stop_rule": "official_aoanet", "suppress_unk": True}  # suppress_unk: for the other stop rules
 FEATURES = {"recipe": "caffe", "boxes": "adaptive", "max_boxes": None,
             "note": "Caffe bottom-up features, adaptive 10-100 regions (cocobu)"}
 
@@ -83,8 +83,16 @@ _RENAMES = [
 ]
 
 
+def unwrap(obj: Any) -> Any:
+    """A state_dict saved from ``nn.DataParallel`` has every key prefixed ``module.``: drop the prefix."""
+    if isinstance(obj, dict) and obj and all(isinstance(k, str) and k.startswith("module.") for k in obj):
+        return {k[len("module."):]: v for k, v in obj.items()}
+    return obj
+
+
 def is_release(obj: Any) -> bool:
     """A ``torch.load``-ed object is AoANet's ``model-best.pth``: a flat state_dict with its decoder core."""
+    obj = unwrap(obj)
     return isinstance(obj, dict) and all(m in obj for m in MARKERS)
 
 
@@ -139,7 +147,7 @@ def convert(state: dict[str, Any], infos: dict[str, Any], source: str) -> dict[s
     opt = infos["opt"]
     _check_options(opt, source)
     weights: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
+    for key, value in unwrap(state).items():
         new = _rename(key)
         if new is None or not torch.is_tensor(value):
             raise UsageError(f"{source}: unexpected entry '{key}' in AoANet's state_dict")
