@@ -158,11 +158,13 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
 
 
 def features_line(release: dict[str, Any]) -> str:
-    """One line saying which features a released model expects."""
+    """One line saying which features a released model expects (``caption`` logs it)."""
     feats = release.get("features") or {}
-    cap = f", the first {feats['max_boxes']} regions" if feats.get("max_boxes") else ""
-    return (f"{release.get('title', release.get('kind'))}: {feats.get('recipe', 'caffe')} recipe, {feats.get('boxes', 'adaptive')} "
-            f"boxes (10-100){cap}, as its training features ({feats.get('note', '')}); change with --set caption.boxes=... / caption.max_boxes=...")
+    boxes = feats.get("boxes", "adaptive")
+    limits = " 10-100" if boxes == "adaptive" else ""
+    cap = f", the first {feats['max_boxes']} regions given to the model" if feats.get("max_boxes") else ""
+    return (f"{release.get('title', release.get('kind'))} expects the Caffe bottom-up features it was trained on: "
+            f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} (other settings: --set caption.recipe=... / caption.boxes=...)")
 
 
 def describe_captioner(path: str | Path) -> dict[str, Any] | None:
