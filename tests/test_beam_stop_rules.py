@@ -143,10 +143,11 @@ def test_official_rules_refuse_options_their_searches_lack() -> None:
 # ------------------------------------------------------------------------------ official re-statements
 
 
-def m2_reference(model: Captioner, img: int, beam: int, max_len: int) -> tuple[list[list[int]], list[float]]:
+def m2_reference(model: Captioner, img: int, beam: int, max_len: int, bos: int = BOS, eos: int = EOS,
+                 carrier: int = UNK) -> tuple[list[list[int]], list[float]]:
     """BeamSearch.apply/iter of meshed-memory-transformer, one image, written as the release reads.
 
-    The release's index 0 (<unk>) carries finished beams; here that word is UNK.
+    The release's index 0 (<unk>) carries finished beams; in this project's ids that word is UNK.
     """
     enc = {"img": model.encode(None, None, None, None)["img"][img : img + 1]}
     state = model.init_state(enc)
@@ -156,17 +157,17 @@ def m2_reference(model: Captioner, img: int, beam: int, max_len: int) -> tuple[l
     selected_words = None
     for t in range(max_len):
         cur_beam = 1 if t == 0 else beam
-        tokens = torch.full((1,), BOS) if t == 0 else selected_words.view(-1)
+        tokens = torch.full((1,), bos) if t == 0 else selected_words.view(-1)
         word_logprob, state = model.step(tokens, enc, state)
         word_logprob = word_logprob.view(1, cur_beam, -1)
         candidate = seq_logprob + word_logprob
         if t > 0:
-            mask = (selected_words.view(1, cur_beam) != EOS).float().unsqueeze(-1)
+            mask = (selected_words.view(1, cur_beam) != eos).float().unsqueeze(-1)
             seq_mask = seq_mask * mask
             old = seq_logprob.expand_as(candidate).contiguous()
-            carrier = old[:, :, UNK].clone()
+            kept = old[:, :, carrier].clone()
             old[:, :, :] = -999
-            old[:, :, UNK] = carrier
+            old[:, :, carrier] = kept
             candidate = seq_mask * candidate + old * (1 - seq_mask)
         vals, idx = torch.sort(candidate.view(1, -1), -1, descending=True)
         vals, idx = vals[:, :beam], idx[:, :beam]
@@ -184,21 +185,23 @@ def m2_reference(model: Captioner, img: int, beam: int, max_len: int) -> tuple[l
     out = torch.gather(torch.cat(outputs, -1), 1, order.expand(1, beam, max_len))[0]
     caps = []
     for row in out.tolist():
-        caps.append(row[: row.index(EOS) + 1] if EOS in row else row)
+        caps.append(row[: row.index(eos) + 1] if eos in row else row)
     return caps, torch.sort(seq_logprob, 1, descending=True)[0].view(-1).tolist()
 
 
-def aoanet_reference(model: Captioner, img: int, beam: int, max_len: int, alpha: float = 0.0) -> list[tuple[list[int], float]]:
-    """CaptionModel.beam_search / beam_step of AoANet (group_size 1), one image, as the release reads."""
+def aoanet_reference(model: Captioner, img: int, beam: int, max_len: int, alpha: float = 0.0, bos: int = BOS, eos: int = EOS,
+                     unk: int = UNK) -> list[tuple[list[int], float]]:
+    """CaptionModel.beam_search / beam_step of AoANet (group_size 1), one image, as the release reads
+    (the release's ids: ``bos = eos = 0``, ``unk`` its last index)."""
     enc = {"img": model.encode(None, None, None, None)["img"][img : img + 1].expand(beam, -1)}
     state = model.init_state(enc)
-    logprobs, state = model.step(torch.full((beam,), BOS), enc, state)
+    logprobs, state = model.step(torch.full((beam,), bos), enc, state)
     beam_seq = torch.zeros(max_len, beam, dtype=torch.long)
     beam_logprobs_sum = torch.zeros(beam)
     done = []
     for t in range(max_len):
         logprobsf = logprobs.data.float().clone()
-        logprobsf[:, UNK] = logprobsf[:, UNK] - 1000  # the release's last index is its UNK word
+        logprobsf[:, unk] = logprobsf[:, unk] - 1000  # the release's last index is its UNK word
         ys, ix = torch.sort(logprobsf, 1, True)
         candidates = []
         rows = 1 if t == 0 else beam
@@ -218,7 +221,7 @@ def aoanet_reference(model: Captioner, img: int, beam: int, max_len: int, alpha:
             beam_logprobs_sum[vix] = v["p"]
         state = new_state
         for vix in range(beam):
-            if beam_seq[t, vix] == EOS or t == max_len - 1:
+            if beam_seq[t, vix] == eos or t == max_len - 1:
                 p = beam_logprobs_sum[vix].item()
                 if alpha:
                     p = p / (((5 + t + 1) / 6) ** alpha)

@@ -7,6 +7,10 @@ input projection, memory-augmented encoder with the mask taken after the input L
 three gated levels / sqrt(3), position ids from 1, data field zero-padding to 50 rows) and AoANet's
 ``models/AoAModel.py`` (Huang et al. 2019: pre-norm refiner with AoA, mean-pooled refined features,
 values = first half of ``ctx2att``, LSTM + multi-head attention + AoA decoder, index 0 = BOS/EOS).
+
+Then the captions: the converted model under ``stop_rule: official_*`` gives the same captions and scores as the
+re-stated release forward driven by the re-stated release search (tests/test_beam_stop_rules.py), in the
+release's own ids.
 """
 
 from __future__ import annotations
@@ -184,3 +188,90 @@ def test_aoanet_conversion_reproduces_the_release_forward(tmp_path) -> None:
         got = model(feats, mask.bool(), torch.zeros(2, 9, 4), torch.ones(2, 2), ours_in[:, :-1])
     torch.testing.assert_close(got[..., to_ours], want, atol=1e-10, rtol=0)
     assert float(got[..., :2].exp().max()) == 0.0  # <pad>, <bos>: never produced
+
+
+# ----------------------------------------------------------------- captions: release forward + release search
+
+
+class _ReleaseStepper:
+    """A release's forward (re-stated above, release ids) as a step function for the re-stated searches of
+    tests/test_beam_stop_rules.py: the state is the prefix, each step recomputes it and keeps the last row."""
+
+    def __init__(self, logprobs_fn, num_images: int) -> None:
+        self.fn, self.num_images = logprobs_fn, num_images
+
+    def encode(self, *args):
+        return {"img": torch.arange(self.num_images)[:, None]}
+
+    def init_state(self, enc):
+        return {"prefix": torch.zeros(enc["img"].shape[0], 0, dtype=torch.long)}
+
+    def step(self, tokens, enc, state):
+        prefix = torch.cat([state["prefix"], tokens[:, None]], 1)
+        return self.fn(enc["img"][:, 0], prefix).float(), {"prefix": prefix}
+
+
+def test_m2_captions_equal_the_release_forward_with_the_release_search(tmp_path) -> None:
+    from test_beam_stop_rules import m2_reference
+
+    from models.decoding import DecodeOptions, beam_search
+
+    write_m2_vocab(tmp_path / "vocab.pkl", WORDS)
+    state = write_m2_checkpoint(tmp_path / "m2.pth", 4 + len(WORDS), seed=3, d=16, d_ff=24, m=3, d_in=12, max_len=12)
+    model, ckpt = load_captioner(tmp_path / "m2.pth", companion=tmp_path / "vocab.pkl")
+    model = model.double().eval()
+    s = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+    g = torch.Generator().manual_seed(2)
+    n = 4
+    feats = torch.rand(n, 12, 12, generator=g, dtype=torch.float64) * 3
+    mask = torch.arange(12)[None] < torch.tensor([3, 12, 7, 10])[:, None]
+    feats = feats * mask[..., None]
+    padded = torch.cat([feats, torch.zeros(n, 38, 12, dtype=torch.float64)], 1)
+    release = _ReleaseStepper(lambda img, prefix: m2_release_logprobs(s, padded[img], prefix)[:, -1], n)
+    to_ours = [3, 0, 1, 2] + list(range(4, 4 + len(WORDS)))
+    opts = DecodeOptions.from_mapping({**ckpt["decoding"], "beam_size": 3, "n_best": 3, "max_len": 8})
+    with torch.no_grad():
+        out = beam_search(model, model.encode(feats, mask, torch.zeros(n, 12, 4), torch.ones(n, 2)), opts)
+        for i in range(n):
+            caps, scores = m2_reference(release, i, 3, 8, bos=2, eos=3, carrier=0)
+            for j in range(3):
+                assert out.tokens[i, j, : int(out.lengths[i, j])].tolist() == [to_ours[w] for w in caps[j]], (i, j)
+                assert abs(float(out.scores[i, j]) - scores[j]) < 1e-5
+    lengths = out.lengths.flatten().tolist()
+    assert len(set(lengths)) > 1 and min(lengths) < 8, lengths  # captions that end early and that run to max_len
+
+
+def test_aoanet_captions_equal_the_release_forward_with_the_release_search(tmp_path) -> None:
+    from test_beam_stop_rules import aoanet_reference
+
+    from models.decoding import DecodeOptions, beam_search
+
+    words = WORDS + ["UNK"]
+    state = write_aoanet(tmp_path, words, seed=4, d=16, d_in=12)
+    state["logit.bias"][0] += 2.5  # a likelier <eos>: some captions end before max_len
+    torch.save(state, tmp_path / "model-best.pth")
+    model, ckpt = load_captioner(tmp_path / "model-best.pth", companion=tmp_path / "infos_aoanet-best.pkl")
+    model = model.double().eval()
+    s = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+    g = torch.Generator().manual_seed(5)
+    n = 4
+    feats = torch.rand(n, 9, 12, generator=g, dtype=torch.float64) * 3
+    mask = (torch.arange(9)[None] < torch.tensor([5, 9, 2, 7])[:, None]).double()
+    feats = feats * mask[..., None]
+
+    def release_fn(img, prefix):
+        seq = torch.cat([prefix, torch.zeros(len(prefix), 1, dtype=torch.long)], 1)
+        return aoanet_release_logprobs(s, feats[img], mask[img], seq)[:, -1]
+
+    v = len(words)
+    to_ours = [2] + list(range(4, 4 + v - 1)) + [3]
+    opts = DecodeOptions.from_mapping({**ckpt["decoding"], "n_best": 2, "max_len": 8})
+    with torch.no_grad():
+        out = beam_search(model, model.encode(feats, mask.bool(), torch.zeros(n, 9, 4), torch.ones(n, 2)), opts)
+        for i in range(n):
+            ref = aoanet_reference(_ReleaseStepper(release_fn, n), i, 2, 8, bos=0, eos=0, unk=v)
+            for j in range(2):
+                assert out.tokens[i, j, : int(out.lengths[i, j])].tolist() == [to_ours[w] for w in ref[j][0]], (i, j)
+                assert abs(float(out.scores[i, j]) - ref[j][1]) < 1e-5
+    lengths = out.lengths.flatten().tolist()
+    assert len(set(lengths)) > 1, lengths
