@@ -60,13 +60,12 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def resolve_captioner_file(path: str | Path, companion: str | Path | None = None) -> Path:
-    """``path`` if it is a native checkpoint, else the cached native conversion of a released M2 / AoANet model
-    (``models.released``; ``companion`` is its vocab.pkl / infos pickle, found next to it when omitted)."""
+def read_captioner_file(path: str | Path, companion: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """The native checkpoint at ``path`` (and its path), or the cached native conversion of a released M2 / AoANet
+    model (``models.released``; ``companion`` is its vocab.pkl / infos pickle, found next to it when omitted)."""
     path = Path(path)
     try:
-        read_training_checkpoint(path)
-        return path
+        return path, read_training_checkpoint(path)
     except PipelineError as native_error:
         from models.released import ensure_native, load_release
 
@@ -76,18 +75,18 @@ def resolve_captioner_file(path: str | Path, companion: str | Path | None = None
             raise native_error from None
         if loaded[0] is None:
             raise native_error from None
-        return ensure_native(path, companion, loaded)
+        target = ensure_native(path, companion, loaded)
+        return target, read_training_checkpoint(target)
 
 
 def load_captioner(path: str | Path, device: torch.device | str = "cpu", vocab: Vocab | None = None,
                    companion: str | Path | None = None) -> tuple[Captioner, dict[str, Any]]:
     """Rebuild the captioner stored in ``path`` (checked against ``vocab`` when given) with its weights.
 
-    ``path`` may also be a released M2 / AoANet weights file (converted once, see :func:`resolve_captioner_file`);
+    ``path`` may also be a released M2 / AoANet weights file (converted once, see :func:`read_captioner_file`);
     such a model brings its own vocabulary, so ``vocab`` is not compared with it.
     """
-    path = resolve_captioner_file(path, companion)
-    ckpt = read_training_checkpoint(path)
+    path, ckpt = read_captioner_file(path, companion)
     check_compatible(ckpt, path, None, None, None if ckpt.get("release") else vocab)
     name, config = ckpt["model"]["name"], dict(ckpt["model"]["config"])
     model = build_captioner(name, len(ckpt["vocab"]), **config)
