@@ -9,7 +9,7 @@ and CIDEr-D rewards against a 2,000-image synthetic-world reference corpus. Batc
 on CPU use a small ``--batch`` and few ``--iters`` (and say so when reporting). The last columns
 extrapolate a Karpathy-train epoch (113,287 images) from the measured images/s.
 
-    PYTHONPATH=. python bench/train.py [--models san,ngsan,m2,aoa] [--device auto] [--amp auto]
+    PYTHONPATH=. python bench/train.py [--models san,ngsan,m2,aoa] [--device auto] [--precision auto]
                                         [--batch N] [--iters 5] [--stages xe,scst] [--cider]
 """
 
@@ -24,10 +24,10 @@ import torch
 from models import build_captioner, model_card
 from pipeline.metrics.cider import CiderD
 from pipeline.core.distributed import resolve_device
-from pipeline.training.engine import build_optimizer, resolve_amp
+from pipeline.core.training import autocast, resolve_precision
+from pipeline.training.engine import build_optimizer
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.scst_step import greedy_rewards, scst_loss
-from pipeline.training.validation import autocast
 from pipeline.training.xe import xe_loss_sum
 from pipeline.core.vocab import BOS, EOS, Vocab
 from pipeline.world.captions import make_captions, tokenize
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--models", default="san,ngsan,m2,aoa")
     ap.add_argument("--stages", default="xe,scst")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--amp", default="auto")
+    ap.add_argument("--precision", default="auto", help="auto | fp32 | bf16 | fp16")
     ap.add_argument("--batch", type=int, default=None, help="images per batch for every model (default: the paper's)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
@@ -119,14 +119,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    amp = resolve_amp(args.amp, device)
+    amp = resolve_precision(args.precision, device, "--precision")
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     scorer = reference_corpus(Vocab(words))
     # a vocabulary whose ids 4.. decode to the corpus words, so sampled ids become real (mostly wrong) words
     rng = np.random.default_rng(0)
     corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
     vocab = Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
-    print(f"device {device}, amp {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
+    print(f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
           f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}")
     print(f"{'model':<7}{'stage':<6}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
     for name in args.models.split(","):

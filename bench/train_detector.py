@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 from extractors.training.data import TrainBatches, load_instances, pad_blobs
-from extractors.training.loop import _autocast, _loss_config, _sampling_kwargs, build_detector
-from extractors.training.model import DetectorForTraining
-from extractors.training.optim import param_groups, set_trainable
+from extractors.training.loop import train_scales, training_model
+from extractors.training.optim import param_groups
 from extractors.training.stage import load_detector_config
-from extractors.training.targets import SamplingConfig
 from pipeline.core.config import CONFIG_DIR, load_config
+from pipeline.core.training import autocast, resolve_precision
 from pipeline.world.generate import generate_world
 
 
@@ -53,6 +52,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    precision = resolve_precision(args.precision, device, "--precision")
     with tempfile.TemporaryDirectory() as tmp:
         world = Path(tmp) / "world"
         generate_world(world, load_config("world", None, [f"world.num_images={args.images}", "world.workers=1"]).world)
@@ -62,20 +62,17 @@ def main() -> None:
         cfg = load_detector_config(CONFIG_DIR / "detector" / f"{args.preset}.yaml",
                                    [f"data.train_annotations={ann}", f"data.train_images={world / 'images'}"])
         data = load_instances(ann, world / "images")
-        det = build_detector(cfg, data)
-        set_trainable(det, int(cfg.train.freeze_at))
-        model = DetectorForTraining(det, SamplingConfig(**_sampling_kwargs(cfg)), _loss_config(cfg)).to(device).train()
-        spec = det.spec
+        model = training_model(cfg, data).to(device).train()
+        spec = model.detector.spec
         tc = cfg.train
-        min_size = spec.min_size if tc.min_size is None else int(tc.min_size)
-        max_size = spec.max_size if tc.max_size is None else int(tc.max_size)
+        min_size, max_size = train_scales(cfg, spec)
         batches = TrainBatches(data.records, int(tc.images_per_batch), 0, min_size, max_size, spec.pixel_means)
         pre = [batches[i % batches.per_epoch] for i in range(args.warmup + args.iters)]
         opt = torch.optim.SGD(param_groups(model, 1e-4, 1e-4, 1e-4, 2.0), lr=1e-4, momentum=0.9)
 
         def step(b):
             images, sizes = pad_blobs(b["images"])
-            with _autocast(args.precision, device):
+            with autocast(device, precision):
                 losses = model(images.to(device), sizes, b["images"])
             opt.zero_grad(set_to_none=True)
             sum(losses.values()).backward()
@@ -95,7 +92,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"preset {args.preset}: ResNet blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, {spec.num_classes} classes, "
               f"{spec.num_attributes} attributes, {n_params / 1e6:.2f}M trainable parameters, scale {min_size}/{max_size}")
-        print(f"device {device} ({torch.get_num_threads()} threads), precision {args.precision}, {tc.images_per_batch} images/iteration")
+        print(f"device {device} ({torch.get_num_threads()} threads), precision {precision}, {tc.images_per_batch} images/iteration")
         print(f"{args.iters / dt:.3f} iterations/s, {args.iters * int(tc.images_per_batch) / dt:.2f} images/s ({dt / args.iters * 1000:.0f} ms/iteration)")
         if device.type == "cuda":
             print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

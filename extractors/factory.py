@@ -10,21 +10,10 @@ from extractors import EXTRACTORS, available_extractors
 from extractors.spec import BottomUpSpec
 from extractors.weights import load_detector, random_detector
 from pipeline.core.console import get_logger
+from pipeline.core.distributed import resolve_device  # noqa: F401  (the one resolver; imported from here by older callers)
 from pipeline.core.errors import UsageError
 
 log = get_logger("extract")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {name} requested but CUDA is not available")
-    return dev
 
 
 def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSpec:

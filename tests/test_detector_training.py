@@ -1,5 +1,5 @@
 """Detector training: input validation, targets, schedule, freezing, a real tiny training run whose weights
-`cli extract` loads, evaluation scoring, and bitwise resume after SIGKILL (CPU)."""
+`cli extract` loads, evaluation scoring, and bitwise resume after SIGKILL and after a SIGTERM stop (CPU)."""
 
 from __future__ import annotations
 
@@ -261,6 +261,35 @@ def test_sigkill_resume_is_bitwise_identical(tiny_world, tmp_path):
     ca, cb = load_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt"), load_checkpoint(ckpt)
     sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])  # AdamW moments too
+
+
+def test_sigterm_saves_at_the_next_iteration_and_resumes_to_the_same_weights(tiny_world, tmp_path):
+    """SIGTERM mid-run: the trainer saves at the next iteration boundary, exits 130 with one line, and the rerun
+    ends with bitwise the same weights and optimizer state as an uninterrupted run (CPU, one thread)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}
+    extra = ("--set", "train.max_iter=14", "--set", "train.steps=[12]", "--set", "train.checkpoint_every=5")
+    subprocess.run(_cli(tmp_path / "ref", tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    stopped = tmp_path / "stopped"
+    ckpt = stopped / "checkpoints" / "last.pt"
+    proc = subprocess.Popen(_cli(stopped, tiny_world, *extra), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ckpt.exists() and time.time() < deadline and proc.poll() is None:  # the regular save at iteration 5
+        time.sleep(0.01)
+    alive = proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert alive, "the run ended before it could be stopped"
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "run the same command again to resume" in stderr
+    at = int(load_checkpoint(ckpt)["iteration"])
+    assert 5 < at < 14 and f"iteration {at} of 14" in stderr  # saved at the stop, not only at the cadence
+    assert not (stopped / "detector.pth").exists() and (stopped / "running.json").exists()
+    subprocess.run(_cli(stopped, tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    assert json.loads((stopped / "manifest.json").read_text())["summary"]["resumed_from"] == at
+    a, b = _weights(tmp_path / "ref" / "detector.pth"), _weights(stopped / "detector.pth")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    sa, sb = (load_checkpoint(p)["optimizer"]["state"] for p in (tmp_path / "ref" / "checkpoints" / "last.pt", ckpt))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 def test_ddp_two_processes_gloo(tiny_world, tmp_path):

@@ -142,7 +142,7 @@ def test_bf16_autocast_trains_on_cpu(trained, tmp_path) -> None:
     """The AMP path (bf16 autocast, used by default on CUDA) runs and learns; on CPU it is opt-in. This run also
     reads the store through the DataLoader (no preloading)."""
     run, _ = trained
-    cfg = load_config("train", None, train_overrides(run, "san", "train.amp=bf16", "train.stages=[xe]", "train.preload=none", "train.num_workers=0",
+    cfg = load_config("train", None, train_overrides(run, "san", "train.precision=bf16", "train.stages=[xe]", "train.preload=none", "train.num_workers=0",
                                                      "train.xe={epochs: 2, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"))
     result = train_captioner(tmp_path, cfg)
     losses = [json.loads(x)["loss"] for x in (result.directory / "log.jsonl").read_text().splitlines() if '"event": "epoch"' in x]

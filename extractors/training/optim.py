@@ -10,7 +10,7 @@
   ``lr(it) = base_lr * w(it) * gamma ^ #{s in steps : s <= it}``, with the linear warm-up
   ``w(it) = warmup_factor * (1 - it / warmup_iters) + it / warmup_iters`` for ``it < warmup_iters``, else 1
   (the Caffe solver is the special case ``warmup_iters = 0``, ``steps = [350000]``, ``gamma = 0.1``).
-* BN calibration (training from scratch only; there are no ImageNet statistics to freeze): one forward pass
+* BN calibration (from scratch only; no ImageNet statistics to freeze; :func:`calibration_batch`): one forward pass
   over training images sets every frozen BN to the per-channel mean and variance of its input, in network
   order, so each conv output starts normalised (``gamma = 1``, ``beta = 0``); the statistics then stay
   frozen as in the original.
@@ -23,6 +23,8 @@ from torch import nn
 
 from extractors.bottom_up import BottomUpDetector
 from extractors.resnet_caffe import FrozenBatchNorm2d
+from extractors.training.data import TrainBatches, pad_blobs
+from pipeline.core.errors import PipelineError
 
 
 def set_trainable(det: BottomUpDetector, freeze_at: int) -> list[str]:
@@ -95,3 +97,23 @@ def calibrate_batchnorm(det: BottomUpDetector, images: torch.Tensor, rois: torch
         for h in hooks:
             h.remove()
     return count
+
+
+def calibration_batch(dataset: TrainBatches, n_iters: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of the first ``n_iters`` iterations and RoIs for :func:`calibrate_batchnorm`: every ground-truth
+    box plus four jittered copies (up to +-20% of its size, from a generator seeded with ``seed``)."""
+    images = []
+    for it in range(n_iters):
+        images += dataset[it]["images"]
+    if not images:
+        raise PipelineError("BN calibration: no training image could be decoded")
+    blob, _ = pad_blobs(images)
+    g = torch.Generator().manual_seed(seed)
+    rois = []
+    for i, im in enumerate(images):
+        b = im.boxes
+        jitter = (torch.rand((b.shape[0] * 4, 4), generator=g) - 0.5) * 0.4
+        wh = (b[:, 2:] - b[:, :2] + 1).repeat(4, 2)
+        boxes = torch.cat([b, b.repeat(4, 1) + jitter * wh])
+        rois.append(torch.cat([torch.full((boxes.shape[0], 1), float(i)), boxes], 1))
+    return blob.to(device), torch.cat(rois).to(device)

@@ -45,7 +45,8 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     summary: iterations, training seconds, images/s, last losses, and the evaluation numbers.
     """
     from extractors.training.evaluate import evaluate_weights, rule_from_config, summary_line
-    from extractors.training.loop import CHECKPOINT, WEIGHTS, dist_info, train
+    from extractors.training.loop import CHECKPOINT, WEIGHTS, train
+    from pipeline.core.distributed import env_context
 
     result = train(stage_dir, cfg)
     summary: dict[str, Any] = {
@@ -57,7 +58,7 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     }
     if result.skipped_images:
         summary["skipped"] = result.skipped_images
-    if cfg.data.eval_annotations and dist_info().rank == 0:
+    if cfg.data.eval_annotations and env_context().main:
         ev = evaluate_weights(result.weights, cfg.data.eval_annotations, cfg.data.eval_images, rule=rule_from_config(cfg.eval),
                               iou=float(cfg.eval.iou), attribute_group=str(cfg.eval.attribute_group),
                               limit=None if cfg.eval.limit is None else int(cfg.eval.limit))

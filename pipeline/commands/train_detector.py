@@ -46,10 +46,10 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--world {world}: no annotations/instances_train.json (write one with `demo --generate-only`)")
             first = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
                      f"data.eval_annotations={world / 'annotations' / 'instances_test.json'}", f"data.eval_images={world / 'images'}"]
-        from extractors.training.loop import dist_info
         from extractors.training.stage import train_detector
+        from pipeline.core.distributed import env_context
 
-        rank = dist_info().rank
+        rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
         if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
             out.mkdir(parents=True, exist_ok=True)
@@ -81,10 +81,10 @@ def register(app: typer.Typer) -> None:
 
             butd-caption eval-detector runs/detector/detector.pth --annotations world/annotations/instances_test.json --images world/images
         """
-        from extractors.factory import resolve_device
         from extractors.training.evaluate import summary_line
         from extractors.training.stage import evaluate_detector
         from pipeline.core.console import stdout_console
+        from pipeline.core.distributed import resolve_device
 
         cfg = opts.resolve("train_detector", show=False)
         result = evaluate_detector(weights, annotations, images, cfg, device=str(resolve_device(opts.device or "cpu")))

@@ -29,6 +29,8 @@ from pipeline.core.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
+# keys that were renamed: old name -> (new name, what it takes); an old key is refused with one line naming the new one
+RENAMED_KEYS = {"amp": ("precision", "auto | fp32 | bf16 | fp16")}
 
 
 class _Loader(yaml.SafeLoader):
@@ -188,6 +190,9 @@ def validate_against(
     out = copy.deepcopy(dict(schema))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if key not in schema and key in RENAMED_KEYS and RENAMED_KEYS[key][0] in schema:
+            new, values = RENAMED_KEYS[key]
+            raise ConfigError(f"{source}: '{dotted}' was renamed: use '{prefix}{new}' ({values})")
         if key not in schema:
             known = ", ".join(sorted(str(k) for k in schema)) or "(none)"
             raise ConfigError(f"{source}: unknown config key '{dotted}' (known here: {known})")
@@ -319,6 +324,7 @@ class Config(Mapping[str, Any]):
         return {k: _thaw(v) for k, v in self._data.items()}
 
     def to_yaml(self) -> str:
+        """The config as YAML text (key order kept)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
     def digest(self) -> str:

@@ -26,7 +26,7 @@ from pipeline.core.errors import UsageError
 
 @dataclass(frozen=True)
 class DistContext:
-    """Rank, world size and device of this process."""
+    """Rank, world size, local rank and device of this process (``torchrun`` sets the first three)."""
 
     rank: int = 0
     world: int = 1
@@ -35,40 +35,57 @@ class DistContext:
 
     @property
     def distributed(self) -> bool:
+        """True under ``torchrun`` with more than one process."""
         return self.world > 1
 
     @property
     def main(self) -> bool:
+        """True on rank 0 (the process that writes manifests, logs and checkpoints)."""
         return self.rank == 0
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> the local CUDA device when available, else CPU; ``cuda`` -> ``cuda:LOCAL_RANK``."""
+    """The one device resolver: ``auto`` -> this process's CUDA device when available, else CPU;
+    ``cuda`` -> ``cuda:LOCAL_RANK``; ``cuda:N``, ``cpu`` (or any torch device name) as given.
+
+    Raises :class:`UsageError` for an unknown name or a CUDA device on a machine without CUDA.
+    """
+    name = str(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError(f"train.device={name} but no CUDA device is available; use cpu or auto")
-        return torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
-    if name != "cpu":
-        raise UsageError(f"train.device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return torch.device("cpu")
+            raise UsageError(f"device {name} requested but CUDA is not available; use cpu or auto")
+        return torch.device("cuda", local_rank if dev.index is None else dev.index)
+    return dev
+
+
+def env_context(device: torch.device | None = None) -> DistContext:
+    """This process's rank, world size and local rank from the ``torchrun`` environment (no process group joined)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return DistContext(rank, world, local_rank, device if device is not None else torch.device("cpu"))
 
 
 def setup(device_name: str = "auto") -> DistContext:
-    """Join the process group when launched by torchrun; returns this process's :class:`DistContext`."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name, local_rank)
-    if world > 1 and not dist.is_initialized():
+    """Join the process group when launched by torchrun (``nccl`` on CUDA, ``gloo`` on CPU) and pin the local
+    GPU; returns this process's :class:`DistContext`."""
+    env = env_context()
+    device = resolve_device(device_name, env.local_rank)
+    if env.world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistContext(rank, world, local_rank, device)
+    return DistContext(env.rank, env.world, env.local_rank, device)
 
 
 def teardown(ctx: DistContext) -> None:
+    """Leave the process group (no-op in one process)."""
     if ctx.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -116,5 +133,6 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
 
 
 def barrier(ctx: DistContext) -> None:
+    """Wait for every rank (no-op in one process)."""
     if ctx.distributed:
         dist.barrier()

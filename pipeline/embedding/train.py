@@ -1,15 +1,18 @@
 """Training the grounded sentence encoder: the ``encoder`` stage of a run directory (``cli train-encoder``).
 
-Built from the captioner trainer's pieces (:mod:`pipeline.training`): the DDP context and collectives
-(:mod:`.distributed`), AMP (``resolve_amp``/``autocast``), atomic checkpoints with every RNG state
-(:mod:`pipeline.core.checkpoint`) and the stage manifest (:func:`pipeline.core.stages.run_stage`). Only the step is
-encoder-specific: the objective's loss (§3.4: L_VG, L_C or their sum), Adam and value clipping to [-5, 5].
+Built on the training core (:mod:`pipeline.core.training`): the device and DDP context
+(:mod:`pipeline.core.distributed`), ``precision``, seeding, the stop-on-signal context, the non-finite check,
+the optimizer step and the resume bookkeeping, atomic checkpoints (:mod:`pipeline.core.checkpoint`) and the
+stage manifest (:func:`pipeline.core.stages.run_stage`). Only the batches, the loss and the validation are
+encoder-specific: the objective's loss (Yoo et al. 2021, §3.4: L_VG, L_C or their sum), Adam and value
+clipping to [-5, 5].
 
 Exact resume: the batches of an epoch are a pure function of (seed, epoch) (:class:`SplitCaptions`), so
 ``last.pt`` (weights, Adam state, RNG states, epoch, batches done) resumes at the next batch. Under
 ``torchrun`` each rank takes the ``rank::world`` share of every global batch; the ranking negatives are
 that rank's share (in-batch negatives per process), and DDP averages the gradients.
-SIGTERM/SIGINT: ``last.pt`` is saved at the next step boundary and the run stops (:class:`TrainingInterrupted`).
+SIGTERM/SIGINT: ``last.pt`` is saved at the next step boundary and the run stops
+(:class:`~pipeline.core.training.TrainingInterrupted`).
 Validation: caption-to-image R@1 on ``validation.split`` (cap2cap: minus the caption loss); ``best.pt``
 keeps the best epoch.
 """
@@ -17,8 +20,6 @@ keeps the best epoch.
 from __future__ import annotations
 
 import json
-import math
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -29,20 +30,20 @@ from torch import nn
 
 from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
 from pipeline.caption_data.prepared import PreparedCaptions
-from pipeline.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.embedding.checkpoint import read_encoder_checkpoint
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.embedding.retrieval import split_similarity
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import UsageError
 from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.core.stages import StageResult, run_stage
 from pipeline.store import FeatureStore
 from pipeline.core import distributed
-from pipeline.training.engine import TrainingInterrupted, resolve_amp
-from pipeline.training.validation import autocast
+from pipeline.core.training import (StopOnSignal, autocast, check_finite, make_scaler, optimizer_step, resolve_precision,
+                                    restore_training_state, seed_everything, training_state)
 
 log = get_logger("encoder")
 STAGE = "encoder"
@@ -84,7 +85,7 @@ class EncoderTrainer:
     def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
         self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
         self.dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(int(cfg.seed) + 1000003 * ctx.rank)  # the initial weights depend on the seed only
+        seed_everything(int(cfg.seed) + 1000003 * ctx.rank)  # the initial weights depend on the seed only
         self.data = PreparedCaptions.load(cfg.data)
         store = FeatureStore(cfg.store)
         self.train = SplitCaptions.load(self.data, "train", store)
@@ -94,17 +95,26 @@ class EncoderTrainer:
         self.val_images = image_table(store, self.val.keys, cfg.max_boxes) if self.val else None
         self.model_cfg = encoder_config(dict(cfg.model_overrides)).to_dict()
         self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(ctx.device)
-        self.amp = resolve_amp(str(cfg.amp), ctx.device)
+        self.precision = resolve_precision(cfg.precision, ctx.device, "encoder.precision")
         self.objective: nn.Module = _Objective(self.model, str(cfg.ranking_form))
         if ctx.distributed:
             self.objective = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg.lr))
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
-        self.stop_signal: int | None = None
-        log.info("sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, amp %s",
+        self.scaler = make_scaler(self.precision, ctx.device)
+        self.stop = StopOnSignal()
+        log.info("sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, precision %s",
                  self.model.objective, self.model.self_attention, sum(p.numel() for p in self.model.parameters()) / 1e6,
-                 len(self.train.keys), ctx.device, self.amp)
+                 len(self.train.keys), ctx.device, self.precision)
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked this run to stop (None: none yet); settable, e.g. to stop after the next step."""
+        return self.stop.signum
+
+    @stop_signal.setter
+    def stop_signal(self, signum: int | None) -> None:
+        self.stop.signum = signum
 
     def _payload(self, kind: str, prog: dict[str, Any]) -> dict[str, Any]:
         payload = {
@@ -113,14 +123,14 @@ class EncoderTrainer:
             "vocab": list(self.data.vocab.words), "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             **prog, "train_config": self.cfg.to_dict(),
         }
-        if kind == "train":
-            payload.update(optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict() if self.scaler else {},
-                           rng=capture_rng_state())
+        if kind == "train":  # every rank takes part (the RNG states are gathered)
+            payload.update(training_state(self.optimizer, self.scaler, self.ctx))
         return payload
 
     def _save(self, name: str, kind: str, prog: dict[str, Any]) -> None:
+        payload = self._payload(kind, prog)
         if self.ctx.main:
-            save_checkpoint(self.dir / name, self._payload(kind, prog))
+            save_checkpoint(self.dir / name, payload)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.ctx.main:
@@ -136,34 +146,20 @@ class EncoderTrainer:
         if dict(ckpt["model"]["config"]) != self.model_cfg:
             raise UsageError(f"checkpoint {last} was trained with another encoder configuration; use --force to start over")
         self.model.load_state_dict(ckpt["weights"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        if self.scaler is not None and ckpt["scaler"]:
-            self.scaler.load_state_dict(ckpt["scaler"])
-        restore_rng_state(ckpt["rng"])
         prog.update({k: ckpt[k] for k in prog})
+        restore_training_state(ckpt, self.optimizer, self.scaler, self.ctx, int(self.cfg.seed) + prog["global_step"])
         log.info("resuming from %s: epoch %d, batch %d", last, prog["epoch"], prog["position"])
         return prog
 
     def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         self.model.train()
         batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
-        with autocast(self.ctx.device, self.amp):
+        with autocast(self.ctx.device, self.precision):
             loss, parts = self.objective(batch, self.train_images[batch["rows"]])
-        if distributed.any_rank(not math.isfinite(float(loss.detach())), self.ctx):
-            raise PipelineError(f"the encoder loss became non-finite; the last good checkpoint is kept in {self.dir / 'last.pt'}")
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
-        if self.cfg.grad_clip_value is not None:
-            nn.utils.clip_grad_value_(self.model.parameters(), float(self.cfg.grad_clip_value))
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        check_finite(float(loss.detach()), self.ctx,
+                     f"the encoder loss became non-finite; the last good checkpoint is kept in {self.dir / 'last.pt'}")
+        clip = self.cfg.grad_clip_value
+        optimizer_step(loss, self.optimizer, self.scaler, None if clip is None else float(clip), None, self.model.parameters())
         return {"loss": float(loss.detach()), **parts}
 
     def _validate(self) -> dict[str, float] | None:
@@ -173,21 +169,13 @@ class EncoderTrainer:
             return evaluate_retrieval(self.model, self.val, self.val_images, self.ctx.device, self.cfg.validation.max_images)
         return None
 
-    def _signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
-        if self.stop_signal is None:
-            log.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
-        self.stop_signal = signum
-
     def run(self) -> dict[str, Any]:
-        old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        """Train (resuming ``last.pt``) until ``epochs``; returns the summary (best, recent history, global steps)."""
+        with self.stop:
             return self._run()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
     def _run(self) -> dict[str, Any]:
-        torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank)
+        seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
         prog = self._resume()
         epochs, every = int(self.cfg.epochs), int(self.cfg.checkpoint_every)
         while prog["epoch"] < epochs:
@@ -205,10 +193,8 @@ class EncoderTrainer:
                 prog["global_step"] += 1
                 if every and prog["global_step"] % every == 0:
                     self._save("last.pt", "train", prog)
-                if distributed.any_rank(self.stop_signal is not None, self.ctx):
-                    self._save("last.pt", "train", prog)
-                    raise TrainingInterrupted(f"stopped by a signal at epoch {prog['epoch']}, batch {prog['position']}; checkpoint "
-                                              f"saved to {self.dir / 'last.pt'}: run the same command again to resume")
+                self.stop.check(self.ctx, lambda: self._save("last.pt", "train", prog),
+                                f"epoch {prog['epoch']}, batch {prog['position']}", self.dir / "last.pt")
             record: dict[str, Any] = {"event": "epoch", "epoch": prog["epoch"], "loss": float(np.mean(losses)) if losses else None,
                                       "seconds": round(time.perf_counter() - t0, 3), **{k: float(np.mean(v)) for k, v in parts.items()}}
             scores = self._validate()

@@ -107,8 +107,6 @@ def evaluate_checkpoint(
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
-    import torch
-
     from models.captions import merge_decoding
     from models.decoding import DecodeOptions
     from pipeline.caption_data.prepared import PreparedCaptions
@@ -120,6 +118,7 @@ def evaluate_checkpoint(
     from pipeline.training.batches import BatchSource
     from models.checkpoints import load_captioner
     from pipeline.core.distributed import DistContext, resolve_device
+    from pipeline.core.training import resolve_precision
     from pipeline.core.vocab import Vocab
     from pipeline.training.validation import decode_split, score_split
 
@@ -133,13 +132,9 @@ def evaluate_checkpoint(
     options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
     source = BatchSource(dataset, "memory" if dev.type == "cpu" else "cuda", dev)
     ctx = DistContext(device=dev)
-    if precision == "auto":  # released models decode in fp32, as published
-        amp = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() and not ckpt.get("release") else "none"
-    elif precision in ("fp32", "bf16", "fp16"):
-        amp = "none" if precision == "fp32" else precision
-    else:
-        raise UsageError(f"precision must be auto, fp32, bf16 or fp16, not {precision!r}")
-    preds = decode_split(model, source, vocab, options, ctx, batch_size, amp, description=f"decoding {split}")
+    # released models decode in fp32, as published, unless a precision is asked for
+    resolved = "fp32" if precision == "auto" and ckpt.get("release") else resolve_precision(precision, dev, "--precision")
+    preds = decode_split(model, source, vocab, options, ctx, batch_size, resolved, description=f"decoding {split}")
     references = prepared.references()
     scores = score_split(preds, references, full=not fast_only, options=EvalOptions.from_config(section))
     out = Path(out_dir) if out_dir is not None else checkpoint.parent

@@ -1,36 +1,37 @@
-"""The training loop: cross-entropy then SCST, validation, best/last checkpoints, exact resume, DDP, AMP.
+"""The captioner trainer: cross-entropy then SCST, validation, best/last checkpoints, exact resume, DDP.
+
+This module holds only what is special to captioners (batches, the XE/SCST losses, validation, the stage
+sequence); device, precision, seeding, signals, the non-finite check, the optimizer step and the resume
+bookkeeping come from the training core (:mod:`pipeline.core.training`).
 
 Per step (both stages): batch -> loss *sum* and count -> loss = sum * world / global count (the global
-token mean, :mod:`.distributed`) -> non-finite check on every rank (stop, last good checkpoint kept) ->
-backward (GradScaler only for fp16) -> clipping (value and/or norm) -> optimiser step -> schedule step.
+token mean, :mod:`pipeline.core.distributed`) -> non-finite check on every rank (stop, last good checkpoint
+kept) -> :func:`~pipeline.core.training.optimizer_step` (fp16 scaler, value/norm clipping) -> schedule step.
 
 Exact resume: ``last.pt`` (atomic) is written every ``checkpoint_every`` steps, at every epoch end and
 when a stage finishes; it holds weights, optimiser/schedule/scaler states, every RNG state, the stage, the
 epoch and the number of batches done in it (``position``). The epoch's batch order is a pure function of
 (seed, stage, epoch), so a resumed run recomputes it, skips ``position`` batches and continues
 bit-identically (CPU, one process). A checkpoint marked ``stage_done`` moves on to the next stage.
-SIGTERM/SIGINT set a flag; the loop saves at the next step boundary and stops (:class:`TrainingInterrupted`).
+SIGTERM/SIGINT: :class:`~pipeline.core.training.StopOnSignal` (save at the next step, then
+:class:`~pipeline.core.training.TrainingInterrupted`).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from models import build_captioner, model_card, model_config
 from models.decoding import DecodeOptions, decoding_options
 from pipeline.caption_data.prepared import PreparedCaptions
-from pipeline.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.data import CaptionDataset
@@ -40,23 +41,21 @@ from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
 from models.checkpoints import check_compatible, read_training_checkpoint
-from pipeline.core.distributed import DistContext, any_rank, broadcast_object, global_mean_factor
+from pipeline.core.distributed import DistContext, broadcast_object, global_mean_factor
+from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, check_finite, make_scaler, optimizer_step,
+                                    resolve_precision, restore_rng_states, restore_training_state, seed_everything,
+                                    training_state)
 from pipeline.training.recipe import StageRecipe, stage_recipe
 from pipeline.training.schedules import apply_lr, build_schedule
 from pipeline.training.scst_step import greedy_rewards, scst_loss
-from pipeline.training.validation import autocast, decode_split, score_split
+from pipeline.training.validation import decode_split, score_split
 from pipeline.training.xe import xe_loss_sum
 
 log = get_logger("train")
 
 STAGES = ("xe", "scst")
 STAGE_SEED_OFFSET = {"xe": 0, "scst": 7919}
-
-
-class TrainingInterrupted(PipelineError):
-    """Stopped by SIGTERM/SIGINT after saving; rerunning the command resumes."""
-
-    exit_code = 130
+__all__ = ["Progress", "Trainer", "TrainingInterrupted", "build_optimizer"]
 
 
 @dataclass
@@ -93,24 +92,8 @@ class _Policy(nn.Module):
         return out.loss_sum, out
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def resolve_amp(amp: str, device: torch.device) -> str:
-    if amp == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
-    if amp not in ("none", "bf16", "fp16"):
-        raise UsageError(f"train.amp must be auto, none, bf16 or fp16, got {amp!r}")
-    if amp == "fp16" and device.type != "cuda":
-        raise UsageError("train.amp=fp16 needs CUDA; use bf16 or none on CPU")
-    return amp
-
-
 def build_optimizer(recipe: StageRecipe, params: Any) -> torch.optim.Optimizer:
+    """The stage recipe's optimizer (Adam, AdamW, Adamax or SGD) at lr 0 (the schedule sets it)."""
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax, "sgd": torch.optim.SGD}[recipe.optimizer]
     return cls(params, lr=0.0, **recipe.optimizer_kwargs)
 
@@ -149,10 +132,10 @@ class Trainer:
                             r.stage, r.max_caption_len, self.data.max_length)
         self.decoding = decoding_options(cfg.model, _plain(cfg.decoding))
         self.val_decoding = DecodeOptions.from_mapping({**asdict(self.decoding), **_plain(val.decoding)})
-        self.amp = resolve_amp(cfg.amp, ctx.device)
+        self.precision = resolve_precision(cfg.precision, ctx.device, "train.precision")
         preload = choose_preload(cfg.preload, [d for d in (self.train_set, self.val_set) if d is not None], ctx.device, cfg.preload_fraction)
-        log.info("model %s (%.2fM parameters), %d train images, device %s, amp %s, features %s, %d process(es)",
-                 cfg.model, sum(p.numel() for p in self.model.parameters()) / 1e6, len(self.train_set), ctx.device, self.amp,
+        log.info("model %s (%.2fM parameters), %d train images, device %s, precision %s, features %s, %d process(es)",
+                 cfg.model, sum(p.numel() for p in self.model.parameters()) / 1e6, len(self.train_set), ctx.device, self.precision,
                  preload, ctx.world)
         self.train_source = BatchSource(self.train_set, preload, ctx.device, cfg.num_workers)
         self.val_source = BatchSource(self.val_set, preload, ctx.device, cfg.num_workers) if self.val_set else None
@@ -163,12 +146,13 @@ class Trainer:
                 find_unused_parameters=bool(cfg.find_unused_parameters),
             )
         self._scorer: CiderD | None = None
-        self._stop_signal: int | None = None
+        self.stop = StopOnSignal()
         self._tb = None
 
     # -- bookkeeping --------------------------------------------------------------------------------------
     @property
     def metric(self) -> str:
+        """The validation metric that picks ``best.pt`` (``train.validation.metric``)."""
         return str(self.cfg.validation.metric)
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -194,19 +178,13 @@ class Trainer:
             "train_config": self.cfg.to_dict(),
             "store_identity": dict(self.train_set.store.identity),  # which extractor made the features
         }
-        if kind == "train":
-            payload.update(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
-                           scaler=scaler.state_dict() if scaler is not None else {}, rng=capture_rng_state())
+        if kind == "train":  # every rank takes part (the RNG states are gathered)
+            payload.update(schedule=schedule.state_dict(), **training_state(optimizer, scaler, self.ctx))
         return payload
 
     def _save(self, name: str, payload: dict[str, Any]) -> None:
         if self.ctx.main:
             save_checkpoint(self.dir / name, payload)
-
-    def _signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
-        if self._stop_signal is None:
-            log.warning("received %s: saving at the next step boundary, then stopping", signal.Signals(signum).name)
-        self._stop_signal = signum
 
     # -- setup --------------------------------------------------------------------------------------------
     def _new_stage(self, stage: str) -> tuple[Any, Any, Any]:
@@ -214,8 +192,7 @@ class Trainer:
         optimizer = build_optimizer(recipe, self.model.parameters())
         schedule = build_schedule(recipe.schedule, f"{self.cfg.model} schedule.{stage}")
         apply_lr(optimizer, schedule.lr())
-        scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
-        return optimizer, schedule, scaler
+        return optimizer, schedule, make_scaler(self.precision, self.ctx.device)
 
     def _load_weights(self, path: Path) -> dict[str, Any]:
         ckpt = read_training_checkpoint(path)
@@ -236,19 +213,16 @@ class Trainer:
         prog = Progress(**{k: ckpt[k] for k in Progress.__dataclass_fields__})
         if prog.stage not in self.stages:
             raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
-        restore_rng_state(ckpt["rng"])
-        if self.ctx.rank > 0:  # exact resume is single-process; other ranks get distinct, reproducible streams
-            torch.manual_seed(int(self.cfg.seed) + 1000003 * self.ctx.rank + prog.global_step)
+        fallback_seed = int(self.cfg.seed) + prog.global_step
         if prog.stage_done:
+            restore_rng_states(ckpt["rng"], self.ctx, fallback_seed)
             log.info("resuming from %s: stage %s finished, moving on", last, prog.stage)
             self._log({"event": "resume", "stage": prog.stage, "stage_done": True, "global_step": prog.global_step})
             return prog, None
         state = self._new_stage(prog.stage)
         optimizer, schedule, scaler = state
-        optimizer.load_state_dict(ckpt["optimizer"])
+        restore_training_state(ckpt, optimizer, scaler, self.ctx, fallback_seed)
         schedule.load_state_dict(ckpt["schedule"])
-        if scaler is not None and ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
         apply_lr(optimizer, schedule.lr())
         log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
         self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
@@ -256,10 +230,11 @@ class Trainer:
 
     # -- validation ---------------------------------------------------------------------------------------
     def validate(self, prog: Progress) -> dict[str, Any] | None:
+        """Decode the validation split and score it (every rank gets the scores); None without a split."""
         if self.val_source is None:
             return None
         v = self.cfg.validation
-        preds = decode_split(self.model, self.val_source, self.vocab, self.val_decoding, self.ctx, int(v.batch_size), self.amp,
+        preds = decode_split(self.model, self.val_source, self.vocab, self.val_decoding, self.ctx, int(v.batch_size), self.precision,
                              v.max_images, f"validating {prog.stage} epoch {prog.epoch}")
         full = bool(v.full_metrics) or self.metric != "CIDEr"
         scores = score_split(preds, self.references, full) if self.ctx.main or not full else {}
@@ -270,6 +245,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train every stage (resuming ``last.pt``); returns the summary (best, global steps, recent history)."""
         if self.ctx.main and self.cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -279,26 +255,24 @@ class Trainer:
                 log.warning("train.tensorboard is set but tensorboard is not installed; metrics go to log.jsonl only")
         seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
         prog, state = self._resume()
-        old = {s: signal.signal(s, self._signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            for stage in self.stages[self.stages.index(prog.stage):]:
-                if prog.stage != stage:
-                    prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
+        with self.stop:
+            try:
+                for stage in self.stages[self.stages.index(prog.stage):]:
+                    if prog.stage != stage:
+                        prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
+                        state = None
+                    if prog.stage_done:
+                        continue
+                    if state is None:
+                        if stage == "scst" and self.cfg.scst_init == "best" and (self.dir / "xe.pt").exists():
+                            self._load_weights(self.dir / "xe.pt")
+                            log.info("SCST starts from the best XE weights (xe.pt)")
+                        state = self._new_stage(stage)
+                    prog = self._run_stage(prog, *state)
                     state = None
-                if prog.stage_done:
-                    continue
-                if state is None:
-                    if stage == "scst" and self.cfg.scst_init == "best" and (self.dir / "xe.pt").exists():
-                        self._load_weights(self.dir / "xe.pt")
-                        log.info("SCST starts from the best XE weights (xe.pt)")
-                    state = self._new_stage(stage)
-                prog = self._run_stage(prog, *state)
-                state = None
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            if self._tb is not None:
-                self._tb.close()
+            finally:
+                if self._tb is not None:
+                    self._tb.close()
         return {"model": self.cfg.model, "stages": self.stages, "best": prog.best, "global_steps": prog.global_step,
                 "history": prog.history[-10:]}
 
@@ -318,31 +292,15 @@ class Trainer:
             kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
                       "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
                       "baseline_rewards": base}
-        with autocast(self.ctx.device, self.amp):
+        with autocast(self.ctx.device, self.precision):
             loss_sum, info = self.policy(stage, batch, kwargs)
         count = info if stage == "xe" else info.count
         local = float(loss_sum.detach()) / max(count, 1.0)
-        if any_rank(not math.isfinite(local), self.ctx):
-            raise PipelineError(
-                f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: training stopped; "
-                f"the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the learning rate or check the features)"
-            )
-        loss = loss_sum * global_mean_factor(count, self.ctx)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-        else:
-            loss.backward()
-        if recipe.grad_clip_value is not None:
-            nn.utils.clip_grad_value_(self.model.parameters(), recipe.grad_clip_value)
-        if recipe.grad_clip_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), recipe.grad_clip_norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        check_finite(local, self.ctx, f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: "
+                     f"training stopped; the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the learning rate "
+                     "or check the features)")
+        optimizer_step(loss_sum * global_mean_factor(count, self.ctx), optimizer, scaler, recipe.grad_clip_value,
+                       recipe.grad_clip_norm, self.model.parameters())
         out = {"loss": local}
         if stage == "scst":
             out.update(reward=info.reward, baseline=info.baseline_reward)
@@ -399,12 +357,8 @@ class Trainer:
                                "global_step": prog.global_step, "lr": optimizer.param_groups[0]["lr"], "images_per_s": rate * self.ctx.world, **stats})
                 if every and prog.iteration % every == 0:
                     self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
-                if any_rank(self._stop_signal is not None, self.ctx):
-                    self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
-                    raise TrainingInterrupted(
-                        f"stopped by a signal at {stage} epoch {prog.epoch}, batch {prog.position}; checkpoint saved to "
-                        f"{self.dir / 'last.pt'}: run the same command again to resume"
-                    )
+                self.stop.check(self.ctx, lambda: self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler)),
+                                f"{stage} epoch {prog.epoch}, batch {prog.position}", self.dir / "last.pt")
             seconds = time.perf_counter() - t0
             self._log({"event": "epoch", "stage": stage, "epoch": prog.epoch, "global_step": prog.global_step,
                        "loss": sum(losses) / max(len(losses), 1), "seconds": round(seconds, 3),

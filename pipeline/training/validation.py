@@ -9,7 +9,6 @@ references, i.e. pycocoevalcap's ``Cider`` on that split) and, when asked, with 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -22,20 +21,14 @@ from pipeline.core.console import track
 from pipeline.metrics.cider import CiderD
 from pipeline.training.batches import BatchSource, eval_batches
 from pipeline.core.distributed import DistContext, gather_objects
+from pipeline.core.training import autocast
 from pipeline.core.vocab import Vocab
-
-
-def autocast(device: torch.device, amp: str) -> Any:
-    """The autocast context for ``amp`` (``none``, ``bf16``, ``fp16``)."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 @torch.no_grad()
 def decode_split(
     model: Captioner, source: BatchSource, vocab: Vocab, options: DecodeOptions, ctx: DistContext,
-    batch_size: int = 50, amp: str = "none", max_images: int | None = None, description: str = "decoding",
+    batch_size: int = 50, precision: str = "fp32", max_images: int | None = None, description: str = "decoding",
 ) -> dict[str, str]:
     """``{image key: caption}`` for the dataset of ``source`` (every image once, gathered on all ranks)."""
     was_training = model.training
@@ -43,7 +36,7 @@ def decode_split(
     mine: dict[str, str] = {}
     batches = eval_batches(source.dataset, batch_size, ctx, max_images)
     for batch in track(source.iterate(batches), description, total=len(batches)):
-        with autocast(ctx.device, amp):
+        with autocast(ctx.device, precision):
             g = generate(model, batch["feats"], batch["mask"], batch["boxes"], batch["sizes"], options)
         for key, row, n in zip(batch["keys"], g.tokens[:, 0].tolist(), g.lengths[:, 0].tolist()):
             mine[key] = " ".join(caption_words(vocab, row[:n], options))
