@@ -10,7 +10,11 @@ Layout of a run directory (``--out DIR``)::
 
 A stage whose ``manifest.json`` matches the resolved config digest is *done* and is skipped; a stage with
 a manifest from a different config is refused unless ``--force`` is given; an interrupted stage (only
-``running.json``) is re-entered and its function resumes from what it finds in its folder.
+``running.json``: killed, stopped or failed) is re-entered under the same config and its function resumes
+from what it finds in its folder. Under a different config it is refused with a message naming the one
+option that clears it (``--force``), unless the folder holds nothing but ``running.json`` (the stage failed
+before writing anything, e.g. on a config error): then it simply starts again. ``--force`` always clears
+the stage folder (finished or interrupted) and says so in one log line.
 """
 
 from __future__ import annotations
@@ -67,6 +71,32 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
+    """An interrupted stage: resume under the same config; restart when it wrote nothing; else refuse, naming ``--force``."""
+    previous = read_json(stage_dir / RUNNING, what="stage marker")
+    if previous.get("config_digest") in (None, digest):
+        log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
+        return
+    if all(p.name == RUNNING for p in stage_dir.iterdir()):
+        log.info("stage %s: the interrupted run in %s wrote nothing; starting again under the new config", name, stage_dir)
+        return
+    failed = f" (it failed: {previous['error']})" if previous.get("error") else ""
+    raise UsageError(
+        f"stage {name} in {stage_dir} was interrupted under a different config{failed}; rerun this command with --force "
+        "to clear it and start again (or use another --out)"
+    )
+
+
+def _record_failure(running: Path, exc: BaseException) -> None:
+    """Note the error in ``running.json`` (the next run under another config names it); never masks ``exc``."""
+    try:
+        marker = read_json(running, what="stage marker")
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        atomic_write_json(running, {**marker, "error": first[:300], "failed": _now()})
+    except Exception:  # noqa: BLE001
+        log.debug("could not record the failure in %s", running)
+
+
 def run_stage(
     run_dir: str | Path,
     name: str,
@@ -92,22 +122,21 @@ def run_stage(
             f"stage {name} in {stage_dir} was finished with a different config "
             f"({manifest['config_digest'][:12]} != {digest[:12]}); pass --force to redo it or use another --out"
         )
-    if manifest is not None and force:
-        log.info("stage %s: --force given, redoing it from scratch", name)
-        shutil.rmtree(stage_dir)
-    stage_dir.mkdir(parents=True, exist_ok=True)
     running = stage_dir / RUNNING
-    if running.exists():
-        previous = read_json(running, what="stage marker")
-        if previous.get("config_digest") not in (None, digest):
-            raise UsageError(
-                f"stage {name} in {stage_dir} was interrupted under a different config; "
-                "pass --force to start it again or use another --out"
-            )
-        log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
+    if force and (manifest is not None or running.exists()):
+        state = "finished" if manifest is not None else "interrupted"
+        log.info("stage %s: --force given, clearing the %s stage in %s and starting it from scratch", name, state, stage_dir)
+        shutil.rmtree(stage_dir)
+    elif running.exists():
+        _check_interrupted(name, stage_dir, digest)
+    stage_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(running, {"stage": name, "config_digest": digest, "started": _now(), "config": cfg.to_dict()})
     t0 = time.perf_counter()
-    result = work(stage_dir, cfg)
+    try:
+        result = work(stage_dir, cfg)
+    except Exception as exc:  # noqa: BLE001 - recorded for the next run's message, then re-raised
+        _record_failure(running, exc)
+        raise
     seconds = time.perf_counter() - t0
     outputs, summary = (result if isinstance(result, tuple) else (result, {}))
     atomic_write_json(

@@ -1,0 +1,89 @@
+"""Stage bookkeeping (pipeline/core/stages.py): a stage that failed or was killed never blocks a later run with
+another config without naming the option that clears it, and ``--force`` clears it (issue: ``--force`` could
+not restart an interrupted stage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.core.config import Config
+from pipeline.core.errors import ConfigError, UsageError
+from pipeline.core.stages import MANIFEST, RUNNING, run_stage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _failing(stage_dir: Path, cfg: Config) -> dict:
+    (stage_dir / "partial.bin").write_bytes(b"half")  # it got somewhere before failing
+    raise ConfigError(f"model.lr must be a number, got {cfg.lr!r}")
+
+
+def _working(stage_dir: Path, cfg: Config) -> dict:
+    (stage_dir / "out.txt").write_text(str(cfg.lr))
+    return {"out": "out.txt"}
+
+
+def test_failed_stage_names_force_and_force_clears_it(tmp_path):
+    with pytest.raises(ConfigError, match="must be a number"):
+        run_stage(tmp_path, "train", Config({"lr": "fast"}), _failing)
+    marker = json.loads((tmp_path / "train" / RUNNING).read_text())
+    assert "must be a number" in marker["error"]  # the failure is recorded for the next run's message
+    with pytest.raises(UsageError) as err:  # another config, no --force: refused, naming --force and the failure
+        run_stage(tmp_path, "train", Config({"lr": 0.1}), _working)
+    assert "--force" in str(err.value) and "must be a number" in str(err.value)
+    result = run_stage(tmp_path, "train", Config({"lr": 0.1}), _working, force=True)
+    assert not result.skipped and (result.directory / "out.txt").read_text() == "0.1"
+    assert not (result.directory / "partial.bin").exists() and not (result.directory / RUNNING).exists()
+    assert (result.directory / MANIFEST).exists()
+    assert run_stage(tmp_path, "train", Config({"lr": 0.1}), _working).skipped
+
+
+def test_stage_that_wrote_nothing_restarts_under_a_new_config(tmp_path):
+    def fails_at_once(stage_dir: Path, cfg: Config) -> dict:
+        raise ConfigError("bad key")
+
+    with pytest.raises(ConfigError):
+        run_stage(tmp_path, "train", Config({"lr": "x"}), fails_at_once)
+    assert run_stage(tmp_path, "train", Config({"lr": 0.5}), _working).outputs == {"out": "out.txt"}
+
+
+def test_same_config_resumes_the_interrupted_stage(tmp_path):
+    with pytest.raises(ConfigError):
+        run_stage(tmp_path, "train", Config({"lr": "fast"}), _failing)
+    seen = []
+    run_stage(tmp_path, "train", Config({"lr": "fast"}), lambda d, c: seen.append(sorted(p.name for p in d.iterdir())) or {})
+    assert seen == [["partial.bin", RUNNING]]  # re-entered with its partial files (no --force: nothing cleared)
+
+
+def test_train_detector_failed_on_a_config_error_then_force_with_another_config_passes(tmp_path):
+    from pipeline.core.config import load_config
+    from pipeline.world.generate import generate_world
+
+    world = tmp_path / "world"
+    generate_world(world, load_config("world", None, ["world.num_images=8", "world.image_size=[64, 96]", "world.max_objects=3",
+                                                      "world.workers=1"]).world)
+    out = tmp_path / "det"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(REPO / "configs" / "detector" / "tiny.yaml"),
+               "--world", str(world), "--out", str(out), "--set", "train.max_iter=2", "--set", "train.steps=[1]",
+               "--set", "data.eval_annotations=null", *extra]
+        return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    bad = cli("--set", "train.precision=fp16")  # a config error inside the stage: fp16 needs CUDA
+    assert bad.returncode == 2 and "fp16" in bad.stderr and "Traceback" not in bad.stderr
+    assert (out / RUNNING).exists() and not (out / MANIFEST).exists()
+    (out / "checkpoints").mkdir()  # as if it had got further before failing: a new config alone is refused
+    refused = cli()
+    assert refused.returncode == 2 and "--force" in refused.stderr and "fp16" in refused.stderr
+    ok = cli("--force")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "--force given, clearing the interrupted stage" in ok.stderr
+    assert json.loads((out / MANIFEST).read_text())["summary"]["iterations"] == 2
