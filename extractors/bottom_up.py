@@ -237,7 +237,3 @@ def preset_caffe_r101() -> BottomUpSpec:
 def preset_d2_r101() -> BottomUpSpec:
     """The airsplay / HF-lxmert port of the same network (detectron2 semantics, see :class:`BottomUpSpec`)."""
     return d2_r101()
-
-
-def build_detector(spec: BottomUpSpec) -> BottomUpDetector:
-    return BottomUpDetector(spec)

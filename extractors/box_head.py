@@ -72,14 +72,3 @@ class Res5ROIHeads(nn.Module):
             return roi_pool(feat, rois.to(feat.dtype), (r, r), self.spatial_scale)
         # max pooling is exact in any dtype; the CPU kernel has no bf16/fp16 version
         return roi_pool(feat.float(), rois.float(), (r, r), self.spatial_scale).to(feat.dtype)
-
-    def region_features(self, feat: torch.Tensor, rois: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        """``pool5_flat``: res5 on pooled RoIs then the spatial mean -> (K, feature_dim) (in chunks of ``chunk``)."""
-        if rois.shape[0] == 0:
-            return feat.new_zeros((0, self.out_channels))
-        parts = []
-        step = chunk if chunk > 0 else rois.shape[0]
-        for i in range(0, rois.shape[0], step):
-            pooled = self.pool(feat, rois[i : i + step])
-            parts.append(self.res5(pooled).mean(dim=(2, 3)))
-        return torch.cat(parts)

@@ -94,10 +94,6 @@ class BottomUpSpec:
         return 0 if self.flavor == "caffe" else self.num_classes - 1
 
     @property
-    def no_attribute_index(self) -> int:
-        return 0 if self.flavor == "caffe" else self.num_attributes - 1
-
-    @property
     def bbox_classes(self) -> int:
         """Rows of class-specific regression: all classes (caffe) or the foreground ones (d2)."""
         return self.num_classes if self.flavor == "caffe" else self.num_classes - 1

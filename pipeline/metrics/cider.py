@@ -385,8 +385,3 @@ class CiderD:
             self.idf = self.log_n - np.log(np.maximum(1.0, self.image_df))
             self.ref_norm = ref_norm
         return self
-
-    def corpus_score(self, candidates: Any, image_ids: Sequence[Hashable]) -> tuple[float, np.ndarray]:
-        """(mean, per-candidate scores), the return of pycocoevalcap's ``Cider.compute_score``."""
-        scores = self.scores(candidates, image_ids)
-        return float(scores.mean()) if scores.size else 0.0, scores

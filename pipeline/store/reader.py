@@ -299,13 +299,6 @@ class FeatureStore:
         st.mem_start = np.concatenate([[0], np.cumsum(st.count)[:-1]]).astype(np.int64)
         return self
 
-    def flat_arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """After :meth:`preload`: (field -> all rows), row start per image, row count per image."""
-        st = self._st()
-        if st.memory is None:
-            self.preload()
-        return st.memory, st.mem_start, st.count  # type: ignore[return-value]
-
 
 def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray]) -> None:
     """Check images ``lo..`` of ``seg`` whose rows (from row ``offsets[lo]`` on) are ``rows``; refuse damage."""
@@ -327,5 +320,3 @@ def load_identity_file(path: str | Path) -> dict[str, Any]:
     from pipeline.core.fileio import read_json
 
     return canonical_identity(read_json(path, what="extractor identity"), source=str(path))
-
-

@@ -175,16 +175,9 @@ class FeatureStoreWriter:
     def num_committed(self) -> int:
         return len(self._committed)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def has(self, key: str) -> bool:
         """True if ``key`` is committed or pending (added but not yet committed)."""
         return key in self._committed or key in self._pending_keys
-
-    def committed_keys(self) -> set[str]:
-        return set(self._committed)
 
     # -- writing -------------------------------------------------------------------------------------------
     def add(
