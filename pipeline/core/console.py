@@ -36,14 +36,17 @@ def get_rank() -> int:
 
 
 def is_main_process() -> bool:
+    """True on rank 0 (or without torchrun)."""
     return get_rank() == 0
 
 
 def stderr_console() -> Console:
+    """A rich console on stderr (logs, progress, errors)."""
     return Console(stderr=True, soft_wrap=True)
 
 
 def stdout_console() -> Console:
+    """A rich console on stdout (results only)."""
     return Console(soft_wrap=True)
 
 

@@ -74,14 +74,17 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
     return atomic_write(path, lambda fh: fh.write(data))
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` as UTF-8 to ``path`` atomically."""
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Path:
+    """Write ``obj`` as JSON (plus a newline) to ``path`` atomically."""
     return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
 

@@ -44,9 +44,11 @@ class Registry(Generic[T]):
             raise UsageError(f"unknown {self.kind} '{name}' (known: {known})") from None
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
+        """True if ``name`` is registered."""
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:

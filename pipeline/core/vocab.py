@@ -25,6 +25,7 @@ class Vocab:
     words: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        """Check the specials come first and no word repeats; build the word -> id index."""
         if tuple(self.words[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"vocabulary must start with {SPECIALS}")
         if len(set(self.words)) != len(self.words):
@@ -42,6 +43,7 @@ class Vocab:
         return cls(SPECIALS + tuple(kept))
 
     def id(self, word: str) -> int:
+        """The id of ``word`` (UNK when unknown)."""
         return self._index.get(word, UNK)  # type: ignore[attr-defined]
 
     def encode(self, tokens: Sequence[str], max_len: int | None = None, add_bos: bool = False, add_eos: bool = True) -> list[int]:
@@ -64,10 +66,12 @@ class Vocab:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """The vocabulary as a self-describing JSON object (format, version, words)."""
         return {"format": "butd-caption-vocab", "version": 1, "words": list(self.words)}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "vocabulary") -> "Vocab":
+        """Read what :meth:`to_json` wrote; errors name ``source``."""
         if not isinstance(data, dict) or data.get("format") != "butd-caption-vocab" or not isinstance(data.get("words"), list):
             raise PipelineError(f"{source} is not a butd-caption vocabulary")
         if not all(isinstance(w, str) for w in data["words"]):
@@ -78,8 +82,10 @@ class Vocab:
             raise PipelineError(f"{source}: {exc}") from exc
 
     def save(self, path: str | Path) -> Path:
+        """Write the vocabulary to ``path`` (JSON, atomically)."""
         return atomic_write_json(path, self.to_json(), indent=None)
 
     @classmethod
     def load(cls, path: str | Path) -> "Vocab":
+        """Read a vocabulary file written by :meth:`save`."""
         return cls.from_json(read_json(path, what="vocabulary file"), source=str(path))
