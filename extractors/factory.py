@@ -7,25 +7,12 @@ from typing import Any
 import torch
 
 from extractors import EXTRACTORS, available_extractors
-from extractors.spec import BottomUpSpec
 from extractors.weights import load_detector, random_detector
 from pipeline.core.console import get_logger
 from pipeline.core.distributed import resolve_device  # noqa: F401  (the one resolver; imported from here by older callers)
 from pipeline.core.errors import UsageError
 
 log = get_logger("extract")
-
-
-def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSpec:
-    known = set(spec.to_dict())
-    bad = sorted(set(overrides) - known)
-    if bad:
-        raise UsageError(f"unknown extract.spec key {bad[0]!r} (known: {', '.join(sorted(known))})")
-    fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
-    try:
-        return spec.with_(**fixed)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"invalid extract.spec: {exc}") from None
 
 
 def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
@@ -46,7 +33,7 @@ def load_for_inference(
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
-        spec = _spec_overrides(spec, dict(spec_overrides))
+        spec = spec.with_overrides(dict(spec_overrides), "extract.spec")
         spec = spec.with_(min_size=spec.min_size if min_size is None else min_size, max_size=spec.max_size if max_size is None else max_size)
         log.warning("=" * 60)
         log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)

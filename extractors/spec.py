@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pipeline.core.errors import UsageError
+
 CAFFE_PIXEL_MEANS_BGR = (102.9801, 115.9465, 122.7717)
 """py-faster-rcnn ``PIXEL_MEANS`` in BGR order (``lib/fast_rcnn/config.py``; docs/recipes.md)."""
 
@@ -108,7 +110,20 @@ class BottomUpSpec:
         return d
 
     def with_(self, **changes: Any) -> "BottomUpSpec":
+        """A copy with ``changes`` applied (the dataclass checks run again)."""
         return replace(self, **changes)
+
+    def with_overrides(self, overrides: dict[str, Any], key: str = "spec") -> "BottomUpSpec":
+        """A copy with user overrides from config section ``key`` (lists become tuples); an unknown or invalid
+        key is a :class:`~pipeline.core.errors.UsageError` naming ``key``."""
+        known = set(self.to_dict())
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise UsageError(f"unknown {key} key {bad[0]!r} (known: {', '.join(sorted(known))})")
+        try:
+            return self.with_(**{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"invalid {key}: {exc}") from None
 
 
 def caffe_r101() -> BottomUpSpec:

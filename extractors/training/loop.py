@@ -48,17 +48,6 @@ CHECKPOINT = "checkpoints/last.pt"
 WEIGHTS = "detector.pth"
 
 
-def _spec_overrides(spec: BottomUpSpec, overrides: dict[str, Any]) -> BottomUpSpec:
-    known = set(spec.to_dict())
-    bad = sorted(set(overrides) - known)
-    if bad:
-        raise UsageError(f"unknown model.spec key {bad[0]!r} (known: {', '.join(sorted(known))})")
-    try:
-        return spec.with_(**{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"invalid model.spec: {exc}") from None
-
-
 def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
     """The detector to train: from ``model.init_weights`` (bbox_pred normalised for training) or random."""
     mcfg = cfg.model
@@ -66,7 +55,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
     if mcfg.init_weights:
         det, info = load_detector(str(mcfg.init_weights))
         if mcfg.spec:
-            det_spec = _spec_overrides(det.spec, dict(mcfg.spec))
+            det_spec = det.spec.with_overrides(dict(mcfg.spec), "model.spec")
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
         if det.spec.num_classes != data.num_classes or (det.spec.has_attributes and det.spec.num_attributes != data.num_attributes):
             raise UsageError(
@@ -78,7 +67,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         log.info("initialised from %s (%s layout)", mcfg.init_weights, info["layout"])
     else:
         spec = EXTRACTORS.get(str(mcfg.preset))()
-        spec = _spec_overrides(spec, {"num_classes": data.num_classes, "num_attributes": data.num_attributes, **dict(mcfg.spec)})
+        spec = spec.with_overrides({"num_classes": data.num_classes, "num_attributes": data.num_attributes, **dict(mcfg.spec)}, "model.spec")
         if spec.num_classes != data.num_classes or (spec.has_attributes and spec.num_attributes != data.num_attributes):
             raise UsageError(f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations give "
                              f"{data.num_classes} / {data.num_attributes}")
