@@ -75,9 +75,9 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
     from bench.train import COCO_TRAIN_IMAGES as images
     from bench.train import VOCAB_SIZE, bench_stage, reference_corpus
     from pipeline.core.vocab import Vocab
-    from pipeline.training.engine import resolve_amp
+    from pipeline.core.training import resolve_precision
 
-    amp = resolve_amp("auto", dev)
+    amp = resolve_precision("auto", dev)
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
     scorer = reference_corpus(Vocab(words), 200 if size == "tiny" else 2000)
