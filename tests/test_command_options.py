@@ -45,12 +45,12 @@ def test_every_command_has_verbose_and_quiet_and_no_everyday_options_where_no_mo
         assert not _options(name) & EVERYDAY, name
 
 
-def test_train_options_map_onto_both_stages_and_the_amp_key():
+def test_train_options_map_onto_both_stages_and_the_precision_key():
     opts = CommandOptions(device="cpu", batch_size=7, precision="fp32", num_workers=0, overrides=("train.xe.lr=0.5",),
                           everyday=Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
-                                            precision="train.amp", num_workers="train.num_workers", precision_values={"fp32": "none"}))
+                                            precision="train.precision", num_workers="train.num_workers"))
     cfg = opts.resolve("train", show=False).train
-    assert cfg.device == "cpu" and cfg.num_workers == 0 and cfg.amp == "none"
+    assert cfg.device == "cpu" and cfg.num_workers == 0 and cfg.precision == "fp32"
     assert cfg.xe.batch_size == 7 and cfg.scst.batch_size == 7 and cfg.xe.lr == 0.5
     # the everyday options win over --set, --set over the defaults
     opts = CommandOptions(batch_size=3, overrides=("train.xe.batch_size=9",), everyday=Everyday(batch_size="train.xe.batch_size"))

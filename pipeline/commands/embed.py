@@ -12,9 +12,7 @@ from pipeline.commands.options import CommandOptions, Everyday, command, out_opt
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
 
-#: ``--precision fp32`` is the config's ``amp: none``
-ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.amp",
-                            precision_values={"fp32": "none"})
+ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.precision")
 EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size")
 
 

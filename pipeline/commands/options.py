@@ -90,8 +90,7 @@ def _keys(value: Keys | None) -> tuple[str, ...]:
 class Everyday:
     """Which dotted config keys the everyday options set for one command (a tuple sets several keys).
 
-    ``precision_choices`` are the values ``--precision`` accepts; ``precision_values`` translates a value for the
-    config (e.g. ``{"fp32": "none"}`` for an ``amp:`` key).
+    ``precision_choices`` are the values ``--precision`` accepts.
     """
 
     device: Keys | None = None
@@ -99,7 +98,6 @@ class Everyday:
     precision: Keys | None = None
     num_workers: Keys | None = None
     precision_choices: tuple[str, ...] = PRECISIONS
-    precision_values: dict[str, str] = field(default_factory=dict)
     direct: tuple[str, ...] = ()  # everyday options the command reads from ``opts`` itself (no config key)
 
     def offered(self) -> tuple[str, ...]:
@@ -133,8 +131,6 @@ class CommandOptions:
             value = getattr(self, name)
             if value is None:
                 continue
-            if name == "precision":
-                value = self.everyday.precision_values.get(value, value)
             for key in _keys(getattr(self.everyday, name)):
                 out.append(f"{key}={json.dumps(value)}")
         return out

@@ -10,9 +10,9 @@ from pipeline.commands.common import print_stage_result
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
 from pipeline.core.console import is_main_process
 
-#: the everyday options of `train`: both stages' batch size; ``--precision fp32`` is the config's ``amp: none``
+#: the everyday options of `train`: both stages' batch size
 TRAIN_EVERYDAY = Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
-                          precision="train.amp", num_workers="train.num_workers", precision_values={"fp32": "none"})
+                          precision="train.precision", num_workers="train.num_workers")
 
 
 def register(app: typer.Typer) -> None:
