@@ -139,3 +139,9 @@ def test_evaluate_the_released_m2_on_a_prepared_split(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     dec = json.loads((tmp_path / "o2" / "m.json").read_text())["decoding"]
     assert (dec["beam_size"], dec["stop_rule"]) == (3, "exact")
+    other = tmp_path / "m2-32"
+    other.mkdir()
+    write_m2_vocab(other / "vocab.pkl", WORDS)
+    write_m2_checkpoint(other / "meshed_memory_transformer.pth", 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=32)
+    res = CliRunner().invoke(app, ["evaluate", "--model", str(other / "meshed_memory_transformer.pth"), *base[3:]])
+    assert res.exit_code == 2 and "64-d region features" in " ".join(res.output.split()) and "Traceback" not in res.output

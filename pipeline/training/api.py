@@ -128,7 +128,12 @@ def evaluate_checkpoint(
     model, ckpt = load_captioner(checkpoint, dev, prepared.vocab, companion=companion)
     vocab = Vocab(tuple(ckpt["vocab"])) if ckpt.get("release") else prepared.vocab
     section = eval_section if eval_section is not None else load_config("evaluate", None, []).evaluate
-    dataset = CaptionDataset(FeatureStore(store), prepared, split)
+    features = FeatureStore(store)
+    want = getattr(model, "feat_dim", None)
+    if want is not None and features.feature_dim is not None and features.feature_dim != want:
+        hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.get("release") else ""
+        raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
+    dataset = CaptionDataset(features, prepared, split)
     options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
     source = BatchSource(dataset, "memory" if dev.type == "cpu" else "cuda", dev)
     ctx = DistContext(device=dev)
