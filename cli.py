@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands import COMMAND_MODULES
+from pipeline.commands import COMMAND_MODULES, load_plugins
 
 app = typer.Typer(
     name="butd-caption",
@@ -51,6 +51,20 @@ def _global_options(
         fail(str(exc))
 
 
+def _load_plugins() -> None:
+    """Extension modules from $BUTD_PLUGINS register their captioners and formats before the commands are built."""
+    import sys
+
+    from pipeline.core.errors import UsageError
+
+    try:
+        load_plugins()
+    except UsageError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+
+
+_load_plugins()
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)
 
