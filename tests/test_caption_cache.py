@@ -48,7 +48,7 @@ def test_writer_in_features_mode_keeps_the_store_identity_and_dtype(tmp_path: Pa
     st = FeatureStore(tmp_path / "s")
     assert st.identity == IDENTITY and st.feature_dtype == "float32" and len(st) == 2
     other = dict(IDENTITY, config={"boxes": [10, 36]})
-    with pytest.raises(UsageError, match=r"config\.spec.*not recorded"):
+    with pytest.raises(UsageError, match=r"weights_sha256 \(stored \"0+\", given \"1+\"\); config\.boxes \(stored \[10, 30\], given \[10, 36\]\)"):
         open_writer(tmp_path / "s", dict(other, weights_sha256="1" * 64), match="features")
 
 
@@ -64,5 +64,5 @@ def test_caption_reuses_a_store_written_by_extract(checkpoint: Path, shared_data
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in store.glob("seg-*.h5")) == segments  # read from the store, nothing re-extracted
     res = run_caption(str(photo), "--model", str(checkpoint), "--weights", "random", "--cache", str(store),
-                      "--set", "caption.boxes=36")
+                      "--set", 'caption.boxes="36"')
     assert res.exit_code == 2 and "config.boxes.max (stored 100, given 36)" in res.output

@@ -23,6 +23,7 @@ def test_empty_sentence_is_refused_and_listed(trained, tmp_path) -> None:  # noq
 
 def test_a_sentence_on_which_the_encoder_raises_costs_only_itself(trained, tmp_path, monkeypatch) -> None:  # noqa: F811
     """Fault injection: the encoder raises whenever its batch holds the word 'square'."""
+    _, enc, _ = trained
     import pipeline.embedding.embed as embed
     from pipeline.embedding.checkpoint import load_encoder
 

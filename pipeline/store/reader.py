@@ -253,7 +253,11 @@ class FeatureStore:
             if len(buf) != nbytes:
                 raise PipelineError(f"{seg.path}: short read of '{name}' (file truncated?)")
             return np.frombuffer(buf, dtype=src.dtype).reshape(shape)
-        return np.asarray(self._h5(st, si)[name][start : start + count])
+        try:
+            return np.asarray(self._h5(st, si)[name][start : start + count])
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:  # a damaged chunk (compressed or chunked data)
+            raise PipelineError(f"{seg.path}: cannot read '{name}' rows {start}..{start + count} "
+                                f"(damaged segment: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
     def get_position(self, i: int) -> dict[str, Any]:
         """The image at position ``i`` of :meth:`keys`."""

@@ -316,6 +316,13 @@ class FeatureStoreWriter:
         try:
             if exc_type is None and self._lock_fd is not None:
                 self.commit()
+            elif exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and self._lock_fd is not None:
+                try:  # Ctrl-C: the pending images are complete and validated, keep them
+                    n = self.commit()
+                    if n:
+                        log.warning("store %s: interrupted; committed the %d pending images", self.path, n)
+                except (OSError, PipelineError) as err:
+                    log.warning("store %s: interrupted; could not commit the pending images (%s)", self.path, err)
         finally:
             self.close()
 
