@@ -40,8 +40,10 @@ def guarded(fn: F) -> F:
         except typer.Exit:
             raise
         except PipelineError as exc:
-            fail(_escape(str(exc)), exc.exit_code)
+            fail(_escape(_from_worker(str(exc))), exc.exit_code)
         except OSError as exc:
+            if "\nOriginal Traceback" in str(exc):
+                fail(_escape(_from_worker(str(exc))), 1)
             fail(_escape(os_error_message(exc, _action_from_traceback(exc))), 1)
         except MemoryError:
             fail("out of memory: use a smaller --batch-size or fewer --workers", 1)
@@ -54,6 +56,16 @@ def guarded(fn: F) -> F:
 
 def _escape(text: str) -> str:
     return markup_escape(text)
+
+
+def _from_worker(text: str) -> str:
+    """An error re-raised by a DataLoader worker carries the worker's whole traceback in its message
+    ("Caught X in DataLoader worker process 0. Original Traceback ..."): keep only the original message."""
+    if "\nOriginal Traceback" not in text:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    head, sep, message = last.partition(": ")
+    return message if sep and "." in head and " " not in head else last
 
 
 _ACTIONS = {

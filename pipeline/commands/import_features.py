@@ -106,7 +106,10 @@ def register(app: typer.Typer) -> None:
         if expect is not None:
             if not expect.is_file():
                 raise UsageError(f"id list not found: {expect}")
-            expected = [line.strip() for line in expect.read_text().splitlines() if line.strip()]
+            from pipeline.core.keys import key_from_text
+
+            text = expect.read_bytes().decode("utf-8", "surrogateescape")  # ids in the text form of pipeline.core.keys
+            expected = [key_from_text(line.strip()) for line in text.splitlines() if line.strip()]
         try:
             n = merge_stores(shards, out, expected_keys=expected)
         except PipelineError as exc:

@@ -35,6 +35,8 @@ def annotate_os_error(exc: OSError, action: str, path: object = None) -> OSError
     text (``errno = 28``); it is copied into ``exc.errno`` so the message can say "disk full". Returns ``exc``.
     """
     global _ERRNO_IN_TEXT
+    if getattr(exc, "butd_text", None) is None:
+        exc.butd_text = str(exc)  # type: ignore[attr-defined]  (before a filename changes what str() says)
     if getattr(exc, "butd_action", None) is None:
         exc.butd_action = action  # type: ignore[attr-defined]
     if exc.filename is None and path is not None:
@@ -46,7 +48,7 @@ def annotate_os_error(exc: OSError, action: str, path: object = None) -> OSError
         import re
 
         _ERRNO_IN_TEXT = _ERRNO_IN_TEXT or re.compile(r"errno = (\d+)")
-        m = _ERRNO_IN_TEXT.search(str(exc))
+        m = _ERRNO_IN_TEXT.search(exc.butd_text)  # type: ignore[attr-defined]
         if m:
             try:
                 exc.errno = int(m.group(1))
@@ -60,13 +62,14 @@ def os_error_message(exc: OSError, action: str | None = None) -> str:
     import errno as errno_mod
     import os
 
-    action = getattr(exc, "butd_action", None) or action or "access"
+    action = getattr(exc, "butd_action", None) or action or ("open" if exc.filename is not None else "access")
     path = exc.filename
     where = f" {os.fsdecode(path)!s}" if path is not None else ""
     if exc.filename2 is not None:
         where += f" -> {os.fsdecode(exc.filename2)}"
     code = exc.errno
-    reason = exc.strerror or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    text = getattr(exc, "butd_text", None) or str(exc)
+    reason = exc.strerror or (text.splitlines()[0] if text else type(exc).__name__)
     if code is not None and not exc.strerror:
         reason = os.strerror(code)
     hint = {
