@@ -67,8 +67,12 @@ def read_captioner_file(path: str | Path, companion: str | Path | None = None) -
     try:
         return path, read_training_checkpoint(path)
     except PipelineError as native_error:
-        from models.released import ensure_native, load_release
+        from models.released import cached_native, ensure_native, load_release
 
+        if path.is_file():
+            cached = cached_native(path, companion)  # converted before: only the native copy is read
+            if cached is not None:
+                return cached, read_training_checkpoint(cached)
         try:
             loaded = load_release(path)
         except UsageError:

@@ -89,11 +89,19 @@ def test_m2_converted_model_runs_and_pads_to_fifty_regions(m2_files) -> None:
     torch.testing.assert_close(short["cross_k"], enc["cross_k"][1:], atol=1e-6, rtol=0)
 
 
-def test_cached_conversion_is_reused_and_native(m2_files, tmp_path) -> None:
+def test_cached_conversion_is_reused_and_native(m2_files, tmp_path, monkeypatch) -> None:
     path, vocab, _ = m2_files
     first = ensure_native(path, vocab)
     stamp = first.stat().st_mtime_ns
     assert ensure_native(path, vocab) == first and first.stat().st_mtime_ns == stamp
+    import models.released as released
+
+    def never(*_a, **_k):
+        raise AssertionError("the release file was unpickled again")
+
+    monkeypatch.setattr(released, "load_release", never)
+    model, ckpt = load_captioner(path, companion=vocab)  # later runs: hashes, then the native copy only
+    assert ckpt["release"]["kind"] == "m2"
     data = torch.load(first, weights_only=True)  # the native file needs no allowlist
     assert data["format"] == "butd-caption-checkpoint" and data["release"]["vocab_file"] == "vocab.pkl"
 

@@ -134,18 +134,42 @@ def write_native(payload: dict[str, Any], out: str | Path) -> Path:
     return save_checkpoint(out, payload)
 
 
+def _cache_target(kind: str, weights: Path, weights_sha: str, vocab_path: Path) -> Path:
+    key = hashlib.sha256(f"{weights_sha}:{_sha256(vocab_path)}:{CONVERTER_VERSION}".encode()).hexdigest()[:20]
+    return cache_dir() / f"{kind}-{weights.stem}-{key}.pt"
+
+
+def cached_native(weights: str | Path, companion: str | Path | None = None) -> Path | None:
+    """The converted copy of a release already in the cache (found by content hashes alone: the release file is
+    not unpickled again), or None."""
+    weights = Path(weights)
+    if companion is not None:
+        candidates = [Path(companion)] if Path(companion).is_file() else []
+    else:
+        candidates = sorted({p for spec in RELEASES.values() for p in weights.parent.glob(spec["companion_glob"])})
+    if not candidates or not cache_dir().is_dir():
+        return None
+    weights_sha = _sha256(weights)
+    for kind in RELEASES:
+        for vocab_path in candidates:
+            target = _cache_target(kind, weights, weights_sha, vocab_path)
+            if target.is_file():
+                log.info("released %s model %s: using the converted copy %s", kind, weights.name, target)
+                return target
+    return None
+
+
 def ensure_native(weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None) -> Path:
     """The cached native checkpoint of a released model, converting it on first use."""
     weights = Path(weights)
+    found = cached_native(weights, companion)
+    if found is not None:
+        return found
     kind, obj = loaded if loaded is not None else load_release(weights)
     if kind is None:
         raise UsageError(f"{weights} is neither a butd-caption checkpoint nor a released M2 / AoANet captioner")
     vocab_path = find_companion(weights, kind, companion)
-    key = hashlib.sha256(f"{_sha256(weights)}:{_sha256(vocab_path)}:{CONVERTER_VERSION}".encode()).hexdigest()[:20]
-    target = cache_dir() / f"{kind}-{weights.stem}-{key}.pt"
-    if target.is_file():
-        log.info("released %s model %s: using the converted copy %s", kind, weights.name, target)
-        return target
+    target = _cache_target(kind, weights, _sha256(weights), vocab_path)
     payload = convert_release(weights, vocab_path, (kind, obj))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
