@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from extractors.bottom_up import SelectionRule
-from extractors.preprocess import caffe_blob, load_rgb
+from extractors.preprocess import Frame, caffe_blob, load_rgb
+from extractors.recipes import recipe_from_config
+from extractors.selector import make_selector
 from extractors.run import precision_context
 from extractors.spec import caffe_r101
 from extractors.weights import random_detector
@@ -38,15 +39,22 @@ def _peak_mb(dev: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # process peak RSS (monotone)
 
 
+def _selector(model, boxes: str):
+    """The Caffe recipe's selector (``scales`` below are the blobs' :class:`Frame`)."""
+    recipe = recipe_from_config({"recipe": "caffe", "boxes": boxes}, "milvlg").with_(min_size=model.spec.min_size, max_size=model.spec.max_size,
+                                                                                     pixel_mean=tuple(model.spec.pixel_means))
+    return make_selector(recipe, model.spec)
+
+
 def bench_throughput(model, blobs, scales, sizes, dev, batch: int, precision: str, rule) -> tuple[float, float]:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     with precision_context(precision, dev):
-        model.detect(blobs[:batch], scales[:batch], sizes[:batch], rule)  # warm-up
+        model.detect(blobs[:batch], scales[:batch], rule)  # warm-up
         _sync(dev)
         t0 = time.perf_counter()
         for i in range(0, len(blobs), batch):
-            model.detect(blobs[i : i + batch], scales[i : i + batch], sizes[i : i + batch], rule)
+            model.detect(blobs[i : i + batch], scales[i : i + batch], rule)
         _sync(dev)
         dt = time.perf_counter() - t0
     return len(blobs) / dt, _peak_mb(dev)
@@ -55,12 +63,12 @@ def bench_throughput(model, blobs, scales, sizes, dev, batch: int, precision: st
 def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, float, float]:
     """bf16 vs fp32 features on the same (fp32-selected) boxes: min and mean cosine, and the share of images
     whose adaptive selection is identical."""
-    rule = SelectionRule.for_mode("adaptive")
+    rule = _selector(model, "adaptive")
     with precision_context("fp32", dev):
-        ref = model.detect(blobs[:n], scales[:n], sizes[:n], rule)
+        ref = model.detect(blobs[:n], scales[:n], rule)
     with precision_context("bf16", dev):
-        low = model.detect(blobs[:n], scales[:n], sizes[:n], SelectionRule.for_mode("given"), [r.boxes for r in ref])
-        sel = model.detect(blobs[:n], scales[:n], sizes[:n], rule)
+        low = model.detect(blobs[:n], scales[:n], _selector(model, "given"), [r.boxes for r in ref])
+        sel = model.detect(blobs[:n], scales[:n], rule)
     cos = []
     for a, b in zip(ref, low):
         fa, fb = a.features.astype(np.float64), b.features.astype(np.float64)
@@ -119,12 +127,13 @@ def main() -> None:
         if dev.type == "cuda":
             t = t.pin_memory()
         blobs.append(t)
-        scales.append(s)
-        sizes.append(sizes_all[i % len(files)])
+        h, w = sizes_all[i % len(files)]
+        scales.append(Frame(h, w, int(b.shape[1]), int(b.shape[2]), s))
+        sizes.append((h, w))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
           f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)")
-    rule = SelectionRule.for_mode(args.boxes)
+    rule = _selector(model, args.boxes)
     print(f"{'precision':>9} {'batch':>5} {'images/s':>9} {'peak MB':>9}")
     for prec in args.precisions.split(","):
         for b in (int(x) for x in args.batches.split(",")):

@@ -1,8 +1,10 @@
 """The assembled bottom-up Faster R-CNN (Anderson et al. 2018, §3.1): C4 ResNet + RPN + res5 RoI head.
 
-Test time (docs/extractor.md, docs/recipes.md): backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 ->
-``pool5_flat`` -> class / box / attribute predictions -> box selection (Caffe per-class-NMS rule, the
-detectron2-port "maxnms", or user-given boxes) -> per-image :class:`RegionOutput` in original-image pixels.
+Test time: backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 -> ``pool5_flat`` -> class /
+box / attribute probabilities -> the selector of the recipe (:mod:`extractors.selector`: Caffe per-class NMS,
+the NMS ladder of the detectron2 ports, or given boxes) -> per-image :class:`RegionOutput` in original-image
+pixels. The recipes (preprocessing, proposal settings, selection, rescaling per release) are in
+:mod:`extractors.recipes` and docs/recipes.md.
 
 Batching: images whose blobs have the same size share one backbone pass (no padding, so a batched image gives
 the same numbers as the image alone); the res5 head runs once over the RoIs of the whole batch.
@@ -18,14 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from extractors import EXTRACTORS, box_coding, selection
+from extractors import EXTRACTORS
 from extractors.box_head import Res5ROIHeads
+from extractors.preprocess import Frame
 from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.rpn import RPN
+from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
-
-BOX_MODES = ("adaptive", "36", "given")
-
 
 @dataclass
 class RegionOutput:
@@ -40,26 +41,6 @@ class RegionOutput:
     class_scores: np.ndarray
     attr_ids: np.ndarray | None
     attr_scores: np.ndarray | None
-
-
-@dataclass(frozen=True)
-class SelectionRule:
-    """How regions are chosen: ``mode`` adaptive / 36 / given, with the Caffe thresholds."""
-
-    mode: str = "adaptive"
-    min_boxes: int = 10
-    max_boxes: int = 100
-    conf_thresh: float = 0.2
-    nms_thresh: float = 0.3
-
-    @staticmethod
-    def for_mode(mode: str, **kw) -> "SelectionRule":
-        if mode not in BOX_MODES:
-            raise ValueError(f"box mode must be one of {BOX_MODES}, not {mode!r}")
-        if mode == "36":
-            kw.setdefault("min_boxes", 36)
-            kw.setdefault("max_boxes", 36)
-        return SelectionRule(mode=mode, **kw)
 
 
 class BottomUpDetector(nn.Module):
@@ -98,15 +79,16 @@ class BottomUpDetector(nn.Module):
     def detect(
         self,
         blobs: list[torch.Tensor],
-        scales: list[float],
-        orig_sizes: list[tuple[int, int]],
-        rule: SelectionRule,
+        frames: list[Frame],
+        selector: Selector,
         given_boxes: list[np.ndarray] | None = None,
     ) -> list[RegionOutput]:
-        """Run the detector on mean-subtracted BGR blobs (3, H, W) and select regions per image.
+        """Probabilities -> selector -> regions for a batch of blobs (3, H', W') made by the recipe's
+        preprocessing (:func:`extractors.preprocess.recipe_blob`), with their :class:`Frame`.
 
-        ``scales`` are the resize factors, ``orig_sizes`` the original (height, width); ``given_boxes`` (mode
-        ``given``) are (N_i, 4) original-pixel boxes whose features are pooled instead of proposals.
+        ``selector`` (:func:`extractors.selector.make_selector`) chooses the regions and puts their boxes in
+        original pixels; with a given-boxes selector, ``given_boxes`` are (N_i, 4) original-pixel boxes whose
+        features are pooled instead of proposals.
         """
         dev = next(self.parameters()).device
         n = len(blobs)
@@ -118,11 +100,12 @@ class BottomUpDetector(nn.Module):
         for (h, w), idx in groups.items():
             batch = torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev, non_blocking=True)
             feat = self.backbone(batch)
-            if rule.mode == "given":
-                assert given_boxes is not None, "given-boxes mode needs boxes"
-                props = [torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4) * scales[i] for i in idx]
+            if selector.given:
+                assert given_boxes is not None, "the given-boxes selector needs boxes"
+                props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], selector.recipe.rescale)
+                         for i in idx]
             else:
-                props = self.proposal_generator(feat, [(h, w)] * len(idx), [scales[i] for i in idx])
+                props = self.proposal_generator(feat, [(h, w)] * len(idx), [frames[i].im_scale for i in idx])
             rois = torch.cat([torch.cat([torch.full((p.shape[0], 1), j, dtype=torch.float32, device=dev), p], 1) for j, p in enumerate(props)])
             for j, i in enumerate(idx):
                 rois_per_image[i] = props[j]
@@ -144,7 +127,7 @@ class BottomUpDetector(nn.Module):
         for i, c in zip(order, counts):
             per_image[i] = slice(start, start + c)
             start += c
-        return self._select(rois_per_image, per_image, feats, logits, deltas, attr_logits, scales, orig_sizes, rule)
+        return self._regions(rois_per_image, per_image, feats, logits, deltas, attr_logits, frames, selector)
 
     def _res5(self, pooled: torch.Tensor) -> torch.Tensor:
         heads = self.roi_heads
@@ -166,51 +149,21 @@ class BottomUpDetector(nn.Module):
             return torch.softmax(attr_logits, dim=1)[:, 1:]
         return torch.softmax(attr_logits[:, :-1], dim=1)
 
-    def _select(self, rois, per_image, feats, logits, deltas, attr_logits, scales, orig_sizes, rule) -> list[RegionOutput]:
-        spec = self.spec
+    def _regions(self, rois, per_image, feats, logits, deltas, attr_logits, frames, selector) -> list[RegionOutput]:
         n = len(rois)
         fg = self.class_probs(logits)
         attr = self.attr_probs(attr_logits) if attr_logits is not None else None
-        chosen: list[torch.Tensor] = []
-        out_boxes: list[torch.Tensor] = []
-        if rule.mode == "given":
-            for i in range(n):
-                chosen.append(torch.arange(rois[i].shape[0], device=feats.device))
-                out_boxes.append(rois[i] / scales[i])
-        elif spec.flavor == "caffe":
-            orig = [(rois[i] / scales[i]).float() for i in range(n)]
-            r_max = max((b.shape[0] for b in orig), default=0)
-            k = fg.shape[1]
-            boxes_pad = feats.new_zeros((n, r_max, 4))
-            scores_pad = feats.new_zeros((n, r_max, k))
-            valid = torch.zeros((n, r_max), dtype=torch.bool, device=feats.device)
-            for i in range(n):
-                r = orig[i].shape[0]
-                boxes_pad[i, :r] = orig[i]
-                scores_pad[i, :r] = fg[per_image[i]]
-                valid[i, :r] = True
-            max_conf = selection.max_conf_vectorized(boxes_pad, scores_pad, rule.nms_thresh, valid)
-            for i in range(n):
-                r = orig[i].shape[0]
-                keep = selection.clamp_selection(max_conf[i, :r], rule.conf_thresh, rule.min_boxes, rule.max_boxes)
-                chosen.append(keep)
-                out_boxes.append(orig[i][keep])
-        else:
-            for i in range(n):
-                sl = per_image[i]
-                h, w = orig_sizes[i]
-                cls_boxes = box_coding.decode(deltas[sl], rois[i], spec.box_reg_weights, legacy=False, scale_clamp=spec.scale_clamp)
-                cls_boxes = box_coding.clip(cls_boxes.view(-1, spec.bbox_classes, 4) / scales[i], h, w, legacy=False)
-                keep, boxes = selection.maxnms_select(cls_boxes, fg[sl], rule.min_boxes, rule.max_boxes)
-                chosen.append(keep)
-                out_boxes.append(boxes)
+        picked = selector([rois[i] for i in range(n)], [fg[per_image[i]] for i in range(n)],
+                          [deltas[per_image[i]] for i in range(n)], frames)
+        chosen = [p.keep for p in picked]
+        out_boxes = [p.boxes for p in picked]
         results = []
         for i in range(n):
             sl, keep = per_image[i], chosen[i]
             cs, ci = fg[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
             if attr is not None:
                 a_s, a_i = attr[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
-            h, w = orig_sizes[i]
+            h, w = frames[i].height, frames[i].width
             results.append(
                 RegionOutput(
                     features=feats[sl][keep].cpu().numpy().astype(np.float32),

@@ -15,18 +15,10 @@ from pipeline.core.errors import UsageError
 log = get_logger("extract")
 
 
-def build_for_extract(weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int, max_size: int, seed: int, device: torch.device):
-    """-> (detector on ``device`` with folded BN, extractor identity dict for the store)."""
-    model, identity, _info = load_for_inference(weights, preset, spec_overrides, min_size, max_size, seed, device)
-    return model, identity
-
-
-def load_for_inference(
-    weights: str, preset: str, spec_overrides: dict[str, Any], min_size: int | None, max_size: int | None, seed: int, device: torch.device
-):
+def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any], seed: int, device: torch.device):
     """-> (detector, store identity, loader info incl. class/attribute names when the file has them).
 
-    ``min_size``/``max_size`` ``None`` keep the test scale the weights file defines (600/1000 for public files).
+    The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe.
     """
     known = available_extractors()  # imports the preset modules so that the registry is filled
     if preset != "auto" and preset not in known:
@@ -34,7 +26,6 @@ def load_for_inference(
     if weights == "random":
         spec = EXTRACTORS.get("bottom-up-caffe-r101" if preset == "auto" else preset)()
         spec = spec.with_overrides(dict(spec_overrides), "extract.spec")
-        spec = spec.with_(min_size=spec.min_size if min_size is None else min_size, max_size=spec.max_size if max_size is None else max_size)
         log.warning("=" * 60)
         log.warning("--weights random: RANDOM detector weights (seed %d). The features are meaningless;", seed)
         log.warning("use this for smoke tests and benchmarks only.")
@@ -47,11 +38,22 @@ def load_for_inference(
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        spec = model.set_test_recipe(
-            min_size=model.spec.min_size if min_size is None else min_size,
-            max_size=model.spec.max_size if max_size is None else max_size,
-        ).spec
         name = f"bottom-up-{info['layout']}"
     model = model.to(device).fold_batchnorm()
-    identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": spec.to_dict()}}
+    identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": model.spec.to_dict()}}
     return model, identity, info
+
+
+def configure_recipe(model, identity: dict[str, Any], section: Any, where: str = "extract", shorthands: tuple[str, ...] | None = None):
+    """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`), applied to
+    ``model`` (input scale, proposal settings) and recorded in ``identity`` next to the weights' SHA-256
+    (``identity["config"]["recipe"]``: its name and every value). Returns (resolved recipe, selector)."""
+    from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
+    from extractors.selector import make_selector
+
+    recipe = apply_recipe(model, recipe_from_config(section, identity.get("layout", "random"), model.spec.flavor, where,
+                                                    SHORTHANDS if shorthands is None else shorthands))
+    identity["config"]["recipe"] = recipe.to_dict()
+    identity["config"]["spec"] = model.spec.to_dict()
+    log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))
+    return recipe, make_selector(recipe, model.spec)

@@ -12,6 +12,7 @@ by ``scale = min_size / min(h, w)`` (``max_size / max(h, w)`` if ``round(scale *
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -121,6 +122,80 @@ def caffe_blob(rgb: np.ndarray, min_size: int = 600, max_size: int = 1000, pixel
         resized = cv2.resize(bgr, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_LINEAR)
         resized = resized.reshape(resized.shape[0], resized.shape[1], 3)
     return np.ascontiguousarray(resized.transpose(2, 0, 1)), scale
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Where a blob came from: the original ``height`` x ``width``, the resized ``blob_h`` x ``blob_w``, and the
+    resize factor ``im_scale`` of the rule (Caffe's one factor; the RPN's minimum size is ``16 * im_scale``)."""
+
+    height: int
+    width: int
+    blob_h: int
+    blob_w: int
+    im_scale: float
+
+    @property
+    def scale_xy(self) -> tuple[float, float]:
+        """(original / resized) along x and y: detectron2 ``detector_postprocess`` and the HF port's
+        ``scales_yx`` (per-axis box rescaling)."""
+        return self.width / self.blob_w, self.height / self.blob_h
+
+
+def shortest_edge_size(height: int, width: int, short: int, max_size: int) -> tuple[int, int, float]:
+    """detectron2 ``ResizeShortestEdge`` (also the HF port's): (new_h, new_w, factor). The short side goes to
+    ``short``; if the long side then exceeds ``max_size`` both shrink by ``max_size / long``; sizes are
+    rounded with ``int(x + 0.5)`` (never below one pixel)."""
+    scale = short * 1.0 / min(height, width)
+    if height < width:
+        newh, neww = float(short), scale * width
+    else:
+        newh, neww = scale * height, float(short)
+    if max(newh, neww) > max_size:
+        factor = max_size * 1.0 / max(newh, neww)
+        newh, neww, scale = newh * factor, neww * factor, scale * factor
+    return max(1, int(newh + 0.5)), max(1, int(neww + 0.5)), scale
+
+
+def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
+    """(3, H', W') float32 blob and its :class:`Frame` for a :class:`extractors.recipes.Recipe` (resolved).
+
+    * ``cv2-linear`` + ``caffe`` rule: :func:`caffe_blob` (means subtracted before the resize).
+    * ``torch-bilinear`` (HF ``processing_image.py``): float image, ``nn.functional.interpolate(bilinear,
+      align_corners=False)`` to the rounded size, then ``(x - mean) / std``.
+    * ``pil-bilinear`` (detectron2 ``ResizeTransform``): PIL ``BILINEAR`` on the uint8 image, then float and
+      ``(x - mean) / std``.
+    """
+    import torch
+
+    img = rgb[:, :, ::-1] if recipe.colour == "bgr" else rgb
+    h, w = rgb.shape[:2]
+    mean = np.asarray(recipe.pixel_mean, dtype=np.float32)
+    plain_std = all(v == 1.0 for v in recipe.pixel_std)
+    if recipe.resize == "caffe":
+        scale = compute_scale(h, w, recipe.min_size, recipe.max_size)
+        newh, neww = max(1, round(h * scale)), max(1, round(w * scale))
+    else:
+        newh, neww, scale = shortest_edge_size(h, w, recipe.min_size, recipe.max_size)
+    if recipe.interpolation == "cv2-linear":
+        if recipe.resize == "caffe" and recipe.colour == "bgr":
+            blob, scale = caffe_blob(rgb, recipe.min_size, recipe.max_size, recipe.pixel_mean)
+        else:
+            f = img.astype(np.float32) - mean
+            blob = cv2.resize(f, (neww, newh), interpolation=cv2.INTER_LINEAR).reshape(newh, neww, 3).transpose(2, 0, 1)
+        if not plain_std:
+            blob = blob / np.asarray(recipe.pixel_std, dtype=np.float32)[:, None, None]
+    else:
+        if recipe.interpolation == "torch-bilinear":
+            t = torch.from_numpy(np.ascontiguousarray(img).astype(np.float32)).permute(2, 0, 1).unsqueeze(0)
+            t = torch.nn.functional.interpolate(t, (newh, neww), mode="bilinear", align_corners=False).squeeze(0)
+        else:
+            small = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((neww, newh), Image.BILINEAR))
+            t = torch.from_numpy(small.astype(np.float32).transpose(2, 0, 1))
+        t = (t - torch.tensor(recipe.pixel_mean, dtype=torch.float32).view(3, 1, 1)) / torch.tensor(recipe.pixel_std, dtype=torch.float32).view(3, 1, 1)
+        blob = t.numpy()
+    blob = np.ascontiguousarray(blob, dtype=np.float32)
+    return blob, Frame(int(h), int(w), int(blob.shape[1]), int(blob.shape[2]), float(scale))
 
 
 def list_images(paths: list[str | Path]) -> list[Path]:

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from extractors.bottom_up import BottomUpDetector, SelectionRule
+from extractors.bottom_up import BottomUpDetector
 from extractors.inputs import input_problem, scan_images
-from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
+from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
+from extractors.selector import Selector
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
@@ -158,22 +159,23 @@ def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_si
             f"below the {min_side} px minimum (the backbone's feature stride)")
 
 
-def record_settings(identity: dict[str, Any], rule: SelectionRule, precision: str) -> dict[str, Any]:
-    """``identity`` with the box selection and the precision recorded under ``config`` (what ``extract`` and
-    ``caption --cache`` store, and what :func:`pipeline.store.format.feature_settings_diff` compares)."""
+def record_settings(identity: dict[str, Any], selector: Selector, precision: str) -> dict[str, Any]:
+    """``identity`` with the resolved test-time recipe (``config.recipe``: its name and every value), its box
+    selection in short (``config.boxes``) and the precision: what ``extract`` and ``caption --cache`` store next
+    to the weights' SHA-256, and what :func:`pipeline.store.format.feature_settings_diff` compares."""
+    r = selector.recipe
     config = dict(identity.get("config") or {})
     config["precision"] = str(precision)
-    config["boxes"] = {"mode": rule.mode, "min": rule.min_boxes, "max": rule.max_boxes, "conf": rule.conf_thresh,
-                       "nms": rule.nms_thresh}
+    config["recipe"] = r.to_dict()
+    config["boxes"] = {"mode": r.selector, "min": r.min_boxes, "max": r.max_boxes, "conf": r.conf_thresh, "nms": r.nms_thresh}
     return dict(identity, config=config)
 
 
 class ImageDataset(Dataset):
-    """Decodes images into Caffe blobs in DataLoader workers; failures are returned, never raised."""
+    """Decodes images into the recipe's blobs in DataLoader workers; failures are returned, never raised."""
 
-    def __init__(self, items: list[ImageItem], min_size: int, max_size: int, pixel_means, max_pixels: int,
-                 min_side: int = 16) -> None:
-        self.items, self.min_size, self.max_size, self.means, self.max_pixels = items, min_size, max_size, pixel_means, max_pixels
+    def __init__(self, items: list[ImageItem], recipe, max_pixels: int, min_side: int = 16) -> None:
+        self.items, self.recipe, self.max_pixels = items, recipe, max_pixels
         self.min_side = min_side
 
     def __len__(self) -> int:
@@ -188,13 +190,13 @@ class ImageDataset(Dataset):
         except ImageLoadError as exc:
             return {"item": it, "error": exc.reason, "detail": exc.detail}
         try:
-            blob, scale = caffe_blob(rgb, self.min_size, self.max_size, self.means)
+            blob, frame = recipe_blob(rgb, self.recipe)
         except (cv2.error, ValueError, MemoryError) as exc:
             return {"item": it, "error": "decode_error", "detail": f"cannot build the image blob: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         thin = thin_image_reason(rgb.shape[:2], blob.shape[1:], self.min_side)
         if thin is not None:
             return {"item": it, "error": "too_thin", "detail": thin}
-        return {"item": it, "blob": torch.from_numpy(blob), "scale": scale, "size": rgb.shape[:2]}
+        return {"item": it, "blob": torch.from_numpy(blob), "frame": frame, "size": rgb.shape[:2]}
 
 
 def _collate(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -231,7 +233,7 @@ def run_extraction(
     model: BottomUpDetector,
     items: list[ImageItem],
     writer,
-    rule: SelectionRule,
+    selector: Selector,
     *,
     batch_size: int = 4,
     workers: int = 0,
@@ -240,7 +242,10 @@ def run_extraction(
     failures_path: Path | None = None,
     commit_every: int = 64,
 ) -> RunSummary:
-    """Extract every item not yet in ``writer`` and add it; returns counts (bad images are listed, not raised)."""
+    """Extract every item not yet in ``writer`` and add it; returns counts (bad images are listed, not raised).
+
+    ``selector`` (:func:`extractors.selector.make_selector`) carries the resolved recipe whose preprocessing the
+    image loader applies."""
     spec = model.spec
     dev = next(model.parameters()).device
     summary = RunSummary(total=len(items))
@@ -250,7 +255,7 @@ def run_extraction(
         log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
     fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
     t0 = time.perf_counter()
-    ds = ImageDataset(todo, spec.min_size, spec.max_size, spec.pixel_means, max_pixels, min_side=spec.feature_stride)
+    ds = ImageDataset(todo, selector.recipe, max_pixels, min_side=spec.feature_stride)
     threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
     loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=thread_policy.loader_workers(workers), collate_fn=_collate,
                         pin_memory=dev.type == "cuda", persistent_workers=False)
@@ -275,12 +280,12 @@ def run_extraction(
                     it = rec["item"]
                     if "error" in rec:
                         fail(it, rec["error"], rec["detail"])
-                    elif rule.mode == "given" and (it.boxes is None or len(it.boxes) == 0):
+                    elif selector.given and (it.boxes is None or len(it.boxes) == 0):
                         fail(it, "no_boxes", "given-boxes mode and no box for this image")
                     else:
                         good.append(rec)
                 if good:
-                    for r, o in guarded_detect(model, good, rule, precision, dev, fail):
+                    for r, o in guarded_detect(model, good, selector, precision, dev, fail):
                         if o.boxes.shape[0] == 0:
                             fail(r["item"], "no_regions", "the detector returned no region for this image")
                             continue
@@ -306,19 +311,19 @@ def run_extraction(
     return summary
 
 
-def _detect(model: BottomUpDetector, recs: list[dict[str, Any]], rule: SelectionRule, precision: str,
+def _detect(model: BottomUpDetector, recs: list[dict[str, Any]], selector: Selector, precision: str,
             dev: torch.device) -> list[Any]:
-    given = [_clip_given(r["item"].boxes, r["size"]) for r in recs] if rule.mode == "given" else None
+    given = [_clip_given(r["item"].boxes, r["size"]) for r in recs] if selector.given else None
     with precision_context(precision, dev):
-        return model.detect([r["blob"] for r in recs], [r["scale"] for r in recs], [tuple(r["size"]) for r in recs], rule, given)
+        return model.detect([r["blob"] for r in recs], [r["frame"] for r in recs], selector, given)
 
 
-def guarded_detect(model: BottomUpDetector, recs: list[dict[str, Any]], rule: SelectionRule, precision: str,
+def guarded_detect(model: BottomUpDetector, recs: list[dict[str, Any]], selector: Selector, precision: str,
                    dev: torch.device, fail: Any) -> list[tuple[dict[str, Any], Any]]:
     """The per-image guard: run the batch; if the model raises, run each image alone and send the ones that
     still raise to ``fail(item, "model_error", detail)``, so one odd image never costs the others."""
     try:
-        return list(zip(recs, _detect(model, recs, rule, precision, dev)))
+        return list(zip(recs, _detect(model, recs, selector, precision, dev)))
     except (RuntimeError, ValueError, IndexError, TypeError, ZeroDivisionError, AssertionError) as exc:
         if len(recs) == 1:
             fail(recs[0]["item"], "model_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -326,7 +331,7 @@ def guarded_detect(model: BottomUpDetector, recs: list[dict[str, Any]], rule: Se
         log.debug("batch of %d failed (%s); retrying image by image", len(recs), exc)
     out = []
     for r in recs:
-        out += guarded_detect(model, [r], rule, precision, dev, fail)
+        out += guarded_detect(model, [r], selector, precision, dev, fail)
     return out
 
 

@@ -69,19 +69,17 @@ def stage_config(section: Config, job: ExtractJob) -> Config:
     return Config({"extract": section.to_dict(), "job": job.to_config()})
 
 
-def selection_rule(section: Config) -> Any:
-    """The box selection rule of an ``extract:`` section (mode, box counts, thresholds)."""
-    from extractors.bottom_up import BOX_MODES, SelectionRule
+def selection_mode(section: Config) -> str | None:
+    """Check the recipe settings of an ``extract:`` section (``recipe``, ``recipes``, the shorthands) before any
+    work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself is built by
+    :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
+    from extractors.recipes import BOX_MODES, validate_config
 
-    mode = str(section.boxes)
-    if mode not in BOX_MODES:
+    mode = None if section.boxes is None else str(section.boxes)
+    if mode is not None and mode not in BOX_MODES:
         raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
-    kwargs: dict[str, Any] = {"conf_thresh": float(section.conf_thresh), "nms_thresh": float(section.nms_thresh)}
-    if section.min_boxes is not None:
-        kwargs["min_boxes"] = int(section.min_boxes)
-    if section.max_boxes is not None:
-        kwargs["max_boxes"] = int(section.max_boxes)
-    return SelectionRule.for_mode(mode, **kwargs)
+    validate_config(section)
+    return mode
 
 
 def collect_items(job: ExtractJob, mode: str) -> list[Any]:
@@ -133,22 +131,21 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
     """
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from extractors.factory import build_for_extract
+        from extractors.factory import configure_recipe, load_for_inference
         from extractors.run import record_settings, run_extraction
         from pipeline.store import open_writer
 
-        rule = selection_rule(section)
-        todo = items if items is not None else collect_items(job, rule.mode)
+        todo = items if items is not None else collect_items(job, selection_mode(section))
         dev = _device(section, job)
         spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
-        model, identity = build_for_extract(job.weights, str(section.preset), spec, None if section.min_size is None else int(section.min_size),
-                                            None if section.max_size is None else int(section.max_size), int(section.random_seed), dev)
+        model, identity, _info = load_for_inference(job.weights, str(section.preset), spec, int(section.random_seed), dev)
+        recipe, selector = configure_recipe(model, identity, section)
         model.roi_chunk = int(section.roi_chunk)
-        identity = record_settings(identity, rule, str(section.precision))
+        identity = record_settings(identity, selector, str(section.precision))  # the recipe next to the weights' SHA-256
         store = stage_dir / job.store
-        log.info("extracting %d images with %s on %s (%s) into %s", len(todo), identity["name"], dev, section.precision, store)
+        log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity["name"], recipe.name, dev, section.precision, store)
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
-            summary = run_extraction(model, todo, writer, rule, batch_size=int(section.batch_size), workers=int(section.workers),
+            summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.workers),
                                      precision=str(section.precision), max_pixels=int(section.max_pixels),
                                      failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every))
         reasons: dict[str, int] = {}
@@ -189,7 +186,7 @@ def extract_features(run_dir: str | Path, name: str, section: Config, job: Extra
     inputs and the weights file are checked before the stage folder is touched.
     """
     cfg = config if config is not None else stage_config(section, job)
-    items = collect_items(job, selection_rule(section).mode)
+    items = collect_items(job, selection_mode(section))
     if job.weights != "random" and not Path(job.weights).is_file():
         raise UsageError(f"weights file not found: {job.weights}")
     if reopen:

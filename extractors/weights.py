@@ -406,6 +406,11 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
 
 def describe(path: str | Path) -> dict[str, Any]:
     """Layout, architecture and digest of a weights file (for ``cli info``); strict-checks it too."""
+    return describe_with_spec(path)[0]
+
+
+def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
+    """:func:`describe` and the :class:`BottomUpSpec` the file defines (its own test values included)."""
     layout, sd, meta = read_weights(path)
     spec = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     check_strict(path, layout, sd, spec)
@@ -424,4 +429,4 @@ def describe(path: str | Path) -> dict[str, Any]:
         "sha256": sha256_file(path),
         **({"input_scale": f"{spec.min_size}/{spec.max_size}", "class_names": ", ".join(map(str, meta.get("classes", []))),
             "attribute_names": ", ".join(map(str, meta.get("attributes", []))), "trained": meta.get("training", {})} if layout == "butd" else {}),
-    }
+    }, spec

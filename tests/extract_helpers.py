@@ -60,3 +60,27 @@ def read_trainval36(path: Path) -> list[dict]:
                 "features": np.frombuffer(base64.b64decode(r[5]), dtype=np.float32).reshape(n, -1),
             })
     return rows
+
+
+def selector_for(spec: BottomUpSpec, name: str = "caffe", boxes: str | None = None, **fields):
+    """The selector of recipe ``name`` (configs/extract.yaml values) for a detector spec, with ``boxes`` mode
+    (adaptive / 36 / given) and recipe fields overridden, resolved against the spec's own test values."""
+    from extractors.recipes import recipe_from_config, resolve_recipe
+    from extractors.selector import make_selector
+
+    recipe = recipe_from_config({"recipe": name, "boxes": boxes}, "milvlg").with_(**fields)
+    return make_selector(resolve_recipe(recipe, spec), spec)
+
+
+def caffe_frames(images, spec: BottomUpSpec):
+    """Caffe blobs (torch) and their Frames at the spec's test scale."""
+    import torch
+
+    from extractors.preprocess import Frame, caffe_blob
+
+    blobs, frames = [], []
+    for im in images:
+        b, s = caffe_blob(im, spec.min_size, spec.max_size, spec.pixel_means)
+        blobs.append(torch.from_numpy(b))
+        frames.append(Frame(im.shape[0], im.shape[1], b.shape[1], b.shape[2], s))
+    return blobs, frames

@@ -75,16 +75,18 @@ def test_an_image_on_which_the_model_raises_costs_only_itself(tmp_path, monkeypa
 
 
 def test_guarded_detect_on_a_batch_with_a_malformed_blob():
-    from extractors.bottom_up import SelectionRule
+    from extract_helpers import selector_for
     from extractors.factory import random_detector
+    from extractors.preprocess import Frame
     from extractors.run import ImageItem, guarded_detect
 
     model = random_detector(tiny_spec(), 0).eval().fold_batchnorm()
-    good = {"item": ImageItem("good", Path("good")), "blob": torch.zeros(3, 200, 266), "scale": 1.0, "size": (200, 266)}
-    bad = {"item": ImageItem("bad", Path("bad")), "blob": torch.zeros(4, 200, 266), "scale": 1.0, "size": (200, 266)}
+    frame = Frame(200, 266, 200, 266, 1.0)
+    good = {"item": ImageItem("good", Path("good")), "blob": torch.zeros(3, 200, 266), "frame": frame, "size": (200, 266)}
+    bad = {"item": ImageItem("bad", Path("bad")), "blob": torch.zeros(4, 200, 266), "frame": frame, "size": (200, 266)}
     failed = []
     with torch.no_grad():
-        out = guarded_detect(model, [good, bad], SelectionRule.for_mode("adaptive"), "fp32", torch.device("cpu"),
+        out = guarded_detect(model, [good, bad], selector_for(model.spec, boxes="adaptive"), "fp32", torch.device("cpu"),
                              lambda it, reason, detail: failed.append((it.key, reason)))
     assert [r["item"].key for r, _ in out] == ["good"] and out[0][1].boxes.shape[0] >= 1
     assert failed == [("bad", "model_error")]

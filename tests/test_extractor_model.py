@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from extract_helpers import tiny_spec
-from extractors.bottom_up import SelectionRule
-from extractors.preprocess import caffe_blob, load_rgb
+from extract_helpers import caffe_frames, selector_for, tiny_spec
+from extractors.preprocess import load_rgb
 from extractors.weights import random_detector
 
 PHOTOS = ["COCO_train2014_000000084002.jpg", "COCO_train2014_000000150367.jpg", "COCO_train2014_000000131486.jpg", "000456.jpg"]
@@ -18,8 +17,8 @@ PHOTOS = ["COCO_train2014_000000084002.jpg", "COCO_train2014_000000150367.jpg", 
 def inputs(shared_data):
     spec = tiny_spec()
     ims = [load_rgb(shared_data / "photos" / p) for p in PHOTOS]
-    blobs = [caffe_blob(im, spec.min_size, spec.max_size) for im in ims]
-    return [b for b, _ in blobs], [s for _, s in blobs], [im.shape[:2] for im in ims]
+    blobs, frames = caffe_frames(ims, spec)
+    return blobs, frames, [im.shape[:2] for im in ims]
 
 
 @pytest.fixture(scope="module")
@@ -44,37 +43,37 @@ def _check(out, size, n_range, spec):
 
 def test_adaptive_and_fixed_36_outputs(model, inputs):
     blobs, scales, sizes = inputs
-    adaptive = model.detect(blobs, scales, sizes, SelectionRule.for_mode("adaptive"))
-    fixed = model.detect(blobs, scales, sizes, SelectionRule.for_mode("36"))
+    adaptive = model.detect(blobs, scales, selector_for(model.spec, boxes="adaptive"))
+    fixed = model.detect(blobs, scales, selector_for(model.spec, boxes="36"))
     for a, f, size in zip(adaptive, fixed, sizes):
         _check(a, size, (10, 100), model.spec)
         _check(f, size, (36, 36), model.spec)
     # the boxes are proposals / scale: x2 never exceeds (W' - 1) / scale (the Caffe clip)
-    for out, blob, s in zip(adaptive, blobs, scales):
-        assert out.boxes[:, 2].max() <= (blob.shape[2] - 1) / s + 1e-3
+    for out, blob, f in zip(adaptive, blobs, scales):
+        assert out.boxes[:, 2].max() <= (blob.shape[2] - 1) / f.im_scale + 1e-3
     # tighter bounds change the count as the rule says
-    few = model.detect(blobs[:1], scales[:1], sizes[:1], SelectionRule.for_mode("adaptive", min_boxes=3, max_boxes=5))
+    few = model.detect(blobs[:1], scales[:1], selector_for(model.spec, min_boxes=3, max_boxes=5))
     assert 3 <= few[0].boxes.shape[0] <= 5
 
 
 def test_threshold_decides_the_adaptive_count(model, inputs):
     blobs, scales, sizes = inputs
-    lo = model.detect(blobs[:1], scales[:1], sizes[:1], SelectionRule.for_mode("adaptive", conf_thresh=0.0, min_boxes=1, max_boxes=1000))
-    hi = model.detect(blobs[:1], scales[:1], sizes[:1], SelectionRule.for_mode("adaptive", conf_thresh=1.01, min_boxes=1, max_boxes=1000))
+    lo = model.detect(blobs[:1], scales[:1], selector_for(model.spec, conf_thresh=0.0, min_boxes=1, max_boxes=1000))
+    hi = model.detect(blobs[:1], scales[:1], selector_for(model.spec, conf_thresh=1.01, min_boxes=1, max_boxes=1000))
     assert lo[0].boxes.shape[0] == model.spec.post_nms_topk or lo[0].boxes.shape[0] > 1  # every proposal kept
     assert hi[0].boxes.shape[0] == 1  # none passes: the single best by max_conf
 
 
 def test_deterministic_and_batch_equals_single(model, inputs):
     blobs, scales, sizes = inputs
-    rule = SelectionRule.for_mode("adaptive")
-    batch = model.detect(blobs, scales, sizes, rule)
-    again = model.detect(blobs, scales, sizes, rule)
+    rule = selector_for(model.spec, boxes="adaptive")
+    batch = model.detect(blobs, scales, rule)
+    again = model.detect(blobs, scales, rule)
     for a, b in zip(batch, again):
         assert np.array_equal(a.features, b.features) and np.array_equal(a.boxes, b.boxes)
     assert tuple(blobs[0].shape) == tuple(blobs[1].shape)  # two 640x480 photos share one backbone pass
     for i in (0, 2):  # one image that shared its backbone pass, one alone in its size group
-        (single,) = model.detect([blobs[i]], [scales[i]], [sizes[i]], rule)
+        (single,) = model.detect([blobs[i]], [scales[i]], rule)
         # same regions; numbers equal up to float rounding of a batched vs single convolution
         assert single.boxes.shape == batch[i].boxes.shape
         np.testing.assert_allclose(single.boxes, batch[i].boxes, rtol=0, atol=1e-2)
@@ -85,7 +84,7 @@ def test_deterministic_and_batch_equals_single(model, inputs):
 def test_given_boxes_mode_pools_the_supplied_boxes(model, inputs):
     blobs, scales, sizes = inputs
     given = [np.array([[0, 0, 100, 80], [50.5, 60.25, 300, 400], [10, 10, 11, 11]], np.float32)] * 2
-    outs = model.detect(blobs[:2], scales[:2], sizes[:2], SelectionRule.for_mode("given"), given)
+    outs = model.detect(blobs[:2], scales[:2], selector_for(model.spec, boxes="given"), given)
     for o in outs:
         assert o.boxes.shape == (3, 4) and o.features.shape == (3, model.spec.feature_dim)
         np.testing.assert_allclose(o.boxes, given[0], rtol=1e-6)
@@ -98,7 +97,7 @@ def test_d2_preset_runs_maxnms_on_regressed_boxes(inputs):
     assert model.proposal_generator.rpn_head.objectness_logits.out_channels == spec.num_anchors
     assert model.roi_heads.box_predictor.bbox_pred.out_features == (spec.num_classes - 1) * 4
     blobs, scales, sizes = inputs
-    outs = model.detect(blobs[:2], scales[:2], sizes[:2], SelectionRule.for_mode("36"))
+    outs = model.detect(blobs[:2], scales[:2], selector_for(spec, "airsplay", min_boxes=10))
     for o, size in zip(outs, sizes):
         _check(o, size, (10, 36), spec)
     probs = model.class_probs(torch.zeros(1, spec.num_classes).index_fill_(1, torch.tensor([spec.num_classes - 1]), 10.0))

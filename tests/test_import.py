@@ -96,7 +96,8 @@ def test_float16_import_and_resume(shared_data, tmp_path):
     rec = store.get("387267")
     np.testing.assert_allclose(rec["features"].astype(np.float32), rows["387267"]["features"], rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(rec["class_ids"], rows["387267"]["class_ids"])
-    assert store.identity == {"name": "imported:obj36-tsv", "config": {"format": "obj36-tsv"}}
+    assert store.identity["name"] == "imported:obj36-tsv" and store.identity["config"] == {"format": "obj36-tsv"}
+    assert store.identity["release"]["recipe"] == "caffe"  # LXMERT's obj36 files: the Caffe model and script
 
 
 def _corrupt(line: bytes, fn) -> bytes:

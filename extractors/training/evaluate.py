@@ -1,7 +1,8 @@
 """Evaluating a detector the way the captioner will see it: the extractor's own region selection.
 
-For each image the detector runs exactly as ``cli extract`` runs it (Caffe test recipe, default selection
-``adaptive``: per-class NMS 0.3, confidence 0.2, 10-100 boxes, the *proposal* boxes). Then, per ground-truth
+For each image the detector runs exactly as ``cli extract`` runs it: the recipe of the ``eval`` config section
+(:func:`extractors.recipes.recipe_from_config`; a detector trained here defaults to the Caffe recipe: per-class
+NMS 0.3, confidence 0.2, 10-100 boxes, the *proposal* boxes). Then, per ground-truth
 object, the selected box with the highest IoU (``+1`` pixel areas) is its match:
 
 * ``recall``: fraction of objects whose match has IoU >= ``iou`` (0.5);
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 
 from extractors import box_coding
-from extractors.bottom_up import BottomUpDetector, SelectionRule
-from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
+from extractors.bottom_up import BottomUpDetector
+from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
+from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
 from pipeline.core.console import get_logger, track
@@ -53,10 +55,14 @@ def match_objects(gt: torch.Tensor, det: torch.Tensor, iou: float) -> tuple[torc
 
 
 def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: str | Path | None, classes: list[str],
-                   attributes: list[str] | None = None, *, rule: SelectionRule | None = None, iou: float = 0.5,
+                   attributes: list[str] | None = None, *, rule: Selector | None = None, iou: float = 0.5,
                    attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
     """Recall / class accuracy / attribute accuracy of ``model`` on a COCO instances split (see the module doc)."""
-    rule = rule or SelectionRule()
+    if rule is None:
+        from extractors.factory import configure_recipe
+
+        _recipe, rule = configure_recipe(model, {"layout": "butd", "config": {}}, None, "eval")
+    recipe = rule.recipe
     data = load_instances(ann_file, image_root, class_names=classes, keep_empty=True)
     if attributes is not None and data.attribute_names != list(attributes):
         raise UsageError(f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}...")
@@ -74,8 +80,8 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         except ImageLoadError as exc:
             failed.append(f"{rec.path}: {exc.reason}")
             continue
-        blob, scale = caffe_blob(rgb, spec.min_size, spec.max_size, spec.pixel_means)
-        out = model.detect([torch.from_numpy(blob)], [scale], [rgb.shape[:2]], rule)[0]
+        blob, frame = recipe_blob(rgb, recipe)
+        out = model.detect([torch.from_numpy(blob)], [frame], rule)[0]
         images += 1
         boxes_total += out.boxes.shape[0]
         gt = torch.from_numpy(rec.boxes)
@@ -90,7 +96,7 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         if not bool(hit.any()) or not spec.has_attributes:
             continue
         hit_idx = torch.nonzero(hit).flatten()
-        probs = _attribute_probs(model, torch.from_numpy(blob).to(dev), (det_boxes[best[hit_idx]] * scale).to(dev)).cpu()
+        probs = _attribute_probs(model, torch.from_numpy(blob).to(dev), to_resized(det_boxes[best[hit_idx]], frame, recipe.rescale).to(dev)).cpu()
         for row, g in enumerate(hit_idx.tolist()):
             gt_attrs = [a for a in rec.attributes[g].tolist() if a >= 1]
             if group:
@@ -113,7 +119,8 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         "attribute_group": attribute_group if group else "any",
         "boxes_per_image": round(boxes_total / images, 2) if images else 0.0,
         "iou": iou,
-        "selection": {"mode": rule.mode, "min_boxes": rule.min_boxes, "max_boxes": rule.max_boxes, "conf": rule.conf_thresh, "nms": rule.nms_thresh},
+        "selection": {"recipe": recipe.name, "selector": recipe.selector, "min_boxes": recipe.min_boxes, "max_boxes": recipe.max_boxes,
+                      "conf": recipe.conf_thresh, "nms": recipe.nms_thresh},
     }
     if failed:
         result["failed_images"] = len(failed)
@@ -122,18 +129,18 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
 
 
 def evaluate_weights(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, *, device: str | torch.device = "cpu",
-                     rule: SelectionRule | None = None, iou: float = 0.5, attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
-    """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids)."""
+                     section: Any = None, iou: float = 0.5, attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
+    """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids), with
+    the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``)."""
+    from extractors.factory import configure_recipe
+
     model, info = load_detector(weights)
     if info["layout"] != "butd":
         raise UsageError(f"{weights}: evaluation needs a butd detector file (it names its classes); got the {info['layout']} layout")
     model = model.to(device).fold_batchnorm()
+    _recipe, rule = configure_recipe(model, {"layout": info["layout"], "config": {}}, section, "eval")
     return evaluate_model(model, ann_file, image_root, info["classes"], info["attributes"], rule=rule, iou=iou,
                           attribute_group=attribute_group, limit=limit)
-
-
-def rule_from_config(ecfg) -> SelectionRule:
-    return SelectionRule.for_mode(str(ecfg.boxes), conf_thresh=float(ecfg.conf_thresh), nms_thresh=float(ecfg.nms_thresh))
 
 
 def summary_line(result: dict[str, Any]) -> str:

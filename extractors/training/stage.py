@@ -44,7 +44,7 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     Returns ``(outputs, summary)``: outputs ``weights`` / ``checkpoint`` (paths relative to ``stage_dir``);
     summary: iterations, training seconds, images/s, last losses, and the evaluation numbers.
     """
-    from extractors.training.evaluate import evaluate_weights, rule_from_config, summary_line
+    from extractors.training.evaluate import evaluate_weights, summary_line
     from extractors.training.loop import CHECKPOINT, WEIGHTS, train
     from pipeline.core.distributed import env_context
 
@@ -59,7 +59,7 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     if result.skipped_images:
         summary["skipped"] = result.skipped_images
     if cfg.data.eval_annotations and env_context().main:
-        ev = evaluate_weights(result.weights, cfg.data.eval_annotations, cfg.data.eval_images, rule=rule_from_config(cfg.eval),
+        ev = evaluate_weights(result.weights, cfg.data.eval_annotations, cfg.data.eval_images, section=cfg.eval,
                               iou=float(cfg.eval.iou), attribute_group=str(cfg.eval.attribute_group),
                               limit=None if cfg.eval.limit is None else int(cfg.eval.limit))
         log.info("evaluation on %s: %s", Path(str(cfg.data.eval_annotations)).name, summary_line(ev))
@@ -70,8 +70,8 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
 def evaluate_detector(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, cfg: Config | None = None,
                       device: str = "cpu") -> dict[str, Any]:
     """Evaluate a ``butd`` weights file on a COCO instances split with the ``eval`` section of ``cfg``."""
-    from extractors.training.evaluate import evaluate_weights, rule_from_config
+    from extractors.training.evaluate import evaluate_weights
 
     ecfg = (cfg or load_detector_config()).eval
-    return evaluate_weights(weights, ann_file, image_root, device=device, rule=rule_from_config(ecfg), iou=float(ecfg.iou),
+    return evaluate_weights(weights, ann_file, image_root, device=device, section=ecfg, iou=float(ecfg.iou),
                             attribute_group=str(ecfg.attribute_group), limit=None if ecfg.limit is None else int(ecfg.limit))

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from extractors.bottom_up import BottomUpDetector, RegionOutput, SelectionRule
-from extractors.preprocess import ImageLoadError, caffe_blob, load_rgb
+from extractors.bottom_up import BottomUpDetector, RegionOutput
+from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
+from extractors.selector import Selector
 from extractors.run import ImageItem
 from models.base import Captioner
 from models.captions import caption_words
@@ -141,7 +142,7 @@ class PhotoCaptioner:
     def __init__(
         self,
         detector: BottomUpDetector,
-        rule: SelectionRule,
+        rule: Selector,
         model: Captioner,
         vocab: Vocab,
         options: DecodeOptions,
@@ -153,14 +154,12 @@ class PhotoCaptioner:
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
 
     def _detect(self, items: Sequence[ImageItem], images: Sequence[np.ndarray]) -> list[dict[str, Any]]:
-        spec = self.detector.spec
-        blobs, scales, sizes = [], [], []
-        for rgb in images:
-            blob, scale = caffe_blob(rgb, spec.min_size, spec.max_size, spec.pixel_means)
+        blobs, frames = [], []
+        for rgb in images:  # the recipe's preprocessing (``self.rule`` is the recipe's selector)
+            blob, frame = recipe_blob(rgb, self.rule.recipe)
             blobs.append(torch.from_numpy(blob))
-            scales.append(scale)
-            sizes.append((rgb.shape[0], rgb.shape[1]))
-        outs = self.detector.detect(blobs, scales, sizes, self.rule)
+            frames.append(frame)
+        outs = self.detector.detect(blobs, frames, self.rule)
         return [regions_to_record(o) for o in outs]
 
     def caption_paths(

@@ -66,8 +66,7 @@ def caption_photos(
     """
     import torch
 
-    from extractors.bottom_up import SelectionRule
-    from extractors.factory import load_for_inference, resolve_device
+    from extractors.factory import configure_recipe, load_for_inference, resolve_device
     from extractors.names import detector_names
     from extractors.run import items_from_paths
     from models.captions import merge_decoding
@@ -101,10 +100,11 @@ def caption_photos(
         decoding["beam_size"] = max(int(decoding.get("beam_size", 3)), decoding["n_best"])
     options = DecodeOptions.from_mapping(merge_decoding(decoding, overrides))
 
-    detector, identity, info = load_for_inference(
-        det_weights, "auto", {}, cfg.min_size and int(cfg.min_size), cfg.max_size and int(cfg.max_size), 0, device
-    )
-    rule = SelectionRule.for_mode(str(cfg.boxes), conf_thresh=float(cfg.conf_thresh), nms_thresh=float(cfg.nms_thresh))
+    detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device)
+    # caption.max_boxes is what the captioner gets, not a recipe field
+    recipe, rule = configure_recipe(detector, identity, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh"))
+    if recipe.selector == "given":
+        raise UsageError("caption.boxes given: photos have no boxes to give; use adaptive, 36 or null (the recipe's own)")
     trained_with = ckpt.get("store_identity") or {}
     if trained_with.get("weights_sha256") and trained_with["weights_sha256"] != identity["weights_sha256"]:
         log.warning("the captioner was trained on features of another detector (%s); captions may be poor",

@@ -73,6 +73,7 @@ def register(app: typer.Typer) -> None:
         image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")] = None,
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
         preset: Annotated[Optional[str], typer.Option("--preset", help="auto | bottom-up-caffe-r101 | bottom-up-d2-r101")] = None,
+        recipe: Annotated[Optional[str], typer.Option("--recipe", help="Test-time recipe: auto (from the weights' layout) | caffe | hf | airsplay (docs/recipes.md).")] = None,
         shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file.")] = False,
@@ -93,7 +94,7 @@ def register(app: typer.Typer) -> None:
         if limit is not None and limit < 0:
             raise UsageError(f"--limit must be 0 or more, not {limit}")
         # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
-        extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset)) if val is not None]
+        extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset), ("recipe", recipe)) if val is not None]
         cfg = opts.resolve("extract", extra).extract
         if store is None:
             raise UsageError("--store is required")

@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         elif target.suffix in (".pt", ".pth", ".pkl") and _captioner_info(target):
             pass
         elif target.suffix in (".pth", ".pkl", ".bin"):
-            _weights_info(target)
+            _weights_info(target, list(opts.overrides))
         else:
             raise UsageError(f"cannot inspect {target}: not a run directory (store/checkpoint/weights inspection comes with their issues)")
 
@@ -165,10 +165,21 @@ def _captioner_info(path: Path) -> bool:
     return True
 
 
-def _weights_info(path: Path) -> None:
-    """Detector weights: which public layout (MILVLG / airsplay / HF), architecture, SHA-256 (strict check)."""
-    from extractors.weights import describe
+def _weights_info(path: Path, overrides: list[str]) -> None:
+    """Detector weights: which public layout (MILVLG / airsplay / HF), architecture, SHA-256 (strict check), and
+    the test-time recipe ``cli extract`` would use with them (``configs/extract.yaml`` + ``--set extract.*``)."""
+    import json
+
+    from extractors.recipes import describe_recipe, recipe_from_config, resolve_recipe
+    from extractors.weights import describe_with_spec
+    from pipeline.core.config import load_config
 
     con = stdout_console()
-    for key, value in describe(path).items():
+    facts, spec = describe_with_spec(path)
+    for key, value in facts.items():
         con.print(f"{key}: {value}", highlight=False)
+    section = load_config("extract", None, overrides).extract
+    recipe = resolve_recipe(recipe_from_config(section, facts["layout"], spec.flavor), spec)
+    for key, value in describe_recipe(recipe):
+        con.print(f"{key}: {value}", highlight=False)
+    con.print(f"recipe values: {json.dumps(recipe.to_dict())}", highlight=False)

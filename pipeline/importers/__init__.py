@@ -41,9 +41,26 @@ class ImportReport:
                 f"{len(self.bad)} bad")
 
 
-def default_identity(fmt: str) -> dict[str, Any]:
-    """Identity recorded for imported features when none is given: the public format they came from."""
-    return {"name": f"imported:{fmt}", "config": {"format": fmt}}
+RELEASES: dict[str, str] = {
+    "caffe": "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch caffe mode)",
+    "hf": "huggingface/transformers examples/research_projects/lxmert (unc-nlp/frcnn-vg-finetuned)",
+    "airsplay": "airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
+}
+"""The test-time recipes (docs/recipes.md) a public feature file can come from."""
+FORMAT_RELEASE = {"butd-tsv": "caffe", "obj36-tsv": "caffe", "cocobu": "caffe", "m2-hdf5": "caffe"}
+"""Where each format's public files came from: the BUTD TSVs from the Caffe script, LXMERT's obj36 TSVs from the
+Caffe model (airsplay/lxmert ``extract_coco_image.py``), ruotianluo's cocobu files from the adaptive BUTD TSVs,
+M2's ``coco_detections.hdf5`` from the bottom-up features. airsplay's own d2 extraction writes obj36-tsv too:
+``--release airsplay`` says so."""
+
+
+def default_identity(fmt: str, release: str | None = None) -> dict[str, Any]:
+    """Identity recorded for imported features when none is given: the public format they came from and the
+    release (test-time recipe) that produced them."""
+    name = release or FORMAT_RELEASE.get(fmt, "caffe")
+    if name not in RELEASES:
+        raise UsageError(f"--release must be one of {', '.join(RELEASES)}, not {name!r}")
+    return {"name": f"imported:{fmt}", "config": {"format": fmt}, "release": {"recipe": name, "source": RELEASES[name]}}
 
 
 def read_sizes(path: str | Path) -> dict[str, tuple[int, int]]:
@@ -67,6 +84,7 @@ def import_features(
     store: str | Path,
     *,
     identity: dict[str, Any] | None = None,
+    release: str | None = None,
     feature_dtype: str = "float16",
     keys: str | None = None,
     sizes: dict[str, tuple[int, int]] | None = None,
@@ -93,7 +111,9 @@ def import_features(
 
     report = ImportReport()
     seen_keys: set[str] = set()
-    with open_writer(store, identity or default_identity(fmt), feature_dtype, commit_every=commit_every) as writer, \
+    if identity is not None and release is not None:
+        identity = {**identity, "release": default_identity(fmt, release)["release"]}
+    with open_writer(store, identity or default_identity(fmt, release), feature_dtype, commit_every=commit_every) as writer, \
             make_progress() as progress:
         task = progress.add_task(f"import {fmt}", total=None)
         for where, decode in spec.reader(paths, keys=keys, sizes=sizes):

@@ -1,0 +1,173 @@
+"""The selection step after the RoI head, as one swappable part: class probabilities -> selector -> regions.
+
+A selector is made from a :class:`extractors.recipes.Recipe` (:func:`make_selector`) and owns everything
+between the head's outputs and the regions written: which boxes compete, which NMS, which thresholds, how
+many regions, and how boxes go back to original-image pixels (as torchvision's ``RoIHeads`` owns its
+post-processing). Changing the selection touches a selector and one YAML (``configs/extract.yaml``).
+
+* :class:`PerClassNMS` (Caffe ``generate_tsv.py``, MILVLG ``save_roi_features``; Anderson et al. 2018): for
+  every foreground class c, greedy NMS at ``nms_thresh`` over *all* proposals ranked by ``p_c``; a proposal's
+  ``max_conf = max_c p_c`` over the classes in which it survived; keep ``max_conf >= conf_thresh``, or the
+  ``min_boxes`` / ``max_boxes`` best when outside that range; write the proposal boxes.
+* :class:`NMSLadder` (airsplay ``detectron2_mscoco_proposal_maxnms.py``; HF ``modeling_frcnn.py do_nms``):
+  per proposal its best foreground class and that class's regressed box (clipped to the resized image);
+  class-agnostic NMS on those boxes at each threshold of the ladder until at least ``min_boxes`` survive;
+  the first ``max_boxes``; write the regressed boxes.
+* :class:`GivenBoxes`: the supplied boxes, in their order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from extractors import box_coding, selection
+from extractors.preprocess import Frame
+
+
+@dataclass
+class Selected:
+    """One image's choice: proposal indices in output order and their boxes (N, 4) in original pixels."""
+
+    keep: torch.Tensor
+    boxes: torch.Tensor
+
+
+def to_original(boxes: torch.Tensor, frame: Frame, rescale: str, clip: str) -> torch.Tensor:
+    """Resized-image boxes -> original pixels.
+
+    ``im-scale``: ``boxes / im_scale`` (Caffe: ``rois / im_scale``). ``per-axis``: ``x * (W / W')``,
+    ``y * (H / H')`` in float32 (HF ``scales_yx``, detectron2 ``Boxes.scale``). ``clip``: ``resized`` clips to
+    ``[0, W'] x [0, H']`` first; ``resized-and-original`` also clips to ``[0, W] x [0, H]`` afterwards.
+    """
+    b = boxes.float()
+    if clip in ("resized", "resized-and-original"):
+        b = box_coding.clip(b, frame.blob_h, frame.blob_w, legacy=False)
+    if rescale == "im-scale":
+        b = b / frame.im_scale
+    else:
+        sx, sy = frame.scale_xy
+        b = b.clone()
+        b[:, 0::2] *= torch.tensor(sx, dtype=torch.float32, device=b.device)
+        b[:, 1::2] *= torch.tensor(sy, dtype=torch.float32, device=b.device)
+    if clip == "resized-and-original":
+        b = box_coding.clip(b, frame.height, frame.width, legacy=False)
+    return b
+
+
+def to_resized(boxes: torch.Tensor, frame: Frame, rescale: str) -> torch.Tensor:
+    """Original-pixel boxes -> resized-image boxes (given-boxes mode): ``* im_scale`` or per axis ``* W'/W``."""
+    b = boxes.float()
+    if rescale == "im-scale":
+        return b * frame.im_scale
+    b = b.clone()
+    b[:, 0::2] *= frame.blob_w / frame.width
+    b[:, 1::2] *= frame.blob_h / frame.height
+    return b
+
+
+class Selector:
+    """Base: ``__call__(rois, fg, deltas, frames)`` -> one :class:`Selected` per image.
+
+    ``rois`` (R_i, 4) proposals in resized pixels, ``fg`` (R_i, K) foreground class probabilities, ``deltas``
+    (R_i, 4 * bbox_classes) box regression, ``frames`` the images' :class:`Frame`.
+    """
+
+    name = "selector"
+    given = False
+
+    def __init__(self, recipe, spec) -> None:
+        self.recipe, self.spec = recipe, spec
+
+    def __call__(self, rois, fg, deltas, frames) -> list[Selected]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class PerClassNMS(Selector):
+    """Caffe / MILVLG: per-class NMS over the proposals, ``max_conf`` threshold, [min, max] clamp."""
+
+    name = "per-class-nms"
+
+    def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
+        r = self.recipe
+        orig = [to_original(rois[i], frames[i], r.rescale, r.clip) for i in range(len(rois))]
+        n = len(orig)
+        if n == 0:
+            return []
+        r_max = max(b.shape[0] for b in orig)
+        k = fg[0].shape[1]
+        dev = orig[0].device
+        boxes_pad = torch.zeros((n, r_max, 4), device=dev)
+        scores_pad = torch.zeros((n, r_max, k), device=dev)
+        valid = torch.zeros((n, r_max), dtype=torch.bool, device=dev)
+        for i in range(n):
+            m = orig[i].shape[0]
+            boxes_pad[i, :m], scores_pad[i, :m], valid[i, :m] = orig[i], fg[i], True
+        max_conf = self.max_conf(boxes_pad, scores_pad, valid)
+        out = []
+        for i in range(n):
+            m = orig[i].shape[0]
+            keep = selection.clamp_selection(max_conf[i, :m], r.conf_thresh, r.min_boxes, r.max_boxes)
+            out.append(Selected(keep, orig[i][keep]))
+        return out
+
+    def max_conf(self, boxes: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """(B, R) per-proposal max class score over the classes whose greedy NMS (``+1`` areas, ``IoU >=
+        nms_thresh``, Caffe ``cpu_nms``) keeps it: :func:`extractors.selection.max_conf_vectorized`."""
+        return selection.max_conf_vectorized(boxes, scores, self.recipe.nms_thresh, valid)
+
+
+class NMSLadder(Selector):
+    """airsplay / HF "maxnms": best class per proposal, its regressed box, class-agnostic NMS ladder."""
+
+    name = "nms-ladder"
+
+    def class_boxes(self, rois: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """(R, K, 4) regressed box per foreground class in resized pixels (the weights' own box coder)."""
+        spec = self.spec
+        legacy = spec.flavor == "caffe"
+        boxes = box_coding.decode(deltas, rois, spec.box_reg_weights, legacy=legacy, scale_clamp=spec.scale_clamp)
+        boxes = boxes.view(rois.shape[0], spec.bbox_classes, 4)
+        if spec.bbox_classes == spec.num_classes:  # regression rows include the background: drop it
+            bg = spec.background_index
+            boxes = torch.cat([boxes[:, :bg], boxes[:, bg + 1 :]], dim=1)
+        return boxes
+
+    def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
+        r = self.recipe
+        out = []
+        for i, frame in enumerate(frames):
+            cls_boxes = self.class_boxes(rois[i], deltas[i])
+            if r.clip in ("resized", "resized-and-original"):
+                cls_boxes = box_coding.clip(cls_boxes, frame.blob_h, frame.blob_w, legacy=False)
+            keep, best = selection.maxnms_select(cls_boxes, fg[i], r.min_boxes, r.max_boxes, thresholds=r.ladder)
+            boxes = to_original(best, frame, r.rescale, "resized-and-original" if r.clip == "resized-and-original" else "none")
+            if r.drop_empty:
+                nonempty = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+                keep, boxes = keep[nonempty], boxes[nonempty]
+            out.append(Selected(keep, boxes))
+        return out
+
+
+class GivenBoxes(Selector):
+    """Features pooled on supplied boxes: every box, in order, written as given (original pixels)."""
+
+    name = "given"
+    given = True
+
+    def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
+        r = self.recipe
+        out = []
+        for i, frame in enumerate(frames):
+            keep = torch.arange(rois[i].shape[0], device=rois[i].device)
+            out.append(Selected(keep, to_original(rois[i], frame, r.rescale, "none")))
+        return out
+
+
+SELECTORS = {"per-class-nms": PerClassNMS, "nms-ladder": NMSLadder, "given": GivenBoxes}
+
+
+def make_selector(recipe, spec) -> Selector:
+    """The selector a recipe names, bound to the detector's spec (box coder, class layout)."""
+    return SELECTORS[recipe.selector](recipe, spec)
