@@ -38,9 +38,10 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 
 
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
-    from extractors.bottom_up import SelectionRule
-    from extractors.preprocess import caffe_blob
+    from extractors.preprocess import recipe_blob
+    from extractors.recipes import apply_recipe, recipe_from_config
     from extractors.run import precision_context
+    from extractors.selector import make_selector
     from extractors.spec import caffe_r101
     from extractors.weights import random_detector
 
@@ -50,19 +51,19 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
         spec = spec.with_(min_size=200, max_size=333, post_nms_topk=20, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
                           stem_channels=8, num_classes=21, num_attributes=11, attr_embed_dim=8, attr_hidden=16, rpn_channels=16)
     model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
+    recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
+    rule = make_selector(recipe, model.spec)
     rng = np.random.default_rng(0)
-    decoded = [caffe_blob(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), spec.min_size, spec.max_size) for _ in range(4)]
+    decoded = [recipe_blob(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), recipe) for _ in range(4)]
     blobs = [torch.from_numpy(decoded[i % 4][0]) for i in range(images)]
     blobs = [b.pin_memory() for b in blobs] if dev.type == "cuda" else blobs
     scales = [decoded[i % 4][1] for i in range(images)]
-    sizes = [(480, 640)] * images
-    rule = SelectionRule.for_mode("adaptive")
 
     def run(precision: str):
         def go() -> None:
             with precision_context(precision, dev):
                 for i in range(0, images, batch):
-                    model.detect(blobs[i : i + batch], scales[i : i + batch], sizes[i : i + batch], rule)
+                    model.detect(blobs[i : i + batch], scales[i : i + batch], rule)
         return go
 
     work = f"{images} images, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
