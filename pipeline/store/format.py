@@ -101,7 +101,7 @@ def identity_mismatch(store: str, stored: dict[str, Any], given: dict[str, Any])
 # What determines the features a detector gives an image (see ``feature_settings_diff``): the weights, the
 # architecture and test-time resize (``config.spec``), the test-time recipe, the box selection limits and the
 # compute precision. Everything else an identity records (its name, the weights file layout, ...) does not.
-FEATURE_SETTINGS = ("weights_sha256", "config.spec", "config.recipe", "config.boxes", "config.precision")
+FEATURE_SETTINGS = ("weights_sha256", "config.spec", "config.recipe", "recipe", "config.boxes", "config.precision")
 _DEFAULTS = {"config.precision": "fp32"}
 
 
