@@ -50,3 +50,23 @@ def export_weights(det: BottomUpDetector, path: str | Path, bbox_stds: Sequence[
     buf = io.BytesIO()
     torch.save(payload, buf)
     return atomic_write_bytes(path, buf.getvalue())
+
+
+HEAD_KEYS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.", "roi_heads.box_predictor.cls_embed.",
+             "roi_heads.box_predictor.attr_linear1.", "roi_heads.box_predictor.attr_linear2.")
+"""The class head (``cls_score``, ``bbox_pred``) and the attribute head (class embedding, two layers)."""
+
+
+def reinit_heads(det: BottomUpDetector, num_classes: int, num_attributes: int, seed: int) -> BottomUpDetector:
+    """A detector for a new label set: the class and attribute heads freshly initialised for ``num_classes`` /
+    ``num_attributes`` (both counting background / "no attribute"), everything else (backbone, RPN, res5, anchors)
+    copied from ``det``. The attribute head is re-initialised as a whole: its class embedding has one row per
+    class, and the layers after it were trained on that embedding. The new ``bbox_pred`` starts in the
+    normalised-target space of training (no un-normalising, unlike the file's own head)."""
+    spec = det.spec.with_(num_classes=num_classes, num_attributes=num_attributes)
+    torch.manual_seed(seed)
+    new = BottomUpDetector(spec)
+    kept = {k: v for k, v in det.state_dict().items() if not k.startswith(HEAD_KEYS)}
+    missing, unexpected = new.load_state_dict(kept, strict=False)
+    assert not unexpected and all(k.startswith(HEAD_KEYS) for k in missing), (missing, unexpected)
+    return new

@@ -28,7 +28,7 @@ from extractors import EXTRACTORS
 from extractors.bottom_up import BottomUpDetector
 from extractors.spec import BottomUpSpec
 from extractors.training.data import InstanceSet, TrainBatches, collate_one, load_instances, pad_blobs
-from extractors.training.export import export_weights, scale_bbox_pred
+from extractors.training.export import export_weights, reinit_heads, scale_bbox_pred
 from extractors.training.model import DetectorForTraining, LossConfig
 from extractors.training.optim import apply_lr, calibrate_batchnorm, calibration_batch, lr_at, param_groups, set_trainable
 from extractors.training.targets import SamplingConfig
@@ -57,10 +57,18 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         if mcfg.spec:
             det_spec = det.spec.with_overrides(dict(mcfg.spec), "model.spec")
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
+        if det.spec.flavor != "caffe":
+            raise UsageError(f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)")
+        if bool(mcfg.reinit_heads):
+            det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.train.seed))
+            log.info("initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
+                     "%d classes / %d attributes", mcfg.init_weights, info["layout"], data.num_classes, data.num_attributes)
+            return det
         if det.spec.num_classes != data.num_classes or (det.spec.has_attributes and det.spec.num_attributes != data.num_attributes):
             raise UsageError(
                 f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but the "
-                f"annotations give {data.num_classes} / {data.num_attributes} (both counting background / 'no attribute')")
+                f"annotations give {data.num_classes} / {data.num_attributes} (both counting background / 'no attribute'); "
+                "--reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh for the annotations' labels")
         sd = det.state_dict()
         scale_bbox_pred(sd, sampling.box_weights)  # the file's raw deltas -> the normalised training targets
         det.load_state_dict(sd)

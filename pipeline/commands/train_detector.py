@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
         opts: CommandOptions,
         out: out_option("Stage directory (checkpoints, detector.pth, manifest.json).") = Path("runs/detector"),
         world: Annotated[Optional[Path], typer.Option("--world", help="A synthetic world folder: train on its train split, evaluate on its test split.")] = None,
+        reinit_heads: Annotated[bool, typer.Option("--reinit-heads", help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.")] = False,
     ) -> None:
         """Train or fine-tune the bottom-up Faster R-CNN on COCO-format instances with attribute ids (RPN, box
         and attribute losses; SGD with warm-up and steps). Resumable: a killed run continues from
@@ -36,6 +37,8 @@ def register(app: typer.Typer) -> None:
             butd-caption train-detector --config configs/detector/demo.yaml --world world --out runs/detector
 
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=vg/train.json --set data.train_images=vg/images --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --out runs/vg
+
+            butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=mine.json --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --reinit-heads --out runs/mine   (your own categories)
         """
         from pipeline.core.console import stdout_console
         from pipeline.core.stages import run_stage
@@ -46,6 +49,8 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--world {world}: no annotations/instances_train.json (write one with `demo --generate-only`)")
             first = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
                      f"data.eval_annotations={world / 'annotations' / 'instances_test.json'}", f"data.eval_images={world / 'images'}"]
+        if reinit_heads:
+            first.append("model.reinit_heads=true")
         from extractors.training.stage import train_detector
         from pipeline.core.distributed import env_context
 
