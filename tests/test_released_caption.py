@@ -73,8 +73,12 @@ def test_caption_photos_with_the_released_m2(tmp_path: Path, bua: Path, photos: 
     converted = list((tmp_path / "cache" / "released").glob("m2-*.pt"))
     assert len(converted) == 1  # converted once; the second run reads the native file
     again = caption(str(photos), "--model", str(models / "meshed_memory_transformer.pth"), "--weights", str(bua),
-                    "--output", str(tmp_path / "again.jsonl"), "--stop-rule", "exact", "--n-best", "2")
+                    "--output", str(tmp_path / "again.jsonl"), "--stop-rule", "exact", "--n-best", "2", "--cache", str(tmp_path / "feats"))
     assert again.exit_code == 0, again.output  # vocab.pkl found next to the weights
+    from pipeline.store import FeatureStore
+
+    recipe = FeatureStore(tmp_path / "feats").identity["config"]["recipe"]  # what the detector ran with
+    assert recipe["name"] == "caffe" and (recipe["min_boxes"], recipe["max_boxes"]) == (10, 100)
     rows2 = [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()]
     assert all(len(r["nbest"]) == 2 for r in rows2)
 
