@@ -35,6 +35,8 @@ def input_problem(path: Path) -> tuple[str, str] | None:
     """Why ``path`` cannot be read as an image file (``(reason, detail)``), or None for a regular file."""
     try:
         st = os.stat(path)
+    except ValueError:  # an embedded NUL (from a file list or a COCO file): no file can have that name
+        return "unreadable", "the path contains a NUL character"
     except FileNotFoundError:
         if os.path.islink(path):
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.keys import key_from_name, key_to_text
+from pipeline.core.training.signals import StopOnSignal
 
 log = get_logger("extract")
 _COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
@@ -171,6 +173,12 @@ def record_settings(identity: dict[str, Any], selector: Selector, precision: str
     return dict(identity, config=config)
 
 
+class ExtractionInterrupted(PipelineError):
+    """Stopped by SIGTERM/SIGINT after committing every finished image; rerunning the command resumes."""
+
+    exit_code = 130
+
+
 class ImageDataset(Dataset):
     """Decodes images into the recipe's blobs in DataLoader workers; failures are returned, never raised."""
 
@@ -272,36 +280,19 @@ def run_extraction(
             fail_fh.flush()
 
     try:
-        with make_progress() as progress:
+        with make_progress() as progress, StopOnSignal() as stop:
             task = progress.add_task("extract", total=len(todo))
             for batch in loader:
-                good = []
-                for rec in batch:
-                    it = rec["item"]
-                    if "error" in rec:
-                        fail(it, rec["error"], rec["detail"])
-                    elif selector.given and (it.boxes is None or len(it.boxes) == 0):
-                        fail(it, "no_boxes", "given-boxes mode and no box for this image")
-                    else:
-                        good.append(rec)
-                if good:
-                    for r, o in guarded_detect(model, good, selector, precision, dev, fail):
-                        if o.boxes.shape[0] == 0:
-                            fail(r["item"], "no_regions", "the detector returned no region for this image")
-                            continue
-                        try:
-                            writer.add(r["item"].key, o.features, o.boxes, o.image_w, o.image_h, class_ids=o.class_ids,
-                                       class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
-                        except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
-                            fail(r["item"], "invalid_output", str(exc))
-                            continue
-                        summary.extracted += 1
-                        summary.boxes += int(o.boxes.shape[0])
-                        since_commit += 1
-                    if commit_every and since_commit >= commit_every:
-                        writer.commit()
-                        since_commit = 0
+                since_commit += _extract_batch(batch, model, writer, selector, precision, dev, fail, summary)
+                if commit_every and since_commit >= commit_every:
+                    writer.commit()
+                    since_commit = 0
                 progress.advance(task, len(batch))
+                if stop.signum is not None:  # SIGTERM / SIGINT: keep every finished image, then stop
+                    writer.commit()
+                    raise ExtractionInterrupted(
+                        f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, all committed "
+                        f"to {writer.path}: run the same command again to resume")
         writer.commit()
     finally:
         torch.set_num_threads(threads_before)
@@ -309,6 +300,35 @@ def run_extraction(
             fail_fh.close()
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _extract_batch(batch: list[dict[str, Any]], model: BottomUpDetector, writer: Any, selector: Selector,
+                   precision: str, dev: torch.device, fail: Any, summary: RunSummary) -> int:
+    """Detect and add one loader batch (the per-image guard around the model and the store); returns images added."""
+    good = []
+    for rec in batch:
+        it = rec["item"]
+        if "error" in rec:
+            fail(it, rec["error"], rec["detail"])
+        elif selector.given and (it.boxes is None or len(it.boxes) == 0):
+            fail(it, "no_boxes", "given-boxes mode and no box for this image")
+        else:
+            good.append(rec)
+    added = 0
+    for r, o in guarded_detect(model, good, selector, precision, dev, fail) if good else []:
+        if o.boxes.shape[0] == 0:
+            fail(r["item"], "no_regions", "the detector returned no region for this image")
+            continue
+        try:
+            writer.add(r["item"].key, o.features, o.boxes, o.image_w, o.image_h, class_ids=o.class_ids,
+                       class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
+        except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
+            fail(r["item"], "invalid_output", str(exc))
+            continue
+        summary.extracted += 1
+        summary.boxes += int(o.boxes.shape[0])
+        added += 1
+    return added
 
 
 def _detect(model: BottomUpDetector, recs: list[dict[str, Any]], selector: Selector, precision: str,

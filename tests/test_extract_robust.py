@@ -92,6 +92,20 @@ def test_guarded_detect_on_a_batch_with_a_malformed_blob():
     assert failed == [("bad", "model_error")]
 
 
+def test_file_list_with_undecodable_and_nul_names(tmp_path):
+    d = tmp_path / "imgs"
+    d.mkdir()
+    _photo(Path(os.path.join(os.fsencode(d), b"caf\xe9.png").decode("utf-8", "surrogateescape")))
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"imgs/caf\xe9.png\nimgs/nul\x00name.png\n")
+    store = tmp_path / "s"
+    res = _extract("--file-list", str(listing), "--weights", "random", "--store", str(store), *SMALL)
+    assert res.exit_code == 0, res.output
+    assert FeatureStore(store).keys() == [key_from_name(b"imgs/caf\xe9.png")]
+    (fail,) = _failures(store).values()
+    assert fail["key"] == "imgs/nul\\u0000name.png" and "NUL" in fail["detail"]
+
+
 def test_odd_file_names_are_stored_and_resumed(tmp_path):
     d = tmp_path / "imgs"
     d.mkdir()
@@ -195,3 +209,34 @@ def test_disk_full_mid_run_is_one_line_and_keeps_committed_images(tmp_path, monk
     res = _extract(str(d), "--weights", "random", "--store", str(store), *SMALL)  # space freed: resumes
     assert res.exit_code == 0 and "skipped (already in store) 2" in res.output
     assert len(FeatureStore(store).keys()) == 4
+
+
+def test_sigterm_commits_finished_images_and_the_rerun_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d = tmp_path / "imgs"
+    d.mkdir()
+    for i in range(40):
+        _photo(d / f"{i:02d}.png", 333, 200, seed=i)
+    store = tmp_path / "s"
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(repo / "cli.py"), "extract", str(d), "--weights", "random", "--store", str(store),
+           "--batch-size", "1", "--set", "extract.commit_every=5", *SMALL]
+    env = dict(os.environ, BUTD_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(store.glob("seg-*.h5")) and proc.poll() is None:
+        time.sleep(0.05)  # until the first commit (5 images) is published
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, (out, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stopped by SIGTERM" in errors[0] and "Traceback" not in err
+    done = len(FeatureStore(store).keys())
+    assert 5 <= done < 40 and f"after {done} new images" in errors[0]
+    res = _extract(str(d), "--weights", "random", "--store", str(store), *SMALL)
+    assert res.exit_code == 0 and f"skipped (already in store) {done}" in res.output, res.output
+    assert len(FeatureStore(store).keys()) == 40
