@@ -85,12 +85,14 @@ def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path,
         prepared = PreparedCaptions.load(data)
         keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
         photos = [str(world_dir / "images" / k) for k in keys]
-        results = caption_photos(
-            photos, checkpoint, str(weights), ccfg, output=stage_dir / "captions.jsonl", visualize=stage_dir / "pictures"
+        caption_photos(
+            photos, checkpoint, str(weights), ccfg, output=stage_dir / "captions.jsonl", visualize=stage_dir / "pictures",
+            gallery=stage_dir / "gallery",
         )
         names = sorted(p.name for p in (stage_dir / "pictures").glob("*.png"))
-        return {"captions": "captions.jsonl", "pictures": "pictures"}, {
-            "captioned": sum(r.error is None for r in results),
+        rows = [json.loads(line) for line in (stage_dir / "captions.jsonl").read_text(encoding="utf-8").splitlines()]
+        return {"captions": "captions.jsonl", "pictures": "pictures", "gallery": "gallery/index.html"}, {
+            "captioned": sum("caption" in r for r in rows),
             "pictures": names,
         }
 

@@ -29,6 +29,8 @@ from models.base import Captioner
 from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError
+from pipeline.core.keys import key_to_text
 from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
 
@@ -51,15 +53,10 @@ class CaptionResult:
     image: np.ndarray | None = None  # RGB uint8, kept only for pictures
 
     def to_json(self, with_nbest: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"image": str(self.path), "key": self.key}
-        if self.error:
-            out["error"] = self.error
-            return out
-        out["caption"] = self.caption
-        out["score"] = round(float(self.score), 5)
-        if with_nbest:
-            out["nbest"] = [{"caption": c, "score": round(float(s), 5)} for c, s in self.nbest]
-        return out
+        """The output row (see :func:`pipeline.captioning.output.result_row`)."""
+        from pipeline.captioning.output import result_row
+
+        return result_row(self, with_nbest)
 
 
 def regions_to_record(o: RegionOutput) -> dict[str, Any]:
@@ -136,6 +133,11 @@ class FeatureCache:
         self.writer.close()
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+
+
 class PhotoCaptioner:
     """A detector and a captioner ready to caption photos on one device."""
 
@@ -152,6 +154,7 @@ class PhotoCaptioner:
     ) -> None:
         self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
+        self.identity: dict[str, Any] = {}  # the detector's feature-store identity, set by whoever loaded it
 
     def _detect(self, items: Sequence[ImageItem], images: Sequence[np.ndarray]) -> list[dict[str, Any]]:
         blobs, frames = [], []
@@ -166,6 +169,18 @@ class PhotoCaptioner:
         self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False
     ) -> Iterator[CaptionResult]:
         """Caption ``items`` in batches; yields results in input order. ``cache`` is an open store writer."""
+        for batch in self.caption_batches(items, batch_size, cache, keep_images, relevance):
+            yield from batch
+
+    def caption_batches(
+        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False
+    ) -> Iterator[list[CaptionResult]]:
+        """Caption ``items`` batch by batch (one list of results per batch, in input order).
+
+        A per-image guard: an image whose decoding, detection or captioning raises becomes a result with an
+        ``error`` (``reason: detail``) and the others of its batch are still captioned (a failed batch is
+        retried image by image). Project errors (:class:`PipelineError`, e.g. a feature-size mismatch) stop the run.
+        """
         for start in range(0, len(items), batch_size):
             chunk = list(items[start : start + batch_size])
             results = [CaptionResult(it.key, it.path) for it in chunk]
@@ -189,7 +204,7 @@ class PhotoCaptioner:
                 except OSError as exc:
                     results[i].error = f"unreadable: {exc}"
             if todo:
-                for i, rec in zip(todo, self._detect([chunk[i] for i in todo], [images[i] for i in todo])):
+                for i, rec in self._detect_guarded(chunk, todo, images, results).items():
                     if len(rec["boxes"]) == 0:
                         results[i].error = "no_regions: the detector returned no region"
                         continue
@@ -202,13 +217,51 @@ class PhotoCaptioner:
                     cache.commit()
             good = [i for i in range(len(chunk)) if records[i] is not None and results[i].error is None]
             if good:
-                recs = [cap_boxes(dict(records[i]), self.max_boxes) for i in good]
-                self._caption(recs, [results[i] for i in good], relevance)
-                for i, rec in zip(good, recs):
-                    results[i].regions = rec
-                    if keep_images:
-                        results[i].image = images[i]
-            yield from results
+                recs = {i: cap_boxes(dict(records[i]), self.max_boxes) for i in good}
+                self._check_dim(next(iter(recs.values())))
+                self._caption_guarded(recs, results, relevance)
+                for i, rec in recs.items():
+                    if results[i].error is None:
+                        results[i].regions = rec
+                        if keep_images:
+                            results[i].image = images[i]
+            yield results
+
+    def _check_dim(self, rec: dict[str, Any]) -> None:
+        dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)
+        if expected is not None and dim != expected:
+            raise PipelineError(f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with")
+
+    def _detect_guarded(self, chunk: list[ImageItem], todo: list[int], images: list[Any], results: list[CaptionResult]) -> dict[int, dict[str, Any]]:
+        """Detect ``todo`` together; if that raises, one by one (the failing image gets the error)."""
+        try:
+            return dict(zip(todo, self._detect([chunk[i] for i in todo], [images[i] for i in todo])))
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the per-image guard: any model failure is this image's
+            if len(todo) > 1:
+                out: dict[int, dict[str, Any]] = {}
+                for i in todo:
+                    out.update(self._detect_guarded(chunk, [i], images, results))
+                return out
+            results[todo[0]].error = f"detector_failed: {_one_line(exc)}"
+            log.warning("skipped %s: the detector failed (%s)", key_to_text(str(chunk[todo[0]].path)), _one_line(exc))
+            return {}
+
+    def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
+        """Caption ``recs`` together; if that raises, one by one (the failing image gets the error)."""
+        try:
+            self._caption(list(recs.values()), [results[i] for i in recs], relevance)
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the per-image guard
+            if len(recs) > 1:
+                for i, rec in recs.items():
+                    self._caption_guarded({i: rec}, results, relevance)
+                return
+            i = next(iter(recs))
+            results[i].error = f"captioner_failed: {_one_line(exc)}"
+            log.warning("skipped %s: the captioner failed (%s)", key_to_text(str(results[i].path)), _one_line(exc))
 
     @torch.no_grad()
     def _caption(self, recs: list[dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
@@ -224,4 +277,7 @@ class PhotoCaptioner:
             res.tokens = self.vocab.decode(out.tokens[j, 0].tolist())
             if relevance and res.tokens:
                 n = int(out.lengths[j, 0])
-                res.relevance = region_relevance(self.model, inputs, j, out.tokens[j, 0, :n])[: len(res.tokens)]
+                try:
+                    res.relevance = region_relevance(self.model, inputs, j, out.tokens[j, 0, :n])[: len(res.tokens)]
+                except Exception as exc:  # noqa: BLE001 - the caption stands without its picture's word relevance
+                    log.warning("no word relevance for %s (%s)", key_to_text(str(res.path)), _one_line(exc))

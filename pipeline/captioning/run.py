@@ -1,92 +1,73 @@
-"""The work behind ``cli caption``: resolve the model and detector, caption, print and write the results."""
+"""The work behind ``cli caption``: resolve the model and detector, caption batch by batch, stream the results.
+
+Streaming: each batch's rows are appended to the results journal and committed (see
+:mod:`pipeline.captioning.journal`), its pictures and gallery thumbnails are written, and only then is its part
+of the table printed; memory is one batch. A rerun on the same ``--output`` (and ``--gallery``) captions only
+the photos that are not committed there yet. ``.json``, ``.csv`` and COCO files are written from the journal
+at the end (:mod:`pipeline.captioning.output`); the gallery page too (:mod:`pipeline.captioning.gallery`).
+"""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.captioning.choose import find_checkpoint, find_detector  # noqa: F401 - the public entry points
+from pipeline.captioning.journal import Journal
+from pipeline.captioning.output import OutputPlan, coco_ids, failure_row, finalize, load_id_map, plan_output, result_row
 from pipeline.core.config import Config
-from pipeline.core.console import get_logger, make_progress, stdout_console
+from pipeline.core.console import get_logger, make_progress, progress_enabled, stdout_console
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.core.fileio import atomic_write_bytes, atomic_write_text, read_json
+from pipeline.core.keys import key_to_text, markup_escape
 
 log = get_logger("caption")
 
 
-def find_checkpoint(model: Path) -> Path:
-    """A checkpoint file, or the best checkpoint of a run directory's single trained captioner."""
-    if model.is_file():
-        return model
-    if not model.exists():
-        raise UsageError(
-            f"no captioner at {model}: run `python cli.py demo` to train the demo model, "
-            "or pass --model CHECKPOINT.pt (a checkpoint written by `train`)"
-        )
-    found = sorted(model.glob("train-*/best.pt")) or sorted(model.glob("best.pt"))
-    if not found:
-        raise UsageError(
-            f"{model} holds no trained captioner (no train-*/best.pt): run `python cli.py demo --out {model}` "
-            "or pass --model CHECKPOINT.pt"
-        )
-    if len(found) > 1:
-        names = ", ".join(str(p) for p in found)
-        raise UsageError(f"{model} holds several captioners ({names}); pass one with --model")
-    return found[0]
+@dataclass
+class CaptionSummary:
+    """What a ``caption`` run did: photos given, already done by an earlier run, captioned now, failed now."""
+
+    total: int = 0
+    already_done: int = 0
+    captioned: int = 0
+    failed: int = 0
+    pictures: int = 0
+    output: Path | None = None
+    gallery: Path | None = None
 
 
-def find_detector(model: Path, checkpoint: Path, weights: str | None) -> str:
-    """``--weights`` if given, else the detector of the run directory the checkpoint belongs to."""
-    if weights:
-        if weights != "random" and not Path(weights).is_file():
-            raise UsageError(f"detector weights not found: {weights}")
-        return weights
-    for run in ([model] if model.is_dir() else []) + [checkpoint.parent.parent]:
-        manifest = run / "detector" / "manifest.json"
-        if manifest.is_file():
-            data = read_json(manifest, what="detector stage manifest")
-            rel = data.get("outputs", {}).get("weights")
-            if rel and (run / "detector" / rel).is_file():
-                return str(run / "detector" / rel)
-    raise UsageError(
-        "no detector found for this captioner: pass --weights (a bottom-up checkpoint such as "
-        "bua-caffe-frcn-r101_with_attributes.pth, or the demo's runs/demo/detector/... weights)"
-    )
+def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]:
+    """Items (key, path) from photo arguments and a ``--file-list`` (one path per line, ``#`` comments)."""
+    from extractors.run import _unique, items_from_file_list, items_from_paths
+
+    items = items_from_paths(list(photos or [])) if photos else []
+    if file_list is not None:
+        items = _unique(items + items_from_file_list(file_list, Path.cwd()))
+    if not items:
+        where = ", ".join(list(photos or []) + ([str(file_list)] if file_list else []))
+        raise UsageError(f"no image files found in {where or 'the arguments'} (give photos, folders, globs or --file-list FILE)")
+    if all(it.problem is not None for it in items):
+        shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])
+        raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
+    return items
 
 
-def caption_photos(
-    photos: list[str], model: Path, weights: str | None, cfg: Config, output: Path | None = None,
-    visualize: Path | None = None, cache: Path | None = None, decoding: dict[str, Any] | None = None, vocab: Path | None = None,
-) -> list[Any]:
-    """Caption ``photos`` and report; returns the :class:`CaptionResult` list.
+def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[str, Any] | None = None,
+                 vocab: Path | None = None) -> tuple[Any, list[str], list[str], dict[str, Any]]:
+    """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
     ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
     """
-    import torch
-
     from extractors.factory import configure_recipe, load_for_inference, resolve_device
     from extractors.names import detector_names
-    from extractors.run import items_from_paths
+    from extractors.run import record_settings
     from models.captions import merge_decoding
+    from models.checkpoints import load_captioner
     from models.decoding import DecodeOptions
     from pipeline.captioning.engine import PhotoCaptioner
-    from models.checkpoints import load_captioner
     from pipeline.core.vocab import Vocab
 
-    if output is not None and output.suffix.lower() not in (".jsonl", ".json", ".csv"):
-        raise UsageError(f"--output must end in .jsonl, .json or .csv, not {output.name}")
-    items = items_from_paths(photos)
-    if not items:
-        raise UsageError(f"no image files found in {', '.join(photos)}")
-    if all(it.problem is not None for it in items):
-        from pipeline.core.keys import key_to_text
-
-        shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])  # type: ignore[index]
-        raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
-    ckpt_path = find_checkpoint(model)
-    det_weights = find_detector(model, ckpt_path, weights)
     device = resolve_device(str(cfg.device))
     captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
     cfg = _release_features(cfg, ckpt.get("release"))
@@ -112,45 +93,70 @@ def caption_photos(
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels))
-    expected = getattr(captioner, "feat_dim", None)
+    engine.identity = identity
+    engine.store_settings = record_settings(identity, rule, "fp32")  # what a ``--cache`` store must agree on
+    settings = {
+        "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.get("global_step"),
+        "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,
+    }
+    return engine, list(classes), list(attributes), settings
 
+
+def caption_photos(
+    photos: list[str] | None, model: Path, weights: str | None, cfg: Config, output: Path | None = None,
+    visualize: Path | None = None, cache: Path | None = None, *, file_list: Path | None = None, fmt: str | None = None,
+    captioner: str | None = None, gallery: Path | None = None, image_ids: Path | None = None, force: bool = False,
+    decoding: dict[str, Any] | None = None, vocab: Path | None = None,
+) -> CaptionSummary:
+    """Caption ``photos`` (and ``file_list``) with streaming, resumable output; returns the counts.
+
+    ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
+    """
+    if output is None and fmt is not None:
+        raise UsageError("--format needs --output FILE")
+    plan = plan_output(output, fmt) if output is not None else None
+    items = collect_items(photos, file_list)
+    ids = coco_ids(items, load_id_map(image_ids) if image_ids else None) if plan is not None and plan.fmt == "coco" else None
+    ckpt_path = find_checkpoint(model, captioner)
+    det_weights = find_detector(model, ckpt_path, weights)
+    engine, classes, attributes, settings = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
+    n_best = int(cfg.n_best)
+    results_journal = _open_results(plan, settings, n_best, force)
+    gallery_sink = None
+    if gallery is not None:
+        from pipeline.captioning.gallery import GallerySink
+
+        gallery_sink = GallerySink(gallery, settings, classes, attributes, force=force)
+    journals = [j for j in (results_journal, gallery_sink and gallery_sink.journal) if j is not None]
+    summary = CaptionSummary(total=len(items), output=output, gallery=gallery)
+    todo = [it for it in items if not journals or any(key_to_text(it.key) not in j.done for j in journals)]
+    summary.already_done = len(items) - len(todo)
+    if summary.already_done:
+        log.info("%d of %d photos are already captioned in this output; captioning the other %d", summary.already_done, len(items), len(todo))
     writer = None
     if cache is not None:
         from pipeline.captioning.engine import FeatureCache
 
-        from extractors.run import record_settings
-
-        writer = FeatureCache(cache, record_settings(identity, rule, "fp32"))
-    results = []
+        writer = FeatureCache(cache, engine.store_settings)
     try:
-        with make_progress() as progress, torch.inference_mode(False):
-            task = progress.add_task("caption", total=len(items))
-            for res in engine.caption_paths(items, int(cfg.batch_size), cache=writer, keep_images=visualize is not None,
-                                            relevance=visualize is not None):
-                if res.error is None and expected is not None and res.regions is not None:
-                    dim = res.regions["features"].shape[1]
-                    if dim != expected:
-                        raise PipelineError(f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with")
-                results.append(res)
-                progress.advance(task)
+        _run_batches(engine, todo, cfg, summary, results_journal, gallery_sink, visualize, writer, ids, classes, attributes)
     finally:
+        for j in journals:
+            j.close()
         if writer is not None:
             writer.close()
-    bad = [r for r in results if r.error]
-    _print_table(results, int(cfg.n_best))
-    if output is not None:
-        _write_output(results, output, int(cfg.n_best) > 1)
-        log.info("wrote %d results to %s", len(results), output)
-    if visualize is not None:
-        from pipeline.captioning.pictures import write_pictures
-
-        written = write_pictures(results, visualize, classes, attributes)
-        log.info("wrote %d pictures to %s", len(written), visualize)
-    if bad:
-        log.warning("%d of %d photos could not be captioned (listed above)", len(bad), len(results))
-    if len(bad) == len(results):
-        raise PipelineError(f"none of the {len(results)} photos could be captioned")
-    return results
+    if plan is not None and results_journal is not None and plan.fmt != "jsonl":
+        finalize(plan, results_journal.read("results"), n_best > 1)  # read works on a closed journal
+    if plan is not None:
+        log.info("results: %s (%d photos; failures listed in %s)", plan.path, results_journal.rows if results_journal else 0, plan.failures)
+    if gallery_sink is not None:
+        page = gallery_sink.write_page()
+        log.info("gallery: %s", page)
+    if summary.failed:
+        log.warning("%d of %d photos could not be captioned (listed above)", summary.failed, len(todo))
+    if todo and summary.failed == len(todo):
+        raise PipelineError(f"none of the {len(todo)} photos could be captioned")
+    return summary
 
 
 def _release_features(cfg: Config, release: dict[str, Any] | None) -> Config:
@@ -170,37 +176,61 @@ def _release_features(cfg: Config, release: dict[str, Any] | None) -> Config:
     return cfg.with_overrides(changes, source="released model") if changes else cfg
 
 
-def _print_table(results: list[Any], n_best: int) -> None:
+def _open_results(plan: OutputPlan | None, settings: dict[str, Any], n_best: int, force: bool) -> Journal | None:
+    if plan is None:
+        return None
+    return Journal({"results": plan.journal, "failures": plan.failures}, {**settings, "format": plan.fmt, "n_best": n_best}, force=force)
+
+
+def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSummary, results: Journal | None, gallery: Any,
+                 visualize: Path | None, cache: Any, ids: dict[str, int] | None, classes: list[str], attributes: list[str]) -> None:
+    """Caption ``todo`` batch by batch: files first (results, failures, pictures, gallery), then the table rows."""
+    import torch
+
+    from pipeline.captioning.pictures import write_pictures
+
+    n_best = int(cfg.n_best)
+    want_images = visualize is not None or gallery is not None
+    with make_progress() as progress, torch.inference_mode(False):
+        task = progress.add_task("caption", total=len(todo))
+        first = True
+        for batch in engine.caption_batches(todo, int(cfg.batch_size), cache=cache, keep_images=want_images, relevance=want_images):
+            if visualize is not None:
+                summary.pictures += len(write_pictures(batch, visualize, classes, attributes))
+            if gallery is not None:
+                gallery.add(batch)
+            if results is not None:
+                fresh = [r for r in batch if key_to_text(r.key) not in results.done]
+                results.append({
+                    "results": [result_row(r, n_best > 1, ids[r.key] if ids else None) for r in fresh],
+                    "failures": [failure_row(r) for r in fresh if r.error],
+                })
+            summary.captioned += sum(r.error is None for r in batch)
+            summary.failed += sum(r.error is not None for r in batch)
+            _print_batch(progress, batch, n_best, first)
+            first = False
+            progress.advance(task, len(batch))
+            for r in batch:  # nothing of a finished batch outlives it
+                r.image = r.regions = r.relevance = None
+
+
+def _print_batch(progress: Any, batch: list[Any], n_best: int, header: bool) -> None:
+    """This batch's rows of the results table (every user string escaped for rich markup)."""
+    import sys
+
     from rich.table import Table
 
-    table = Table(show_edge=False)
-    table.add_column("image")
-    table.add_column("caption")
-    table.add_column("score", justify="right")
-    for r in results:
+    table = Table(show_edge=False, show_header=header, expand=True)
+    table.add_column("image", ratio=2, overflow="fold")
+    table.add_column("caption", ratio=5)
+    table.add_column("score", justify="right", width=7)
+    for r in batch:
+        name = markup_escape(key_to_text(str(r.path)))
         if r.error:
-            table.add_row(str(r.path), f"[red]skipped: {r.error}[/red]", "")
+            table.add_row(name, f"[red]skipped: {markup_escape(r.error)}[/red]", "")
             continue
-        table.add_row(str(r.path), r.caption, f"{r.score:.3f}")
+        table.add_row(name, markup_escape(r.caption), f"{r.score:.3f}")
         for c, s in r.nbest[1:n_best]:
-            table.add_row("", f"[dim]{c}[/dim]", f"[dim]{s:.3f}[/dim]")
-    stdout_console().print(table)
-
-
-def _write_output(results: list[Any], path: Path, with_nbest: bool) -> None:
-    rows = [r.to_json(with_nbest) for r in results]
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-    elif suffix == ".json":
-        atomic_write_text(path, json.dumps(rows, indent=1) + "\n")
-    else:
-        buf = io.StringIO()
-        fields = ["image", "key", "caption", "score", "error"] + (["nbest"] if with_nbest else [])
-        w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            if "nbest" in r:
-                r = dict(r, nbest=" | ".join(f"{h['caption']} ({h['score']})" for h in r["nbest"]))
-            w.writerow(r)
-        atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
+            table.add_row("", f"[dim]{markup_escape(c)}[/dim]", f"[dim]{s:.3f}[/dim]")
+    live = progress_enabled() and sys.stdout.isatty()
+    (progress.console if live else stdout_console()).print(table)

@@ -1,4 +1,4 @@
-"""`cli caption`: raw photos -> captions (table, JSON lines or CSV), optionally pictures."""
+"""`cli caption`: raw photos -> captions (table, JSON lines, JSON, CSV or COCO results), pictures and a gallery."""
 
 from __future__ import annotations
 
@@ -17,31 +17,40 @@ CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_s
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "caption", everyday=CAPTION_EVERYDAY)
+    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True)
     def caption_command(
         opts: CommandOptions,
-        photos: Annotated[list[str], typer.Argument(help="Image files, folders (recursive) or globs.")],
+        photos: Annotated[Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")] = None,
         model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, or released M2/AoANet .pth.")] = DEFAULT_RUN,
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (default: found next to --model).")] = None,
         weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights file, or `random` (smoke tests).")] = None,
-        output: output_option("Write results: .jsonl, .json or .csv.") = None,
+        output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
+        fmt: Annotated[Optional[str], typer.Option("--format", help="Output format: jsonl | json | csv | coco (COCO results [{image_id, caption}]); default from the --output suffix.")] = None,
+        image_ids: Annotated[Optional[Path], typer.Option("--image-ids", help="For --format coco: JSON {file name: id} or a COCO annotations file.")] = None,
+        file_list: Annotated[Optional[Path], typer.Option("--file-list", help="A text file with one image path per line (relative to the current folder).")] = None,
+        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D.")] = None,
+        gallery: Annotated[Optional[Path], typer.Option("--gallery", help="Write a static HTML gallery (index.html, thumbnails, pictures) into this folder.")] = None,
         n_best: NBestOpt = None,
         beam_size: BeamSizeOpt = None,
         max_len: MaxLenOpt = None,
         length_penalty: LengthPenaltyOpt = None,
         block_trigrams: TrigramOpt = None,
         stop_rule: StopRuleOpt = None,
-        visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Write one PNG per photo (boxes, caption, word heat strip).")] = None,
+        visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Write one PNG per photo (the regions the caption attends to, a legend, the caption).")] = None,
         cache: Annotated[Optional[Path], typer.Option("--cache", help="Feature store to reuse and extend (keys as in `extract`).")] = None,
     ) -> None:
         """Caption raw photos: files, folders or globs in; the detector extracts regions on the fly and a trained
         captioner describes them. Bad images are reported per file and skipped.
 
         --model takes a captioner checkpoint or a run directory (default runs/demo, made by `demo`), whose
-        detector is used unless --weights names another (any supported checkpoint, or `random`). It also takes the
+        detector is used unless --weights names another (any supported checkpoint, or `random`); in a run folder
+        with several captioners the one with the best validation CIDEr-D is used (--captioner NAME picks one). It also takes the
         released M2 (meshed_memory_transformer.pth with --vocab vocab.pkl) and AoANet (model-best.pth with --vocab
         infos_*.pkl) files: converted once to a native checkpoint, captioned with the Caffe bottom-up features and
         the decoding of their papers.
+
+        Results stream to --output as they are produced, with the images that failed in <output>.failures.jsonl; a
+        rerun on the same --output (or --gallery) captions only the photos not done yet (--force starts them over).
 
         Examples:
 
@@ -52,10 +61,15 @@ def register(app: typer.Typer) -> None:
             butd-caption caption 'shots/*.jpg' --model best.pt --weights bua-caffe-frcn-r101_with_attributes.pth --n-best 3
 
             butd-caption caption photos/ --model meshed_memory_transformer.pth --vocab vocab.pkl --weights bua.pth
+
+            butd-caption caption --file-list val.txt --model runs/coco --output results.json --format coco
+
+            butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
         """
         extra = [f"caption.{key}={value}" for key, value in (("n_best", n_best), ("beam_size", beam_size)) if value is not None]
         cfg = opts.resolve("caption", extra).caption
         from pipeline.captioning.run import caption_photos
 
         decoding = decoding_overrides(max_len=max_len, length_penalty=length_penalty, block_trigrams=block_trigrams, stop_rule=stop_rule)
-        caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab)
+        caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
+                       file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)

@@ -1,0 +1,141 @@
+"""Append-only JSON-lines files with a committed position: how ``cli caption`` streams and resumes.
+
+A :class:`Journal` is a group of JSON-lines files (the results, the failures manifest, a gallery's records)
+plus one small position file ``<first file>.committed`` (JSON: the byte length of every file at the last
+commit, the number of committed rows, and the settings the rows were made with). A batch is appended with a
+single ``write`` per file, the files are fsynced, then the position file is replaced atomically
+(:func:`pipeline.core.fileio.atomic_write_json`). Reopening truncates every file to its committed length, so
+a batch torn by a crash (or a full disk) is dropped and redone, and reads back the keys already committed so
+that a rerun only does the rest. Memory is one batch plus the set of committed keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.console import get_logger
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_json, read_json
+
+log = get_logger("caption")
+
+VERSION = 1
+
+
+def dumps_row(row: Mapping[str, Any]) -> bytes:
+    """One JSON line (ASCII: non-ASCII and undecodable file-name characters are ``\\u`` escapes)."""
+    return (json.dumps(row, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class Journal:
+    """Results files appended batch by batch; ``done`` holds the keys committed by earlier runs.
+
+    ``files`` maps a role (``results``, ``failures``, ...) to a path; the first role's rows carry ``key``.
+    ``settings`` must match the ones a resumed journal was written with (else a usage error naming the
+    field), unless ``force`` starts every file afresh.
+    """
+
+    def __init__(self, files: Mapping[str, Path], settings: Mapping[str, Any], force: bool = False) -> None:
+        if not files:
+            raise ValueError("a journal needs at least one file")
+        self.files = {role: Path(p) for role, p in files.items()}
+        self.main = next(iter(self.files))
+        self.state_path = self.files[self.main].with_name(self.files[self.main].name + ".committed")
+        self.settings = json.loads(json.dumps(dict(settings)))  # plain JSON types, comparable with a re-read
+        self.done: set[str] = set()
+        self.rows = 0
+        state = self._start(force)
+        self.sizes = {role: int(state["files"].get(role, 0)) for role in self.files}
+        self._fds: dict[str, int] = {}
+        for role, path in self.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+            os.ftruncate(fd, self.sizes[role])  # drop whatever a killed run wrote after its last commit
+            os.lseek(fd, 0, os.SEEK_END)
+            self._fds[role] = fd
+        if state["rows"]:
+            self.done = {row["key"] for row in self.read(self.main)}
+            self.rows = int(state["rows"])
+        self._save()
+
+    def _start(self, force: bool) -> dict[str, Any]:
+        fresh = {"version": VERSION, "files": {}, "rows": 0, "settings": self.settings}
+        main = self.files[self.main]
+        if force or not self.state_path.exists():
+            if not force and main.exists() and main.stat().st_size > 0:
+                raise UsageError(f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
+                                 "pass --force to overwrite it, or choose another --output")
+            return fresh
+        state = read_json(self.state_path, "caption position file")
+        if state.get("version") != VERSION or not isinstance(state.get("files"), dict):
+            raise PipelineError(f"caption position file {self.state_path} is not one this version writes; pass --force to start over")
+        old = state.get("settings") or {}
+        changed = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+        if changed:
+            raise UsageError(
+                f"{main} holds captions made with other settings ({', '.join(changed)} differ): pass --force to start "
+                "it over, or choose another --output"
+            )
+        for role, path in self.files.items():
+            size = int(state["files"].get(role, 0))
+            have = path.stat().st_size if path.exists() else 0
+            if have < size:
+                raise PipelineError(f"{path} is shorter ({have} bytes) than its committed length {size} ({self.state_path}): "
+                                    "it was changed outside `caption`; pass --force to start over")
+        if state["rows"]:
+            log.info("resuming %s: %d photos already done", main, int(state["rows"]))
+        return state
+
+    def read(self, role: str) -> Iterator[dict[str, Any]]:
+        """Stream the committed rows of one file (a line that is not JSON is an error naming the file)."""
+        path, limit = self.files[role], self.sizes[role]
+        done = 0
+        with path.open("rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                done += len(line)
+                if done > limit:
+                    break
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PipelineError(f"{path} line {lineno} is not JSON ({exc}); pass --force to start over") from None
+                yield row
+
+    def append(self, batches: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+        """Append one batch (rows per role) and commit it: after this returns a kill loses none of it."""
+        for role, rows in batches.items():
+            if rows:
+                _write_all(self._fds[role], b"".join(dumps_row(r) for r in rows))
+        for role, fd in self._fds.items():
+            if batches.get(role):
+                os.fsync(fd)
+                self.sizes[role] = os.lseek(fd, 0, os.SEEK_CUR)
+        main_rows = batches.get(self.main) or []
+        self.done.update(str(r["key"]) for r in main_rows)
+        self.rows += len(main_rows)
+        self._save()
+
+    def _save(self) -> None:
+        atomic_write_json(self.state_path, {"version": VERSION, "files": dict(self.sizes), "rows": self.rows, "settings": self.settings})
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
