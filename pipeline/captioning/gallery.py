@@ -9,7 +9,7 @@ Layout of ``--gallery DIR``::
 
 The page needs no server and no network: CSS and JavaScript are inline, images are relative links. Cards are
 plain HTML (readable without JavaScript); the script adds the word filter, the photo count and the box
-toggles. Boxes are the few regions the caption attends to, one label per object
+toggles; ``index.html?q=word`` opens it filtered. Boxes are the few regions the caption attends to, one label per object
 (:func:`pipeline.captioning.pictures.attended_regions`).
 """
 
@@ -68,6 +68,8 @@ _SCRIPT = """
     });
     count.textContent=shown+' of '+cards.length+' photos';
   }
+  var m=location.search.match(/[?&]q=([^&]*)/);
+  if(m){q.value=decodeURIComponent(m[1].replace(/\\+/g,' '));}
   q.addEventListener('input',update);
   document.getElementById('all').addEventListener('change',function(e){document.body.classList.toggle('all',e.target.checked);});
   cards.forEach(function(c){var b=c.querySelector('button'); if(b){b.addEventListener('click',function(){c.classList.toggle('show');});}});
@@ -157,12 +159,13 @@ def card_html(row: Mapping[str, Any]) -> str:
         f"<span><i style=\"background:{_colour(n)}\"></i>{n + 1} {e(r['label'])}{' &larr; ' + e(', '.join(r['words'])) if r['words'] else ''}</span>"
         for n, r in enumerate(row["regions"])
     )
-    nbest = "".join(f"<li>{e(c)} <span class=\"score\">{s:.3f}</span></li>" for c, s in row["nbest"])
+    items = "".join(f"<li>{e(c)} <span class=\"score\">{s:.3f}</span></li>" for c, s in row["nbest"])
+    nbest = f"<ol class=\"nbest\">{items}</ol>" if len(row["nbest"]) > 1 else ""
     return (
         f"<figure class=\"card\" id=\"{e(row['key'])}\" data-words=\"{e(words)}\"><div class=\"photo\">"
         f"<a href=\"{e(row['picture'])}\"><img src=\"{e(row['thumb'])}\" alt=\"{e(row['caption'])}\" loading=\"lazy\"></a>"
         f"<div class=\"boxes\">{boxes}</div></div><figcaption><p class=\"caption\">{e(row['caption'])} "
-        f"<span class=\"score\">{row['score']:.3f}</span></p><ol class=\"nbest\">{nbest}</ol><div class=\"legend\">{legend}</div>"
+        f"<span class=\"score\">{row['score']:.3f}</span></p>{nbest}<div class=\"legend\">{legend}</div>"
         f"<button type=\"button\">boxes</button> <a href=\"{e(row['picture'])}\">picture</a> · "
-        f"<a href=\"{e(row['source'])}\">photo</a> · <span class=\"score\">{e(row['image'])}</span></figcaption></figure>\n"
+        f"<a href=\"{e(row['source'])}\">photo</a> · <span class=\"score\" title=\"{e(row['image'])}\">{e(row['key'])}</span></figcaption></figure>\n"
     )

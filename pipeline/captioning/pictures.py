@@ -149,8 +149,8 @@ def render_picture(result: CaptionResult, classes: Sequence[str], attributes: Se
         draw.text((13 if n < 10 else 9, y + 2), str(n), fill=(255, 255, 255), font=leg_font)
         draw.text((38, y + 2), reg.label, fill=(0, 0, 0), font=leg_font)
         if reg.words:
-            x = 44 + draw.textlength(reg.label, font=leg_font)
-            draw.text((x, y + 2), "\u2190 " + ", ".join(reg.words), fill=(90, 90, 90), font=leg_font)
+            x = 38 + draw.textlength(reg.label, font=leg_font)
+            draw.text((x, y + 2), ": " + ", ".join(reg.words), fill=(90, 90, 90), font=leg_font)
         y += 26
     return canvas
 
