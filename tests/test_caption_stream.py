@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import tracemalloc
@@ -64,7 +65,8 @@ def test_kill_after_about_20_then_rerun_captions_each_photo_once(env: dict[str, 
     keys = [r["key"] for r in rows]
     assert sorted(keys) == sorted(p.name for p in photos) and len(set(keys)) == 40  # every photo exactly once
     assert rows[: len(killed)] == killed and all("caption" in r for r in rows)
-    assert f"{len(killed)} of 40 photos are already captioned" in err.decode()
+    done = int(re.search(r"(\d+) of 40 photos are already captioned", err.decode()).group(1))
+    assert done in (len(killed) - 1, len(killed))  # a row written after the last commit is redone (identically)
     assert len(list((tmp_path / "pics").glob("*.png"))) == 40
     again = cli_process(*args)
     _, err = again.communicate(timeout=600)

@@ -8,7 +8,7 @@ caption's words and de-duplicated by IoU (a region overlapping an already chosen
 no word depends on any region) the most confident detections are drawn, de-duplicated the same way.
 
 The drawing is meant to stay readable at thumbnail size: thick outlines, one large numbered tag per region,
-and the labels in a legend under the photo (``number  attribute class  <- words``) instead of text on the photo.
+and the labels in a legend under the photo (``number  attribute class: words``) instead of text on the photo.
 """
 
 from __future__ import annotations
