@@ -9,7 +9,7 @@ Layout of ``--gallery DIR``::
 
 The page needs no server and no network: CSS and JavaScript are inline, images are relative links. Cards are
 plain HTML (readable without JavaScript); the script adds the word filter, the photo count and the box
-toggles; ``index.html?q=word`` opens it filtered. Boxes are the few regions the caption attends to, one label per object
+toggles; ``index.html?q=word`` opens it filtered, ``?boxes=1`` with every photo's boxes shown. Boxes are the few regions the caption attends to, one label per object
 (:func:`pipeline.captioning.pictures.attended_regions`).
 """
 
@@ -71,7 +71,9 @@ _SCRIPT = """
   var m=location.search.match(/[?&]q=([^&]*)/);
   if(m){q.value=decodeURIComponent(m[1].replace(/\\+/g,' '));}
   q.addEventListener('input',update);
-  document.getElementById('all').addEventListener('change',function(e){document.body.classList.toggle('all',e.target.checked);});
+  var all=document.getElementById('all');
+  all.addEventListener('change',function(){document.body.classList.toggle('all',all.checked);});
+  if(/[?&]boxes=1/.test(location.search)){all.checked=true;document.body.classList.add('all');}
   cards.forEach(function(c){var b=c.querySelector('button'); if(b){b.addEventListener('click',function(){c.classList.toggle('show');});}});
   update();
 })();

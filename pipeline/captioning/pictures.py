@@ -3,8 +3,9 @@
 Which regions: for every content word of the caption (articles, prepositions and other function words
 skipped), the region its relevance points to most (per-word relevance by occlusion, see
 :func:`pipeline.captioning.engine.region_relevance`); regions are ranked by their total relevance over the
-caption's words and de-duplicated by IoU (a region overlapping an already chosen one by more than
-``iou`` adds its words to it instead of a second box), at most ``max_regions``. Without relevance (or when
+caption's words and de-duplicated (a region showing the same object as an already chosen one: IoU above
+``iou``, mostly inside it, or the same label overlapping it, adds its words to it instead of a second box),
+at most ``max_regions``. Without relevance (or when
 no word depends on any region) the most confident detections are drawn, de-duplicated the same way.
 
 The drawing is meant to stay readable at thumbnail size: thick outlines, one large numbered tag per region,
@@ -78,6 +79,17 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> float:
     return float(inter / union) if union > 0 else 0.0
 
 
+def _same_object(a: np.ndarray, b: np.ndarray, label_a: str, label_b: str, iou: float) -> bool:
+    """Boxes that show one object: IoU above ``iou``, one box mostly inside the other, or one label overlapping."""
+    overlap = box_iou(a, b)
+    if overlap > iou or (label_a == label_b and overlap > 0.1):
+        return True
+    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    smaller = min((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]))
+    return bool(smaller > 0 and iw * ih / smaller > 0.7)
+
+
 def attended_regions(result: CaptionResult, labels: Sequence[str], max_regions: int = 5, iou: float = 0.5) -> list[Region]:
     """The few regions the caption's words depend on, de-duplicated by IoU (see the module docstring)."""
     regions = result.regions or {}
@@ -98,7 +110,7 @@ def attended_regions(result: CaptionResult, labels: Sequence[str], max_regions: 
         weight = scores.astype(np.float64)
     chosen: list[Region] = []
     for r in order:
-        same = next((c for c in chosen if box_iou(c.box, boxes[r]) > iou or (not words and c.label == labels[r])), None)
+        same = next((c for c in chosen if _same_object(c.box, boxes[r], c.label, labels[r], iou) or (not words and c.label == labels[r])), None)
         if same is not None:
             same.words += [w for w in words.get(r, []) if w not in same.words]
             continue
