@@ -104,6 +104,9 @@ def _print_report(report) -> None:
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")
+            gallery = Path(pics[0]).parent.parent / "gallery" / "index.html"
+            if gallery.is_file():
+                con.print(f"gallery ({name}): {gallery} (open it in a browser)")
     con.print(f"total {report.seconds:.1f} s; everything is in {report.out.resolve()} (summary.json)")
 
 
