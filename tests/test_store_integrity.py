@@ -337,3 +337,26 @@ def test_ctrl_c_inside_a_writer_keeps_the_pending_images(tmp_path):
                 add_image(w, synthetic_image(i))
             raise KeyboardInterrupt
     assert FeatureStore(store).keys() == ["img00000", "img00001", "img00002"]
+
+
+def test_fuzzed_store_record_is_refused_with_one_line(tmp_path):
+    """Truncated or bit-flipped store.json: the reader and the writer either work or raise PipelineError."""
+    store = tmp_path / "s"
+    _write(store, ["a", "b"], commit_every=1)
+    record = (store / "store.json").read_bytes()
+    rng = np.random.default_rng(1)
+    for k in range(60):
+        data = bytearray(record)
+        if k % 3 == 0:
+            data = data[: int(rng.integers(0, len(record)))]
+        else:
+            data[int(rng.integers(0, len(record)))] ^= 1 << int(rng.integers(0, 8))
+        (store / "store.json").write_bytes(bytes(data))
+        for open_it in (lambda: FeatureStore(store), lambda: open_writer(store, IDENTITY).close()):
+            try:
+                open_it()
+            except PipelineError:
+                pass
+        res = CliRunner().invoke(app, ["info", "--verify", str(store)])
+        assert res.exception is None or isinstance(res.exception, SystemExit), (k, res.exception)
+        assert res.exit_code in (0, 1, 2) and "Traceback" not in res.output
