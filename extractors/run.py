@@ -140,11 +140,14 @@ def _unique(items: list[ImageItem]) -> list[ImageItem]:
     return out
 
 
-def shard_items(items: list[ImageItem], index: int, count: int) -> list[ImageItem]:
-    """Every ``count``-th item starting at ``index`` (shards are disjoint and cover the list)."""
+def shard_items(items: list[ImageItem], index: int, count: int, block: int = 1) -> list[ImageItem]:
+    """Every ``count``-th block of ``block`` consecutive items, starting at block ``index`` (shards are disjoint
+    and cover the list). ``block = 1``: every n-th image (``--shard``); ``block = batch size`` (torchrun) keeps
+    each image in the same batch as a one-process run."""
     if count < 1 or not 0 <= index < count:
         raise UsageError(f"shard {index}/{count} is invalid: need 0 <= i < n")
-    return items[index::count]
+    block = max(1, int(block))
+    return [it for start in range(index * block, len(items), count * block) for it in items[start : start + block]]
 
 
 def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_side: int) -> str | None:

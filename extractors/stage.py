@@ -38,7 +38,8 @@ class ExtractJob:
 
     ``paths``: image folders (recursive), files or globs; ``file_list``: a text file with one image per line;
     ``coco``: a COCO annotations file (its images, and with ``boxes: given`` its boxes), ``image_root`` the
-    folder of the file-list / COCO images; ``shard`` (i, n) keeps every n-th image from i, ``limit`` the first N;
+    folder of the file-list / COCO images; ``shard`` (i, n) keeps every n-th block of ``shard_block`` images from
+    block i (1: every n-th image; torchrun uses the batch size), ``limit`` the first N;
     ``store``: the store's folder inside the stage folder (``"."``: the stage folder is the store); failures are
     listed in ``STAGE/failures.jsonl``.
     """
@@ -51,6 +52,7 @@ class ExtractJob:
     shard: tuple[int, int] | None = None
     limit: int | None = None
     store: str = "store"
+    shard_block: int = 1
 
     def to_config(self) -> dict[str, Any]:
         """The job as plain data for the stage config (absolute paths, so a manifest says which files)."""
@@ -61,6 +63,8 @@ class ExtractJob:
         data.update(paths=[str(Path(p).absolute()) if "*" not in p else p for p in self.paths], file_list=where(self.file_list),
                     image_root=where(self.image_root), coco=where(self.coco), shard=list(self.shard) if self.shard else None,
                     weights=self.weights if self.weights == "random" else where(self.weights))
+        if self.shard_block == 1:  # the default is not recorded (earlier stage digests stay valid)
+            data.pop("shard_block")
         return data
 
 
@@ -103,7 +107,7 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
         shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])
         raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
     if job.shard is not None:
-        items = shard_items(items, *job.shard)
+        items = shard_items(items, *job.shard, block=job.shard_block)
     if job.limit is not None:
         items = items[: max(0, job.limit)]
     return items

@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
         preset: Annotated[Optional[str], typer.Option("--preset", help="auto | bottom-up-caffe-r101 | bottom-up-d2-r101")] = None,
         recipe: Annotated[Optional[str], typer.Option("--recipe", help="Test-time recipe: auto (from the weights' layout) | caffe | hf | airsplay (docs/recipes.md).")] = None,
-        shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n.")] = None,
+        shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file.")] = False,
         merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
@@ -108,10 +108,48 @@ def register(app: typer.Typer) -> None:
         from extractors.stage import ExtractJob, extract_features
 
         parts = _parse_shard(shard)
+        torchrun = shard is None and parts is not None
         job = ExtractJob(weights, tuple(str(p) for p in paths or ()), None if file_list is None else str(file_list),
-                         None if image_root is None else str(image_root), None if coco is None else str(coco), parts, limit, store=".")
+                         None if image_root is None else str(image_root), None if coco is None else str(coco), parts, limit, store=".",
+                         shard_block=int(cfg.batch_size) if torchrun else 1)
         target = shard_store_path(store, parts)
-        _print_result(extract_features(target.parent, target.name, cfg, job, reopen=True), strict)
+        done = False
+        try:
+            _print_result(extract_features(target.parent, target.name, cfg, job, reopen=True), strict)
+            done = True
+        finally:
+            if torchrun:
+                merge_after_ranks(store, done)
+
+
+def merge_after_ranks(store: Path, done: bool) -> None:
+    """torchrun: wait for every rank (a gloo process group), then rank 0 merges ``STORE.shards/i-of-n`` into
+    ``STORE``. Nothing is merged when a rank failed (its shard resumes on the next run) or when ``STORE`` already
+    exists (it is never overwritten: merge the shards elsewhere with ``--merge-shards``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipeline.core.console import get_logger
+    from pipeline.core.distributed import all_sum, env_context
+
+    log = get_logger("extract")
+    ctx = env_context()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", timeout=timedelta(days=7))  # ranks finish at different times
+    try:
+        failed = int(all_sum(0 if done else 1, ctx))  # also waits for every rank
+    finally:
+        dist.destroy_process_group()
+    if not ctx.main:
+        return
+    if failed:
+        log.warning("%d of %d ranks failed; the shards stay in %s.shards (rerun to resume them)", failed, ctx.world, store)
+    elif store.exists():
+        log.warning("%s exists and is not overwritten; the shards are in %s.shards (merge them with "
+                    "--merge-shards --store OTHER)", store, store)
+    else:
+        merge_shard_stores(store)
 
 
 def _print_result(result: Any, strict: bool) -> None:
