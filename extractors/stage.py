@@ -115,7 +115,7 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
 
 def _device(section: Config, job: ExtractJob) -> Any:
     """``extract.device``; under torchrun with shards, ``cuda`` means this rank's GPU."""
-    from extractors.factory import resolve_device
+    from pipeline.core.distributed import resolve_device
 
     dev = resolve_device(str(section.device))
     if dev.type == "cuda" and job.shard is not None and "LOCAL_RANK" in os.environ and dev.index is None:

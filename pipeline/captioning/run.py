@@ -59,7 +59,8 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
 
     ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
     """
-    from extractors.factory import configure_recipe, load_for_inference, resolve_device
+    from extractors.factory import configure_recipe, load_for_inference
+    from pipeline.core.distributed import resolve_device
     from extractors.names import detector_names
     from extractors.run import record_settings
     from models.captions import merge_decoding

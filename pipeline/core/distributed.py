@@ -44,12 +44,15 @@ class DistContext:
         return self.rank == 0
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     """The one device resolver: ``auto`` -> this process's CUDA device when available, else CPU;
-    ``cuda`` -> ``cuda:LOCAL_RANK``; ``cuda:N``, ``cpu`` (or any torch device name) as given.
+    ``cuda`` -> ``cuda:LOCAL_RANK`` (``local_rank`` defaults to torchrun's ``LOCAL_RANK``, 0 outside it);
+    ``cuda:N``, ``cpu`` (or any torch device name) as given.
 
     Raises :class:`UsageError` for an unknown name or a CUDA device on a machine without CUDA.
     """
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     name = str(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
