@@ -19,7 +19,7 @@ OFFERED = {
     "train-detector": EVERYDAY,
     "evaluate": {"--device", "--batch-size", "--precision"},
     "train-encoder": {"--device", "--batch-size", "--precision"},
-    "caption": {"--device", "--batch-size"},
+    "caption": {"--device", "--batch-size", "--precision"},
     "embed": {"--device", "--batch-size"},
     "eval-detector": {"--device"},
 }
@@ -64,6 +64,8 @@ def test_precision_is_checked_against_the_command_choices():
     res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", "s", "--precision", "fp64"])
     assert res.exit_code == 2 and "--precision must be one of fp32, tf32, bf16, not 'fp64'" in res.output
     assert "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["caption", "x.jpg", "--precision", "fp16"])
+    assert res.exit_code == 2 and "--precision must be one of fp32, tf32, bf16, not 'fp16'" in res.output
 
 
 def test_command_flags_reach_the_config(tmp_path):
@@ -83,3 +85,11 @@ def test_a_common_option_cannot_be_declared_twice():
         @command(typer.Typer(), "x", help="x", everyday=Everyday(device="extract.device"))
         def x(opts: CommandOptions, device: str = "cpu") -> None:  # noqa: ARG001
             pass
+
+
+def test_caption_and_evaluate_share_the_decoding_flags():
+    flags = {"--beam-size", "--n-best", "--max-len", "--length-penalty", "--block-trigrams", "--stop-rule"}
+    for name in ("caption", "evaluate"):
+        assert flags <= _options(name), name
+    for name in ("train", "extract", "embed"):
+        assert not flags & _options(name), name

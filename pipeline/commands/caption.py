@@ -7,17 +7,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.decoding_opts import (
-    BeamSizeOpt, LengthPenaltyOpt, MaxLenOpt, NBestOpt, StopRuleOpt, TrigramOpt, decoding_overrides,
-)
+from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 DEFAULT_RUN = Path("runs/demo")
-CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size")
+#: photos are decoded in the main process (no --num-workers); --precision as in `extract`
+CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
+                            precision_choices=("fp32", "tf32", "bf16"))
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True)
+    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True, decoding=True)
     def caption_command(
         opts: CommandOptions,
         photos: Annotated[Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")] = None,
@@ -30,12 +30,6 @@ def register(app: typer.Typer) -> None:
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="A text file with one image path per line (relative to the current folder).")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D.")] = None,
         gallery: Annotated[Optional[Path], typer.Option("--gallery", help="Write a static HTML gallery (index.html, thumbnails, pictures) into this folder.")] = None,
-        n_best: NBestOpt = None,
-        beam_size: BeamSizeOpt = None,
-        max_len: MaxLenOpt = None,
-        length_penalty: LengthPenaltyOpt = None,
-        block_trigrams: TrigramOpt = None,
-        stop_rule: StopRuleOpt = None,
         visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Write one PNG per photo (the regions the caption attends to, a legend, the caption).")] = None,
         cache: Annotated[Optional[Path], typer.Option("--cache", help="Feature store to reuse and extend (keys as in `extract`).")] = None,
     ) -> None:
@@ -66,10 +60,15 @@ def register(app: typer.Typer) -> None:
 
             butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
         """
-        extra = [f"caption.{key}={value}" for key, value in (("n_best", n_best), ("beam_size", beam_size)) if value is not None]
+        flags = dict(opts.decoding)  # --n-best / --beam-size are keys of the caption section, the rest decoding overrides
+        extra = [f"caption.{key}={flags.pop(key)}" for key in ("n_best", "beam_size") if key in flags]
         cfg = opts.resolve("caption", extra).caption
         from pipeline.captioning.run import caption_photos
 
-        decoding = decoding_overrides(max_len=max_len, length_penalty=length_penalty, block_trigrams=block_trigrams, stop_rule=stop_rule)
-        caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
-                       file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)
+        decoding = decoding_overrides(**flags)
+        from extractors.run import precision_context
+        from pipeline.core.distributed import resolve_device
+
+        with precision_context(str(cfg.precision), resolve_device(str(cfg.device))):
+            caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
+                           file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)

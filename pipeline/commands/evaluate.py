@@ -18,9 +18,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.commands.decoding_opts import (
-    BeamSizeOpt, LengthPenaltyOpt, MaxLenOpt, NBestOpt, StopRuleOpt, TrigramOpt, decoding_overrides,
-)
+from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
@@ -32,7 +30,7 @@ EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batc
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "evaluate", everyday=EVALUATE_EVERYDAY)
+    @command(app, "evaluate", everyday=EVALUATE_EVERYDAY, decoding=True)
     def evaluate_command(
         opts: CommandOptions,
         predictions: Annotated[
@@ -49,12 +47,6 @@ def register(app: typer.Typer) -> None:
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (with --model).")] = None,
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval).")] = None,
         data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval).")] = None,
-        beam_size: BeamSizeOpt = None,
-        n_best: NBestOpt = None,
-        max_len: MaxLenOpt = None,
-        length_penalty: LengthPenaltyOpt = None,
-        block_trigrams: TrigramOpt = None,
-        stop_rule: StopRuleOpt = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
         retrieval: Annotated[
             Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
@@ -86,7 +78,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
             if store is None or data is None:
                 raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
-            decoding = decoding_overrides(beam_size, n_best, max_len, length_penalty, block_trigrams, stop_rule)
+            decoding = decoding_overrides(**opts.decoding)
             _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
         if retrieval is None and (store is not None or data is not None):

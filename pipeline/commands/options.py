@@ -121,6 +121,7 @@ class CommandOptions:
     num_workers: int | None = None
     threads: int | None = None
     everyday: Everyday = field(default_factory=Everyday)
+    decoding: Mapping[str, Any] = field(default_factory=dict)  # the decoding flags given (name -> value), see DECODING_FLAGS
 
     def everyday_overrides(self) -> list[str]:
         """``KEY=VALUE`` overrides for the everyday options that were given (strings as JSON = YAML strings)."""
@@ -156,6 +157,17 @@ _OPTIONS: dict[str, tuple[str, Any, Any]] = {  # CommandOptions field -> (parame
 }
 
 
+#: the decoding flags of the commands that decode captions (declared in :mod:`pipeline.commands.decoding_opts`)
+DECODING_FLAGS = ("beam_size", "n_best", "max_len", "length_penalty", "block_trigrams", "stop_rule")
+
+
+def _decoding_params() -> list[tuple[str, Any, Any]]:
+    from pipeline.commands import decoding_opts as d
+
+    types = (d.BeamSizeOpt, d.NBestOpt, d.MaxLenOpt, d.LengthPenaltyOpt, d.TrigramOpt, d.StopRuleOpt)
+    return [(name, ann, None) for name, ann in zip(DECODING_FLAGS, types)]
+
+
 def help_from_doc(fn: Callable[..., Any], fields: Mapping[str, str] | None = None) -> str:
     """A command's help from its docstring: paragraphs re-joined into one line each (Typer's rich help keeps
     single line breaks), paragraphs indented by 4 spaces (examples) kept as they are; ``{name}`` is replaced by
@@ -168,14 +180,17 @@ def help_from_doc(fn: Callable[..., Any], fields: Mapping[str, str] | None = Non
 
 
 def command(app: typer.Typer, name: str, *, help: str | None = None, config: bool = True, overrides: bool = True, force: bool = False,
-            everyday: Everyday | None = None, help_fields: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            everyday: Everyday | None = None, decoding: bool = False, help_fields: Mapping[str, str] | None = None
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(opts, **own_options)`` as command ``name`` with the common options added to its signature.
 
     The command's help is ``help`` or else ``fn``'s docstring (paragraphs; example lines indented by 4 spaces) with
     ``help_fields`` filled in (:func:`help_from_doc`).
 
     ``config``: offer ``--config``; ``overrides``: offer ``--set``; ``force``: offer ``--force``; ``everyday``: the
-    everyday options and the config keys they set. ``--verbose``/``--quiet`` are always offered.
+    everyday options and the config keys they set; ``decoding``: offer the decoding flags (``--beam-size``,
+    ``--n-best``, ``--max-len``, ``--length-penalty``, ``--block-trigrams``, ``--stop-rule``), handed over as
+    ``opts.decoding``. ``--threads``, ``--verbose`` and ``--quiet`` are always offered.
     """
     ev = everyday or Everyday()
     fields = (["config"] if config else []) + (["overrides"] if overrides else []) + (["force"] if force else [])
@@ -185,7 +200,8 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "opts"]
         taken = {p.name for p in own}
-        common = [_OPTIONS[f] if f != "precision" else ("precision", precision_option(ev.precision_choices), None) for f in fields]
+        common = (_decoding_params() if decoding else []) + [
+            _OPTIONS[f] if f != "precision" else ("precision", precision_option(ev.precision_choices), None) for f in fields]
         clash = taken & {param for param, _, _ in common}
         if clash:
             raise TypeError(f"command {name}: {', '.join(sorted(clash))} is a common option; drop it from the function")
@@ -195,7 +211,8 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
         def body(**kwargs: Any) -> Any:
             values = {f: kwargs.pop(_OPTIONS[f][0]) for f in fields}
             values["overrides"] = tuple(values.get("overrides") or ())
-            opts = CommandOptions(everyday=ev, **values)
+            flags = {n: kwargs.pop(n) for n in (DECODING_FLAGS if decoding else ())}
+            opts = CommandOptions(everyday=ev, decoding={k: v for k, v in flags.items() if v is not None}, **values)
             init(opts.verbose, opts.quiet)
             thread_policy.prepare_process(opts.threads)
             thread_policy.apply()  # torch's own default ignores cgroup quotas and torchrun's processes
