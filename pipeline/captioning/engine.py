@@ -102,7 +102,7 @@ def region_relevance(model: Captioner, inputs: dict[str, torch.Tensor], row: int
     drop = (word_logp[0:1] - word_logp[1:]).clamp_min(0).T  # (T, n)
     total = drop.sum(1, keepdim=True)
     rel = torch.where(total > 0, drop / total.clamp_min(1e-12), torch.zeros_like(drop))
-    return rel.cpu().numpy()
+    return rel.float().cpu().numpy()  # float32 also under a bf16 autocast (caption --precision bf16)
 
 
 class FeatureCache:

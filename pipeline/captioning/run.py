@@ -95,7 +95,7 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels))
     engine.identity = identity
-    engine.store_settings = record_settings(identity, rule, "fp32")  # what a ``--cache`` store must agree on
+    engine.store_settings = record_settings(identity, rule, str(cfg.precision))  # what a ``--cache`` store must agree on
     settings = {
         "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.get("global_step"),
         "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,
