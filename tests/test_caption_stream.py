@@ -172,3 +172,33 @@ def test_run_folder_picks_the_best_captioner_by_validation_cider(env: dict[str, 
     # an output made with one captioner is not silently extended with another
     res = caption(env, str(photo), "--output", str(tmp_path / "best.jsonl"), "--captioner", other, model=str(run))
     assert res.exit_code == 2 and "--force" in res.stderr
+
+
+def test_a_model_error_on_one_image_costs_only_that_image(env: dict[str, Path], tmp_path: Path) -> None:
+    """Fault injection around the real models: the detector raises on one wide photo and the captioner on
+    every batch of more than one photo; the engine retries image by image and only the wide photo fails."""
+    from extractors.run import items_from_paths
+    from pipeline.captioning.run import build_engine
+    from pipeline.core.config import load_config
+
+    small_photos(tmp_path / "p", 3)
+    Image.fromarray(np.full((60, 300, 3), 120, np.uint8)).save(tmp_path / "p" / "wide.jpg")
+    cfg = load_config("caption", None, ["caption.min_size=96", "caption.max_size=160"]).caption
+    engine, *_ = build_engine(env["ckpt"], str(env["weights"]), cfg)
+    detect, encode = engine.detector.detect, engine.model.encode
+
+    def flaky_detect(blobs, *args, **kw):
+        if any(b.shape[-1] > 2 * b.shape[-2] for b in blobs):
+            raise RuntimeError("Calculated output size: (64x75x0)")
+        return detect(blobs, *args, **kw)
+
+    def flaky_encode(feats, *args, **kw):
+        if feats.shape[0] > 1:
+            raise RuntimeError("out of memory")
+        return encode(feats, *args, **kw)
+
+    engine.detector.detect, engine.model.encode = flaky_detect, flaky_encode
+    results = list(engine.caption_paths(items_from_paths([str(tmp_path / "p")]), batch_size=4))
+    by_key = {r.key: r for r in results}
+    assert by_key["wide.jpg"].error.startswith("detector_failed: RuntimeError: Calculated output size")
+    assert all(by_key[k].error is None and by_key[k].nbest for k in ("0000.jpg", "0001.jpg", "0002.jpg"))
