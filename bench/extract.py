@@ -25,7 +25,7 @@ from extractors.recipes import recipe_from_config
 from extractors.selector import make_selector
 from extractors.run import precision_context
 from extractors.spec import caffe_r101
-from extractors.weights import random_detector
+from extractors.random_weights import random_detector
 
 
 def _sync(dev: torch.device) -> None:

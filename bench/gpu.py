@@ -43,7 +43,7 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     from extractors.run import precision_context
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
-    from extractors.weights import random_detector
+    from extractors.random_weights import random_detector
 
     images, batch = (2, 2) if size == "tiny" else (64, 8)
     spec = caffe_r101()

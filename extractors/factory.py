@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from extractors import EXTRACTORS, available_extractors
-from extractors.weights import load_detector, random_detector
+from extractors.weights import load_detector
+from extractors.random_weights import random_detector
 from pipeline.core.console import get_logger
 from pipeline.core.distributed import resolve_device  # noqa: F401  (the one resolver; imported from here by older callers)
 from pipeline.core.errors import UsageError

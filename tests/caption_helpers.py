@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 
 from extract_helpers import tiny_spec
 from extractors.training.export import export_weights
-from extractors.weights import random_detector
+from extractors.random_weights import random_detector
 from pipeline.caption_data.prepare import prepare_captions
 from pipeline.core.config import load_config
 from pipeline.core.stages import run_stage

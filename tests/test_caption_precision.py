@@ -10,7 +10,7 @@ from extract_helpers import tiny_spec
 from extractors.factory import configure_recipe
 from extractors.preprocess import load_rgb
 from extractors.run import items_from_paths, precision_context
-from extractors.weights import random_detector
+from extractors.random_weights import random_detector
 from models.decoding import DecodeOptions
 from pipeline.captioning.engine import CaptionResult, PhotoCaptioner
 from pipeline.core.config import load_config

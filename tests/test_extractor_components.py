@@ -13,7 +13,7 @@ from extractors import box_coding, selection
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
 from extractors.box_head import Res5ROIHeads
 from extractors.resnet_caffe import BasicStem, ConvNorm, ResNetC4
-from extractors.weights import random_detector
+from extractors.random_weights import random_detector
 from extract_helpers import tiny_spec
 
 CAFFE_TABLE = [

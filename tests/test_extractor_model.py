@@ -8,7 +8,7 @@ import torch
 
 from extract_helpers import caffe_frames, selector_for, tiny_spec
 from extractors.preprocess import load_rgb
-from extractors.weights import random_detector
+from extractors.random_weights import random_detector
 
 PHOTOS = ["COCO_train2014_000000084002.jpg", "COCO_train2014_000000150367.jpg", "COCO_train2014_000000131486.jpg", "000456.jpg"]
 

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from extract_helpers import tiny_spec
-from extractors.weights import load_detector, random_detector, save_layout
+from extractors.weights import load_detector, save_layout
+from extractors.random_weights import random_detector
 from pipeline.store import FeatureStore
 
 PHOTOS = ["COCO_train2014_000000306661.jpg", "COCO_train2014_000000131486.jpg"]  # 640x427 and 407x640: inexact scales

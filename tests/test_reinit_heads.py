@@ -15,7 +15,8 @@ from extractors.training.data import load_instances
 from extractors.training.export import HEAD_KEYS
 from extractors.training.loop import build_detector
 from extractors.training.stage import load_detector_config
-from extractors.weights import describe, load_detector, random_detector, save_layout
+from extractors.weights import describe, load_detector, save_layout
+from extractors.random_weights import random_detector
 from pipeline.core.config import load_config
 from pipeline.world.generate import generate_world
 

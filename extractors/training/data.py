@@ -129,23 +129,21 @@ def convert_box(bbox: Any, width: int, height: int) -> tuple[np.ndarray | None, 
     return np.array([x1, y1, x2, y2], dtype=np.float32), ("box_clipped" if clipped else None)
 
 
-def load_instances(
-    ann_file: str | Path,
-    image_root: str | Path | None = None,
-    *,
-    max_attributes: int = 16,
-    class_names: list[str] | None = None,
-    keep_empty: bool = False,
-) -> InstanceSet:
-    """Read and validate a COCO instances file (see the module docstring for what is skipped and why).
+@dataclass
+class _LabelTables:
+    """Class and attribute tables of an instances file: COCO ids -> 1-based contiguous indices (0 = none)."""
 
-    ``class_names`` fixes the class order (e.g. the training set's when reading a validation split): a
-    category whose name is not among them counts as unknown.
-    """
-    ann_file = Path(ann_file)
-    data = read_json(ann_file, "COCO instances file")
-    if not isinstance(data.get("images"), list) or not isinstance(data.get("annotations"), list):
-        raise UsageError(f"{ann_file}: not a COCO instances file (needs 'images' and 'annotations' lists)")
+    names: list[str]
+    cat_ids: list[int]
+    cat_index: dict[int, int]
+    attr_index: dict[int, int]
+    attr_names: list[str]
+    attr_ids: list[int]
+    attr_types: list[str]
+
+
+def _label_tables(data: dict[str, Any], ann_file: Path, class_names: list[str] | None) -> _LabelTables:
+    """Read ``categories`` (required) and ``attributes`` (optional; without a table the ids are the indices)."""
     cats = _vocab(data, "categories", ann_file)
     if not cats:
         raise UsageError(f"{ann_file}: no 'categories' - the classes cannot be known")
@@ -169,8 +167,11 @@ def load_instances(
         attr_names = [str(i) for i in range(1, top + 1)]
         attr_types = [""] * top
         attr_ids = list(range(1, top + 1))
-    root = Path(image_root) if image_root is not None else ann_file.parent
-    counts: Counter = Counter()
+    return _LabelTables(names, [int(c["id"]) for c in cats], cat_index, attr_index, attr_names, attr_ids, attr_types)
+
+
+def _image_table(data: dict[str, Any], ann_file: Path) -> dict[int, dict[str, Any]]:
+    """``image id -> {entry, boxes, labels, attrs}`` with every image entry validated (id, file name, size)."""
     images: dict[int, dict[str, Any]] = {}
     for im in data["images"]:
         iid = _as_int(im.get("id")) if isinstance(im, dict) else None
@@ -180,6 +181,12 @@ def load_instances(
         if w is None or h is None or w < 1 or h < 1:
             raise UsageError(f"{ann_file}: image {iid} lacks a positive integer 'width'/'height'")
         images[iid] = {"entry": im, "boxes": [], "labels": [], "attrs": []}
+    return images
+
+
+def _attach_annotations(data: dict[str, Any], ann_file: Path, images: dict[int, dict[str, Any]], tables: _LabelTables,
+                        max_attributes: int, counts: Counter) -> None:
+    """Add each usable annotation's box, class and attributes to its image; count what is skipped and why."""
     for a in data["annotations"]:
         if not isinstance(a, dict):
             raise UsageError(f"{ann_file}: an annotation is not an object")
@@ -191,7 +198,7 @@ def load_instances(
             counts["crowd"] += 1
             continue
         cid = _as_int(a.get("category_id"))
-        if cid not in cat_index:
+        if cid not in tables.cat_index:
             counts["unknown_category"] += 1
             continue
         im = images[iid]
@@ -205,16 +212,20 @@ def load_instances(
         if not isinstance(raw_attrs, list):
             raw_attrs = []
             counts["unknown_attribute"] += 1
-        mapped = []
+        mapped: list[int] = []
         for v in raw_attrs:
             vi = _as_int(v)
-            if vi is None or vi not in attr_index:
+            if vi is None or vi not in tables.attr_index:
                 counts["unknown_attribute"] += 1
-            elif attr_index[vi] not in mapped:
-                mapped.append(attr_index[vi])
+            elif tables.attr_index[vi] not in mapped:
+                mapped.append(tables.attr_index[vi])
         im["boxes"].append(box)
-        im["labels"].append(cat_index[cid])
+        im["labels"].append(tables.cat_index[cid])
         im["attrs"].append(mapped[:max_attributes])
+
+
+def _image_records(images: dict[int, dict[str, Any]], root: Path, max_attributes: int, keep_empty: bool, counts: Counter) -> list[ImageRecord]:
+    """One :class:`ImageRecord` per image whose file exists (and that has boxes unless ``keep_empty``), by id."""
     records = []
     for iid, im in images.items():
         path = root / im["entry"]["file_name"]
@@ -244,10 +255,36 @@ def load_instances(
             )
         )
     records.sort(key=lambda r: r.image_id)
+    return records
+
+
+def load_instances(
+    ann_file: str | Path,
+    image_root: str | Path | None = None,
+    *,
+    max_attributes: int = 16,
+    class_names: list[str] | None = None,
+    keep_empty: bool = False,
+) -> InstanceSet:
+    """Read and validate a COCO instances file (see the module docstring for what is skipped and why).
+
+    ``class_names`` fixes the class order (e.g. the training set's when reading a validation split): a
+    category whose name is not among them counts as unknown.
+    """
+    ann_file = Path(ann_file)
+    data = read_json(ann_file, "COCO instances file")
+    if not isinstance(data.get("images"), list) or not isinstance(data.get("annotations"), list):
+        raise UsageError(f"{ann_file}: not a COCO instances file (needs 'images' and 'annotations' lists)")
+    tables = _label_tables(data, ann_file, class_names)
+    counts: Counter = Counter()
+    images = _image_table(data, ann_file)
+    _attach_annotations(data, ann_file, images, tables, max_attributes, counts)
+    root = Path(image_root) if image_root is not None else ann_file.parent
+    records = _image_records(images, root, max_attributes, keep_empty, counts)
     for reason in SKIP_REASONS:
         if counts[reason]:
             log.warning("%s: %s %d", ann_file.name, reason.replace("_", " "), counts[reason])
-    return InstanceSet(records, names, [int(c["id"]) for c in cats], attr_names, attr_ids, attr_types, counts)
+    return InstanceSet(records, tables.names, tables.cat_ids, tables.attr_names, tables.attr_ids, tables.attr_types, counts)
 
 
 # ---------------------------------------------------------------------------------------------------------
