@@ -101,7 +101,7 @@ def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, mo
             yield batch
             if n % 8 == 7:  # every 8th batch (a full scan of the heap is slow)
                 gc.collect()
-                live.append(sum(isinstance(o, CaptionResult) and o.regions is not None for o in gc.get_objects()))
+                live.append(sum(type(o) is CaptionResult and o.regions is not None for o in gc.get_objects()))
 
     small_photos(tmp_path / "warm", 2, size=(64, 48), seed=2)
     small_photos(tmp_path / "few", 40, size=(64, 48))
