@@ -6,6 +6,12 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage or validation error.
 from __future__ import annotations
 
 import importlib
+import os
+
+# Before anything imports torch (the command modules do): OpenMP reads its wait policy once, when it loads.
+# Idle threads sleep instead of spinning, which keeps a run usable next to other processes
+# (pipeline/core/threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from typing import Annotated, Optional
 
 import typer

@@ -148,3 +148,26 @@ def test_a_command_applies_the_policy_before_its_body(monkeypatch):
     res = CliRunner().invoke(cli.app, ["info"])
     assert res.exit_code == 0, res.output
     assert torch.get_num_threads() == 1 and "BUTD_THREADS" not in os.environ
+
+
+def test_openmp_wait_policy_is_set_before_torch_loads():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads: `import cli` must set it before that import."""
+    import subprocess
+    import sys
+
+    spy = (
+        "import os, sys\n"
+        "class Spy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            print('policy at torch import:', os.environ.get('OMP_WAIT_POLICY'))\n"
+        "            sys.meta_path.remove(self)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "import cli\n"
+        "import torch\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", spy], cwd=str(threads.Path(__file__).resolve().parent.parent), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert "policy at torch import: PASSIVE" in out.stdout, out.stdout + out.stderr
