@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from cli import app
 from extract_helpers import tiny_spec
 from extractors import weights as W
+from extractors.random_weights import random_detector
 from extractors.spec import BottomUpSpec
 
 SUFFIX = {"milvlg": ".pth", "airsplay": ".pkl", "hf": ".bin"}
@@ -22,7 +23,7 @@ FLAVOR = {"milvlg": "caffe", "airsplay": "d2", "hf": "d2"}
 
 def _write(tmp_path, layout, spec=None, seed=0):
     spec = (spec or tiny_spec()).with_(flavor=FLAVOR[layout])
-    model = W.random_detector(spec, seed)
+    model = random_detector(spec, seed)
     path = W.save_layout(model.state_dict(), layout, tmp_path / f"w{SUFFIX[layout]}")
     return model, path
 
@@ -174,7 +175,7 @@ def test_cli_info_reports_the_layout(tmp_path):
 
 def test_milvlg_file_with_batchnorm_counters_and_without_anchors_loads(tmp_path):
     """The MILVLG .pth contents are undocumented (docs/extractor.md#weights-layouts): counters tolerated, anchors default to Caffe's."""
-    model = W.random_detector(tiny_spec(), 0)
+    model = random_detector(tiny_spec(), 0)
     sd = OrderedDict(model.state_dict())
     del sd[W.ANCHOR_KEY]
     sd["backbone.res2.0.conv1.norm.num_batches_tracked"] = torch.tensor(5)
@@ -187,7 +188,7 @@ def test_milvlg_file_with_batchnorm_counters_and_without_anchors_loads(tmp_path)
 def test_airsplay_file_without_attribute_head(tmp_path):
     """``faster_rcnn_from_caffe.pkl`` (no attribute head): loads as a detector without attribute outputs."""
     spec = tiny_spec(flavor="d2", has_attributes=False)
-    path = W.save_layout(W.random_detector(spec, 0).state_dict(), "airsplay", tmp_path / "faster_rcnn_from_caffe.pkl")
+    path = W.save_layout(random_detector(spec, 0).state_dict(), "airsplay", tmp_path / "faster_rcnn_from_caffe.pkl")
     model, info = W.load_detector(path)
     assert info["layout"] == "airsplay" and not model.spec.has_attributes
     assert not hasattr(model.roi_heads.box_predictor, "attr_linear1")

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from cli import app
 from extract_helpers import tiny_spec
 from extractors import weights as W
+from extractors.random_weights import random_detector
 from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red", "sitting"]
@@ -29,7 +30,7 @@ def _cache(tmp_path, monkeypatch):
 @pytest.fixture
 def bua(tmp_path: Path) -> Path:
     spec = tiny_spec(flavor="caffe")
-    return W.save_layout(W.random_detector(spec, 0).state_dict(), "milvlg", tmp_path / "bua.pth")
+    return W.save_layout(random_detector(spec, 0).state_dict(), "milvlg", tmp_path / "bua.pth")
 
 
 @pytest.fixture
