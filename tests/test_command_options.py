@@ -21,7 +21,7 @@ OFFERED = {
     "train-encoder": {"--device", "--batch-size", "--precision"},
     "caption": {"--device", "--batch-size", "--precision"},
     "embed": {"--device", "--batch-size"},
-    "eval-detector": {"--device"},
+    "eval-detector": EVERYDAY,
 }
 
 

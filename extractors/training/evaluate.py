@@ -11,35 +11,66 @@ object, the selected box with the highest IoU (``+1`` pixel areas) is its match:
 * ``attribute_accuracy``: among matched objects that have an attribute of the group ``attribute_group``
   (the attributes table's ``type``, e.g. ``colour``), the match's most probable attribute *of that group*
   is the object's; with no group, the most probable attribute is one of the object's attributes.
+
+The loop is ``cli extract``'s: DataLoader workers decode the images into the recipe's blobs
+(:class:`extractors.run.ImageDataset`, ``eval.workers``), ``eval.batch_size`` images go through the detector at
+once (same-shape blobs share one backbone pass) under ``eval.precision``
+(:func:`extractors.run.precision_context`), and an image that cannot be decoded, is too thin for the network
+or makes the model raise is counted in ``failed_images`` instead of stopping the run. Batching changes only the
+float rounding of a batched convolution, never which image is scored how.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from extractors import box_coding
 from extractors.bottom_up import BottomUpDetector
-from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
+from extractors.preprocess import DEFAULT_MAX_PIXELS
+from extractors.run import ImageDataset, ImageItem, guarded_detect, precision_context
 from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
-from pipeline.core.console import get_logger, track
+from pipeline.core import threads as thread_policy
+from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import UsageError
 
 log = get_logger("eval-detector")
 
+#: the ``--precision`` values (as ``cli extract``: autocast to bf16, or TF32 matmuls on CUDA)
+PRECISIONS = ("fp32", "tf32", "bf16")
+
 
 @torch.inference_mode()
-def _attribute_probs(model: BottomUpDetector, blob: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """Attribute probabilities (R, A-1) of given blob-pixel boxes (the test-time head: argmax-class embedding)."""
-    feat = model.backbone(blob[None])
-    rois = torch.cat([torch.zeros((boxes.shape[0], 1), device=boxes.device), boxes], 1)
-    x = model._res5(model.roi_heads.pool(feat, rois))
-    _, _, attr_logits = model.roi_heads.box_predictor(x)
-    return model.attr_probs(attr_logits.float())
+def attribute_probs(model: BottomUpDetector, blobs: list[torch.Tensor], boxes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Attribute probabilities (R_i, A-1) of given blob-pixel boxes (R_i, 4) per blob (the test-time head:
+    argmax-class embedding), for a batch of blobs: as :meth:`BottomUpDetector.detect`, blobs of one shape share
+    one backbone pass and the RoIs of the whole batch one res5 pass."""
+    dev = next(model.parameters()).device
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, b in enumerate(blobs):
+        groups.setdefault(tuple(b.shape[-2:]), []).append(i)
+    order: list[int] = []
+    pooled = []
+    for idx in groups.values():
+        feat = model.backbone(torch.stack([blobs[i] for i in idx]).to(dev))
+        rois = torch.cat([torch.cat([torch.full((boxes[i].shape[0], 1), float(j), device=dev), boxes[i].to(dev).float()], 1)
+                          for j, i in enumerate(idx)])
+        pooled.append(model.roi_heads.pool(feat, rois))
+        order += idx
+    _, _, attr_logits = model.roi_heads.box_predictor(model._res5(torch.cat(pooled)))
+    probs = model.attr_probs(attr_logits.float()).cpu()
+    out: list[torch.Tensor] = [torch.empty(0)] * len(blobs)
+    start = 0
+    for i in order:
+        out[i] = probs[start : start + boxes[i].shape[0]]
+        start += boxes[i].shape[0]
+    return out
 
 
 def match_objects(gt: torch.Tensor, det: torch.Tensor, iou: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +85,110 @@ def match_objects(gt: torch.Tensor, det: torch.Tensor, iou: float) -> tuple[torc
     return best_iou >= iou, best
 
 
+def _as_list(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return batch
+
+
+@dataclass
+class _Tally:
+    """Running counts of one evaluation (see :func:`evaluate_model`)."""
+
+    iou: float
+    group: list[int]
+    images: int = 0
+    objects: int = 0
+    found: int = 0
+    cls_ok: int = 0
+    attr_total: int = 0
+    attr_ok: int = 0
+    boxes: int = 0
+    failed: list[str] = field(default_factory=list)
+
+    def boxes_and_classes(self, rec: Any, out: Any) -> tuple[torch.Tensor, list[int]] | None:
+        """Count one image's objects, recall and class hits; returns the matched selected box (original pixels)
+        of every found object and the object's ground-truth row (None when none is found)."""
+        self.images += 1
+        self.boxes += out.boxes.shape[0]
+        gt = torch.from_numpy(rec.boxes)
+        self.objects += gt.shape[0]
+        if gt.shape[0] == 0 or out.boxes.shape[0] == 0:
+            return None
+        det_boxes = torch.from_numpy(out.boxes)
+        hit, best = match_objects(gt, det_boxes, self.iou)
+        self.found += int(hit.sum())
+        pred_cls = torch.from_numpy(out.class_ids)[best] + 1  # store ids are 0-based foreground ids
+        self.cls_ok += int((pred_cls[hit] == torch.from_numpy(rec.labels)[hit]).sum())
+        if not bool(hit.any()):
+            return None
+        return det_boxes[best[hit]], torch.nonzero(hit).flatten().tolist()
+
+    def attributes(self, rec: Any, probs: torch.Tensor, hit_rows: list[int]) -> None:
+        """Score the attribute of each found object (``hit_rows``: their ground-truth rows; ``probs`` their
+        matched boxes' attribute probabilities)."""
+        for row, g in enumerate(hit_rows):
+            gt_attrs = [a for a in rec.attributes[g].tolist() if a >= 1]
+            if self.group:
+                want = [a for a in gt_attrs if a in self.group]
+                if not want:
+                    continue
+                cols = torch.tensor(self.group) - 1
+                pred = int(cols[int(torch.argmax(probs[row, cols]))]) + 1
+            else:
+                want = gt_attrs or [0]
+                pred = int(torch.argmax(probs[row])) + 1 if gt_attrs else 0
+            self.attr_total += 1
+            self.attr_ok += pred in want
+
+
+def _score_batch(model: BottomUpDetector, batch: list[dict[str, Any]], records: list[Any], rule: Selector, precision: str,
+                 dev: torch.device, tally: _Tally) -> None:
+    """Detect one loader batch at once, count its boxes and classes, then the attributes of the found objects
+    (one batched pass of the attribute head over the matched boxes)."""
+
+    def fail(item: ImageItem, reason: str, detail: str) -> None:
+        tally.failed.append(f"{item.path}: {reason} ({detail})")
+
+    good = []
+    for r in batch:
+        if "error" in r:
+            fail(r["item"], r["error"], r["detail"])
+        else:
+            good.append(r)
+    blobs, boxes, found = [], [], []
+    for r, out in guarded_detect(model, good, rule, precision, dev, fail) if good else []:
+        rec = records[int(r["item"].key)]
+        matched = tally.boxes_and_classes(rec, out)
+        if matched is None or not model.spec.has_attributes:
+            continue
+        blobs.append(r["blob"])
+        boxes.append(to_resized(matched[0], r["frame"], rule.recipe.rescale))
+        found.append((rec, matched[1]))
+    if blobs:
+        with precision_context(precision, dev):
+            probs = attribute_probs(model, blobs, boxes)
+        for (rec, rows), p in zip(found, probs):
+            tally.attributes(rec, p, rows)
+
+
 def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: str | Path | None, classes: list[str],
                    attributes: list[str] | None = None, *, rule: Selector | None = None, iou: float = 0.5,
-                   attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
-    """Recall / class accuracy / attribute accuracy of ``model`` on a COCO instances split (see the module doc)."""
+                   attribute_group: str = "colour", limit: int | None = None, batch_size: int = 1, workers: int = 0,
+                   precision: str = "fp32") -> dict[str, Any]:
+    """Recall / class accuracy / attribute accuracy of ``model`` on a COCO instances split (see the module doc).
+
+    ``batch_size`` images go through the detector at once (same-shape images share the backbone pass, as in
+    ``cli extract``); ``workers`` DataLoader processes decode the images and build the recipe's blobs
+    (:class:`extractors.run.ImageDataset`); ``precision`` is ``fp32 | tf32 | bf16``
+    (:func:`extractors.run.precision_context`). None of them changes which image is scored how.
+    """
+    if precision not in PRECISIONS:
+        raise UsageError(f"eval.precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if int(batch_size) < 1 or int(workers) < 0:
+        raise UsageError(f"eval.batch_size must be >= 1 and eval.workers >= 0, got {batch_size} and {workers}")
     if rule is None:
         from extractors.factory import configure_recipe
 
         _recipe, rule = configure_recipe(model, {"layout": "butd", "config": {}}, None, "eval")
-    recipe = rule.recipe
     data = load_instances(ann_file, image_root, class_names=classes, keep_empty=True)
     if attributes is not None and data.attribute_names != list(attributes):
         raise UsageError(f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}...")
@@ -71,65 +197,46 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         log.warning("%s: no attribute of type %r; attribute accuracy uses any of the object's attributes", ann_file, attribute_group)
     records = data.records[:limit] if limit is not None else data.records
     dev = next(model.parameters()).device
-    spec = model.spec
-    n_obj = found = cls_ok = attr_total = attr_ok = boxes_total = images = 0
-    failed: list[str] = []
-    for rec in track(records, "evaluate"):
-        try:
-            rgb = load_rgb(rec.path)
-        except ImageLoadError as exc:
-            failed.append(f"{rec.path}: {exc.reason}")
-            continue
-        blob, frame = recipe_blob(rgb, recipe)
-        out = model.detect([torch.from_numpy(blob)], [frame], rule)[0]
-        images += 1
-        boxes_total += out.boxes.shape[0]
-        gt = torch.from_numpy(rec.boxes)
-        n_obj += gt.shape[0]
-        if gt.shape[0] == 0 or out.boxes.shape[0] == 0:
-            continue
-        det_boxes = torch.from_numpy(out.boxes)
-        hit, best = match_objects(gt, det_boxes, iou)
-        found += int(hit.sum())
-        pred_cls = torch.from_numpy(out.class_ids)[best] + 1  # store ids are 0-based foreground ids
-        cls_ok += int((pred_cls[hit] == torch.from_numpy(rec.labels)[hit]).sum())
-        if not bool(hit.any()) or not spec.has_attributes:
-            continue
-        hit_idx = torch.nonzero(hit).flatten()
-        probs = _attribute_probs(model, torch.from_numpy(blob).to(dev), to_resized(det_boxes[best[hit_idx]], frame, recipe.rescale).to(dev)).cpu()
-        for row, g in enumerate(hit_idx.tolist()):
-            gt_attrs = [a for a in rec.attributes[g].tolist() if a >= 1]
-            if group:
-                want = [a for a in gt_attrs if a in group]
-                if not want:
-                    continue
-                cols = torch.tensor(group) - 1
-                pred = int(cols[int(torch.argmax(probs[row, cols]))]) + 1
-            else:
-                want = gt_attrs or [0]
-                pred = int(torch.argmax(probs[row])) + 1 if gt_attrs else 0
-            attr_total += 1
-            attr_ok += pred in want
+    tally = _Tally(iou=iou, group=group)
+    ds = ImageDataset([ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)], rule.recipe, DEFAULT_MAX_PIXELS,
+                      min_side=model.spec.feature_stride)
+    threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
+    loader = DataLoader(ds, batch_size=int(batch_size), shuffle=False, num_workers=thread_policy.loader_workers(int(workers)),
+                        collate_fn=_as_list, pin_memory=dev.type == "cuda")
+    try:
+        with make_progress() as progress:
+            task = progress.add_task("evaluate", total=len(ds))
+            for batch in loader:
+                _score_batch(model, batch, records, rule, precision, dev, tally)
+                progress.advance(task, len(batch))
+    finally:
+        torch.set_num_threads(threads_before)
+    return _result(tally, rule, attribute_group)
+
+
+def _result(t: _Tally, rule: Selector, attribute_group: str) -> dict[str, Any]:
+    recipe = rule.recipe
     result = {
-        "images": images,
-        "objects": n_obj,
-        "recall": round(found / n_obj, 4) if n_obj else 0.0,
-        "class_accuracy": round(cls_ok / found, 4) if found else 0.0,
-        "attribute_accuracy": round(attr_ok / attr_total, 4) if attr_total else 0.0,
-        "attribute_group": attribute_group if group else "any",
-        "boxes_per_image": round(boxes_total / images, 2) if images else 0.0,
-        "iou": iou,
+        "images": t.images,
+        "objects": t.objects,
+        "recall": round(t.found / t.objects, 4) if t.objects else 0.0,
+        "class_accuracy": round(t.cls_ok / t.found, 4) if t.found else 0.0,
+        "attribute_accuracy": round(t.attr_ok / t.attr_total, 4) if t.attr_total else 0.0,
+        "attribute_group": attribute_group if t.group else "any",
+        "boxes_per_image": round(t.boxes / t.images, 2) if t.images else 0.0,
+        "iou": t.iou,
         "selection": {"recipe": recipe.name, "selector": recipe.selector, "min_boxes": recipe.min_boxes, "max_boxes": recipe.max_boxes,
                       "conf": recipe.conf_thresh, "nms": recipe.nms_thresh},
     }
-    if failed:
-        result["failed_images"] = len(failed)
-        log.warning("%d images could not be decoded, e.g. %s", len(failed), failed[0])
+    if t.failed:
+        result["failed_images"] = len(t.failed)
+        log.warning("%d images could not be evaluated, e.g. %s", len(t.failed), t.failed[0])
     return result
 
 
 def evaluate_weights(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, *, device: str | torch.device = "cpu",
-                     section: Any = None, iou: float = 0.5, attribute_group: str = "colour", limit: int | None = None) -> dict[str, Any]:
+                     section: Any = None, iou: float = 0.5, attribute_group: str = "colour", limit: int | None = None,
+                     batch_size: int = 1, workers: int = 0, precision: str = "fp32") -> dict[str, Any]:
     """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids), with
     the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``)."""
     from extractors.factory import configure_recipe
@@ -140,7 +247,7 @@ def evaluate_weights(weights: str | Path, ann_file: str | Path, image_root: str 
     model = model.to(device).fold_batchnorm()
     _recipe, rule = configure_recipe(model, {"layout": info["layout"], "config": {}}, section, "eval")
     return evaluate_model(model, ann_file, image_root, info["classes"], info["attributes"], rule=rule, iou=iou,
-                          attribute_group=attribute_group, limit=limit)
+                          attribute_group=attribute_group, limit=limit, batch_size=batch_size, workers=workers, precision=precision)
 
 
 def summary_line(result: dict[str, Any]) -> str:

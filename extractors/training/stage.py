@@ -44,7 +44,7 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     Returns ``(outputs, summary)``: outputs ``weights`` / ``checkpoint`` (paths relative to ``stage_dir``);
     summary: iterations, training seconds, images/s, last losses, and the evaluation numbers.
     """
-    from extractors.training.evaluate import evaluate_weights, summary_line
+    from extractors.training.evaluate import summary_line
     from extractors.training.loop import CHECKPOINT, WEIGHTS, train
     from pipeline.core.distributed import env_context
 
@@ -59,19 +59,22 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     if result.skipped_images:
         summary["skipped"] = result.skipped_images
     if cfg.data.eval_annotations and env_context().main:
-        ev = evaluate_weights(result.weights, cfg.data.eval_annotations, cfg.data.eval_images, section=cfg.eval,
-                              iou=float(cfg.eval.iou), attribute_group=str(cfg.eval.attribute_group),
-                              limit=None if cfg.eval.limit is None else int(cfg.eval.limit))
+        ev = evaluate_detector(result.weights, cfg.data.eval_annotations, cfg.data.eval_images, cfg)
         log.info("evaluation on %s: %s", Path(str(cfg.data.eval_annotations)).name, summary_line(ev))
         summary["eval"] = ev
     return {"weights": WEIGHTS, "checkpoint": CHECKPOINT}, summary
 
 
 def evaluate_detector(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, cfg: Config | None = None,
-                      device: str = "cpu") -> dict[str, Any]:
-    """Evaluate a ``butd`` weights file on a COCO instances split with the ``eval`` section of ``cfg``."""
+                      device: str | None = None) -> dict[str, Any]:
+    """Evaluate a ``butd`` weights file on a COCO instances split with the ``eval`` section of ``cfg``: its recipe,
+    IoU and attribute group, and how it runs (``device`` (an argument given wins), ``batch_size``, ``precision``,
+    ``workers``)."""
     from extractors.training.evaluate import evaluate_weights
+    from pipeline.core.distributed import resolve_device
 
     ecfg = (cfg or load_detector_config()).eval
-    return evaluate_weights(weights, ann_file, image_root, device=device, section=ecfg, iou=float(ecfg.iou),
-                            attribute_group=str(ecfg.attribute_group), limit=None if ecfg.limit is None else int(ecfg.limit))
+    dev = resolve_device(str(device if device is not None else ecfg.device))
+    return evaluate_weights(weights, ann_file, image_root, device=dev, section=ecfg, iou=float(ecfg.iou),
+                            attribute_group=str(ecfg.attribute_group), limit=None if ecfg.limit is None else int(ecfg.limit),
+                            batch_size=int(ecfg.batch_size), workers=int(ecfg.workers), precision=str(ecfg.precision))
