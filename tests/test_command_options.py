@@ -17,10 +17,10 @@ OFFERED = {
     "extract": EVERYDAY,
     "train": EVERYDAY,
     "train-detector": EVERYDAY,
-    "evaluate": {"--device", "--batch-size", "--precision"},
-    "train-encoder": {"--device", "--batch-size", "--precision"},
+    "evaluate": EVERYDAY,
+    "train-encoder": EVERYDAY,
     "caption": {"--device", "--batch-size", "--precision"},
-    "embed": {"--device", "--batch-size"},
+    "embed": EVERYDAY,
     "eval-detector": EVERYDAY,
 }
 

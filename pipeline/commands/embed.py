@@ -12,8 +12,10 @@ from pipeline.commands.options import CommandOptions, Everyday, command, out_opt
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
 
-ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.precision")
-EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size")
+ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.precision",
+                            num_workers="encoder.num_workers")
+EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size", precision="embed.precision",
+                          num_workers="embed.num_workers")
 
 
 def register(app: typer.Typer) -> None:

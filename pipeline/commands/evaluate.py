@@ -26,7 +26,8 @@ from pipeline.core.errors import UsageError
 log = get_logger("evaluate")
 
 
-EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision")
+EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision",
+                             num_workers="evaluate.num_workers")
 
 
 def register(app: typer.Typer) -> None:
@@ -94,7 +95,8 @@ def register(app: typer.Typer) -> None:
 def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None) -> dict[str, Any]:
     from pipeline.embedding.retrieval import evaluate_retrieval_files
 
-    return evaluate_retrieval_files(encoder, store, data, str(section.split), device=str(section.device), predictions=predictions)
+    return evaluate_retrieval_files(encoder, store, data, str(section.split), device=str(section.device), predictions=predictions,
+                                    num_workers=int(section.num_workers))
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
@@ -162,7 +164,7 @@ def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None,
     split = str(section.split)
     res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding,
                               device=str(section.device), batch_size=int(section.batch_size), precision=str(section.precision),
-                              companion=vocab)
+                              companion=vocab, num_workers=int(section.num_workers))
     report = _retrieval(encoder, store, data, section, Path(res["predictions"])) if encoder is not None else None
     if output is not None:
         payload = {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")}

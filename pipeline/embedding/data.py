@@ -1,7 +1,8 @@
 """Training and evaluation data of the grounded sentence encoder.
 
 Image side (Yoo et al. 2017 use a global ResNet-101 vector): one vector per image, the mean of its region features
-in our store (the store holds no global feature), read once into an (N, D) float32 table.
+in our store (the store holds no global feature), read once into an (N, D) float32 table, in
+``num_workers`` DataLoader processes when asked (:func:`image_table`).
 
 Caption side: the prepared labels (``cli prepare``). A training batch holds B distinct images of the split;
 for each, a source caption X and a target caption Y, another caption of the same image when it has
@@ -16,27 +17,63 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
 
 from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core import threads as thread_policy
 from pipeline.core.console import track
 from pipeline.data.dataset import caption_tensor
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.store import FeatureStore
 from pipeline.core.vocab import EOS, PAD
 
 
-def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None) -> np.ndarray:
-    """(N, D) float32: the mean region feature of each image (the first ``max_boxes`` regions when capped)."""
-    from pipeline.data.dataset import cap_boxes
+class ImageMeans(Dataset):
+    """Item ``i``: the mean region feature (float32, D) of image ``keys[i]`` (the first ``max_boxes`` regions when
+    capped; zeros for an image without regions). Holds the store's path only when pickled, so DataLoader workers
+    (fork, forkserver or spawn) each open the store lazily (:class:`~pipeline.store.FeatureStore`)."""
 
+    def __init__(self, store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None) -> None:
+        self.store, self.keys, self.max_boxes = store, list(keys), max_boxes
+        self.dim = int(store.feature_dim or 0)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        from pipeline.data.dataset import cap_boxes
+
+        feats = cap_boxes(self.store.get(self.keys[i]), self.max_boxes)["features"]
+        if not len(feats):
+            return np.zeros(self.dim, dtype=np.float32)
+        return feats.astype(np.float32).mean(0)
+
+
+def _stack(rows: Sequence[np.ndarray]) -> np.ndarray:
+    return np.stack(rows)
+
+
+def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None, num_workers: int = 0,
+                chunk: int = 64) -> np.ndarray:
+    """(N, D) float32: the mean region feature of each image (the first ``max_boxes`` regions when capped).
+
+    The store is read in ``num_workers`` DataLoader processes (0: in this process; the thread policy of
+    :func:`pipeline.core.threads.loader_workers` caps the count), ``chunk`` images per transfer. Each row is
+    computed by the same code whatever the worker count, so the table is identical for any ``num_workers``.
+    """
+    if num_workers < 0:
+        raise UsageError(f"num_workers must be >= 0, not {num_workers}")
     missing = [k for k in keys if k not in store]
     if missing:
         raise PipelineError(f"{len(missing)} images have no features in {store.path}, e.g. {missing[:3]}")
-    out = np.zeros((len(keys), int(store.feature_dim or 0)), dtype=np.float32)
-    for i, key in enumerate(track(keys, "image vectors", total=len(keys))):
-        feats = cap_boxes(store.get(key), max_boxes)["features"]
-        if len(feats):
-            out[i] = feats.astype(np.float32).mean(0)
+    dataset = ImageMeans(store, keys, max_boxes)
+    out = np.zeros((len(keys), dataset.dim), dtype=np.float32)
+    workers = thread_policy.loader_workers(num_workers) if len(keys) else 0
+    loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=_stack)
+    start = 0
+    for rows in track(loader, "image vectors", total=len(loader)):
+        out[start : start + len(rows)] = rows
+        start += len(rows)
     return out
 
 

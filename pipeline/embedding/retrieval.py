@@ -24,14 +24,22 @@ from pipeline.core.vocab import Vocab
 
 @torch.no_grad()
 def encode_batches(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.Tensor, device: torch.device | str,
-                   output: str = "h", batch_size: int = 512) -> torch.Tensor:
-    """(C, D) float32 on CPU: ``h`` or its image projection (``output="image"``) for every caption."""
+                   output: str = "h", batch_size: int = 512, precision: str = "fp32") -> torch.Tensor:
+    """(C, D) float32 on CPU: ``h`` or its image projection (``output="image"``) for every caption.
+
+    ``precision``: a resolved precision (fp32 | bf16 | fp16, :func:`pipeline.core.training.resolve_precision`);
+    the forward pass runs under its autocast, the vectors come back as float32."""
+    from pipeline.core.training import autocast
+
     was = model.training
     model.eval()
     out = []
+    dev = torch.device(device)
     for s in range(0, len(tokens), batch_size):
-        h = model.encode(tokens[s : s + batch_size].to(device), lengths[s : s + batch_size])["h"]
-        out.append((model.predict_image(h) if output == "image" else h).float().cpu())
+        with autocast(dev, precision):
+            h = model.encode(tokens[s : s + batch_size].to(dev), lengths[s : s + batch_size])["h"]
+            vec = model.predict_image(h) if output == "image" else h
+        out.append(vec.float().cpu())
     model.train(was)
     return torch.cat(out) if out else torch.zeros((0, model.rep_dim))
 
@@ -50,12 +58,13 @@ def words_to_inputs(sentences: Sequence[str], vocab: Vocab, max_words: int | Non
 
 
 def retrieval_report(model: SentenceEncoder, store: FeatureStore, split: SplitCaptions, device: torch.device | str,
-                     generated: Mapping[str, str] | None = None, max_boxes: int | None = None) -> dict[str, Any]:
+                     generated: Mapping[str, str] | None = None, max_boxes: int | None = None, num_workers: int = 0) -> dict[str, Any]:
     """R@1/5/10 both ways for the split's ground-truth captions and, when given, for generated captions
-    (``{image key: caption}``; self-retrieval: each generated caption against the split's images)."""
+    (``{image key: caption}``; self-retrieval: each generated caption against the split's images). The image
+    vectors are read in ``num_workers`` DataLoader processes (:func:`~pipeline.embedding.data.image_table`)."""
     if model.image_head is None:
         raise UsageError(f"the encoder was trained with objective {model.objective} and has no image head: retrieval needs cap2img or cap2all")
-    images = image_table(store, split.keys, max_boxes)
+    images = image_table(store, split.keys, max_boxes, num_workers)
     tokens, lengths, caption_image = split.all_captions()
     out: dict[str, Any] = {"split_images": len(split.keys), "gt_captions": int(len(tokens))}
     out["ground_truth"] = retrieval_metrics(split_similarity(model, tokens, lengths, images, device), caption_image.numpy())
@@ -92,9 +101,9 @@ def results_to_keys(results: Any, data: Any, source: str) -> dict[str, str]:
 
 
 def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, split: str, device: str = "auto",
-                             predictions: Any = None, max_boxes: int | None = None) -> dict[str, Any]:
+                             predictions: Any = None, max_boxes: int | None = None, num_workers: int = 0) -> dict[str, Any]:
     """``cli evaluate --retrieval``: R@K of ``split``'s ground-truth captions and, with ``predictions`` (a COCO
-    results file), of the generated captions (self-retrieval)."""
+    results file), of the generated captions (self-retrieval); the store is read in ``num_workers`` processes."""
     from pathlib import Path
 
     from pipeline.caption_data.prepared import PreparedCaptions
@@ -117,5 +126,5 @@ def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, s
         generated = {k: v for k, v in generated.items() if k in set(split_caps.keys)}
         if not generated:
             raise UsageError(f"{predictions}: no caption of a {split} image (give --split for the predictions' split)")
-    report = retrieval_report(model, store, split_caps, dev, generated, max_boxes)
+    report = retrieval_report(model, store, split_caps, dev, generated, max_boxes, num_workers)
     return {"checkpoint": str(checkpoint), "split": split, **report}

@@ -89,10 +89,11 @@ class EncoderTrainer:
         self.data = PreparedCaptions.load(cfg.data)
         store = FeatureStore(cfg.store)
         self.train = SplitCaptions.load(self.data, "train", store)
-        self.train_images = torch.from_numpy(image_table(store, self.train.keys, cfg.max_boxes)).to(ctx.device)
+        workers = int(cfg.num_workers)  # the image vectors are read from the store in this many DataLoader processes
+        self.train_images = torch.from_numpy(image_table(store, self.train.keys, cfg.max_boxes, workers)).to(ctx.device)
         val = cfg.validation.split
         self.val = SplitCaptions.load(self.data, val, store) if val else None
-        self.val_images = image_table(store, self.val.keys, cfg.max_boxes) if self.val else None
+        self.val_images = image_table(store, self.val.keys, cfg.max_boxes, workers) if self.val else None
         self.model_cfg = encoder_config(dict(cfg.model_overrides)).to_dict()
         self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(ctx.device)
         self.precision = resolve_precision(cfg.precision, ctx.device, "encoder.precision")

@@ -90,6 +90,7 @@ def evaluate_checkpoint(
     fast_only: bool = False,
     precision: str = "auto",
     companion: str | Path | None = None,
+    num_workers: int = 0,
 ) -> dict[str, Any]:
     """Decode ``split`` with the checkpoint's model and decoding settings and score it.
 
@@ -104,6 +105,9 @@ def evaluate_checkpoint(
         companion: a released model's vocabulary file (M2 ``vocab.pkl``, AoANet ``infos_*.pkl``) when
             ``checkpoint`` is a released weights file (``models.released``); such a model decodes with its own
             vocabulary and its captions are scored as text against the split's references.
+        num_workers: 0 reads the split's features into memory first (onto a CUDA device); N > 0 reads each
+            decoding batch from the store in N DataLoader processes (the store opens lazily in each), which
+            bounds memory by the batches in flight. The captions do not depend on it.
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
@@ -135,7 +139,10 @@ def evaluate_checkpoint(
         raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
     dataset = CaptionDataset(features, prepared, split)
     options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
-    source = BatchSource(dataset, "memory" if dev.type == "cpu" else "cuda", dev)
+    if num_workers < 0:
+        raise UsageError(f"evaluate.num_workers must be >= 0, not {num_workers}")
+    preload = "none" if num_workers > 0 else "memory" if dev.type == "cpu" else "cuda"
+    source = BatchSource(dataset, preload, dev, num_workers)
     ctx = DistContext(device=dev)
     # released models decode in fp32, as published, unless a precision is asked for
     resolved = "fp32" if precision == "auto" and ckpt.get("release") else resolve_precision(precision, dev, "--precision")
