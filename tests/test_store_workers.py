@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
+from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.commands.embed import EMBED_EVERYDAY, ENCODER_EVERYDAY
 from pipeline.commands.evaluate import EVALUATE_EVERYDAY
 from pipeline.commands.options import CommandOptions
@@ -22,7 +23,7 @@ from pipeline.core.config import load_config
 from pipeline.core.distributed import DistContext
 from pipeline.embedding import data as enc_data
 from pipeline.embedding.checkpoint import load_encoder
-from pipeline.embedding.embed import SentenceBatches
+from pipeline.embedding.embed import SentenceBatches, sentence_batches
 from pipeline.embedding.retrieval import words_to_inputs
 from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.store import FeatureStore
@@ -108,6 +109,12 @@ def test_image_table_is_identical_for_0_and_2_workers(world, tmp_path, monkeypat
         assert np.array_equal(zero, two)
         first = store.get(keys[0])["features"][: max_boxes or None].astype(np.float32).mean(0)
         assert np.array_equal(zero[0], first)  # the mean region feature, as documented
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    enc_data.image_table(store, keys[:5], None, num_workers=2)
+    list(sentence_batches(SENTENCES, PreparedCaptions.load(run / "data").vocab, 5, 2, num_workers=2))
+    assert torch.equal(torch.rand(4), expected), "reading must leave the global RNG (the encoder's initial weights) alone"
     with pytest.raises(Exception, match="num_workers must be >= 0"):
         enc_data.image_table(store, keys, None, num_workers=-1)
 

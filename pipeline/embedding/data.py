@@ -69,7 +69,9 @@ def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None 
     dataset = ImageMeans(store, keys, max_boxes)
     out = np.zeros((len(keys), dataset.dim), dtype=np.float32)
     workers = thread_policy.loader_workers(num_workers) if len(keys) else 0
-    loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=_stack)
+    # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
+    loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=_stack,
+                        generator=torch.Generator().manual_seed(0))
     start = 0
     for rows in track(loader, "image vectors", total=len(loader)):
         out[start : start + len(rows)] = rows

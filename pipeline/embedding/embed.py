@@ -110,7 +110,8 @@ def sentence_batches(sentences: Sequence[str], vocab: Vocab, max_words: int, bat
         raise UsageError(f"embed.num_workers must be >= 0, not {num_workers}")
     dataset = SentenceBatches(sentences, vocab, max_words, batch_size)
     workers = thread_policy.loader_workers(num_workers) if len(dataset) > 1 else 0
-    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is)
+    # an own generator: the global RNG is left as it was (a DataLoader draws its base seed from it otherwise)
+    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is, generator=torch.Generator().manual_seed(0))
 
 
 def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.Tensor]], total: int, device: torch.device,

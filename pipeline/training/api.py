@@ -77,6 +77,17 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
         distributed.teardown(ctx)
 
 
+def _decoding_source(dataset: Any, dev: Any, num_workers: int) -> Any:
+    """The batches ``evaluate --model`` decodes: the split preloaded (RAM, or the CUDA device) with 0 workers,
+    else read from the store per batch in ``num_workers`` DataLoader processes."""
+    from pipeline.training.batches import BatchSource
+
+    if num_workers < 0:
+        raise UsageError(f"evaluate.num_workers must be >= 0, not {num_workers}")
+    preload = "none" if num_workers > 0 else "memory" if dev.type == "cpu" else "cuda"
+    return BatchSource(dataset, preload, dev, num_workers)
+
+
 def evaluate_checkpoint(
     checkpoint: str | Path,
     store: str | Path,
@@ -119,7 +130,6 @@ def evaluate_checkpoint(
     from pipeline.core.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions
     from pipeline.store import FeatureStore
-    from pipeline.training.batches import BatchSource
     from models.checkpoints import load_captioner
     from pipeline.core.distributed import DistContext, resolve_device
     from pipeline.core.training import resolve_precision
@@ -139,10 +149,7 @@ def evaluate_checkpoint(
         raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
     dataset = CaptionDataset(features, prepared, split)
     options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
-    if num_workers < 0:
-        raise UsageError(f"evaluate.num_workers must be >= 0, not {num_workers}")
-    preload = "none" if num_workers > 0 else "memory" if dev.type == "cpu" else "cuda"
-    source = BatchSource(dataset, preload, dev, num_workers)
+    source = _decoding_source(dataset, dev, num_workers)
     ctx = DistContext(device=dev)
     # released models decode in fp32, as published, unless a precision is asked for
     resolved = "fp32" if precision == "auto" and ckpt.get("release") else resolve_precision(precision, dev, "--precision")
