@@ -228,3 +228,34 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     assert cos.min() > 0.999 and rel.max() < 0.02
     res = invoke("embed", "-k", str(encoder), "-i", str(sents), "-o", str(tmp_path / "h.npy"), "--precision", "fp16")
     assert res.exit_code == 2 and "embed.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
+
+
+def test_evaluate_retrieval_encodes_under_the_precision_option(world, tmp_path, monkeypatch) -> None:
+    """`evaluate --retrieval --precision` reaches the caption encoding: bf16 runs the encoder's linear layers in
+    bfloat16 (seen by a forward hook) and gives a full report; fp16 on CPU is refused in one line."""
+    from models.sentence_encoder import SentenceEncoder
+
+    run, _, encoder = world
+    args = ("evaluate", "--retrieval", str(encoder), "--store", str(run / "features/store"), "--data", str(run / "data"))
+    res = invoke(*args, "--precision", "fp16")
+    assert res.exit_code == 2 and "evaluate.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
+    dtypes: list[torch.dtype] = []
+    real = SentenceEncoder.predict_image
+
+    def spy(self, h):
+        out = real(self, h)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(SentenceEncoder, "predict_image", spy)
+    reports = {}
+    for precision in ("fp32", "bf16"):
+        dtypes.clear()
+        out = tmp_path / f"{precision}.json"
+        res = invoke(*args, "--precision", precision, "--output", str(out))
+        assert res.exit_code == 0, res.output
+        assert dtypes and set(dtypes) == {torch.float32 if precision == "fp32" else torch.bfloat16}, dtypes
+        reports[precision] = json.loads(out.read_text())["retrieval"]
+    for rep in reports.values():
+        recalls = {k: v for k, v in rep["ground_truth"].items() if "_R@" in k and "chance" not in k}
+        assert len(recalls) == 6 and all(0.0 <= v <= 100.0 for v in recalls.values()), rep

@@ -96,7 +96,7 @@ def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: An
     from pipeline.embedding.retrieval import evaluate_retrieval_files
 
     return evaluate_retrieval_files(encoder, store, data, str(section.split), device=str(section.device), predictions=predictions,
-                                    num_workers=int(section.num_workers))
+                                    num_workers=int(section.num_workers), precision=str(section.precision))
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:

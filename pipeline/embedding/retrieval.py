@@ -45,9 +45,10 @@ def encode_batches(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.
 
 
 def split_similarity(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.Tensor, images: np.ndarray,
-                     device: torch.device | str, batch_size: int = 512) -> np.ndarray:
-    """(C, N) cosine similarities between the captions' predicted image features and the image vectors."""
-    pred = encode_batches(model, tokens, lengths, device, "image", batch_size)
+                     device: torch.device | str, batch_size: int = 512, precision: str = "fp32") -> np.ndarray:
+    """(C, N) cosine similarities between the captions' predicted image features and the image vectors
+    (the captions encoded under ``precision``'s autocast, the cosines in float32)."""
+    pred = encode_batches(model, tokens, lengths, device, "image", batch_size, precision)
     return cosine_matrix(pred, torch.from_numpy(np.asarray(images, dtype=np.float32))).numpy()
 
 
@@ -58,23 +59,25 @@ def words_to_inputs(sentences: Sequence[str], vocab: Vocab, max_words: int | Non
 
 
 def retrieval_report(model: SentenceEncoder, store: FeatureStore, split: SplitCaptions, device: torch.device | str,
-                     generated: Mapping[str, str] | None = None, max_boxes: int | None = None, num_workers: int = 0) -> dict[str, Any]:
+                     generated: Mapping[str, str] | None = None, max_boxes: int | None = None, num_workers: int = 0,
+                     precision: str = "fp32") -> dict[str, Any]:
     """R@1/5/10 both ways for the split's ground-truth captions and, when given, for generated captions
     (``{image key: caption}``; self-retrieval: each generated caption against the split's images). The image
-    vectors are read in ``num_workers`` DataLoader processes (:func:`~pipeline.embedding.data.image_table`)."""
+    vectors are read in ``num_workers`` DataLoader processes (:func:`~pipeline.embedding.data.image_table`); the
+    captions are encoded under ``precision`` (resolved: fp32 | bf16 | fp16)."""
     if model.image_head is None:
         raise UsageError(f"the encoder was trained with objective {model.objective} and has no image head: retrieval needs cap2img or cap2all")
     images = image_table(store, split.keys, max_boxes, num_workers)
     tokens, lengths, caption_image = split.all_captions()
     out: dict[str, Any] = {"split_images": len(split.keys), "gt_captions": int(len(tokens))}
-    out["ground_truth"] = retrieval_metrics(split_similarity(model, tokens, lengths, images, device), caption_image.numpy())
+    out["ground_truth"] = retrieval_metrics(split_similarity(model, tokens, lengths, images, device, precision=precision), caption_image.numpy())
     if generated is not None:
         rows = {k: i for i, k in enumerate(split.keys)}
         keys = [k for k in generated if k in rows]
         if not keys:
             raise UsageError("none of the generated captions belongs to an image of the evaluated split")
         gen_tokens, gen_lengths = words_to_inputs([generated[k] for k in keys], split.data.vocab)
-        sim = split_similarity(model, gen_tokens, gen_lengths, images, device)
+        sim = split_similarity(model, gen_tokens, gen_lengths, images, device, precision=precision)
         out["generated_captions"] = len(keys)
         out["generated"] = retrieval_metrics(sim, np.array([rows[k] for k in keys]))
     return out
@@ -101,9 +104,12 @@ def results_to_keys(results: Any, data: Any, source: str) -> dict[str, str]:
 
 
 def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, split: str, device: str = "auto",
-                             predictions: Any = None, max_boxes: int | None = None, num_workers: int = 0) -> dict[str, Any]:
+                             predictions: Any = None, max_boxes: int | None = None, num_workers: int = 0,
+                             precision: str = "fp32") -> dict[str, Any]:
     """``cli evaluate --retrieval``: R@K of ``split``'s ground-truth captions and, with ``predictions`` (a COCO
-    results file), of the generated captions (self-retrieval); the store is read in ``num_workers`` processes."""
+    results file), of the generated captions (self-retrieval); the store is read in ``num_workers`` processes,
+    the captions encoded under ``precision`` (auto | fp32 | bf16 | fp16, checked for the device as
+    ``evaluate.precision``)."""
     from pathlib import Path
 
     from pipeline.caption_data.prepared import PreparedCaptions
@@ -115,7 +121,10 @@ def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, s
         raise UsageError("--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)")
     if not Path(store_path).exists():
         raise UsageError(f"feature store not found: {store_path}")
+    from pipeline.core.training import resolve_precision
+
     dev = resolve_device(device)
+    precision = resolve_precision(precision, dev, "evaluate.precision")
     data = PreparedCaptions.load(data_path)
     model, _, _ = load_encoder(checkpoint, dev, data.vocab)
     store = FeatureStore(store_path)
@@ -126,5 +135,5 @@ def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, s
         generated = {k: v for k, v in generated.items() if k in set(split_caps.keys)}
         if not generated:
             raise UsageError(f"{predictions}: no caption of a {split} image (give --split for the predictions' split)")
-    report = retrieval_report(model, store, split_caps, dev, generated, max_boxes, num_workers)
+    report = retrieval_report(model, store, split_caps, dev, generated, max_boxes, num_workers, precision)
     return {"checkpoint": str(checkpoint), "split": split, **report}
