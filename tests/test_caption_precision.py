@@ -8,11 +8,11 @@ import torch
 import models
 from extract_helpers import tiny_spec
 from extractors.factory import configure_recipe
-from extractors.preprocess import load_rgb
 from extractors.run import items_from_paths, precision_context
 from extractors.random_weights import random_detector
 from models.decoding import DecodeOptions
 from pipeline.captioning.engine import CaptionResult, PhotoCaptioner
+from pipeline.captioning.photos import Need, PhotoDataset
 from pipeline.core.config import load_config
 from pipeline.core.vocab import Vocab
 
@@ -29,7 +29,8 @@ def test_bf16_captions_with_float32_relevance(shared_data):
     engine = PhotoCaptioner(det, selector, cap, vocab, DecodeOptions.from_mapping({"method": "beam", "beam_size": 2, "max_len": 6}),
                             torch.device("cpu"))
     with precision_context("bf16", torch.device("cpu")), torch.no_grad():
-        recs = engine._detect(items, [load_rgb(i.path, 10**8) for i in items])
+        photos = PhotoDataset(items, [Need.DETECT] * len(items), selector.recipe, 10**8, keep_images=False)
+        recs = engine._detect([photos[i] for i in range(len(items))])
         res = [CaptionResult(i.key, i.path) for i in items]
         engine._caption(recs, res, relevance=True)
     r = res[0]

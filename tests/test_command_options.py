@@ -19,7 +19,7 @@ OFFERED = {
     "train-detector": EVERYDAY,
     "evaluate": EVERYDAY,
     "train-encoder": EVERYDAY,
-    "caption": {"--device", "--batch-size", "--precision"},
+    "caption": EVERYDAY,
     "embed": EVERYDAY,
     "eval-detector": EVERYDAY,
 }

@@ -1,5 +1,8 @@
 """Caption photos end to end, batch by batch: decode images, detect regions, run the captioner.
 
+Photos are decoded in DataLoader worker processes (``caption.num_workers``; :mod:`pipeline.captioning.photos`)
+while the models run in the main process.
+
 :class:`PhotoCaptioner` holds a loaded detector and captioner. ``caption_paths`` yields one
 :class:`CaptionResult` per input file (bad images become results with an ``error``), so a caller can stream
 them to a table, JSON lines or CSV. Features can be reused from (and added to) a feature store
@@ -22,12 +25,12 @@ import numpy as np
 import torch
 
 from extractors.bottom_up import BottomUpDetector, RegionOutput
-from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
 from extractors.selector import Selector
 from extractors.run import ImageItem
 from models.base import Captioner
 from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
+from pipeline.captioning.photos import DecodedPhoto, Need, PhotoDataset, decoded_batches, one_line
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError
 from pipeline.core.keys import key_to_text
@@ -133,9 +136,16 @@ class FeatureCache:
         self.writer.close()
 
 
+class _PreprocessFailed(Exception):
+    """The recipe's blob of a photo could not be built (``line``: the loader's one-line form of the error)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    return exc.line if isinstance(exc, _PreprocessFailed) else one_line(exc)
 
 
 class PhotoCaptioner:
@@ -156,65 +166,58 @@ class PhotoCaptioner:
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
         self.identity: dict[str, Any] = {}  # the detector's feature-store identity, set by whoever loaded it
 
-    def _detect(self, items: Sequence[ImageItem], images: Sequence[np.ndarray]) -> list[dict[str, Any]]:
-        blobs, frames = [], []
-        for rgb in images:  # the recipe's preprocessing (``self.rule`` is the recipe's selector)
-            blob, frame = recipe_blob(rgb, self.rule.recipe)
-            blobs.append(torch.from_numpy(blob))
-            frames.append(frame)
-        outs = self.detector.detect(blobs, frames, self.rule)
+    def _detect(self, photos: Sequence[DecodedPhoto]) -> list[dict[str, Any]]:
+        """Detect regions on decoded photos (blobs built by the loader with the recipe of ``self.rule``)."""
+        failed = next((p.blob_error for p in photos if p.blob_error is not None), None)
+        if failed is not None:  # the blob could not be built: this batch fails as if the detector had raised
+            raise _PreprocessFailed(failed)
+        outs = self.detector.detect([p.blob for p in photos], [p.frame for p in photos], self.rule)
         return [regions_to_record(o) for o in outs]
 
     def caption_paths(
-        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False
+        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,
+        workers: int = 0,
     ) -> Iterator[CaptionResult]:
         """Caption ``items`` in batches; yields results in input order. ``cache`` is an open store writer."""
-        for batch in self.caption_batches(items, batch_size, cache, keep_images, relevance):
+        for batch in self.caption_batches(items, batch_size, cache, keep_images, relevance, workers):
             yield from batch
 
     def caption_batches(
-        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False
+        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,
+        workers: int = 0,
     ) -> Iterator[list[CaptionResult]]:
         """Caption ``items`` batch by batch (one list of results per batch, in input order).
+
+        Photos are decoded (and their detector blobs built) by ``workers`` DataLoader processes
+        (:mod:`pipeline.captioning.photos`; 0: in this process), a few batches ahead of the models. Photos whose
+        features are in ``cache`` skip detection; they are decoded only when ``keep_images`` (pictures, gallery).
 
         A per-image guard: an image whose decoding, detection or captioning raises becomes a result with an
         ``error`` (``reason: detail``) and the others of its batch are still captioned (a failed batch is
         retried image by image). Project errors (:class:`PipelineError`, e.g. a feature-size mismatch) stop the run.
         """
-        for start in range(0, len(items), batch_size):
-            chunk = list(items[start : start + batch_size])
+        items = list(items)
+        cached = [getattr(it, "problem", None) is None and cache is not None and cache.has(it.key) for it in items]
+        needs = [(Need.IMAGE if keep_images else Need.NOTHING) if c else Need.DETECT for c in cached]
+        dataset = PhotoDataset(items, needs, self.rule.recipe, self.max_pixels, keep_images)
+        for decoded in decoded_batches(dataset, batch_size, workers):
+            chunk = [items[d.index] for d in decoded]
             results = [CaptionResult(it.key, it.path) for it in chunk]
             records: list[dict[str, Any] | None] = [None] * len(chunk)
-            images: list[np.ndarray | None] = [None] * len(chunk)
             todo = []
-            for i, it in enumerate(chunk):
-                if getattr(it, "problem", None) is not None:  # missing, dangling link, folder named x.jpg, ...
-                    results[i].error = f"{it.problem[0]}: {it.problem[1]}"
-                    continue
-                try:
-                    if cache is not None and cache.has(it.key):
-                        records[i] = cache.get(it.key)  # features extracted by an earlier run
-                        if keep_images:
-                            images[i] = load_rgb(it.path, self.max_pixels)
-                    else:
-                        images[i] = load_rgb(it.path, self.max_pixels)
-                        todo.append(i)
-                except ImageLoadError as exc:
-                    results[i].error = f"{exc.reason}: {exc.detail}" if hasattr(exc, "reason") else str(exc)
-                except OSError as exc:
-                    results[i].error = f"unreadable: {exc}"
-            if todo:
-                for i, rec in self._detect_guarded(chunk, todo, images, results).items():
-                    if len(rec["boxes"]) == 0:
-                        results[i].error = "no_regions: the detector returned no region"
+            for i, d in enumerate(decoded):
+                if cached[d.index]:
+                    try:
+                        records[i] = cache.get(chunk[i].key)  # features extracted by an earlier run
+                    except OSError as exc:
+                        results[i].error = f"unreadable: {exc}"
                         continue
-                    records[i] = rec
-                    if cache is not None:
-                        cache.add(chunk[i].key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
-                                  class_ids=rec["class_ids"], class_scores=rec["class_scores"],
-                                  attr_ids=rec.get("attr_ids"), attr_scores=rec.get("attr_scores"))
-                if cache is not None:
-                    cache.commit()
+                if d.error is not None:  # a problem found before reading, or the photo could not be decoded
+                    results[i].error = d.error
+                elif not cached[d.index]:
+                    todo.append(i)
+            if todo:
+                self._detect_batch(chunk, todo, decoded, results, records, cache)
             good = [i for i in range(len(chunk)) if records[i] is not None and results[i].error is None]
             if good:
                 recs = {i: cap_boxes(dict(records[i]), self.max_boxes) for i in good}
@@ -224,25 +227,41 @@ class PhotoCaptioner:
                     if results[i].error is None:
                         results[i].regions = rec
                         if keep_images:
-                            results[i].image = images[i]
+                            results[i].image = decoded[i].image
             yield results
+
+    def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[DecodedPhoto], results: list[CaptionResult],
+                      records: list[dict[str, Any] | None], cache: Any) -> None:
+        """Detect the ``todo`` photos of a batch into ``records`` (and the cache, committed once per batch)."""
+        for i, rec in self._detect_guarded(chunk, todo, decoded, results).items():
+            if len(rec["boxes"]) == 0:
+                results[i].error = "no_regions: the detector returned no region"
+                continue
+            records[i] = rec
+            if cache is not None:
+                cache.add(chunk[i].key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
+                          class_ids=rec["class_ids"], class_scores=rec["class_scores"],
+                          attr_ids=rec.get("attr_ids"), attr_scores=rec.get("attr_scores"))
+        if cache is not None:
+            cache.commit()
 
     def _check_dim(self, rec: dict[str, Any]) -> None:
         dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)
         if expected is not None and dim != expected:
             raise PipelineError(f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with")
 
-    def _detect_guarded(self, chunk: list[ImageItem], todo: list[int], images: list[Any], results: list[CaptionResult]) -> dict[int, dict[str, Any]]:
+    def _detect_guarded(self, chunk: list[ImageItem], todo: list[int], decoded: list[DecodedPhoto], results: list[CaptionResult]
+                        ) -> dict[int, dict[str, Any]]:
         """Detect ``todo`` together; if that raises, one by one (the failing image gets the error)."""
         try:
-            return dict(zip(todo, self._detect([chunk[i] for i in todo], [images[i] for i in todo])))
+            return dict(zip(todo, self._detect([decoded[i] for i in todo])))
         except PipelineError:
             raise
         except Exception as exc:  # noqa: BLE001 - the per-image guard: any model failure is this image's
             if len(todo) > 1:
                 out: dict[int, dict[str, Any]] = {}
                 for i in todo:
-                    out.update(self._detect_guarded(chunk, [i], images, results))
+                    out.update(self._detect_guarded(chunk, [i], decoded, results))
                 return out
             results[todo[0]].error = f"detector_failed: {_one_line(exc)}"
             log.warning("skipped %s: the detector failed (%s)", key_to_text(str(chunk[todo[0]].path)), _one_line(exc))

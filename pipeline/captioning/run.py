@@ -195,7 +195,8 @@ def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSumm
     with make_progress() as progress, torch.inference_mode(False):
         task = progress.add_task("caption", total=len(todo))
         first = True
-        for batch in engine.caption_batches(todo, int(cfg.batch_size), cache=cache, keep_images=want_images, relevance=want_images):
+        for batch in engine.caption_batches(todo, int(cfg.batch_size), cache=cache, keep_images=want_images, relevance=want_images,
+                                            workers=int(cfg.num_workers)):
             if visualize is not None:
                 summary.pictures += len(write_pictures(batch, visualize, classes, attributes))
             if gallery is not None:

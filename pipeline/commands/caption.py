@@ -11,9 +11,9 @@ from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 DEFAULT_RUN = Path("runs/demo")
-#: photos are decoded in the main process (no --num-workers); --precision as in `extract`
+#: --num-workers: photo-decoding processes (pipeline/captioning/photos.py); --precision as in `extract`
 CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
-                            precision_choices=("fp32", "tf32", "bf16"))
+                            num_workers="caption.num_workers", precision_choices=("fp32", "tf32", "bf16"))
 
 
 def register(app: typer.Typer) -> None:
