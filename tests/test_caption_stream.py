@@ -9,6 +9,8 @@ import gc
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, cli_process, small_photos, tiny_detector, tiny_run
+from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector, tiny_run
 from cli import app
 from pipeline.captioning.choose import validation_score
 from pipeline.core.keys import key_from_text
@@ -34,6 +36,10 @@ def env(tmp_path_factory) -> dict[str, Path]:
 def caption(env: dict[str, Path], *args: str, model: str | None = None):
     return CliRunner().invoke(app, ["caption", *args, "--model", model or str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL],
                               env={"COLUMNS": "300"})
+
+
+#: the most the peak RSS of `caption` on 400 small photos may exceed the peak on 40 (see the test below)
+RSS_BOUND_MB = 40
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -107,7 +113,7 @@ def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, mo
     small_photos(tmp_path / "few", 40, size=(64, 48))
     small_photos(tmp_path / "many", 400, size=(64, 48), seed=1)
     caption(env, str(tmp_path / "warm"), "--quiet")  # imports and first-call caches before measuring
-    fast = ["--quiet", "--beam-size", "1"]  # batches of 2 (SMALL)
+    fast = ["--quiet", "--beam-size", "1", "--num-workers", "0"]  # batches of 2 (SMALL); decoded in this process, where tracemalloc sees it
     few = traced_peak_mb(env, str(tmp_path / "few"), "--output", str(tmp_path / "few.jsonl"), *fast)
     monkeypatch.setattr(PhotoCaptioner, "caption_batches", counting)
     many = traced_peak_mb(env, str(tmp_path / "many"), "--output", str(tmp_path / "many.jsonl"), *fast)
@@ -115,6 +121,68 @@ def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, mo
     assert len(read_jsonl(tmp_path / "many.jsonl")) == 400 and len(live) == 25
     assert max(live) <= 2, f"{max(live)} results with regions alive after a batch (batch size 2)"
     assert many - few < 3, f"traced heap peak {many:.1f} MB for 400 photos vs {few:.1f} MB for 40"
+
+
+#: `cli.py caption` in a child process that reports its peak resident set size (VmHWM) when the command ends, before
+#: the interpreter's teardown (which alone adds ~100 MB to the process's lifetime peak with torch loaded, the same
+#: for 40 photos as for 400); with KEEP=1 it keeps every result with its regions, image and word relevance to
+#: the end, as `caption` did before it streamed (the counterfactual that shows the bound can fail)
+RSS_CHILD = """
+import copy, os, sys
+if os.environ["KEEP"] == "1":
+    from pipeline.captioning.engine import PhotoCaptioner
+    kept, batches = [], PhotoCaptioner.caption_batches
+    def keeping(self, *args, **kw):
+        for batch in batches(self, *args, **kw):
+            kept.extend(copy.deepcopy(batch))
+            yield batch
+    PhotoCaptioner.caption_batches = keeping
+from cli import app
+try:
+    app(sys.argv[1:], prog_name="cli.py")
+finally:
+    with open("/proc/self/status") as fh:
+        sys.stderr.write("peak-rss-kb " + fh.read().split("VmHWM:")[1].split()[0] + "\\n")
+"""
+
+
+def peak_rss_mb(tmp_path: Path, *args: str, keep_everything: bool = False) -> float:
+    """Peak RSS (MB) of one `caption` child process while its command ran (see RSS_CHILD)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300", KEEP=str(int(keep_everything)))
+    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, "caption", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, timeout=300)
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 0 and "peak-rss-kb" in err, err[-2000:]
+    return int(err.split("peak-rss-kb ")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS (VmHWM) from /proc (Linux)")
+def test_peak_rss_of_caption_on_400_photos_stays_within_the_bound(env: dict[str, Path], tmp_path: Path) -> None:
+    """Process memory: the peak RSS of `caption --visualize` on 400 small photos (320x240, recipe sizes 48/64 so
+    that detection is quick) exceeds its peak on 40 photos by less than RSS_BOUND_MB = 40 MB (photos decoded
+    in the main process, ``--num-workers 0``, so that one process holds everything; the workers' prefetch is
+    bounded in test_caption_workers).
+
+    The bound rules out keeping more than 40 MB / 360 photos = 114 kB per photo to the end: each photo's decoded
+    image (320 x 240 x 3 = 225 kB), or a real detector's regions (36 x 2048 float32 = 288 kB). The test also
+    runs the counterfactual, the same command keeping every result with its regions and image (what `caption`
+    did before it streamed), and checks that it breaks the bound. Measured on the 2-core machine (load ~1):
+    40 photos 757-759 MB, 400 photos 755-759 MB, 400 keeping everything 845-848 MB (+88 MB); about 30 s.
+    """
+    small_photos(tmp_path / "few", 40, size=(320, 240))
+    small_photos(tmp_path / "many", 400, size=(320, 240), seed=1)
+    common = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), "--set", "caption.batch_size=2", "--set", "caption.min_size=48",
+              "--set", "caption.max_size=64", "--beam-size", "1", "--num-workers", "0", "--quiet"]
+    few = peak_rss_mb(tmp_path, str(tmp_path / "few"), "--output", str(tmp_path / "few.jsonl"), "--visualize", str(tmp_path / "p1"), *common)
+    many = peak_rss_mb(tmp_path, str(tmp_path / "many"), "--output", str(tmp_path / "many.jsonl"), "--visualize", str(tmp_path / "p2"), *common)
+    kept = peak_rss_mb(tmp_path, str(tmp_path / "many"), "--output", str(tmp_path / "kept.jsonl"), "--visualize", str(tmp_path / "p3"), *common,
+                       keep_everything=True)
+    print(f"peak RSS: {few:.1f} MB with 40 photos, {many:.1f} MB with 400, {kept:.1f} MB with 400 keeping every result")
+    rows = read_jsonl(tmp_path / "many.jsonl")
+    assert len(rows) == 400 and sum("caption" in r for r in rows) == 400 and read_jsonl(tmp_path / "kept.jsonl") == rows
+    assert len(list((tmp_path / "p2").glob("*.png"))) == 400
+    assert many - few < RSS_BOUND_MB, f"peak RSS {many:.1f} MB for 400 photos vs {few:.1f} MB for 40"
+    assert kept - few > RSS_BOUND_MB, f"keeping every result costs only {kept - few:.1f} MB: the bound would not notice it"
 
 
 def test_odd_images_and_names_never_cost_the_run(env: dict[str, Path], tmp_path: Path) -> None:
