@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector, tiny_run
 from cli import app
 from pipeline.captioning.choose import validation_score
+from pipeline.core import threads as thread_policy
 from pipeline.core.keys import key_from_text
 
 
@@ -46,18 +47,40 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_bytes().decode("utf-8").splitlines()]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc; none where there is no /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_kill_after_about_20_then_rerun_captions_each_photo_once(env: dict[str, Path], tmp_path: Path) -> None:
     photos = small_photos(tmp_path / "photos", 40, size=(200, 150))
     out = tmp_path / "out.jsonl"
     args = ["caption", str(tmp_path / "photos"), "--model", str(env["ckpt"]), "--weights", str(env["weights"]), "--output", str(out),
             *SMALL, "--set", "caption.batch_size=1", "--visualize", str(tmp_path / "pics")]
     proc = cli_process(*args)
-    seen, deadline = 0, time.monotonic() + 300
+    seen, deadline, workers = 0, time.monotonic() + 300, []
     while proc.poll() is None and time.monotonic() < deadline:
         if out.exists():
             rows = read_jsonl(out)  # valid JSON lines at every moment, never a torn line
             seen = len(rows)
             if seen >= 20:
+                workers = child_pids(proc.pid)  # the photo-decoding DataLoader workers (caption.num_workers)
                 proc.send_signal(signal.SIGKILL)
                 break
         time.sleep(0.02)
@@ -65,6 +88,12 @@ def test_kill_after_about_20_then_rerun_captions_each_photo_once(env: dict[str, 
     assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed ({seen} rows): {proc.stderr.read().decode()[-2000:]}"
     killed = read_jsonl(out)
     assert 20 <= len(killed) < 40
+    if Path("/proc/self/stat").exists():  # Linux: the workers end with the killed run (none left behind)
+        assert len(workers) == thread_policy.plan(workers=2, threads=1).workers  # the child's policy: one thread each
+        deadline = time.monotonic() + 30  # a worker notices its parent's death within 5 s (torch's status check)
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(alive, workers)), "a photo-decoding worker outlived the killed caption"
     proc = cli_process(*args)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err.decode()[-2000:]

@@ -227,7 +227,7 @@ class PhotoCaptioner:
                     if results[i].error is None:
                         results[i].regions = rec
                         if keep_images:
-                            results[i].image = decoded[i].image
+                            results[i].image = decoded[i].image.numpy()
             yield results
 
     def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[DecodedPhoto], results: list[CaptionResult],

@@ -6,8 +6,9 @@ needs detection, builds the recipe's input blob (:func:`extractors.preprocess.re
 back as values (:class:`DecodedPhoto` ``error`` / ``blob_error``), never as exceptions, so the engine's
 per-image guard reports them exactly as when it decoded in the main process. Batches keep the input order
 (the loader's in-order delivery), hold ``batch_size`` photos, and at most ``prefetch`` batches per worker are
-decoded ahead of the model, so memory stays bounded by a few batches. With 0 workers the same dataset runs
-in the main process. The worker count goes through the thread policy (:mod:`pipeline.core.threads`), as in
+decoded ahead of the model, so memory stays bounded by a few batches. Pixels and blobs travel as tensors
+(shared memory): the workers' result pipe carries only small messages, so a worker never blocks on a full pipe
+and exits by itself when the main process is killed. With 0 workers the same dataset runs in the main process. The worker count goes through the thread policy (:mod:`pipeline.core.threads`), as in
 ``extract``: workers take cores from the torch threads, never beyond this process's share.
 """
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,7 +43,7 @@ class DecodedPhoto:
     (the engine reports it as the detector's failure, as when the blob was built in the detector's batch)."""
 
     index: int
-    image: np.ndarray | None = None
+    image: torch.Tensor | None = None  # (H, W, 3) uint8 RGB
     blob: torch.Tensor | None = None
     frame: Frame | None = None
     error: str | None = None
@@ -91,8 +91,8 @@ class PhotoDataset(Dataset):
                 out.blob = torch.from_numpy(blob)
             except Exception as exc:  # noqa: BLE001 - the per-image guard: reported as this image's failure
                 out.blob_error = one_line(exc)
-        if self.keep_images or need is Need.IMAGE:
-            out.image = rgb
+        if self.keep_images or need is Need.IMAGE:  # a tensor travels through shared memory, not the result pipe
+            out.image = torch.from_numpy(rgb if rgb.flags.writeable else rgb.copy())
         return out
 
 
