@@ -210,7 +210,8 @@ class ImageDataset(Dataset):
         return {"item": it, "blob": torch.from_numpy(blob), "frame": frame, "size": rgb.shape[:2]}
 
 
-def _collate(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_list(batch: list[Any]) -> list[Any]:
+    """A DataLoader ``collate_fn`` that hands a batch over as the list of its items."""
     return batch
 
 
@@ -267,9 +268,6 @@ def run_extraction(
     fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
     t0 = time.perf_counter()
     ds = ImageDataset(todo, selector.recipe, max_pixels, min_side=spec.feature_stride)
-    threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
-    loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=thread_policy.loader_workers(workers), collate_fn=_collate,
-                        pin_memory=dev.type == "cuda", persistent_workers=False)
     since_commit = 0
 
     def fail(it: ImageItem, reason: str, detail: str) -> None:
@@ -283,7 +281,9 @@ def run_extraction(
             fail_fh.flush()
 
     try:
-        with make_progress() as progress, StopOnSignal() as stop:
+        with thread_policy.loader_threads(workers) as n, make_progress() as progress, StopOnSignal() as stop:
+            loader = DataLoader(ds, batch_size=max(1, batch_size), shuffle=False, num_workers=n, collate_fn=as_list,
+                                pin_memory=dev.type == "cuda", persistent_workers=False)
             task = progress.add_task("extract", total=len(todo))
             for batch in loader:
                 since_commit += _extract_batch(batch, model, writer, selector, precision, dev, fail, summary)
@@ -298,7 +298,6 @@ def run_extraction(
                         f"to {writer.path}: run the same command again to resume")
         writer.commit()
     finally:
-        torch.set_num_threads(threads_before)
         if fail_fh is not None:
             fail_fh.close()
     summary.seconds = time.perf_counter() - t0

@@ -109,6 +109,24 @@ def test_loader_workers_sets_torch_threads_to_match(monkeypatch):
     assert threads.pool_size(20) == 8 and threads.pool_size(3) == 3
 
 
+def test_loader_threads_gives_the_threads_back_when_the_workers_are_done(monkeypatch):
+    """Inside the block torch runs the policy's threads next to the workers; after it (also after an error) the
+    count it had before, so work after a loader (training after the encoder's image table) keeps every thread."""
+    monkeypatch.setattr(threads, "available_cores", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        with threads.loader_threads(3) as n:
+            assert n == 3 and torch.get_num_threads() == 5
+        assert torch.get_num_threads() == 8
+        with pytest.raises(RuntimeError), threads.loader_threads(2):
+            assert torch.get_num_threads() == 6
+            raise RuntimeError("a failing batch")
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cli_threads_option(monkeypatch):
     import cli
 

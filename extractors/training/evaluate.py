@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from extractors import box_coding
 from extractors.bottom_up import BottomUpDetector
 from extractors.preprocess import DEFAULT_MAX_PIXELS
-from extractors.run import ImageDataset, ImageItem, guarded_detect, precision_context
+from extractors.run import ImageDataset, ImageItem, as_list, guarded_detect, precision_context
 from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
@@ -83,10 +83,6 @@ def match_objects(gt: torch.Tensor, det: torch.Tensor, iou: float) -> tuple[torc
         return torch.zeros(gt.shape[0], dtype=torch.bool), torch.zeros(gt.shape[0], dtype=torch.long)
     best_iou, best = box_coding.legacy_iou(gt.float(), det.float()).max(dim=1)
     return best_iou >= iou, best
-
-
-def _as_list(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return batch
 
 
 @dataclass
@@ -200,17 +196,12 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
     tally = _Tally(iou=iou, group=group)
     ds = ImageDataset([ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)], rule.recipe, DEFAULT_MAX_PIXELS,
                       min_side=model.spec.feature_stride)
-    threads_before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
-    loader = DataLoader(ds, batch_size=int(batch_size), shuffle=False, num_workers=thread_policy.loader_workers(int(workers)),
-                        collate_fn=_as_list, pin_memory=dev.type == "cuda")
-    try:
-        with make_progress() as progress:
-            task = progress.add_task("evaluate", total=len(ds))
-            for batch in loader:
-                _score_batch(model, batch, records, rule, precision, dev, tally)
-                progress.advance(task, len(batch))
-    finally:
-        torch.set_num_threads(threads_before)
+    with thread_policy.loader_threads(int(workers)) as n, make_progress() as progress:
+        loader = DataLoader(ds, batch_size=int(batch_size), shuffle=False, num_workers=n, collate_fn=as_list, pin_memory=dev.type == "cuda")
+        task = progress.add_task("evaluate", total=len(ds))
+        for batch in loader:
+            _score_batch(model, batch, records, rule, precision, dev, tally)
+            progress.advance(task, len(batch))
     return _result(tally, rule, attribute_group)
 
 

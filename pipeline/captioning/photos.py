@@ -96,20 +96,13 @@ class PhotoDataset(Dataset):
         return out
 
 
-def _as_list(batch: list[DecodedPhoto]) -> list[DecodedPhoto]:
-    return batch
-
-
 def decoded_batches(dataset: PhotoDataset, batch_size: int, workers: int, prefetch: int = 2) -> Iterator[list[DecodedPhoto]]:
     """The dataset's photos in input order, ``batch_size`` at a time, decoded by ``workers`` processes (after
     the thread policy; 0: in this process). Torch's thread count is restored when the iteration ends."""
+    from extractors.run import as_list
     from pipeline.core import threads as thread_policy
 
-    before = torch.get_num_threads()  # the thread policy trades threads for workers while they run
-    try:
-        n = thread_policy.loader_workers(workers) if workers > 0 else 0
-        loader = DataLoader(dataset, batch_size=max(1, int(batch_size)), shuffle=False, num_workers=n, collate_fn=_as_list,
+    with thread_policy.loader_threads(workers) as n:
+        loader = DataLoader(dataset, batch_size=max(1, int(batch_size)), shuffle=False, num_workers=n, collate_fn=as_list,
                             prefetch_factor=max(1, int(prefetch)) if n else None, persistent_workers=False)
         yield from loader
-    finally:
-        torch.set_num_threads(before)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -164,6 +166,19 @@ def apply(workers: int = 0, threads: int | None = None) -> ThreadPlan:
 def loader_workers(requested: int, threads: int | None = None) -> int:
     """DataLoader workers to start for ``requested`` (the config's value), with torch's threads set to match."""
     return apply(workers=max(0, int(requested)), threads=threads).workers
+
+
+@contextmanager
+def loader_threads(requested: int, threads: int | None = None) -> Iterator[int]:
+    """:func:`loader_workers` for the span of a ``with`` block: yields the DataLoader workers to start and puts
+    torch's thread count back at exit (the policy trades threads for workers only while the workers run)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield loader_workers(requested, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 def pool_size(requested: int) -> int:

@@ -49,10 +49,6 @@ class ImageMeans(Dataset):
         return feats.astype(np.float32).mean(0)
 
 
-def _stack(rows: Sequence[np.ndarray]) -> np.ndarray:
-    return np.stack(rows)
-
-
 def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None, num_workers: int = 0,
                 chunk: int = 64) -> np.ndarray:
     """(N, D) float32: the mean region feature of each image (the first ``max_boxes`` regions when capped).
@@ -68,14 +64,14 @@ def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None 
         raise PipelineError(f"{len(missing)} images have no features in {store.path}, e.g. {missing[:3]}")
     dataset = ImageMeans(store, keys, max_boxes)
     out = np.zeros((len(keys), dataset.dim), dtype=np.float32)
-    workers = thread_policy.loader_workers(num_workers) if len(keys) else 0
-    # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
-    loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=_stack,
-                        generator=torch.Generator().manual_seed(0))
-    start = 0
-    for rows in track(loader, "image vectors", total=len(loader)):
-        out[start : start + len(rows)] = rows
-        start += len(rows)
+    with thread_policy.loader_threads(num_workers if len(keys) else 0) as workers:
+        # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
+        loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=np.stack,
+                            generator=torch.Generator().manual_seed(0))
+        start = 0
+        for rows in track(loader, "image vectors", total=len(loader)):
+            out[start : start + len(rows)] = rows
+            start += len(rows)
     return out
 
 
