@@ -19,6 +19,8 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from pipeline.core.errors import exception_line
+
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # the JPEG opener also yields MPO (phone) files
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 DEFAULT_MAX_PIXELS = 100_000_000
@@ -95,7 +97,7 @@ def load_rgb(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarr
     except PermissionError as exc:
         raise ImageLoadError("unreadable", f"permission denied ({exc.strerror})") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # decoder errors from odd files
-        raise ImageLoadError("decode_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ImageLoadError("decode_error", exception_line(exc)) from None
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.shape[0] < 1 or arr.shape[1] < 1:
         raise ImageLoadError("decode_error", f"unexpected decoded shape {arr.shape}")
     return np.ascontiguousarray(arr)

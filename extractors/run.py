@@ -31,7 +31,7 @@ from extractors.preprocess import ImageLoadError, load_rgb, recipe_blob
 from extractors.selector import Selector
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError, exception_line
 from pipeline.core.keys import key_from_name, key_to_text
 from pipeline.core.training.signals import StopOnSignal
 
@@ -203,7 +203,7 @@ class ImageDataset(Dataset):
         try:
             blob, frame = recipe_blob(rgb, self.recipe)
         except (cv2.error, ValueError, MemoryError) as exc:
-            return {"item": it, "error": "decode_error", "detail": f"cannot build the image blob: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            return {"item": it, "error": "decode_error", "detail": f"cannot build the image blob: {exception_line(exc)}"}
         thin = thin_image_reason(rgb.shape[:2], blob.shape[1:], self.min_side)
         if thin is not None:
             return {"item": it, "error": "too_thin", "detail": thin}
@@ -348,7 +348,7 @@ def guarded_detect(model: BottomUpDetector, recs: list[dict[str, Any]], selector
         return list(zip(recs, _detect(model, recs, selector, precision, dev)))
     except (RuntimeError, ValueError, IndexError, TypeError, ZeroDivisionError, AssertionError) as exc:
         if len(recs) == 1:
-            fail(recs[0]["item"], "model_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            fail(recs[0]["item"], "model_error", exception_line(exc))
             return []
         log.debug("batch of %d failed (%s); retrying image by image", len(recs), exc)
     out = []

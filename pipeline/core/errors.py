@@ -25,6 +25,13 @@ class ConfigError(UsageError):
     """A config file or a ``--set`` override is invalid."""
 
 
+def exception_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (the type and a colon alone for an empty message): how a failure of
+    one item (image, sentence, segment) is written into a one-line error or a failures file."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 _ERRNO_IN_TEXT = None  # compiled lazily
 
 

@@ -31,7 +31,7 @@ from pipeline.embedding.heatmap import attention_heatmap
 from pipeline.embedding.retrieval import encode_batches, words_to_inputs
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, track
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError, exception_line
 from pipeline.core.fileio import atomic_write, atomic_write_text
 from pipeline.core.distributed import resolve_device
 from pipeline.core.training import autocast, resolve_precision
@@ -130,7 +130,7 @@ def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.
             try:
                 parts.append((s + i, encode_batches(model, tokens[i : i + 1], lengths[i : i + 1], device, output, 1, precision)))
             except (RuntimeError, ValueError, IndexError) as exc:
-                failures[s + i] = ("model_error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                failures[s + i] = ("model_error", exception_line(exc))
     if not parts:
         raise PipelineError(f"no sentence could be embedded (first failure: {next(iter(failures.values()))[1]})")
     out = torch.zeros((total, parts[0][1].shape[1]))

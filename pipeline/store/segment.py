@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import PipelineError, exception_line
 from pipeline.core.keys import check_key, display_key, key_from_bytes, key_to_bytes
 from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
 
@@ -327,7 +327,7 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
     except PipelineError:
         raise
     except (KeyError, ValueError, TypeError, OSError, RuntimeError) as exc:
-        raise PipelineError(f"{path}: corrupt feature segment ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise PipelineError(f"{path}: corrupt feature segment ({exception_line(exc)})") from None
     finally:
         fh.close()
     return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources, crc)
