@@ -114,15 +114,24 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
 
 
 def _device(section: Config, job: ExtractJob) -> Any:
-    """``extract.device``; under torchrun with shards, ``cuda`` means this rank's GPU."""
-    from pipeline.core.distributed import resolve_device
+    """``extract.device``; under torchrun with shards, ``cuda`` (or ``auto`` on a CUDA machine) means this rank's
+    GPU, and more processes than visible GPUs share them: local rank ``r`` runs on ``cuda:(r mod GPUs)``
+    (:func:`pipeline.core.distributed.shared_gpu`; each process holds its own detector, no collective runs on
+    the GPU), said once in the log."""
+    import torch
 
-    dev = resolve_device(str(section.device))
-    if dev.type == "cuda" and job.shard is not None and "LOCAL_RANK" in os.environ and dev.index is None:
-        import torch
+    from pipeline.core.distributed import local_processes, resolve_device, shared_gpu, visible_gpus
 
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    return dev
+    name = str(section.device)
+    if job.shard is not None and "LOCAL_RANK" in os.environ and (name == "cuda" or (name == "auto" and torch.cuda.is_available())):
+        local_rank = int(os.environ["LOCAL_RANK"] or 0)
+        dev = shared_gpu(local_rank)
+        procs, gpus = local_processes(local_rank), visible_gpus()
+        if procs > gpus:
+            log.info("%d processes share %d visible GPU%s: local rank %d extracts on %s", procs, gpus, "" if gpus == 1 else "s",
+                     local_rank, dev)
+        return dev
+    return resolve_device(name)
 
 
 def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = None

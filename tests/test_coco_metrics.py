@@ -14,7 +14,7 @@ import pytest
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.coco import EvalOptions, evaluate_files, score_captions
 from pipeline.metrics.coco_files import load_predictions, load_references, match_predictions
-from pipeline.metrics.java import JavaMissing, pycocoevalcap_dir
+from pipeline.metrics.java import JavaMissing, find_java, pycocoevalcap_dir
 from pipeline.metrics.meteor import meteor_scores
 from pipeline.metrics.spice import spice_available
 from pipeline.metrics.tokenize import ptb_tokenize, simple_tokenize
@@ -146,6 +146,16 @@ def test_without_java_falls_back_and_reports(data, ours, tmp_path: Path) -> None
         score_captions(refs, preds, EvalOptions(java=missing, java_missing="error"))
 
 
+def _java_found() -> bool:
+    try:
+        find_java()
+    except JavaMissing:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _java_found(), reason="Java is not installed: scoring reports SPICE as 'Java not found' before "
+                    "it looks for the CoreNLP jars, so the jar check cannot be reached")
 def test_spice_is_detected_without_downloading(data) -> None:
     available, reason = spice_available()
     if available:

@@ -232,7 +232,7 @@ def test_training_loss_decreases(tiny_world, tmp_path):
 def _cli(out: Path, world: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out), "-q",
             "--set", "train.max_iter=24", "--set", "train.steps=[20]", "--set", "train.checkpoint_every=2",
-            "--set", "data.eval_annotations=null", *extra]
+            "--set", "data.eval_annotations=null", "--set", "train.device=cpu", *extra]  # the CPU claim: bitwise on any machine
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -302,7 +302,8 @@ def test_ddp_two_processes_gloo(tiny_world, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "cli.py"), "train-detector",
            "-c", str(TINY), "--world", str(tiny_world), "--out", str(out), "-q", "--set", "train.max_iter=6", "--set", "train.steps=[5]",
-           "--set", "train.images_per_batch=1", "--set", "data.eval_annotations=null"]
+           "--set", "train.images_per_batch=1", "--set", "data.eval_annotations=null",
+           "--set", "train.device=cpu"]  # gloo on CPU: two processes on any machine, whatever its GPUs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -47,7 +47,7 @@ def tracked_files() -> list[str]:
         out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
         names = [n for n in out.splitlines() if n]
     except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "runs", "__pycache__", ".pytest_cache"}
+        skip = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", "shared", ".whl", ".gl"}  # shared: fixtures copied in
         names = [p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if p.is_file() and not skip & set(p.relative_to(REPO).parts)]
     return [n for n in names if (REPO / n).is_file()]
 

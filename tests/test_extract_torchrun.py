@@ -30,7 +30,7 @@ def _free_port() -> int:
 def _args(shared_data: Path, store: Path) -> list[str]:
     return ["extract", *(str(shared_data / "photos" / p) for p in PHOTOS), "--weights", "random", "--store", str(store),
             "--workers", "0", "--batch-size", "2", "--set", TINY_SET, "--set", "extract.min_size=200", "--set", "extract.max_size=333",
-            "--set", "extract.feature_dtype=float32"]
+            "--set", "extract.feature_dtype=float32", "--set", "extract.device=cpu"]  # a CPU claim (bitwise), on any machine
 
 
 def test_torchrun_merges_its_shards_and_equals_one_process(tmp_path, shared_data):

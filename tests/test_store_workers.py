@@ -212,8 +212,9 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     sents = tmp_path / "s.txt"
     good = [s for s in SENTENCES if s.strip()]
     sents.write_text("\n".join(good) + "\n")
-    fp32 = _embed(encoder, sents, tmp_path / "f.npy", "--precision", "fp32", "--batch-size", "64")
-    bf16 = _embed(encoder, sents, tmp_path / "b.npy", "--precision", "bf16", "--batch-size", "64")
+    # CPU claims (exact fp32 values, fp16 refused): the device is pinned so they hold on a CUDA machine too
+    fp32 = _embed(encoder, sents, tmp_path / "f.npy", "--precision", "fp32", "--batch-size", "64", "--device", "cpu")
+    bf16 = _embed(encoder, sents, tmp_path / "b.npy", "--precision", "bf16", "--batch-size", "64", "--device", "cpu")
     # fp32: exactly the encoder's forward without autocast on the same padded batch
     model, vocab, _ = load_encoder(encoder, torch.device("cpu"))
     tokens, lengths = words_to_inputs(good, vocab, int(load_config("embed", None, []).embed.max_words))
@@ -226,7 +227,7 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     rel = np.abs(fp32 - bf16).max(1) / np.abs(fp32).max(1)
     print(f"\nbf16 vs fp32: min cosine {cos.min():.6f}, max relative deviation {rel.max():.4f}")
     assert cos.min() > 0.999 and rel.max() < 0.02
-    res = invoke("embed", "-k", str(encoder), "-i", str(sents), "-o", str(tmp_path / "h.npy"), "--precision", "fp16")
+    res = invoke("embed", "-k", str(encoder), "-i", str(sents), "-o", str(tmp_path / "h.npy"), "--precision", "fp16", "--device", "cpu")
     assert res.exit_code == 2 and "embed.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
 
 
@@ -236,7 +237,8 @@ def test_evaluate_retrieval_encodes_under_the_precision_option(world, tmp_path, 
     from models.sentence_encoder import SentenceEncoder
 
     run, _, encoder = world
-    args = ("evaluate", "--retrieval", str(encoder), "--store", str(run / "features/store"), "--data", str(run / "data"))
+    args = ("evaluate", "--retrieval", str(encoder), "--store", str(run / "features/store"), "--data", str(run / "data"),
+            "--device", "cpu")  # the CPU claim (fp16 refused) holds on a CUDA machine too
     res = invoke(*args, "--precision", "fp16")
     assert res.exit_code == 2 and "evaluate.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
     dtypes: list[torch.dtype] = []

@@ -165,7 +165,7 @@ class DetectorTrainer:
 
     def __init__(self, stage_dir: Path, cfg: Config) -> None:
         self.dir, self.cfg, tc = Path(stage_dir), cfg, cfg.train
-        self.ctx = distributed.setup(str(tc.device))
+        self.ctx = distributed.setup(str(tc.device), "train.device")
         self.precision = resolve_precision(tc.precision, self.ctx.device, "train.precision")
         if not cfg.data.train_annotations:
             raise UsageError("data.train_annotations is required (a COCO instances json)")

@@ -57,10 +57,11 @@ def register(app: typer.Typer) -> None:
         if reinit_heads:
             first.append("model.reinit_heads=true")
         from extractors.training.stage import train_detector
-        from pipeline.core.distributed import env_context
+        from pipeline.core.distributed import check_gpu_per_process, env_context
 
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
+        check_gpu_per_process(str(cfg.train.device), "train.device")  # torchrun: before any work, on every rank
         if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
             out.mkdir(parents=True, exist_ok=True)
             train_detector(out, cfg)

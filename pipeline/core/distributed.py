@@ -44,12 +44,30 @@ class DistContext:
         return self.rank == 0
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process sees (``CUDA_VISIBLE_DEVICES`` applied); 0 without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_processes(local_rank: int | None = None) -> int:
+    """Processes of this job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (at least ``local_rank + 1``)."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0), local_rank + 1)
+
+
+def _gpus(count: int) -> str:
+    return f"{count} visible GPU{'' if count == 1 else 's'}"
+
+
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     """The one device resolver: ``auto`` -> this process's CUDA device when available, else CPU;
     ``cuda`` -> ``cuda:LOCAL_RANK`` (``local_rank`` defaults to torchrun's ``LOCAL_RANK``, 0 outside it);
     ``cuda:N``, ``cpu`` (or any torch device name) as given.
 
-    Raises :class:`UsageError` for an unknown name or a CUDA device on a machine without CUDA.
+    Raises :class:`UsageError` for an unknown name, a CUDA device on a machine without CUDA, or a GPU index
+    that is not visible (``cuda:3`` on a one-GPU machine; a local rank past the last GPU, i.e. more torchrun
+    processes than GPUs: see :func:`check_gpu_per_process` and :func:`shared_gpu`).
     """
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -63,8 +81,43 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"device {name} requested but CUDA is not available; use cpu or auto")
+        count = visible_gpus()
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(f"device {name} requested but there {'is' if count == 1 else 'are'} {_gpus(count)} "
+                             f"(cuda:0 to cuda:{count - 1})")
+        if dev.index is None and local_rank >= count:
+            raise UsageError(f"{local_processes(local_rank)} processes but {_gpus(count)}: process {local_rank} on this "
+                             f"machine has no GPU of its own; run torchrun --nproc_per_node {count} (or fewer)")
         return torch.device("cuda", local_rank if dev.index is None else dev.index)
     return dev
+
+
+def check_gpu_per_process(name: str, key: str = "device") -> None:
+    """Training under torchrun needs one GPU per process: NCCL cannot share a GPU between ranks, so more
+    local processes than visible GPUs (or every rank pinned to one ``cuda:N``) is refused here, in one line
+    (:class:`UsageError`, exit 2), before any work. ``key`` is the config key named in the message. A CPU
+    device (``gloo``) takes any number of processes; outside torchrun this checks nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    name = str(name)
+    if world <= 1 or not (name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())):
+        return
+    count = visible_gpus()
+    procs = local_processes()
+    if ":" in name and procs > 1:
+        raise UsageError(f"{procs} processes but {key}={name} puts them all on one GPU (NCCL cannot share a GPU between "
+                         f"ranks); use {key}=cuda (each process takes cuda:LOCAL_RANK)")
+    if count and procs > count:
+        raise UsageError(f"{procs} processes but {_gpus(count)}: training needs one GPU per process (NCCL cannot share "
+                         f"a GPU between ranks); run torchrun --nproc_per_node {count} (or fewer), or set {key}=cpu")
+
+
+def shared_gpu(local_rank: int) -> torch.device:
+    """Extraction under torchrun may run several processes per GPU (each process holds its own detector and
+    they need no collective): local rank ``r`` takes ``cuda:(r mod visible GPUs)``."""
+    count = visible_gpus()
+    if count == 0:
+        raise UsageError("CUDA requested but no GPU is visible; use cpu or auto")
+    return torch.device("cuda", local_rank % count)
 
 
 def env_context(device: torch.device | None = None) -> DistContext:
@@ -75,9 +128,11 @@ def env_context(device: torch.device | None = None) -> DistContext:
     return DistContext(rank, world, local_rank, device if device is not None else torch.device("cpu"))
 
 
-def setup(device_name: str = "auto") -> DistContext:
+def setup(device_name: str = "auto", key: str = "device") -> DistContext:
     """Join the process group when launched by torchrun (``nccl`` on CUDA, ``gloo`` on CPU) and pin the local
-    GPU; returns this process's :class:`DistContext`."""
+    GPU; returns this process's :class:`DistContext`. More processes than GPUs is refused first
+    (:func:`check_gpu_per_process`; ``key`` names the config key in that message)."""
+    check_gpu_per_process(device_name, key)
     env = env_context()
     device = resolve_device(device_name, env.local_rank)
     if env.world > 1 and not dist.is_initialized():

@@ -231,7 +231,7 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
 def train_encoder(run_dir: str | Path, cfg: Config, force: bool = False) -> StageResult:
     """Train the encoder of ``cfg.encoder`` into ``run_dir/encoder`` (best.pt, last.pt, log.jsonl)."""
     section = resolve_encoder_paths(run_dir, cfg.encoder if "encoder" in cfg else cfg)
-    ctx = distributed.setup(str(section.device))
+    ctx = distributed.setup(str(section.device), "encoder.device")
 
     def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         summary = EncoderTrainer(stage_dir, scfg, ctx).run()

@@ -50,7 +50,7 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     section = resolve_paths(run_dir, cfg)
     if section.num_threads:
         torch.set_num_threads(int(section.num_threads))
-    ctx = distributed.setup(str(section.device))
+    ctx = distributed.setup(str(section.device), "train.device")
     name = stage_name or f"train-{section.model}"
 
     def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
