@@ -33,6 +33,7 @@ from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError, exception_line
 from pipeline.core.keys import key_from_name, key_to_text
+from pipeline.core.training.precision import tf32
 from pipeline.core.training.signals import StopOnSignal
 
 log = get_logger("extract")
@@ -217,17 +218,15 @@ def as_list(batch: list[Any]) -> list[Any]:
 
 @contextmanager
 def precision_context(precision: str, device: torch.device) -> Iterator[None]:
-    """fp32 (TF32 off), tf32 (TF32 matmul/conv on CUDA), bf16 (autocast)."""
+    """fp32 (strict: TF32 off for matmuls and cuDNN), tf32 (TF32 on, the default), bf16 (autocast, TF32 on for the rest).
+
+    The TF32 rule is :func:`pipeline.core.training.precision.tf32`, the same in every command."""
     if precision not in ("fp32", "tf32", "bf16"):
         raise UsageError(f"precision must be fp32, tf32 or bf16, not {precision!r}")
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    try:
+    with tf32(precision != "fp32"):
         ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
         with ctx:
             yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @dataclass

@@ -16,8 +16,14 @@ import math
 import torch
 from torch import nn
 
-#: the official code masks with -1e9 (husthuaan/AoANet ``AoAModel.py``), not -inf
+#: the official code masks with -1e9 (husthuaan/AoANet ``AoAModel.py``), not -inf; in float16 (whose range ends at
+#: -65504) the dtype's minimum stands in for it (:func:`mask_value`), as M2 masks with the minimum
 MASK_VALUE = -1e9
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """-1e9, or the dtype's most negative finite value where -1e9 does not fit (float16 under ``precision: fp16``)."""
+    return max(MASK_VALUE, float(torch.finfo(dtype).min))
 
 
 class BesselLayerNorm(nn.Module):
@@ -46,13 +52,14 @@ def multi_head_attend(
 ) -> torch.Tensor:
     """``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k))) V_j`` for ``(B, nq, d)`` queries and ``(B, nk, d)`` keys/values.
 
-    ``allowed`` ``(B, nk)`` bool (True = real region); masked logits are set to -1e9 as in the official code.
+    ``allowed`` ``(B, nk)`` bool (True = real region); masked logits are set to -1e9 as in the official code
+    (float16: the dtype's minimum, :func:`mask_value`).
     There is deliberately no output projection (docs/models.md#aoa-attention-on-attention).
     """
     qh, kh, vh = split_heads(q, num_heads), split_heads(k, num_heads), split_heads(v, num_heads)
     scores = qh @ kh.transpose(-1, -2) / math.sqrt(qh.shape[-1])
     if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None, None, :], MASK_VALUE)
+        scores = scores.masked_fill(~allowed[:, None, None, :], mask_value(scores.dtype))
     out = dropout(torch.softmax(scores, dim=-1)) @ vh
     return out.transpose(1, 2).flatten(-2)
 

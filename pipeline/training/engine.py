@@ -284,15 +284,15 @@ class Trainer:
 
     def _step(self, stage: str, recipe: StageRecipe, batch: dict[str, Any], prog: Progress, optimizer: Any, scaler: Any) -> dict[str, float]:
         self.model.train()
-        if stage == "xe":
-            kwargs: dict[str, Any] = {"smoothing": recipe.label_smoothing, "ss_prob": recipe.ss_prob(prog.epoch)}
-        else:
-            scorer = self._scst_scorer()
-            base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
-            kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
-                      "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
-                      "baseline_rewards": base}
-        with autocast(self.ctx.device, self.precision):
+        with autocast(self.ctx.device, self.precision):  # the greedy baseline too: samples and baseline in one precision
+            if stage == "xe":
+                kwargs: dict[str, Any] = {"smoothing": recipe.label_smoothing, "ss_prob": recipe.ss_prob(prog.epoch)}
+            else:
+                scorer = self._scst_scorer()
+                base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
+                kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
+                          "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
+                          "baseline_rewards": base}
             loss_sum, info = self.policy(stage, batch, kwargs)
         count = info if stage == "xe" else info.count
         local = float(loss_sum.detach()) / max(count, 1.0)
