@@ -183,3 +183,33 @@ def test_ddp_ranks_split_batches():
     flat = [i for p in parts for b in p for i in b]
     assert set(flat) == set(range(1003))  # every image on some rank; padding repeats a few batches only
     assert len(flat) - 1003 < 16 * 3
+
+
+def test_feature_bank_for_a_gpu_never_holds_the_table_in_host_memory(world_data, monkeypatch):
+    """``preload: cuda`` fills the device table through a bounded staging buffer (every torchrun process used to
+    build the whole table in host RAM first); the staged fill gives the same table as the direct one."""
+    from pipeline.data.batching import FeatureBank
+
+    store, data_dir = world_data
+    ds = CaptionDataset(store, data_dir, "train", max_boxes=10)
+    direct = FeatureBank(ds, "cpu")
+    table_bytes = direct.features.numel() * direct.features.element_size()
+    stage = table_bytes // 8
+    staged = FeatureBank(ds, "cpu", staged=True, stage_bytes=stage)
+    for name in ("features", "boxes", "starts", "counts", "sizes"):
+        assert torch.equal(getattr(direct, name), getattr(staged, name)), name
+    host: list[int] = []  # bytes of every host array the bank allocates (torch or numpy)
+
+    def spying(real):
+        def spy(*args, **kwargs):
+            t = real(*args, **kwargs)
+            if not torch.is_tensor(t) or t.device.type == "cpu":
+                host.append(t.nbytes)
+            return t
+        return spy
+
+    monkeypatch.setattr(torch, "empty", spying(torch.empty))
+    monkeypatch.setattr(np, "empty", spying(np.empty))
+    bank = FeatureBank(ds, "meta", stage_bytes=stage)  # a device that is not the host
+    assert bank.features.device.type == "meta" and tuple(bank.features.shape) == tuple(direct.features.shape)
+    assert host and max(host) <= stage, (max(host), stage, table_bytes)

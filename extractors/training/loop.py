@@ -219,7 +219,9 @@ class DetectorTrainer:
         tc = self.cfg.train
         self.lr = lr_at(it, float(tc.base_lr), int(tc.warmup_iters), float(tc.warmup_factor), self.steps, float(tc.gamma))
         apply_lr(self.optimizer, self.lr)
-        if not batch["images"]:
+        if distributed.any_rank(not batch["images"], self.ctx):  # every rank skips together: one rank alone leaving would hang the
+            if batch["images"]:                       # others in DDP's gradient all-reduce and check_finite
+                log.warning("iteration %d: another process has no decodable image; every process skips it", it)
             return {}
         images, sizes = pad_blobs(batch["images"])
         with autocast(self.ctx.device, self.precision):

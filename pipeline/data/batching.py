@@ -98,30 +98,54 @@ class BucketBatchSampler(Sampler[list[int]]):
 
 
 class FeatureBank:
-    """All features and boxes of a dataset's images in one flat tensor on ``device`` (optionally pinned)."""
+    """All features and boxes of a dataset's images in one flat tensor on ``device`` (optionally pinned).
 
-    def __init__(self, dataset: CaptionDataset, device: str | torch.device = "cpu", pin: bool = False) -> None:
+    On a GPU the table is filled in place through a host staging buffer of at most ``stage_bytes`` (per process:
+    under ``torchrun`` every rank holds its own copy on its own GPU, and none builds the whole table in host RAM).
+    """
+
+    def __init__(self, dataset: CaptionDataset, device: str | torch.device = "cpu", pin: bool = False,
+                 stage_bytes: int = 64 << 20, staged: bool | None = None) -> None:
         store = dataset.store
         counts = dataset.num_boxes()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         total = int(counts.sum())
         dim = int(store.feature_dim or 0)
         first = store.get(dataset.keys[0])["features"]
-        feats = torch.empty((total, dim), dtype=torch.from_numpy(first[:1].copy()).dtype, pin_memory=pin)
-        boxes = torch.empty((total, 4), dtype=torch.float32, pin_memory=pin)
-        fnp, bnp = feats.numpy(), boxes.numpy()
+        dtype = torch.from_numpy(first[:1].copy()).dtype
+        self.device = torch.device(device)
+        on_host = self.device.type == "cpu" if staged is None else not staged  # staged: through the bounded buffer
+        self.features = torch.empty((total, dim), dtype=dtype, device=self.device, pin_memory=pin and self.device.type == "cpu")
+        self.boxes = torch.empty((total, 4), dtype=torch.float32, device=self.device, pin_memory=pin and self.device.type == "cpu")
         sizes = np.zeros((len(dataset), 2), dtype=np.float32)
+        row_bytes = dim * self.features.element_size() + 16
+        stage_rows = total if on_host else max(int(stage_bytes // max(row_bytes, 1)), int(counts.max(initial=1)))
+        if on_host:  # fill the table itself
+            fstage, bstage = self.features.numpy(), self.boxes.numpy()
+        else:  # fill a bounded host buffer, copy it over when full
+            fstage = np.empty((min(stage_rows, total), dim), dtype=first.dtype)
+            bstage = np.empty((min(stage_rows, total), 4), dtype=np.float32)
         from pipeline.data.dataset import cap_boxes
+
+        base = fill = 0  # table row of the staging buffer's first row; rows staged
+
+        def flush() -> None:
+            if not on_host and fill:
+                self.features[base : base + fill].copy_(torch.from_numpy(fstage[:fill]))
+                self.boxes[base : base + fill].copy_(torch.from_numpy(bstage[:fill]))
 
         for i, key in enumerate(dataset.keys):
             rec = cap_boxes(store.get(key), dataset.max_boxes)
-            s, c = starts[i], counts[i]
-            fnp[s : s + c] = rec["features"]
-            bnp[s : s + c] = rec["boxes"]
+            c = int(counts[i])
+            if not on_host and fill + c > stage_rows:
+                flush()
+                base, fill = base + fill, 0
+            at = starts[i] if on_host else fill
+            fstage[at : at + c] = rec["features"]
+            bstage[at : at + c] = rec["boxes"]
+            fill += c
             sizes[i] = (rec["image_w"], rec["image_h"])
-        self.device = torch.device(device)
-        self.features = feats.to(self.device, non_blocking=pin)
-        self.boxes = boxes.to(self.device, non_blocking=pin)
+        flush()
         self.starts = torch.from_numpy(starts).to(self.device)
         self.counts = torch.from_numpy(counts).to(self.device)
         self.sizes = torch.from_numpy(sizes).to(self.device)

@@ -183,13 +183,13 @@ class EncoderTrainer:
             batches = list(self.train.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog["epoch"]))
             t0, losses, parts = time.perf_counter(), [], {}
             for batch in batches[prog["position"]:]:
-                if self.ctx.distributed:
-                    batch = {k: v[self.ctx.rank :: self.ctx.world] for k, v in batch.items()}
-                stats = self._step(batch)
-                losses.append(stats["loss"])
-                for k in ("vg", "cap"):
-                    if k in stats:
-                        parts.setdefault(f"loss_{k}", []).append(stats[k])
+                batch = rank_slice(batch, self.ctx)
+                if batch is not None:
+                    stats = self._step(batch)
+                    losses.append(stats["loss"])
+                    for k in ("vg", "cap"):
+                        if k in stats:
+                            parts.setdefault(f"loss_{k}", []).append(stats[k])
                 prog["position"] += 1
                 prog["global_step"] += 1
                 if every and prog["global_step"] % every == 0:
@@ -215,6 +215,21 @@ class EncoderTrainer:
             prog["position"] = 0
             self._save("last.pt", "train", prog)
         return {"best": prog["best"], "history": prog["history"][-10:], "global_steps": prog["global_step"]}
+
+
+def rank_slice(batch: dict[str, torch.Tensor], ctx: distributed.DistContext) -> dict[str, torch.Tensor] | None:
+    """This rank's ``rank::world`` rows of a global batch, or None on EVERY rank when some rank would get none.
+
+    Every rank sees the same global batch, so all of them skip a batch smaller than the world together (at most
+    ``world - 1`` rows at an epoch's end) without a collective; one rank alone raising on an empty slice would
+    leave the others waiting in the gradient all-reduce."""
+    if not ctx.distributed:
+        return batch
+    rows = len(next(iter(batch.values())))
+    if rows < ctx.world:
+        log.info("skipping a last batch of %d rows: fewer than the %d processes", rows, ctx.world)
+        return None
+    return {k: v[ctx.rank :: ctx.world] for k, v in batch.items()}
 
 
 def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:

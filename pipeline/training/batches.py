@@ -59,7 +59,7 @@ class BatchSource:
         self.num_workers = num_workers
         self.bank = None
         if preload != "none":
-            self.bank = FeatureBank(dataset, "cuda" if preload == "cuda" else "cpu", pin=preload == "pinned")
+            self.bank = FeatureBank(dataset, device if preload == "cuda" else "cpu", pin=preload == "pinned")  # this rank's GPU
 
     def iterate(self, batches: list[list[int]], seed: int = 0) -> Iterator[dict[str, Any]]:
         """Yield the batches on ``device`` (features as float32), lazily, in order.
