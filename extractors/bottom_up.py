@@ -90,6 +90,8 @@ class BottomUpDetector(nn.Module):
         original pixels; with a given-boxes selector, ``given_boxes`` are (N_i, 4) original-pixel boxes whose
         features are pooled instead of proposals.
         """
+        if getattr(selector, "whole_image", False):  # --boxes grid (extractors.grid)
+            return selector.detect(self, blobs, frames)
         dev = next(self.parameters()).device
         n = len(blobs)
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)

@@ -37,11 +37,13 @@ def encode(src: torch.Tensor, target: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.0)
     return torch.stack((wx * (tx - sx) / sw, wy * (ty - sy) / sh, ww * torch.log(tw / sw), wh * torch.log(th / sh)), dim=1)
 
 
-def decode(deltas: torch.Tensor, boxes: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.0), legacy: bool = True, scale_clamp: float = DEFAULT_SCALE_CLAMP) -> torch.Tensor:
+def decode(deltas: torch.Tensor, boxes: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.0), legacy: bool = True, scale_clamp: float = DEFAULT_SCALE_CLAMP,
+           x2_minus_one: bool = False) -> torch.Tensor:
     """Apply deltas (N, 4k) to boxes (N, 4) -> (N, 4k) (inverse R-CNN parameterisation, class-specific if k > 1).
 
-    ``ctr' = d_x * w + ctr``, ``w' = exp(d_w) * w``; boxes ``[ctr' - w'/2, ctr' + w'/2]`` (plus the ``-1`` that
-    py-faster-rcnn omits in legacy mode, see the module docstring).
+    ``ctr' = d_x * w + ctr``, ``w' = exp(d_w) * w``; boxes ``[ctr' - w'/2, ctr' + w'/2]`` (py-faster-rcnn omits
+    the ``-1`` in legacy mode, see the module docstring). ``x2_minus_one``: maskrcnn_benchmark ``BoxCoder.decode``
+    (VinVL), ``[ctr' - w'/2, ctr' + w'/2 - 1]`` with the ``+1`` widths.
     """
     deltas = deltas.float()
     boxes = boxes.to(deltas.dtype)
@@ -59,7 +61,8 @@ def decode(deltas: torch.Tensor, boxes: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.
     py = dy * heights[:, None] + ctr_y[:, None]
     pw = torch.exp(dw) * widths[:, None]
     ph = torch.exp(dh) * heights[:, None]
-    out = torch.stack((px - 0.5 * pw, py - 0.5 * ph, px + 0.5 * pw, py + 0.5 * ph), dim=2)
+    m1 = 1.0 if x2_minus_one else 0.0
+    out = torch.stack((px - 0.5 * pw, py - 0.5 * ph, px + 0.5 * pw - m1, py + 0.5 * ph - m1), dim=2)
     return out.reshape(deltas.shape)
 
 

@@ -16,10 +16,36 @@ from pipeline.core.errors import UsageError
 log = get_logger("extract")
 
 
-def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any], seed: int, device: torch.device):
+def read_labelmap(path: str) -> tuple[list[str], list[str]]:
+    """(class names, attribute names) in 0-based vocabulary order from a VinVL labelmap json
+    (``VG-SGG-dicts-vgoi6-clipped.json``: 1-based ``label_to_idx`` and ``attribute_to_idx``, docs/recipes.md#vinvl)."""
+    from pipeline.core.fileio import read_json
+
+    data = read_json(path, "labelmap")
+
+    def names(table_key: str) -> list[str]:
+        table = data.get(table_key) if isinstance(data, dict) else None
+        if table is None:
+            return []
+        if not isinstance(table, dict) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in table.values()):
+            raise UsageError(f"labelmap {path}: '{table_key}' must map names to 1-based integer ids")
+        ids = sorted(table.values())
+        if ids != list(range(1, len(ids) + 1)):
+            raise UsageError(f"labelmap {path}: '{table_key}' ids are not 1..{len(ids)} without gaps")
+        return [name for name, _ in sorted(table.items(), key=lambda kv: kv[1])]
+
+    classes = names("label_to_idx")
+    if not classes:
+        raise UsageError(f"labelmap {path}: no 'label_to_idx' table")
+    return classes, names("attribute_to_idx")
+
+
+def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any], seed: int, device: torch.device,
+                       labelmap: str | None = None):
     """-> (detector, store identity, loader info incl. class/attribute names when the file has them).
 
     The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe.
+    ``labelmap``: a VinVL labelmap json naming the classes and attributes (its SHA-256 goes in the identity).
     """
     known = available_extractors()  # imports the preset modules so that the registry is filled
     if preset != "auto" and preset not in known:
@@ -39,9 +65,20 @@ def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any]
         if spec_overrides:
             raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
         model, info = load_detector(weights, spec)
-        name = f"bottom-up-{info['layout']}"
+        name = info["layout"] if info["layout"] in ("vinvl", "grid-feats") else f"bottom-up-{info['layout']}"
+    if model.spec.flavor == "vinvl" and weights == "random":
+        name = "vinvl-random"
     model = model.to(device).fold_batchnorm()
     identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": model.spec.to_dict()}}
+    if labelmap:
+        from extractors.weights import sha256_file
+
+        info["classes"], info["attributes"] = read_labelmap(labelmap)
+        n_cls, n_att = model.spec.num_classes - 1, model.spec.num_attributes - 1
+        if len(info["classes"]) != n_cls or (info["attributes"] and len(info["attributes"]) != n_att):
+            raise UsageError(f"labelmap {labelmap} names {len(info['classes'])} classes / {len(info['attributes'])} attributes; "
+                             f"the detector has {n_cls} / {n_att}")
+        identity["config"]["labelmap_sha256"] = sha256_file(labelmap)
     return model, identity, info
 
 

@@ -159,6 +159,21 @@ def shortest_edge_size(height: int, width: int, short: int, max_size: int) -> tu
     return max(1, int(newh + 0.5)), max(1, int(neww + 0.5)), scale
 
 
+def mrcnn_size(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:
+    """maskrcnn_benchmark ``Resize.get_size`` (VinVL): short side ``short`` unless the long side would pass
+    ``max_size`` (then ``short = int(round(max_size * short_side / long_side))``); the long side is
+    ``int(short * long / short_side)`` (truncated); an image whose short side already equals ``short`` is kept."""
+    size = short
+    lo, hi = float(min(width, height)), float(max(width, height))
+    if hi / lo * size > max_size:
+        size = int(round(max_size * lo / hi))
+    if (width <= height and width == size) or (height <= width and height == size):
+        return height, width
+    if width < height:
+        return max(1, int(size * height / width)), size
+    return size, max(1, int(size * width / height))
+
+
 def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
     """(3, H', W') float32 blob and its :class:`Frame` for a :class:`extractors.recipes.Recipe` (resolved).
 
@@ -166,7 +181,8 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
     * ``torch-bilinear`` (HF ``processing_image.py``): float image, ``nn.functional.interpolate(bilinear,
       align_corners=False)`` to the rounded size, then ``(x - mean) / std``.
     * ``pil-bilinear`` (detectron2 ``ResizeTransform``): PIL ``BILINEAR`` on the uint8 image, then float and
-      ``(x - mean) / std``.
+      ``(x - mean) / std``; with ``to_bgr255`` (maskrcnn_benchmark ``ToTensor`` + ``Normalize(to_bgr255=True)``)
+      the float is ``(x / 255) * 255`` in float32, as the release computes it.
     """
     import torch
 
@@ -177,6 +193,9 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
     if recipe.resize == "caffe":
         scale = compute_scale(h, w, recipe.min_size, recipe.max_size)
         newh, neww = max(1, round(h * scale)), max(1, round(w * scale))
+    elif recipe.resize == "mrcnn":
+        newh, neww = mrcnn_size(h, w, recipe.min_size, recipe.max_size)
+        scale = newh / h if h <= w else neww / w
     else:
         newh, neww, scale = shortest_edge_size(h, w, recipe.min_size, recipe.max_size)
     if recipe.interpolation == "cv2-linear":
@@ -192,8 +211,12 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
             t = torch.from_numpy(np.ascontiguousarray(img).astype(np.float32)).permute(2, 0, 1).unsqueeze(0)
             t = torch.nn.functional.interpolate(t, (newh, neww), mode="bilinear", align_corners=False).squeeze(0)
         else:
-            small = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((neww, newh), Image.BILINEAR))
-            t = torch.from_numpy(small.astype(np.float32).transpose(2, 0, 1))
+            small = np.ascontiguousarray(img)
+            if (newh, neww) != (h, w):
+                small = np.asarray(Image.fromarray(small).resize((neww, newh), Image.BILINEAR))
+            t = torch.from_numpy(np.ascontiguousarray(small.transpose(2, 0, 1))).float()
+            if getattr(recipe, "to_bgr255", False):
+                t = t.div(255).mul(255)
         t = (t - torch.tensor(recipe.pixel_mean, dtype=torch.float32).view(3, 1, 1)) / torch.tensor(recipe.pixel_std, dtype=torch.float32).view(3, 1, 1)
         blob = t.numpy()
     blob = np.ascontiguousarray(blob, dtype=np.float32)

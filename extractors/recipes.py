@@ -30,19 +30,20 @@ from typing import Any, Mapping
 
 from pipeline.core.errors import UsageError
 
-RECIPES = ("caffe", "hf", "airsplay")
-LAYOUT_RECIPE = {"milvlg": "caffe", "butd": "caffe", "hf": "hf", "airsplay": "airsplay"}
+RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
+LAYOUT_RECIPE = {"milvlg": "caffe", "butd": "caffe", "hf": "hf", "airsplay": "airsplay", "vinvl": "vinvl", "grid-feats": "grid-feats"}
 """The recipe a weights layout defaults to (``--recipe`` / ``extract.recipe`` override it)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),
-    "resize": ("caffe", "shortest-edge"),
+    "resize": ("caffe", "shortest-edge", "mrcnn"),
     "interpolation": ("cv2-linear", "torch-bilinear", "pil-bilinear"),
-    "selector": ("per-class-nms", "nms-ladder", "given"),
+    "selector": ("per-class-nms", "nms-ladder", "given", "vinvl", "grid"),
+    "nms_variant": ("torchvision", "legacy-cuda", "legacy-cpu"),
     "rescale": ("im-scale", "per-axis"),
     "clip": ("none", "resized", "resized-and-original"),
 }
-BOX_MODES = ("adaptive", "36", "given")
+BOX_MODES = ("adaptive", "36", "given", "grid")
 SHORTHANDS = ("min_size", "max_size", "min_boxes", "max_boxes", "conf_thresh", "nms_thresh")
 
 
@@ -60,12 +61,18 @@ class Recipe:
     ``min_boxes``/``max_boxes``. Rescaling: ``rescale`` (divide by the one factor, or multiply by
     original/resized per axis), ``clip`` (where boxes are clipped), ``drop_empty`` (detectron2
     ``detector_postprocess`` drops boxes with no area after clipping).
+    VinVL (maskrcnn_benchmark, docs/recipes.md#vinvl): ``resize: mrcnn`` (long side ``int()``-truncated),
+    ``to_bgr255`` (``ToTensor`` then ``[2, 1, 0] * 255`` in float32), ``selector: vinvl`` with ``nms_filter``
+    (0/1/2), ``ignore_box_regression``, ``roi_nms_thresh`` (``ROI_HEADS.NMS``), ``nms_variant`` (which NMS
+    kernel), ``attr_thresh`` / ``max_attrs_per_image`` (attribute post-processing). Grid features
+    (docs/recipes.md#grid): ``selector: grid``, ``grid`` (k x k average pooling, 0 = every cell),
+    ``res5_dilation`` (1 = stride-2 res5, grid-feats-vqa's extraction geometry).
     """
 
     name: str
     colour: str = "bgr"
     pixel_mean: tuple[float, ...] | None = None
-    pixel_std: tuple[float, ...] = (1.0, 1.0, 1.0)
+    pixel_std: tuple[float, ...] | None = (1.0, 1.0, 1.0)
     resize: str = "caffe"
     interpolation: str = "cv2-linear"
     min_size: int | None = None
@@ -82,6 +89,15 @@ class Recipe:
     rescale: str = "im-scale"
     clip: str = "none"
     drop_empty: bool = False
+    to_bgr255: bool = False
+    nms_filter: int = 1
+    ignore_box_regression: bool = True
+    roi_nms_thresh: float = 0.5
+    nms_variant: str = "torchvision"
+    attr_thresh: float = 0.05
+    max_attrs_per_image: int = 100
+    grid: int = 0
+    res5_dilation: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (tuples as lists) for JSON, the store identity and ``cli info``."""
@@ -93,12 +109,14 @@ class Recipe:
     @property
     def resolved(self) -> bool:
         """True once the weights' own values have filled every ``None``."""
-        return all(getattr(self, k) is not None for k in ("pixel_mean", "min_size", "max_size", "pre_nms_topk", "post_nms_topk", "rpn_nms_thresh"))
+        return all(getattr(self, k) is not None for k in _NULLABLE)
 
 
-_INT = ("min_size", "max_size", "pre_nms_topk", "post_nms_topk", "min_boxes", "max_boxes")
-_FLOAT = ("rpn_nms_thresh", "nms_thresh", "conf_thresh")
-_NULLABLE = ("pixel_mean", "min_size", "max_size", "pre_nms_topk", "post_nms_topk", "rpn_nms_thresh")
+_INT = ("min_size", "max_size", "pre_nms_topk", "post_nms_topk", "min_boxes", "max_boxes", "max_attrs_per_image", "grid")
+_FLOAT = ("rpn_nms_thresh", "nms_thresh", "conf_thresh", "roi_nms_thresh", "attr_thresh")
+_NULLABLE = ("pixel_mean", "pixel_std", "min_size", "max_size", "pre_nms_topk", "post_nms_topk", "rpn_nms_thresh")
+_BOOL = ("drop_empty", "to_bgr255", "ignore_box_regression")
+_SET = {"nms_filter": (0, 1, 2), "res5_dilation": (1, 2)}
 
 
 def _number(where: str, key: str, value: Any, kind: type) -> Any:
@@ -128,7 +146,7 @@ def check_value(where: str, key: str, value: Any) -> Any:
         return value
     if key in _INT:
         v = _number(where, key, value, int)
-        if v < (0 if key == "min_boxes" else 1):
+        if v < (0 if key in ("min_boxes", "max_attrs_per_image", "grid") else 1):
             raise UsageError(f"{where}.{key} must be positive, got {v}")
         return v
     if key in _FLOAT:
@@ -146,10 +164,14 @@ def check_value(where: str, key: str, value: Any) -> Any:
         if any(not 0.0 <= t <= 1.0 for t in v):
             raise UsageError(f"{where}.ladder thresholds must lie in [0, 1], got {list(v)}")
         return v
-    if key == "drop_empty":
+    if key in _BOOL:
         if not isinstance(value, bool):
-            raise UsageError(f"{where}.drop_empty must be true or false, got {value!r}")
+            raise UsageError(f"{where}.{key} must be true or false, got {value!r}")
         return value
+    if key in _SET:
+        if isinstance(value, bool) or value not in _SET[key]:
+            raise UsageError(f"{where}.{key} must be one of {', '.join(map(str, _SET[key]))}, not {value!r}")
+        return int(value)
     raise UsageError(f"unknown recipe field {where}.{key} (known: {', '.join(f.name for f in fields(Recipe) if f.name != 'name')})")
 
 
@@ -158,9 +180,16 @@ def recipe_from_mapping(name: str, values: Mapping[str, Any], where: str) -> Rec
     if not isinstance(values, Mapping):
         raise UsageError(f"{where} must be a mapping of recipe fields, got {values!r}")
     kw = {key: check_value(where, str(key), val) for key, val in values.items()}
-    recipe = Recipe(name=name, **kw)
+    return check_recipe(Recipe(name=name, **kw), where)
+
+
+def check_recipe(recipe: Recipe, where: str) -> Recipe:
+    """Combinations the releases cannot run (one-line :class:`UsageError`)."""
     if recipe.min_boxes > recipe.max_boxes:
         raise UsageError(f"{where}: min_boxes {recipe.min_boxes} exceeds max_boxes {recipe.max_boxes}")
+    if recipe.selector == "vinvl" and recipe.nms_filter == 2 and not recipe.ignore_box_regression:
+        raise UsageError(f"{where}: nms_filter 2 needs ignore_box_regression true (with regression the release writes "
+                         "boxes of the wrong proposal; docs/recipes.md#vinvl)")
     return recipe
 
 
@@ -188,7 +217,7 @@ def recipe_name_for(layout: str, flavor: str = "caffe") -> str:
     """The default recipe of a weights layout (a random detector follows its semantics: caffe or hf)."""
     if layout in LAYOUT_RECIPE:
         return LAYOUT_RECIPE[layout]
-    return "caffe" if flavor == "caffe" else "hf"
+    return {"caffe": "caffe", "vinvl": "vinvl"}.get(flavor, "hf")
 
 
 def recipe_from_config(section: Any, layout: str, flavor: str = "caffe", where: str = "extract",
@@ -201,30 +230,27 @@ def recipe_from_config(section: Any, layout: str, flavor: str = "caffe", where: 
     demo's feature stage and the detector evaluation all call it.
     """
     name = str(_section_get(section, "recipe", "auto") or "auto")
+    mode = _section_get(section, "boxes")
     if name == "auto":
-        name = recipe_name_for(layout, flavor)
+        name = "grid-feats" if mode == "grid" else recipe_name_for(layout, flavor)
     table = _plain(_section_get(section, "recipes")) or default_recipes()
     if name not in table:
         raise UsageError(f"unknown recipe {name!r} for {where}.recipe (known: auto, {', '.join(sorted(table))})")
     recipe = recipe_from_mapping(name, table[name], f"{where}.recipes.{name}")
     changes: dict[str, Any] = {}
-    mode = _section_get(section, "boxes")
     if mode is not None:
         mode = str(mode)
         if mode not in BOX_MODES:
             raise UsageError(f"{where}.boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
-        if mode == "given":
-            changes["selector"] = "given"
+        if mode in ("given", "grid"):
+            changes["selector"] = mode
         else:
             changes["min_boxes"], changes["max_boxes"] = (10, 100) if mode == "adaptive" else (36, 36)
     for key in shorthands:
         val = _section_get(section, key)
         if val is not None:
             changes[key] = check_value(where, key, val)
-    recipe = recipe.with_(**changes)
-    if recipe.min_boxes > recipe.max_boxes:
-        raise UsageError(f"{where}: min_boxes {recipe.min_boxes} exceeds max_boxes {recipe.max_boxes}")
-    return recipe
+    return check_recipe(recipe.with_(**changes), where)
 
 
 def validate_config(section: Any, where: str = "extract", shorthands: tuple[str, ...] = SHORTHANDS) -> None:
@@ -241,7 +267,8 @@ def validate_config(section: Any, where: str = "extract", shorthands: tuple[str,
 def resolve_recipe(recipe: Recipe, spec: Any) -> Recipe:
     """Fill the ``None`` values with the weights' own (``spec``: the detector's :class:`BottomUpSpec`)."""
     own = {
-        "pixel_mean": tuple(float(v) for v in spec.pixel_means), "min_size": int(spec.min_size), "max_size": int(spec.max_size),
+        "pixel_mean": tuple(float(v) for v in spec.pixel_means), "pixel_std": tuple(float(v) for v in spec.pixel_std),
+        "min_size": int(spec.min_size), "max_size": int(spec.max_size),
         "pre_nms_topk": int(spec.pre_nms_topk), "post_nms_topk": int(spec.post_nms_topk), "rpn_nms_thresh": float(spec.rpn_nms_thresh),
     }
     return recipe.with_(**{k: v for k, v in own.items() if getattr(recipe, k) is None})
@@ -262,9 +289,10 @@ def describe_recipe(recipe: Recipe) -> list[tuple[str, str]]:
     """(field, value) rows for ``cli info WEIGHTS`` and logs, grouped in pipeline order."""
     r = recipe
     mean = "the weights' own" if r.pixel_mean is None else ", ".join(f"{v:g}" for v in r.pixel_mean)
+    std = "the weights' own" if r.pixel_std is None else ", ".join(f"{v:g}" for v in r.pixel_std)
     rows = [
         ("recipe", r.name),
-        ("input", f"{r.colour.upper()}, mean ({mean}), std ({', '.join(f'{v:g}' for v in r.pixel_std)})"),
+        ("input", f"{r.colour.upper()}{' (ToTensor x 255)' if r.to_bgr255 else ''}, mean ({mean}), std ({std})"),
         ("resize", f"{r.resize} rule, short side {r.min_size or 'own'}, long side <= {r.max_size or 'own'}, {r.interpolation}"),
         ("proposals", f"top {r.pre_nms_topk or 'own'} -> NMS {r.rpn_nms_thresh or 'own'} -> first {r.post_nms_topk or 'own'}"),
     ]
@@ -274,6 +302,15 @@ def describe_recipe(recipe: Recipe) -> list[tuple[str, str]]:
     elif r.selector == "nms-ladder":
         rows.append(("selection", f"best class per proposal, its regressed box; NMS ladder {', '.join(f'{t:g}' for t in r.ladder)} "
                                   f"until >= {r.min_boxes}, first {r.max_boxes}"))
+    elif r.selector == "vinvl":
+        how = {0: f"per class: score > {r.conf_thresh:g}, NMS {r.roi_nms_thresh:g}", 1: f"per-class NMS {r.nms_thresh:g} over the proposals, "
+               f"keep best kept score >= {r.conf_thresh:g}", 2: f"best class, one NMS {r.roi_nms_thresh:g}, keep >= {r.conf_thresh:g}"}[r.nms_filter]
+        rows.append(("selection", f"VinVL nms_filter {r.nms_filter}: {how}, {r.min_boxes}..{r.max_boxes} boxes; "
+                                  f"{'proposal' if r.ignore_box_regression else 'regressed'} boxes, {r.nms_variant} NMS; "
+                                  f"attributes > {r.attr_thresh:g}, at most {r.max_attrs_per_image} per image"))
+    elif r.selector == "grid":
+        rows.append(("selection", f"grid: res5 map of the whole image (res5 dilation {r.res5_dilation}), "
+                                  f"{'every cell' if r.grid == 0 else f'average-pooled to {r.grid}x{r.grid}'}; boxes = cells"))
     else:
         rows.append(("selection", "given boxes (features pooled on supplied boxes)"))
     rows.append(("rescale", f"{r.rescale}, clip {r.clip}{', drop empty boxes' if r.drop_empty else ''}"))

@@ -43,6 +43,8 @@ class AnchorGenerator(nn.Module):
         super().__init__()
         if spec.flavor == "caffe":
             cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, spec.anchor_scales)
+        elif spec.flavor == "vinvl":  # maskrcnn_benchmark generate_anchors: the legacy table at sizes / stride
+            cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, tuple(s / spec.anchor_stride for s in spec.anchor_sizes))
         else:
             cell = d2_cell_anchors(spec.anchor_sizes, spec.anchor_ratios)
         self.cell_anchors = _BufferList([cell])

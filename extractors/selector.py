@@ -165,9 +165,27 @@ class GivenBoxes(Selector):
         return out
 
 
-SELECTORS = {"per-class-nms": PerClassNMS, "nms-ladder": NMSLadder, "given": GivenBoxes}
+class VinVLPostProcess(Selector):
+    """VinVL's ``PostProcessor`` (``nms_filter`` 0/1/2) and attribute post-processing: run inside
+    :meth:`extractors.vinvl.VinVLDetector.detect` (:mod:`extractors.vinvl_select`), which needs the full class
+    probabilities, the proposals in resized pixels and the attribute head."""
+
+    name = "vinvl"
+
+
+SELECTORS = {"per-class-nms": PerClassNMS, "nms-ladder": NMSLadder, "given": GivenBoxes, "vinvl": VinVLPostProcess}
 
 
 def make_selector(recipe, spec) -> Selector:
-    """The selector a recipe names, bound to the detector's spec (box coder, class layout)."""
+    """The selector a recipe names, bound to the detector's spec (box coder, class layout); ``grid`` is
+    :class:`extractors.grid.GridCells` (the whole-image res5 map, no proposals)."""
+    if recipe.selector == "grid":
+        from extractors.grid import GridCells
+
+        return GridCells(recipe, spec)
+    if (recipe.selector == "vinvl") != (spec.flavor == "vinvl") and recipe.selector not in ("given",):
+        from pipeline.core.errors import UsageError
+
+        raise UsageError(f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
+                         f"{'VinVL weights need the vinvl selection (or --boxes given / grid)' if spec.flavor == 'vinvl' else 'the vinvl selection needs VinVL weights'}")
     return SELECTORS[recipe.selector](recipe, spec)

@@ -15,7 +15,10 @@ from pipeline.core.errors import UsageError
 CAFFE_PIXEL_MEANS_BGR = (102.9801, 115.9465, 122.7717)
 """py-faster-rcnn ``PIXEL_MEANS`` in BGR order (``lib/fast_rcnn/config.py``; docs/recipes.md)."""
 
-FLAVORS = ("caffe", "d2")
+VINVL_PIXEL_MEANS_BGR = (103.530, 116.280, 123.675)
+"""``PIXEL_MEAN`` of VinVL ``vinvl_x152c4.yaml`` and of detectron2's defaults (BGR, 0-255; docs/recipes.md#vinvl)."""
+
+FLAVORS = ("caffe", "d2", "vinvl")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class BottomUpSpec:
     * ``d2``: 12-channel sigmoid objectness, detectron2 anchors (centre 0, size-major), box coder without
       ``+1`` (RPN weights 1, box head weights 10/10/5/5), clip to ``size``, min size 0, background and
       "no attribute" as the *last* row, regression over the foreground classes only (6400 outputs).
+    * ``vinvl`` (maskrcnn_benchmark, VinVL ``vinvl_vg_x152c4``; docs/recipes.md#vinvl): ResNeXt with the stride on
+      the 3x3 conv, FrozenBN without eps, stem pool pad 1; 15 sigmoid anchors of the legacy generator (``+1``,
+      centre 7.5, ``anchor_sizes``), ``+1`` box coder (``x2 = ctr + w/2 - 1``), ROIAlign 14x14 (aligned=False),
+      res5 with stride 2 on the 3x3 conv (7x7), background first with class-specific boxes over all classes,
+      the attribute head fed with the *selected* label (:mod:`extractors.vinvl`).
     """
 
     flavor: str = "caffe"
@@ -44,6 +52,9 @@ class BottomUpSpec:
     res5_blocks: int = 3
     res5_dilation: int = 2  # Caffe test.prototxt: res5 stride 1, dilation 2 (14x14 stays 14x14)
     bn_eps: float = 1e-5
+    groups: int = 1  # ResNeXt cardinality of every 3x3 conv (VinVL X-152 32x8d: 32, res2_bottleneck = 32 * 8)
+    stride_in_1x1: bool = True  # False: the block stride sits on the 3x3 conv (ResNeXt, STRIDE_IN_1X1 False)
+    stem_pool: str = "caffe"  # caffe: 3x3/2 pad 0 ceil mode; pad1: 3x3/2 pad 1 floor mode (maskrcnn_benchmark, detectron2)
     # RPN
     rpn_channels: int = 512
     anchor_stride: int = 16
@@ -67,6 +78,7 @@ class BottomUpSpec:
     min_size: int = 600
     max_size: int = 1000
     pixel_means: tuple[float, float, float] = CAFFE_PIXEL_MEANS_BGR
+    pixel_std: tuple[float, float, float] = (1.0, 1.0, 1.0)  # grid-feats X-101: (57.375, 57.120, 58.395)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +88,11 @@ class BottomUpSpec:
             raise ValueError("every ResNet stage needs at least one block")
 
     # derived sizes -------------------------------------------------------------------------------------
+    @property
+    def background_first(self) -> bool:
+        """Background at class row 0 and regression rows for every class (caffe, vinvl) vs last / foreground only (d2)."""
+        return self.flavor != "d2"
+
     @property
     def num_anchors(self) -> int:
         n = len(self.anchor_scales) if self.flavor == "caffe" else len(self.anchor_sizes)
@@ -93,12 +110,12 @@ class BottomUpSpec:
 
     @property
     def background_index(self) -> int:
-        return 0 if self.flavor == "caffe" else self.num_classes - 1
+        return 0 if self.background_first else self.num_classes - 1
 
     @property
     def bbox_classes(self) -> int:
         """Rows of class-specific regression: all classes (caffe) or the foreground ones (d2)."""
-        return self.num_classes if self.flavor == "caffe" else self.num_classes - 1
+        return self.num_classes if self.background_first else self.num_classes - 1
 
     @property
     def feature_stride(self) -> int:
@@ -129,6 +146,16 @@ class BottomUpSpec:
 def caffe_r101() -> BottomUpSpec:
     """The Caffe / MILVLG caffe-mode R-101 (docs/extractor.md#flavors)."""
     return BottomUpSpec()
+
+
+def vinvl_x152c4() -> BottomUpSpec:
+    """VinVL ``vinvl_vg_x152c4``: ResNeXt-152 32x8d C4, 1594 classes + background, 524 attributes + none
+    (microsoft/scene_graph_benchmark ``sgg_configs/vgattr/vinvl_x152c4.yaml``; docs/recipes.md#vinvl)."""
+    return BottomUpSpec(
+        flavor="vinvl", stem_channels=64, res2_bottleneck=256, expansion=1, stage_blocks=(3, 8, 36), res5_blocks=3, res5_dilation=1,
+        bn_eps=0.0, groups=32, stride_in_1x1=False, stem_pool="pad1", rpn_channels=1024, anchor_sizes=(32.0, 64.0, 128.0, 256.0, 512.0),
+        rpn_min_size=0.0, num_classes=1595, num_attributes=525, box_reg_weights=(10.0, 10.0, 5.0, 5.0), pixel_means=VINVL_PIXEL_MEANS_BGR,
+    )
 
 
 def d2_r101() -> BottomUpSpec:

@@ -38,7 +38,7 @@ import torch
 from extractors.spec import BottomUpSpec
 from pipeline.core.errors import PipelineError, UsageError
 
-LAYOUTS = ("milvlg", "airsplay", "hf", "butd")
+LAYOUTS = ("milvlg", "airsplay", "hf", "butd")  # plus vinvl / grid-feats (extractors.layouts)
 BUTD_FORMAT = "butd-caption-detector"
 BUTD_VERSION = 1
 D2_RENAMES = (
@@ -191,6 +191,11 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         if not isinstance(v, torch.Tensor):
             raise WeightsError(f"weights file {path}: key '{k}' is a {type(v).__name__}, not an array")
         sd[k] = v
+    from extractors import layouts  # the vinvl / grid-feats layouts (docs/extractor.md#weights-layouts)
+
+    release = layouts.detect(sd) if container == "torch" else None
+    if release is not None:
+        return release, layouts.normalise(sd), meta
     return _detect_layout(path, sd, container), sd, meta
 
 
@@ -325,6 +330,12 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     from extractors.bottom_up import BottomUpDetector
 
     layout, sd, meta = read_weights(path)
+    if layout in ("vinvl", "grid-feats"):
+        from extractors.layouts import load_release
+
+        model, info = load_release(path, layout, sd, spec)
+        info.update(layout=layout, weights_sha256=sha256_file(path), weights_file=Path(path).name, spec=model.spec.to_dict())
+        return model.to(device), info
     inferred = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     if spec is None:
         spec = inferred
@@ -373,6 +384,11 @@ def describe(path: str | Path) -> dict[str, Any]:
 def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
     """:func:`describe` and the :class:`BottomUpSpec` the file defines (its own test values included)."""
     layout, sd, meta = read_weights(path)
+    if layout in ("vinvl", "grid-feats"):
+        from extractors.layouts import describe_release
+
+        facts, spec = describe_release(layout, sd, path)
+        return {"file": str(path), **facts, "keys": len(sd), "elements": int(sum(v.numel() for v in sd.values())), "sha256": sha256_file(path)}, spec
     spec = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     check_strict(path, layout, sd, spec)
     n_params = int(sum(v.numel() for k, v in sd.items() if not k.endswith(NBT)))

@@ -1,0 +1,148 @@
+"""Grid features (Jiang et al. 2020, "In Defense of Grid Features for VQA"; facebookresearch/grid-feats-vqa
+``extract_grid_feature.py``): the res5 map of the whole image, stored as regions whose boxes are the cells.
+
+* grid-feats-vqa models (``grid-feats`` layout, :class:`GridFeatsModel`): the detectron2 backbone through res5
+  with ``RES5_DILATION`` forced to 1 (stride 2 on the first res5 block), FrozenBN eps 1e-5.
+* C4 detectors: res5 is the RoI head's; it runs on the whole C4 map. VinVL's head already has stride 2 (the
+  release's ``get_conv5_features`` equivalent); the Caffe R-101's dilated res5 (stride 1, dilation 2) is switched
+  to stride 2 / dilation 1 with the same weights (``res5_dilation: 1``, what grid-feats-vqa does to its own
+  models) or kept (``res5_dilation: 2``, a stride-16 map).
+* ``grid: k`` > 0 average-pools the map to k x k with ``adaptive_avg_pool2d`` (RSTNet / DLCT ``AdaptiveAvgPool2d
+  ((7, 7))``); 0 keeps every cell. Cell boxes: the cell's (or bin's) span at the map's stride, clipped to the
+  resized image, then scaled to original pixels per axis. Row-major order (RSTNet ``view(49, 2048)``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from extractors.bottom_up import RegionOutput
+from extractors.preprocess import Frame
+from extractors.resnet_caffe import ConvNorm, ResNetC4, fold_all
+from extractors.selector import Selector, to_original
+from extractors.spec import VINVL_PIXEL_MEANS_BGR, BottomUpSpec
+
+X101_PIXEL_STD = (57.375, 57.120, 58.395)
+
+
+class GridFeatsModel(nn.Module):
+    """The backbone of a grid-feats-vqa detector (res2..res5 in ``backbone``; the heads are not run)."""
+
+    def __init__(self, spec: BottomUpSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backbone = ResNetC4(tuple(spec.stage_blocks) + (spec.res5_blocks,), spec.stem_channels, spec.res2_bottleneck, spec.expansion,
+                                 spec.bn_eps, groups=spec.groups, stride_in_1x1=spec.stride_in_1x1, stem_pool=spec.stem_pool)
+        self.roi_chunk = 0
+        self.eval()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def set_test_recipe(self, **changes) -> "GridFeatsModel":
+        self.spec = self.spec.with_(**changes)
+        return self
+
+    def fold_batchnorm(self) -> "GridFeatsModel":
+        fold_all(self)
+        return self
+
+    def detect(self, blobs, frames, selector, given_boxes=None) -> list[RegionOutput]:
+        if not getattr(selector, "whole_image", False):
+            raise ValueError("grid-feats weights hold a backbone for grid features only: use --boxes grid")
+        return selector.detect(self, blobs, frames)
+
+
+def _conv(cn: ConvNorm, x: torch.Tensor, stride: int, dilation: int) -> torch.Tensor:
+    pad = dilation if cn.weight.shape[-1] == 3 else 0
+    if cn._folded is not None:
+        w, b = cn._folded
+        return F.conv2d(x, w.to(x.dtype), b.to(x.dtype), stride, pad, dilation, cn.groups)
+    return cn.norm(F.conv2d(x, cn.weight.to(x.dtype), None, stride, pad, dilation, cn.groups))
+
+
+def run_res5(stage: nn.Sequential, x: torch.Tensor, dilation: int) -> torch.Tensor:
+    """A res5 stage under the given geometry: dilation 1 -> first block stride 2 (on the 1x1 or 3x3 conv as
+    built), dilation 2 -> stride 1 with dilated 3x3 convs (maskrcnn_benchmark / detectron2 rule)."""
+    for i, block in enumerate(stage):
+        stride = (2 if dilation == 1 else 1) if i == 0 else 1
+        s1, s3 = (stride, 1) if block.stride_in_1x1 else (1, stride)
+        identity = x if block.shortcut is None else _conv(block.shortcut, x, stride, 1)
+        y = F.relu_(_conv(block.conv1, x, s1, 1))
+        y = F.relu_(_conv(block.conv2, y, s3, dilation))
+        x = F.relu_(_conv(block.conv3, y, 1, 1) + identity)
+    return x
+
+
+@torch.inference_mode()
+def grid_map(model: nn.Module, blob: torch.Tensor, res5_dilation: int = 1) -> tuple[torch.Tensor, int]:
+    """(1, D, h, w) float32 res5 map of one blob and its stride in resized pixels."""
+    dev = next(model.parameters()).device
+    x = torch.as_tensor(blob)[None].to(dev)
+    if isinstance(model, GridFeatsModel):
+        bb = model.backbone
+        x = bb.stem(x)
+        for name in bb.stage_names[:-1]:
+            x = getattr(bb, name)(x)
+        return run_res5(getattr(bb, bb.stage_names[-1]), x, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
+    c4 = model.backbone(x)
+    return run_res5(model.roi_heads.res5, c4, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
+
+
+def cell_edges(n: int, k: int) -> list[tuple[int, int]]:
+    """``adaptive_avg_pool2d`` bins over n cells: [floor(i n / k), ceil((i + 1) n / k)) (k = 0: one cell each)."""
+    if k <= 0:
+        return [(i, i + 1) for i in range(n)]
+    return [((i * n) // k, -((-(i + 1) * n) // k)) for i in range(k)]
+
+
+def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionOutput:
+    """A (1, D, h, w) map -> one :class:`RegionOutput` of cells (pooled to ``grid`` x ``grid`` when > 0)."""
+    _, d, h, w = fmap.shape
+    pooled = F.adaptive_avg_pool2d(fmap, (grid, grid)) if grid > 0 else fmap
+    feats = pooled[0].permute(1, 2, 0).reshape(-1, d)
+    ys, xs = cell_edges(h, grid), cell_edges(w, grid)
+    boxes = torch.tensor([[x0 * stride, y0 * stride, min(x1 * stride, frame.blob_w), min(y1 * stride, frame.blob_h)]
+                          for (y0, y1) in ys for (x0, x1) in xs], dtype=torch.float32)
+    boxes = to_original(boxes, frame, "per-axis", "none")
+    return RegionOutput(features=feats.cpu().numpy().astype(np.float32), boxes=boxes.numpy().astype(np.float32), image_w=int(frame.width),
+                        image_h=int(frame.height), class_ids=None, class_scores=None, attr_ids=None, attr_scores=None)
+
+
+class GridCells(Selector):
+    """``--boxes grid``: the model's res5 map of the whole image, cells as regions (no RPN, no heads)."""
+
+    name = "grid"
+    whole_image = True
+
+    def detect(self, model: nn.Module, blobs, frames) -> list[RegionOutput]:
+        r = self.recipe
+        out = []
+        for blob, frame in zip(blobs, frames):
+            fmap, stride = grid_map(model, blob, r.res5_dilation)
+            out.append(grid_regions(fmap, stride, frame, r.grid))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------
+def infer_grid_spec(sd, path="?") -> BottomUpSpec:
+    """The architecture of a grid-feats-vqa state dict (depth, widths, groups; the X-101 pixel std)."""
+    from extractors.layouts import _err, _shape, _stage_blocks
+
+    L = "grid-feats"
+    if any("conv2_offset" in k for k in sd):
+        raise _err(path, L, "deformable res4/res5 (conv2_offset: the X-152++ model) is not supported; "
+                            "use the R-50, X-101 or X-152 grid-feats weights")
+    stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
+    if sorted(stages) != [2, 3, 4, 5]:
+        raise _err(path, L, "backbone.res2 .. backbone.res5 not found")
+    bott, per_group = _shape(sd, "backbone.res2.0.conv2.weight", path, L)[:2]
+    out2 = _shape(sd, "backbone.res2.0.conv3.weight", path, L)[0]
+    groups = bott // per_group
+    blocks = tuple(stages[s] for s in (2, 3, 4))
+    std = X101_PIXEL_STD if (groups > 1 and blocks == (3, 4, 23)) else (1.0, 1.0, 1.0)
+    return BottomUpSpec(flavor="d2", stem_channels=_shape(sd, "backbone.stem.conv1.weight", path, L)[0], res2_bottleneck=bott,
+                        expansion=out2 // bott, stage_blocks=blocks, res5_blocks=stages[5], res5_dilation=1, groups=groups,
+                        stride_in_1x1=groups == 1, stem_pool="pad1", has_attributes=False, pixel_means=VINVL_PIXEL_MEANS_BGR, pixel_std=std)

@@ -1,0 +1,209 @@
+"""The VinVL object-attribute detector (Zhang et al. 2021, "VinVL"; microsoft/scene_graph_benchmark ``AttrRCNN``
+on maskrcnn_benchmark) in plain PyTorch + torchvision: ResNeXt-152 32x8d C4, single-level RPN, ROIAlign, res5
+head, 1595-way classifier with class-specific boxes, 525-way attribute head (docs/recipes.md#vinvl).
+
+Test time, per image (one backbone pass per equal-sized group, no padding, so batching changes nothing):
+
+1. backbone (stride on the 3x3 conv, FrozenBN without eps) -> C4 map;
+2. RPN (``RPNPostProcessor``): sigmoid objectness in (h, w, a) order, top ``pre_nms_topk`` -> ``+1`` decode with
+   weights 1 -> clip to ``[0, W-1] x [0, H-1]`` -> drop boxes with ``x2 - x1 + 1 < 0`` -> NMS ``rpn_nms_thresh`` ->
+   first ``post_nms_topk`` (NMS keep order);
+3. ``ROIAlign(14, 1/16, sampling_ratio=0, aligned=False)`` -> res5 (stride 2) -> mean over 7x7 = the 2048-d
+   ``box_features`` -> ``cls_score`` / ``bbox_pred``;
+4. the recipe's post-processing (:mod:`extractors.vinvl_select`, ``nms_filter`` 0/1/2);
+5. attribute head on the *selected* boxes: pooled res5 of those boxes ``‖ cls_embedding(label)`` ->
+   ``fc_attr`` + ReLU -> ``attr_score`` (``AttributeRCNNPredictor``); with ``ignore_box_regression`` the boxes
+   are the proposals themselves, so their pooled features are the rows already computed (the release
+   recomputes the same numbers);
+6. boxes back to original pixels per axis (``BoxList.resize``), no re-clip.
+
+Grid features (``--boxes grid``) run the res5 head on the whole C4 map (:mod:`extractors.grid`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import roi_align
+
+from extractors import EXTRACTORS, box_coding, vinvl_select
+from extractors.bottom_up import RegionOutput
+from extractors.preprocess import Frame
+from extractors.resnet_caffe import ResNetC4, fold_all, make_stage
+from extractors.rpn import AnchorGenerator, RPNHead
+from extractors.selector import to_original, to_resized
+from extractors.spec import BottomUpSpec, vinvl_x152c4
+
+
+class AttributeHead(nn.Module):
+    """``AttributeRCNNPredictor``: ``attr_score(ReLU(fc_attr([pool5 ; cls_embedding(label)])))``."""
+
+    def __init__(self, spec: BottomUpSpec, in_dim: int) -> None:
+        super().__init__()
+        self.cls_embedding = nn.Embedding(spec.num_classes, spec.attr_embed_dim)
+        self.fc_attr = nn.Linear(in_dim + spec.attr_embed_dim, spec.attr_hidden)
+        self.attr_score = nn.Linear(spec.attr_hidden, spec.num_attributes)
+
+    def forward(self, pooled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([pooled, self.cls_embedding(labels).to(pooled.dtype)], dim=1)
+        return self.attr_score(F.relu(self.fc_attr(h)))
+
+
+class VinVLHeads(nn.Module):
+    """``roi_heads``: res5 head (``layer4``), box predictor, attribute predictor."""
+
+    def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
+        super().__init__()
+        self.spec = spec
+        bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
+        out = bottleneck * spec.expansion
+        first_stride = 1 if spec.res5_dilation > 1 else 2
+        self.res5 = make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps,
+                               groups=spec.groups, stride_in_1x1=spec.stride_in_1x1)
+        self.out_channels = out
+        self.cls_score = nn.Linear(out, spec.num_classes)
+        self.bbox_pred = nn.Linear(out, spec.num_classes * 4)
+        self.attribute = AttributeHead(spec, out) if spec.has_attributes else None
+
+    def pool(self, feat: torch.Tensor, rois: torch.Tensor) -> torch.Tensor:
+        """Legacy ROIAlign (``aligned=False``, adaptive sampling) -> (K, C, r, r)."""
+        r = self.spec.pooler_resolution
+        return roi_align(feat.float(), rois.float(), (r, r), 1.0 / self.spec.feature_stride, sampling_ratio=0, aligned=False).to(feat.dtype)
+
+
+class VinVLDetector(nn.Module):
+    """``backbone`` + ``proposal_generator`` + ``roi_heads`` with internal (detectron2-style) key names; the
+    ``vinvl`` weights layout maps them to scene_graph_benchmark's (:mod:`extractors.layouts`)."""
+
+    def __init__(self, spec: BottomUpSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backbone = ResNetC4(spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps,
+                                 groups=spec.groups, stride_in_1x1=spec.stride_in_1x1, stem_pool=spec.stem_pool)
+        self.proposal_generator = nn.Module()
+        self.proposal_generator.anchor_generator = AnchorGenerator(spec)
+        self.proposal_generator.rpn_head = RPNHead(self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False)
+        self.roi_heads = VinVLHeads(spec, self.backbone.out_channels)
+        self.roi_chunk = 0
+        self.eval()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def set_test_recipe(self, **changes) -> "VinVLDetector":
+        """Input scale and proposal settings of the spec (architecture fields may not change)."""
+        new = self.spec.with_(**changes)
+        for name in ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels"):
+            if getattr(new, name) != getattr(self.spec, name):
+                raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
+        self.spec = self.roi_heads.spec = new
+        return self
+
+    def fold_batchnorm(self) -> "VinVLDetector":
+        fold_all(self)
+        return self
+
+    # ----------------------------------------------------------------------------------------------------
+    def proposals(self, feat: torch.Tensor, sizes: list[tuple[int, int]], variant: str) -> list[torch.Tensor]:
+        """``RPNPostProcessor.forward_for_single_feature_map`` for each image of an equal-sized batch."""
+        s = self.spec
+        logits, deltas = self.proposal_generator.rpn_head(feat)
+        n, a, h, w = logits.shape
+        obj = torch.sigmoid(logits.float()).permute(0, 2, 3, 1).reshape(n, -1)
+        deltas = deltas.float().view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
+        anchors = self.proposal_generator.anchor_generator(h, w)
+        out = []
+        for i in range(n):
+            k = min(s.pre_nms_topk, obj.shape[1])
+            score, idx = obj[i].topk(k, sorted=True)
+            boxes = box_coding.decode(deltas[i, idx], anchors[idx], (1.0, 1.0, 1.0, 1.0), legacy=True, scale_clamp=s.scale_clamp, x2_minus_one=True)
+            boxes = vinvl_select.clip_legacy(boxes, *sizes[i])
+            keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= s.rpn_min_size)
+            boxes, score = boxes[keep], score[keep]
+            out.append(boxes[vinvl_select.nms_keep(boxes, score, s.rpn_nms_thresh, variant)[: s.post_nms_topk]])
+        return out
+
+    def _res5_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
+        heads = self.roi_heads
+        if pooled.shape[0] == 0:
+            return pooled.new_zeros((0, heads.out_channels))
+        step = self.roi_chunk if self.roi_chunk > 0 else pooled.shape[0]
+        return torch.cat([heads.res5(pooled[i : i + step]).mean(dim=(2, 3)) for i in range(0, pooled.shape[0], step)])
+
+    def box_features(self, feat: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+        """Pooled res5 features (sum K_i, D) of resized-pixel boxes on an equal-sized batch's C4 map."""
+        dev = feat.device
+        rois = torch.cat([torch.cat([torch.full((b.shape[0], 1), j, dtype=torch.float32, device=dev), b.float()], 1) for j, b in enumerate(boxes)])
+        return self._res5_pooled(self.roi_heads.pool(feat, rois)).float()
+
+    @torch.inference_mode()
+    def detect(self, blobs: list[torch.Tensor], frames: list[Frame], selector, given_boxes: list[np.ndarray] | None = None) -> list[RegionOutput]:
+        """Regions of each blob with the resolved recipe of ``selector`` (``vinvl`` post-processing or given boxes)."""
+        if getattr(selector, "whole_image", False):  # --boxes grid (extractors.grid)
+            return selector.detect(self, blobs, frames)
+        recipe = selector.recipe
+        dev = next(self.parameters()).device
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, b in enumerate(blobs):
+            groups[tuple(b.shape[-2:])].append(i)
+        results: list[RegionOutput | None] = [None] * len(blobs)
+        for (h, w), idx in groups.items():
+            feat = self.backbone(torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev))
+            if selector.given:
+                props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], "per-axis") for i in idx]
+            else:
+                props = self.proposals(feat, [(h, w)] * len(idx), recipe.nms_variant)
+            feats = self.box_features(feat, props)
+            logits = self.roi_heads.cls_score(feats).float()
+            deltas = self.roi_heads.bbox_pred(feats).float()
+            start = 0
+            picks = []
+            for j, i in enumerate(idx):
+                sl = slice(start, start + props[j].shape[0])
+                start = sl.stop
+                if selector.given:
+                    prob = torch.softmax(logits[sl], dim=-1)
+                    score, label = prob[:, 1:].max(dim=1)
+                    picks.append(vinvl_select.VinVLPick(torch.arange(props[j].shape[0], device=dev), label + 1, score, props[j]))
+                else:
+                    picks.append(vinvl_select.select(props[j], logits[sl], deltas[sl], (h, w), recipe, self.spec))
+                picks[-1].rows = picks[-1].rows + sl.start
+            attrs = self._attributes(feat, feats, picks, recipe, reuse=selector.given or bool(recipe.ignore_box_regression))
+            for j, i in enumerate(idx):
+                results[i] = self._region(picks[j], feats, attrs[j], frames[i])
+        return results  # type: ignore[return-value]
+
+    def _attributes(self, feat, feats, picks, recipe, reuse: bool) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        head = self.roi_heads.attribute
+        if head is None:
+            return [None] * len(picks)
+        pooled = feats[torch.cat([p.rows for p in picks])] if reuse else self.box_features(feat, [p.boxes for p in picks])
+        logits = head(pooled, torch.cat([p.labels for p in picks]))
+        out, start = [], 0
+        for p in picks:
+            n = p.rows.numel()
+            out.append(vinvl_select.attribute_top(logits[start : start + n], recipe.attr_thresh, recipe.max_attrs_per_image))
+            start += n
+        return out
+
+    def _region(self, pick, feats, attr, frame: Frame) -> RegionOutput:
+        boxes = to_original(pick.boxes.float(), frame, "per-axis", "none")
+        return RegionOutput(
+            features=feats[pick.rows].cpu().numpy().astype(np.float32),
+            boxes=boxes.cpu().numpy().astype(np.float32),
+            image_w=int(frame.width), image_h=int(frame.height),
+            class_ids=(pick.labels - 1).cpu().numpy().astype(np.int64),
+            class_scores=pick.scores.float().cpu().numpy().astype(np.float32),
+            attr_ids=None if attr is None else (attr[0] - 1).cpu().numpy().astype(np.int64),
+            attr_scores=None if attr is None else attr[1].cpu().numpy().astype(np.float32),
+        )
+
+
+
+@EXTRACTORS.register("vinvl-x152c4")
+def preset_vinvl_x152c4() -> BottomUpSpec:
+    """VinVL ``vinvl_vg_x152c4`` (ResNeXt-152 32x8d C4, 1594 classes, 524 attributes)."""
+    return vinvl_x152c4()
