@@ -91,6 +91,8 @@ def configure_recipe(model, identity: dict[str, Any], section: Any, where: str =
 
     recipe = apply_recipe(model, recipe_from_config(section, identity.get("layout", "random"), model.spec.flavor, where,
                                                     SHORTHANDS if shorthands is None else shorthands))
+    if identity.get("layout") == "grid-feats" and recipe.selector != "grid":
+        raise UsageError(f"grid-feats weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid")
     identity["config"]["recipe"] = recipe.to_dict()
     identity["config"]["spec"] = model.spec.to_dict()
     log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))

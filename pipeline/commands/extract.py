@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         paths: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")] = None,
         weights: Annotated[str, typer.Option("--weights", "-w", help="Detector weights (.pth MILVLG, .pkl airsplay, .bin HF) or 'random'.")] = "",
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store directory (created or resumed).")] = None,
-        boxes: Annotated[Optional[str], typer.Option("--boxes", help="adaptive (10-100) | 36 | given (needs --coco).")] = None,
+        boxes: Annotated[Optional[str], typer.Option("--boxes", help="adaptive (10-100) | 36 | given (needs --coco) | grid (res5 map cells; docs/recipes.md#grid).")] = None,
         coco: Annotated[Optional[Path], typer.Option("--coco", help="COCO annotations file: its images (keys = image ids) and, with --boxes given, its boxes.")] = None,
         image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")] = None,
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
