@@ -23,7 +23,7 @@ import torch
 from extractors.preprocess import Frame, caffe_blob, load_rgb
 from extractors.recipes import recipe_from_config
 from extractors.selector import make_selector
-from extractors.run import precision_context
+from extractors.photos import precision_context
 from extractors.spec import caffe_r101
 from extractors.random_weights import random_detector
 

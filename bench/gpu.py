@@ -40,7 +40,7 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     from extractors.preprocess import recipe_blob
     from extractors.recipes import apply_recipe, recipe_from_config
-    from extractors.run import precision_context
+    from extractors.photos import precision_context
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
     from extractors.random_weights import random_detector

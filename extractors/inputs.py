@@ -7,6 +7,10 @@ named like an image that is not a regular file (a folder ``x.jpg``, a FIFO) each
 ``(path, reason, detail)`` that the caller writes to its failures manifest and warns about by path.
 
 Reasons: ``unreadable`` (missing, dangling link, link loop, no permission) and ``not_a_file``.
+
+Inputs become :class:`ImageItem` records (key, path, given boxes, problem) for every command: keys are COCO ids
+when the file name carries one (``COCO_train2014_000000150367.jpg`` -> ``150367``), otherwise the path relative
+to the input folder, made from the file name the OS gives by the bytes-safe rule of :mod:`pipeline.core.keys`.
 """
 
 from __future__ import annotations
@@ -14,11 +18,18 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from extractors.preprocess import IMAGE_EXTENSIONS
+from pipeline.core.errors import UsageError
+from pipeline.core.keys import key_from_name, key_to_text
+
+_COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
 
 Problem = tuple[Path, str, str]
 
@@ -113,3 +124,115 @@ def scan_images(paths: list[str | Path]) -> Scan:
             files.append(f)
     scan.files = files
     return scan
+
+
+@dataclass
+class ImageItem:
+    key: str
+    path: Path
+    boxes: np.ndarray | None = None  # given boxes (N, 4) x1y1x2y2 in original pixels
+    problem: tuple[str, str] | None = None  # (reason, detail) found before reading: missing, dangling link, ...
+
+
+def image_key(path: Path, root: Path | None) -> str:
+    """COCO id if the file stem is a COCO name (``COCO_train2014_000000150367`` or ``000000150367``), else
+    the path relative to ``root`` (posix) or the file name."""
+    m = _COCO_ID.match(path.stem)
+    if m:
+        return str(int(m.group(1) or m.group(2)))
+    if root is not None:
+        try:
+            return key_from_name(path.relative_to(root).as_posix())
+        except ValueError:
+            pass
+    return key_from_name(path.name)
+
+
+def items_from_paths(paths: list[str | Path]) -> list[ImageItem]:
+    """Folders (recursive), files and globs -> items; duplicate keys are a usage error.
+
+    Inputs that cannot be images (a missing path, a dangling or looping link, a folder named like an image)
+    become items carrying their ``problem``: the run reports each by path and goes on.
+    """
+    items: list[ImageItem] = []
+    for p in paths:
+        p = Path(p)
+        root = p if p.is_dir() else None
+        scan = scan_images([p])
+        for f in scan.files:
+            items.append(ImageItem(image_key(f, root), f))
+        for f, reason, detail in scan.problems:
+            items.append(ImageItem(image_key(f, root), f, problem=(reason, detail)))
+    return unique_items(items)
+
+
+def items_from_file_list(list_file: Path, base: Path | None = None) -> list[ImageItem]:
+    """One image path per line (relative paths resolved against the list's folder or ``base``)."""
+    if not list_file.is_file():
+        raise UsageError(f"file list not found: {list_file}")
+    root = base or list_file.parent
+    items = []
+    try:
+        text = list_file.read_bytes().decode("utf-8", "surrogateescape")  # names that are not UTF-8 stay exact
+    except OSError as exc:
+        raise UsageError(f"cannot read file list {list_file}: {exc.strerror or exc}") from None
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            f = Path(line) if Path(line).is_absolute() else root / line
+            items.append(ImageItem(image_key(f, root), f, problem=input_problem(f)))
+    return unique_items(items)
+
+
+def items_from_coco(ann_file: Path, image_root: Path | None, with_boxes: bool) -> list[ImageItem]:
+    """COCO ``images`` (key = image id) from an annotations file; ``with_boxes`` attaches its ``bbox``es
+    (xywh -> x1, y1, x1 + w, y1 + h) as given boxes."""
+    from pipeline.core.fileio import read_json
+
+    data = read_json(ann_file, "COCO annotations file")
+    if not isinstance(data.get("images"), list):
+        raise UsageError(f"{ann_file}: not a COCO annotations file (no 'images' list)")
+    root = image_root or ann_file.parent
+    boxes: dict[int, list[list[float]]] = {}
+    if with_boxes:
+        for a in data.get("annotations", []):
+            try:
+                x, y, w, h = (float(v) for v in a["bbox"])
+                boxes.setdefault(int(a["image_id"]), []).append([x, y, x + w, y + h])
+            except (KeyError, TypeError, ValueError):
+                raise UsageError(f"{ann_file}: annotation {a.get('id', '?')} has no valid 'bbox'") from None
+    items = []
+    for im in data["images"]:
+        try:
+            iid, name = int(im["id"]), str(im["file_name"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"{ann_file}: an image entry lacks 'id' or 'file_name'") from None
+        b = np.asarray(boxes.get(iid, []), dtype=np.float32).reshape(-1, 4) if with_boxes else None
+        items.append(ImageItem(str(iid), root / name, b, problem=input_problem(root / name)))
+    return unique_items(items)
+
+
+def unique_items(items: list[ImageItem]) -> list[ImageItem]:
+    """``items`` without repeats, in order; two paths with one key are a usage error."""
+    seen: dict[str, Path] = {}
+    for it in items:
+        if it.key in seen and seen[it.key] != it.path:
+            raise UsageError(f"two images map to the same key {key_to_text(it.key)!r}: {key_to_text(str(seen[it.key]))} "
+                             f"and {key_to_text(str(it.path))}")
+        seen[it.key] = it.path
+    out, done = [], set()
+    for it in items:
+        if it.key not in done:
+            done.add(it.key)
+            out.append(it)
+    return out
+
+
+def shard_items(items: list[ImageItem], index: int, count: int, block: int = 1) -> list[ImageItem]:
+    """Every ``count``-th block of ``block`` consecutive items, starting at block ``index`` (shards are disjoint
+    and cover the list). ``block = 1``: every n-th image (``--shard``); ``block = batch size`` (torchrun) keeps
+    each image in the same batch as a one-process run."""
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(f"shard {index}/{count} is invalid: need 0 <= i < n")
+    block = max(1, int(block))
+    return [it for start in range(index * block, len(items), count * block) for it in items[start : start + block]]

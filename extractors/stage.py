@@ -88,7 +88,7 @@ def selection_mode(section: Config) -> str | None:
 
 def collect_items(job: ExtractJob, mode: str) -> list[Any]:
     """The images of ``job`` (folders, file list, COCO file), sharded and limited; usage errors when there are none."""
-    from extractors.run import items_from_coco, items_from_file_list, items_from_paths, shard_items
+    from extractors.inputs import items_from_coco, items_from_file_list, items_from_paths, shard_items
 
     if mode == "given" and job.coco is None:
         raise UsageError("--boxes given needs --coco ANNOTATIONS (the boxes come from its 'annotations')")

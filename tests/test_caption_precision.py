@@ -1,4 +1,5 @@
-"""caption --precision bf16: the detector and the captioner run under the autocast, word relevance stays float32."""
+"""caption --precision bf16: the engine runs the detector and the captioner under the autocast, word relevance
+stays float32."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import torch
 import models
 from extract_helpers import tiny_spec
 from extractors.factory import configure_recipe
-from extractors.run import items_from_paths, precision_context
+from extractors.inputs import items_from_paths
 from extractors.random_weights import random_detector
 from models.decoding import DecodeOptions
-from pipeline.captioning.engine import CaptionResult, PhotoCaptioner
-from pipeline.captioning.photos import Need, PhotoDataset
+from pipeline.captioning.engine import PhotoCaptioner
 from pipeline.core.config import load_config
 from pipeline.core.vocab import Vocab
 
@@ -27,13 +27,9 @@ def test_bf16_captions_with_float32_relevance(shared_data):
                                  d_model=32, num_heads=4, d_ff=64, num_layers=1).eval()
     items = items_from_paths([str(shared_data / "photos" / "000456.jpg")])
     engine = PhotoCaptioner(det, selector, cap, vocab, DecodeOptions.from_mapping({"method": "beam", "beam_size": 2, "max_len": 6}),
-                            torch.device("cpu"))
-    with precision_context("bf16", torch.device("cpu")), torch.no_grad():
-        photos = PhotoDataset(items, [Need.DETECT] * len(items), selector.recipe, 10**8, keep_images=False)
-        recs = engine._detect([photos[i] for i in range(len(items))])
-        res = [CaptionResult(i.key, i.path) for i in items]
-        engine._caption(recs, res, relevance=True)
+                            torch.device("cpu"), precision="bf16")
+    res = list(engine.caption_paths(items, relevance=True))
     r = res[0]
-    assert r.tokens and np.isfinite(r.score)
+    assert r.error is None and r.tokens and np.isfinite(r.score)
     assert r.relevance is not None and r.relevance.dtype == np.float32
-    assert r.relevance.shape == (len(r.tokens), len(recs[0]["boxes"]))
+    assert r.relevance.shape == (len(r.tokens), len(r.regions["boxes"]))

@@ -290,7 +290,7 @@ def test_run_folder_picks_the_best_captioner_by_validation_cider(env: dict[str, 
 def test_a_model_error_on_one_image_costs_only_that_image(env: dict[str, Path], tmp_path: Path) -> None:
     """Fault injection around the real models: the detector raises on one wide photo and the captioner on
     every batch of more than one photo; the engine retries image by image and only the wide photo fails."""
-    from extractors.run import items_from_paths
+    from extractors.inputs import items_from_paths
     from pipeline.captioning.run import build_engine
     from pipeline.core.config import load_config
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
 from cli import app
-from extractors.run import items_from_paths
-from pipeline.captioning.photos import DecodedPhoto, Need, PhotoDataset, decoded_batches
+from extractors.inputs import items_from_paths
+from extractors.photos import Need, Photo, PhotoDataset, photo_batches
 from pipeline.core import threads as thread_policy
 
 #: the decompression-bomb cap of these tests: the 64x48 photos pass, the 200x150 one is "too_large"
@@ -117,7 +117,7 @@ class Recording(PhotoDataset):
         super().__init__(*args, **kw)
         self.log, self.delay = log, delay
 
-    def __getitem__(self, i: int) -> DecodedPhoto:
+    def __getitem__(self, i: int) -> Photo:
         time.sleep(self.delay)
         out = super().__getitem__(i)
         with open(self.log, "a", encoding="utf-8") as fh:  # one short appended line per photo (atomic)
@@ -133,7 +133,8 @@ def photo_dataset(env: dict[str, Path], log: Path, count: int, **kw) -> Recordin
 
     photos = small_photos(env["root"] / f"many{count}", count, size=(64, 48))
     items = items_from_paths([str(p) for p in photos])
-    return Recording(items, [Need.DETECT] * count, Recipe("caffe", pixel_mean=(102.98, 115.95, 122.77), min_size=96, max_size=160), 10**8, False, log=log, **kw)
+    return Recording(items, Recipe("caffe", pixel_mean=(102.98, 115.95, 122.77), min_size=96, max_size=160), 10**8, 16,
+                     [Need.DETECT] * count, log=log, **kw)
 
 
 def test_decoding_runs_in_worker_processes_in_order_and_a_few_batches_ahead(env: dict[str, Path], tmp_path: Path) -> None:
@@ -145,7 +146,7 @@ def test_decoding_runs_in_worker_processes_in_order_and_a_few_batches_ahead(env:
     ds = photo_dataset(env, tmp_path / "w.log", 20, delay=0.01)
     assert pickle.loads(pickle.dumps(ds)).needs == ds.needs  # spawn-started workers (macOS, Windows) receive a copy
     seen = []
-    for n, batch in enumerate(decoded_batches(ds, batch_size=2, workers=2, prefetch=2)):
+    for n, batch in enumerate(photo_batches(ds, 2, 2, prefetch=2)):
         seen += [d.index for d in batch]
         if n == 0:
             time.sleep(1.0)  # a slow consumer: the workers may fill their prefetch, no more
@@ -155,7 +156,7 @@ def test_decoding_runs_in_worker_processes_in_order_and_a_few_batches_ahead(env:
     assert os.getpid() not in pids and len(pids) == granted
     assert ahead <= 2 * (1 + 2 * granted), f"{ahead} photos decoded while the consumer held the first batch of 2"
     ds0 = photo_dataset(env, tmp_path / "m.log", 4)
-    batches = list(decoded_batches(ds0, batch_size=3, workers=0))
+    batches = list(photo_batches(ds0, 3, 0))
     assert [[d.index for d in b] for b in batches] == [[0, 1, 2], [3]]
     assert {pid for pid, _ in ds0.decoded()} == {os.getpid()}
     assert all(isinstance(d.blob, torch.Tensor) and d.image is None for b in batches for d in b)

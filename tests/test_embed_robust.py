@@ -47,7 +47,7 @@ def test_a_sentence_on_which_the_encoder_raises_costs_only_itself(trained, tmp_p
     assert r.exit_code == 0, r.output
     rows = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [x["text"] for x in rows] == ["a red circle", "a blue square", "two green triangles"]
-    assert rows[1]["embedding"] is None and "model_error" in rows[1]["error"]
+    assert rows[1]["embedding"] is None and "encoder_failed" in rows[1]["error"]
     assert len(rows[0]["embedding"]) == len(rows[2]["embedding"]) > 0
     fails = [json.loads(x) for x in (tmp_path / "e.jsonl.failures.jsonl").read_text().splitlines()]
-    assert [(f["line"], f["reason"]) for f in fails] == [(2, "model_error")]
+    assert [(f["line"], f["reason"]) for f in fails] == [(2, "encoder_failed")]

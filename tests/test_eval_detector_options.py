@@ -141,7 +141,7 @@ def test_batches_reach_the_detector_and_workers_decode(trained, tmp_path, monkey
     """The options are real: ``batch_size`` images per detect call, decoding in ``workers`` other processes."""
     import os
 
-    import extractors.run as run
+    import extractors.photos as run
 
     world, weights, cfg = trained
     model = load_detector(weights)[0].fold_batchnorm()

@@ -255,7 +255,7 @@ def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, l
 
 
 def test_keys_inputs_and_shard_parsing(tmp_path, monkeypatch):
-    from extractors.run import image_key, items_from_paths, shard_items
+    from extractors.inputs import image_key, items_from_paths, shard_items
     from pipeline.commands.extract import _parse_shard
     from pipeline.core.errors import UsageError
 

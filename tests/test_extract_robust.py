@@ -57,8 +57,8 @@ def test_thin_images_are_refused_and_the_batch_survives(tmp_path):
 
 def test_an_image_on_which_the_model_raises_costs_only_itself(tmp_path, monkeypatch):
     """With the thin-image check off, the real detector raises on the 2000x2 image; the guard reruns the
-    batch image by image, lists that image as model_error and keeps the others of its batch."""
-    import extractors.run as run
+    batch image by image, lists that image as detector_failed and keeps the others of its batch."""
+    import extractors.photos as run
 
     monkeypatch.setattr(run, "thin_image_reason", lambda *a: None)
     d = tmp_path / "imgs"
@@ -71,25 +71,26 @@ def test_an_image_on_which_the_model_raises_costs_only_itself(tmp_path, monkeypa
     assert res.exit_code == 0, res.output
     assert sorted(FeatureStore(store).keys()) == ["a.png", "c.png"]
     fail = _failures(store)["b.png"]
-    assert fail["reason"] == "model_error" and "RuntimeError" in fail["detail"]
+    assert fail["reason"] == "detector_failed" and "RuntimeError" in fail["detail"]
 
 
 def test_guarded_detect_on_a_batch_with_a_malformed_blob():
     from extract_helpers import selector_for
     from extractors.factory import random_detector
     from extractors.preprocess import Frame
-    from extractors.run import ImageItem, guarded_detect
+    from extractors.inputs import ImageItem
+    from extractors.photos import Photo, detect_guarded
 
     model = random_detector(tiny_spec(), 0).eval().fold_batchnorm()
     frame = Frame(200, 266, 200, 266, 1.0)
-    good = {"item": ImageItem("good", Path("good")), "blob": torch.zeros(3, 200, 266), "frame": frame, "size": (200, 266)}
-    bad = {"item": ImageItem("bad", Path("bad")), "blob": torch.zeros(4, 200, 266), "frame": frame, "size": (200, 266)}
+    good = Photo(0, ImageItem("good", Path("good")), blob=torch.zeros(3, 200, 266), frame=frame, size=(200, 266))
+    bad = Photo(1, ImageItem("bad", Path("bad")), blob=torch.zeros(4, 200, 266), frame=frame, size=(200, 266))
     failed = []
     with torch.no_grad():
-        out = guarded_detect(model, [good, bad], selector_for(model.spec, boxes="adaptive"), "fp32", torch.device("cpu"),
-                             lambda it, reason, detail: failed.append((it.key, reason)))
-    assert [r["item"].key for r, _ in out] == ["good"] and out[0][1].boxes.shape[0] >= 1
-    assert failed == [("bad", "model_error")]
+        out = detect_guarded(model, [good, bad], selector_for(model.spec, boxes="adaptive"), "fp32", torch.device("cpu"),
+                             lambda photo, failure: failed.append((photo.item.key, failure.reason)))
+    assert [p.item.key for p, _ in out] == ["good"] and out[0][1].boxes.shape[0] >= 1
+    assert failed == [("bad", "detector_failed")]
 
 
 def test_file_list_with_undecodable_and_nul_names(tmp_path):

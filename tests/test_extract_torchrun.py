@@ -61,7 +61,7 @@ def test_torchrun_merges_its_shards_and_equals_one_process(tmp_path, shared_data
 
 @pytest.mark.parametrize("block,expected", [(1, [0, 2, 4, 6]), (2, [0, 1, 4, 5]), (3, [0, 1, 2, 6])])
 def test_shard_items_in_blocks(block, expected):
-    from extractors.run import ImageItem, shard_items
+    from extractors.inputs import ImageItem, shard_items
 
     items = [ImageItem(str(i), Path(f"{i}.jpg")) for i in range(7)]
     got = shard_items(items, 0, 2, block=block)

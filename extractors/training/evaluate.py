@@ -13,9 +13,9 @@ object, the selected box with the highest IoU (``+1`` pixel areas) is its match:
   is the object's; with no group, the most probable attribute is one of the object's attributes.
 
 The loop is ``cli extract``'s: DataLoader workers decode the images into the recipe's blobs
-(:class:`extractors.run.ImageDataset`, ``eval.workers``), ``eval.batch_size`` images go through the detector at
+(:class:`extractors.photos.PhotoDataset`, ``eval.workers``), ``eval.batch_size`` images go through the detector at
 once (same-shape blobs share one backbone pass) under ``eval.precision``
-(:func:`extractors.run.precision_context`), and an image that cannot be decoded, is too thin for the network
+(:func:`extractors.photos.precision_context`), and an image that cannot be decoded, is too thin for the network
 or makes the model raise is counted in ``failed_images`` instead of stopping the run. Batching changes only the
 float rounding of a batched convolution, never which image is scored how.
 """
@@ -27,23 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from extractors import box_coding
 from extractors.bottom_up import BottomUpDetector
 from extractors.preprocess import DEFAULT_MAX_PIXELS
-from extractors.run import ImageDataset, ImageItem, as_list, guarded_detect, precision_context
+from extractors.inputs import ImageItem
+from extractors.photos import Photo, PhotoDataset, check_precision, detect_guarded, photo_batches, precision_context
 from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
-from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, make_progress
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import Failure, UsageError
 
 log = get_logger("eval-detector")
 
-#: the ``--precision`` values (as ``cli extract``: autocast to bf16, or TF32 matmuls on CUDA)
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @torch.inference_mode()
@@ -136,28 +133,28 @@ class _Tally:
             self.attr_ok += pred in want
 
 
-def _score_batch(model: BottomUpDetector, batch: list[dict[str, Any]], records: list[Any], rule: Selector, precision: str,
+def _score_batch(model: BottomUpDetector, batch: list[Photo], records: list[Any], rule: Selector, precision: str,
                  dev: torch.device, tally: _Tally) -> None:
     """Detect one loader batch at once, count its boxes and classes, then the attributes of the found objects
     (one batched pass of the attribute head over the matched boxes)."""
 
-    def fail(item: ImageItem, reason: str, detail: str) -> None:
-        tally.failed.append(f"{item.path}: {reason} ({detail})")
+    def fail(photo: Photo, failure: Failure) -> None:
+        tally.failed.append(f"{photo.item.path}: {failure.reason} ({failure.detail})")
 
     good = []
-    for r in batch:
-        if "error" in r:
-            fail(r["item"], r["error"], r["detail"])
+    for photo in batch:
+        if photo.failure is not None:
+            fail(photo, photo.failure)
         else:
-            good.append(r)
+            good.append(photo)
     blobs, boxes, found = [], [], []
-    for r, out in guarded_detect(model, good, rule, precision, dev, fail) if good else []:
-        rec = records[int(r["item"].key)]
+    for photo, out in detect_guarded(model, good, rule, precision, dev, fail):
+        rec = records[int(photo.item.key)]
         matched = tally.boxes_and_classes(rec, out)
         if matched is None or not model.spec.has_attributes:
             continue
-        blobs.append(r["blob"])
-        boxes.append(to_resized(matched[0], r["frame"], rule.recipe.rescale))
+        blobs.append(photo.blob)
+        boxes.append(to_resized(matched[0], photo.frame, rule.recipe.rescale))
         found.append((rec, matched[1]))
     if blobs:
         with precision_context(precision, dev):
@@ -174,11 +171,10 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
 
     ``batch_size`` images go through the detector at once (same-shape images share the backbone pass, as in
     ``cli extract``); ``workers`` DataLoader processes decode the images and build the recipe's blobs
-    (:class:`extractors.run.ImageDataset`); ``precision`` is ``fp32 | tf32 | bf16``
-    (:func:`extractors.run.precision_context`). None of them changes which image is scored how.
+    (:class:`extractors.photos.PhotoDataset`); ``precision`` is ``fp32 | tf32 | bf16``
+    (:func:`extractors.photos.precision_context`). None of them changes which image is scored how.
     """
-    if precision not in PRECISIONS:
-        raise UsageError(f"eval.precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    check_precision(precision, "eval.precision")
     if int(batch_size) < 1 or int(workers) < 0:
         raise UsageError(f"eval.batch_size must be >= 1 and eval.workers >= 0, got {batch_size} and {workers}")
     if rule is None:
@@ -194,12 +190,11 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
     records = data.records[:limit] if limit is not None else data.records
     dev = next(model.parameters()).device
     tally = _Tally(iou=iou, group=group)
-    ds = ImageDataset([ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)], rule.recipe, DEFAULT_MAX_PIXELS,
-                      min_side=model.spec.feature_stride)
-    with thread_policy.loader_threads(int(workers)) as n, make_progress() as progress:
-        loader = DataLoader(ds, batch_size=int(batch_size), shuffle=False, num_workers=n, collate_fn=as_list, pin_memory=dev.type == "cuda")
+    ds = PhotoDataset([ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)], rule.recipe, DEFAULT_MAX_PIXELS,
+                      model.spec.feature_stride)
+    with make_progress() as progress:
         task = progress.add_task("evaluate", total=len(ds))
-        for batch in loader:
+        for batch in photo_batches(ds, int(batch_size), int(workers), pin_memory=dev.type == "cuda"):
             _score_batch(model, batch, records, rule, precision, dev, tally)
             progress.advance(task, len(batch))
     return _result(tally, rule, attribute_group)

@@ -1,7 +1,9 @@
 """Caption photos end to end, batch by batch: decode images, detect regions, run the captioner.
 
-Photos are decoded in DataLoader worker processes (``caption.num_workers``; :mod:`pipeline.captioning.photos`)
-while the models run in the main process.
+Photos go to regions by the path every command shares (:mod:`extractors.photos`: decoding in DataLoader
+worker processes, ``caption.num_workers``, the thin-image check, the detector's per-image guard) while the
+models run in the main process, both under ``caption.precision`` (applied here, so a caller of the engine
+from Python gets the precision it asked for).
 
 :class:`PhotoCaptioner` holds a loaded detector and captioner. ``caption_paths`` yields one
 :class:`CaptionResult` per input file (bad images become results with an ``error``), so a caller can stream
@@ -25,14 +27,14 @@ import numpy as np
 import torch
 
 from extractors.bottom_up import BottomUpDetector, RegionOutput
+from extractors.inputs import ImageItem
+from extractors.photos import Need, Photo, PhotoDataset, check_precision, detect_guarded, photo_batches, precision_context
 from extractors.selector import Selector
-from extractors.run import ImageItem
 from models.base import Captioner
 from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
-from pipeline.captioning.photos import DecodedPhoto, Need, PhotoDataset, decoded_batches, one_line
 from pipeline.core.console import get_logger
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.keys import key_to_text
 from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
@@ -136,18 +138,6 @@ class FeatureCache:
         self.writer.close()
 
 
-class _PreprocessFailed(Exception):
-    """The recipe's blob of a photo could not be built (``line``: the loader's one-line form of the error)."""
-
-    def __init__(self, line: str) -> None:
-        super().__init__(line)
-        self.line = line
-
-
-def _one_line(exc: BaseException) -> str:
-    return exc.line if isinstance(exc, _PreprocessFailed) else one_line(exc)
-
-
 class PhotoCaptioner:
     """A detector and a captioner ready to caption photos on one device."""
 
@@ -161,18 +151,13 @@ class PhotoCaptioner:
         device: torch.device,
         max_boxes: int | None = None,
         max_pixels: int = 100_000_000,
+        precision: str = "tf32",
+        store_settings: dict[str, Any] | None = None,
     ) -> None:
         self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
-        self.identity: dict[str, Any] = {}  # the detector's feature-store identity, set by whoever loaded it
-
-    def _detect(self, photos: Sequence[DecodedPhoto]) -> list[dict[str, Any]]:
-        """Detect regions on decoded photos (blobs built by the loader with the recipe of ``self.rule``)."""
-        failed = next((p.blob_error for p in photos if p.blob_error is not None), None)
-        if failed is not None:  # the blob could not be built: this batch fails as if the detector had raised
-            raise _PreprocessFailed(failed)
-        outs = self.detector.detect([p.blob for p in photos], [p.frame for p in photos], self.rule)
-        return [regions_to_record(o) for o in outs]
+        self.precision = check_precision(str(precision), "caption.precision")  # detector and captioner run under it
+        self.store_settings = dict(store_settings or {})  # what a ``--cache`` store must agree on
 
     def caption_paths(
         self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,
@@ -189,7 +174,7 @@ class PhotoCaptioner:
         """Caption ``items`` batch by batch (one list of results per batch, in input order).
 
         Photos are decoded (and their detector blobs built) by ``workers`` DataLoader processes
-        (:mod:`pipeline.captioning.photos`; 0: in this process), a few batches ahead of the models. Photos whose
+        (:mod:`extractors.photos`; 0: in this process), a few batches ahead of the models. Photos whose
         features are in ``cache`` skip detection; they are decoded only when ``keep_images`` (pictures, gallery).
 
         A per-image guard: an image whose decoding, detection or captioning raises becomes a result with an
@@ -197,10 +182,10 @@ class PhotoCaptioner:
         retried image by image). Project errors (:class:`PipelineError`, e.g. a feature-size mismatch) stop the run.
         """
         items = list(items)
-        cached = [getattr(it, "problem", None) is None and cache is not None and cache.has(it.key) for it in items]
+        cached = [it.problem is None and cache is not None and cache.has(it.key) for it in items]
         needs = [(Need.IMAGE if keep_images else Need.NOTHING) if c else Need.DETECT for c in cached]
-        dataset = PhotoDataset(items, needs, self.rule.recipe, self.max_pixels, keep_images)
-        for decoded in decoded_batches(dataset, batch_size, workers):
+        dataset = PhotoDataset(items, self.rule.recipe, self.max_pixels, self.detector.spec.feature_stride, needs, keep_images)
+        for decoded in photo_batches(dataset, batch_size, workers):
             chunk = [items[d.index] for d in decoded]
             results = [CaptionResult(it.key, it.path) for it in chunk]
             records: list[dict[str, Any] | None] = [None] * len(chunk)
@@ -212,8 +197,8 @@ class PhotoCaptioner:
                     except OSError as exc:
                         results[i].error = f"unreadable: {exc}"
                         continue
-                if d.error is not None:  # a problem found before reading, or the photo could not be decoded
-                    results[i].error = d.error
+                if d.failure is not None:  # found before reading, while decoding, building the blob, or too thin
+                    results[i].error = d.failure.line
                 elif not cached[d.index]:
                     todo.append(i)
             if todo:
@@ -230,14 +215,23 @@ class PhotoCaptioner:
                             results[i].image = decoded[i].image.numpy()
             yield results
 
-    def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[DecodedPhoto], results: list[CaptionResult],
+    def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[Photo], results: list[CaptionResult],
                       records: list[dict[str, Any] | None], cache: Any) -> None:
         """Detect the ``todo`` photos of a batch into ``records`` (and the cache, committed once per batch)."""
-        for i, rec in self._detect_guarded(chunk, todo, decoded, results).items():
-            if len(rec["boxes"]) == 0:
-                results[i].error = "no_regions: the detector returned no region"
+        position = {id(decoded[i]): i for i in todo}
+
+        def fail(photo: Photo, failure: Failure) -> None:
+            results[position[id(photo)]].error = failure.line
+            log.warning("skipped %s: %s", key_to_text(str(photo.item.path)), failure.line)
+
+        with torch.no_grad():
+            found = detect_guarded(self.detector, [decoded[i] for i in todo], self.rule, self.precision, self.device, fail)
+        for photo, out in found:
+            i = position[id(photo)]
+            if len(out.boxes) == 0:
+                results[i].error = Failure("no_regions", "the detector returned no region").line
                 continue
-            records[i] = rec
+            records[i] = rec = regions_to_record(out)
             if cache is not None:
                 cache.add(chunk[i].key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
                           class_ids=rec["class_ids"], class_scores=rec["class_scores"],
@@ -250,27 +244,11 @@ class PhotoCaptioner:
         if expected is not None and dim != expected:
             raise PipelineError(f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with")
 
-    def _detect_guarded(self, chunk: list[ImageItem], todo: list[int], decoded: list[DecodedPhoto], results: list[CaptionResult]
-                        ) -> dict[int, dict[str, Any]]:
-        """Detect ``todo`` together; if that raises, one by one (the failing image gets the error)."""
-        try:
-            return dict(zip(todo, self._detect([decoded[i] for i in todo])))
-        except PipelineError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the per-image guard: any model failure is this image's
-            if len(todo) > 1:
-                out: dict[int, dict[str, Any]] = {}
-                for i in todo:
-                    out.update(self._detect_guarded(chunk, [i], decoded, results))
-                return out
-            results[todo[0]].error = f"detector_failed: {_one_line(exc)}"
-            log.warning("skipped %s: the detector failed (%s)", key_to_text(str(chunk[todo[0]].path)), _one_line(exc))
-            return {}
-
     def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
         """Caption ``recs`` together; if that raises, one by one (the failing image gets the error)."""
         try:
-            self._caption(list(recs.values()), [results[i] for i in recs], relevance)
+            with precision_context(self.precision, self.device):
+                self._caption(list(recs.values()), [results[i] for i in recs], relevance)
         except PipelineError:
             raise
         except Exception as exc:  # noqa: BLE001 - the per-image guard
@@ -279,8 +257,8 @@ class PhotoCaptioner:
                     self._caption_guarded({i: rec}, results, relevance)
                 return
             i = next(iter(recs))
-            results[i].error = f"captioner_failed: {_one_line(exc)}"
-            log.warning("skipped %s: the captioner failed (%s)", key_to_text(str(results[i].path)), _one_line(exc))
+            results[i].error = Failure("captioner_failed", exception_line(exc)).line
+            log.warning("skipped %s: %s", key_to_text(str(results[i].path)), results[i].error)
 
     @torch.no_grad()
     def _caption(self, recs: list[dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
@@ -299,4 +277,4 @@ class PhotoCaptioner:
                 try:
                     res.relevance = region_relevance(self.model, inputs, j, out.tokens[j, 0, :n])[: len(res.tokens)]
                 except Exception as exc:  # noqa: BLE001 - the caption stands without its picture's word relevance
-                    log.warning("no word relevance for %s (%s)", key_to_text(str(res.path)), _one_line(exc))
+                    log.warning("no word relevance for %s (%s)", key_to_text(str(res.path)), exception_line(exc))

@@ -39,11 +39,11 @@ class CaptionSummary:
 
 def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]:
     """Items (key, path) from photo arguments and a ``--file-list`` (one path per line, ``#`` comments)."""
-    from extractors.run import _unique, items_from_file_list, items_from_paths
+    from extractors.inputs import items_from_file_list, items_from_paths, unique_items
 
     items = items_from_paths(list(photos or [])) if photos else []
     if file_list is not None:
-        items = _unique(items + items_from_file_list(file_list, Path.cwd()))
+        items = unique_items(items + items_from_file_list(file_list, Path.cwd()))
     if not items:
         where = ", ".join(list(photos or []) + ([str(file_list)] if file_list else []))
         raise UsageError(f"no image files found in {where or 'the arguments'} (give photos, folders, globs or --file-list FILE)")
@@ -93,9 +93,8 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
                     trained_with.get("name", "unknown"))
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
-    engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels))
-    engine.identity = identity
-    engine.store_settings = record_settings(identity, rule, str(cfg.precision))  # what a ``--cache`` store must agree on
+    engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels),
+                            precision=str(cfg.precision), store_settings=record_settings(identity, rule, str(cfg.precision)))
     settings = {
         "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.get("global_step"),
         "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,

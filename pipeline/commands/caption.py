@@ -11,7 +11,7 @@ from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 DEFAULT_RUN = Path("runs/demo")
-#: --num-workers: photo-decoding processes (pipeline/captioning/photos.py); --precision as in `extract`
+#: --num-workers: photo-decoding processes (extractors/photos.py); --precision as in `extract`, applied by the engine
 CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
                             num_workers="caption.num_workers", precision_choices=("fp32", "tf32", "bf16"))
 
@@ -66,9 +66,5 @@ def register(app: typer.Typer) -> None:
         from pipeline.captioning.run import caption_photos
 
         decoding = decoding_overrides(**flags)
-        from extractors.run import precision_context
-        from pipeline.core.distributed import resolve_device
-
-        with precision_context(str(cfg.precision), resolve_device(str(cfg.device))):
-            caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
-                           file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)
+        caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
+                       file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)

@@ -56,7 +56,7 @@ def merge_shard_stores(store: Path) -> None:
     stdout_console().print(f"merged {n} shards ({total} images) into {store}", markup=False, highlight=False)
 
 
-#: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.run.precision_context)
+#: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.photos.precision_context)
 EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_size", precision="extract.precision",
                             num_workers="extract.workers", precision_choices=("fp32", "tf32", "bf16"))
 

@@ -8,6 +8,8 @@ Exit-code convention (see docs/architecture.md):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class PipelineError(Exception):
     """A failure while doing the work (corrupt file, failed stage). Exit code 1."""
@@ -30,6 +32,46 @@ def exception_line(exc: BaseException) -> str:
     one item (image, sentence, segment) is written into a one-line error or a failures file."""
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+#: Every reason an item (a photo, a sentence) can fail for, in every command's failures file and error rows;
+#: one spelling each. Inputs and decoding: :mod:`extractors.inputs`, :mod:`extractors.preprocess`; the
+#: detector's guard: :mod:`extractors.photos`; the store: ``extract``; the captioner: ``caption``; the
+#: sentence encoder: ``embed``.
+FAILURE_REASONS = {
+    "unreadable": "missing, a dangling or looping link, no permission, or an I/O error",
+    "not_a_file": "a folder, FIFO, socket or device named like an image",
+    "empty": "a zero-byte file, or a sentence with no word",
+    "not_an_image": "not a picture the allowed decoders recognise",
+    "format_not_allowed": "an image format outside the allowlist",
+    "too_large": "more pixels than the decompression-bomb cap (max_pixels)",
+    "truncated": "the file ends before the picture does",
+    "decode_error": "the picture or its detector input blob could not be built",
+    "too_thin": "below the backbone's feature stride after the test-time resize",
+    "no_boxes": "given-boxes mode and no box for this image",
+    "detector_failed": "the detector raised on this image (alone)",
+    "no_regions": "the detector returned no region",
+    "invalid_output": "the detector's output was refused by the store (e.g. NaN features)",
+    "captioner_failed": "the captioner raised on this image (alone)",
+    "encoder_failed": "the sentence encoder raised on this sentence (alone)",
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one item failed: a ``reason`` of :data:`FAILURE_REASONS` and a one-line ``detail``."""
+
+    reason: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in FAILURE_REASONS:
+            raise ValueError(f"unknown failure reason {self.reason!r} (known: {', '.join(FAILURE_REASONS)})")
+
+    @property
+    def line(self) -> str:
+        """``reason: detail``, the error row of ``caption`` and ``embed``."""
+        return f"{self.reason}: {self.detail}"
 
 
 _ERRNO_IN_TEXT = None  # compiled lazily

@@ -130,7 +130,7 @@ def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.
             try:
                 parts.append((s + i, encode_batches(model, tokens[i : i + 1], lengths[i : i + 1], device, output, 1, precision)))
             except (RuntimeError, ValueError, IndexError) as exc:
-                failures[s + i] = ("model_error", exception_line(exc))
+                failures[s + i] = ("encoder_failed", exception_line(exc))
     if not parts:
         raise PipelineError(f"no sentence could be embedded (first failure: {next(iter(failures.values()))[1]})")
     out = torch.zeros((total, parts[0][1].shape[1]))
