@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
         dtype: Annotated[str, typer.Option("--dtype", help="float16 (default) or float32 (exact round trip).")] = "float16",
         identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
-        release: Annotated[Optional[str], typer.Option("--release", help="Release (test-time recipe) the features came from: caffe | hf | airsplay (default: the format's public files, caffe).")] = None,
+        release: Annotated[Optional[str], typer.Option("--release", help="Release (test-time recipe) the features came from: caffe | hf | airsplay | vinvl | grid-feats (default: the format's public files: caffe, vinvl-tsv vinvl, grid-hdf5 grid-feats).")] = None,
         keys: Annotated[Optional[str], typer.Option("--keys", help="raw (ids as in the file) or coco-id (COCO_train2014_000000123 -> 123).")] = None,
         sizes: Annotated[Optional[Path], typer.Option("--sizes", help=f"COCO json with images[].id/width/height ({sizes_formats()}).")] = None,
         skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,

@@ -1,7 +1,8 @@
 """Importing public feature files into a feature store, and exporting a store back to TSV.
 
 Each format (``--format``) is one :class:`~pipeline.importers.formats.Format` record registered by the module that
-reads it: ``butd-tsv`` and ``obj36-tsv`` (:mod:`.tsv`), ``cocobu`` (:mod:`.cocobu`), ``m2-hdf5`` (:mod:`.m2`).
+reads it: ``butd-tsv`` and ``obj36-tsv`` (:mod:`.tsv`), ``cocobu`` (:mod:`.cocobu`), ``m2-hdf5`` (:mod:`.m2`),
+``vinvl-tsv`` and ``grid-hdf5`` (:mod:`.vinvl`).
 Every source is streamed one image at a time; the import is resumable (images already committed to the
 store are skipped) and every bad row is either an error naming the file and row/id, or (``skip_bad``)
 reported and counted.
@@ -17,7 +18,7 @@ from typing import Any
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
-from pipeline.importers import cocobu, m2, tsv  # noqa: F401  (each registers its formats)
+from pipeline.importers import cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 
 log = get_logger("import")
@@ -45,9 +46,11 @@ RELEASES: dict[str, str] = {
     "caffe": "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch caffe mode)",
     "hf": "huggingface/transformers examples/research_projects/lxmert (unc-nlp/frcnn-vg-finetuned)",
     "airsplay": "airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
+    "vinvl": "microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
+    "grid-feats": "facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
 }
 """The test-time recipes (docs/recipes.md) a public feature file can come from."""
-FORMAT_RELEASE = {"butd-tsv": "caffe", "obj36-tsv": "caffe", "cocobu": "caffe", "m2-hdf5": "caffe"}
+FORMAT_RELEASE = {"butd-tsv": "caffe", "obj36-tsv": "caffe", "cocobu": "caffe", "m2-hdf5": "caffe", "vinvl-tsv": "vinvl", "grid-hdf5": "grid-feats"}
 """Where each format's public files came from: the BUTD TSVs from the Caffe script, LXMERT's obj36 TSVs from the
 Caffe model (airsplay/lxmert ``extract_coco_image.py``), ruotianluo's cocobu files from the adaptive BUTD TSVs,
 M2's ``coco_detections.hdf5`` from the bottom-up features. airsplay's own d2 extraction writes obj36-tsv too:
