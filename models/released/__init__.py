@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
+from pipeline.core.locks import acquire_lock
 
 log = get_logger("released")
 
@@ -170,13 +171,21 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
         raise UsageError(f"{weights} is neither a butd-caption checkpoint nor a released M2 / AoANet captioner")
     vocab_path = find_companion(weights, kind, companion)
     target = _cache_target(kind, weights, _sha256(weights), vocab_path)
-    payload = convert_release(weights, vocab_path, (kind, obj))
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_native(payload, target)
+        lock = acquire_lock(target.with_name(target.name + ".lock"), f"the converted-checkpoint cache entry {target}",
+                            "it is converting the same release: rerun when it finishes")
     except OSError as exc:
         raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
                          "or convert once with `cli convert-captioner`") from None
+    with lock:
+        if target.is_file():  # another process converted it while this one hashed and unpickled
+            return target
+        payload = convert_release(weights, vocab_path, (kind, obj))
+        try:
+            write_native(payload, target)
+        except OSError as exc:
+            raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
+                             "or convert once with `cli convert-captioner`") from None
     log.info("released %s model %s converted once to %s", kind, weights.name, target)
     return target
 

@@ -29,6 +29,7 @@ from pipeline.captioning.journal import Journal
 from pipeline.captioning.pictures import PALETTE, attended_regions, picture_name, region_labels, render_picture
 from pipeline.core.fileio import atomic_write, atomic_write_bytes
 from pipeline.core.keys import key_to_text
+from pipeline.core.locks import acquire_lock
 
 THUMB_WIDTH = 360
 
@@ -88,12 +89,14 @@ def _colour(n: int) -> str:
 class GallerySink:
     """Writes thumbnails, pictures and records batch by batch, and the page at the end."""
 
-    def __init__(self, directory: Path, settings: Mapping[str, Any], classes: Sequence[str], attributes: Sequence[str], force: bool = False) -> None:
+    def __init__(self, directory: Path, settings: Mapping[str, Any], classes: Sequence[str], attributes: Sequence[str], force: bool = False,
+                 lock: Any = None) -> None:
         self.dir = Path(directory)
         (self.dir / "thumbs").mkdir(parents=True, exist_ok=True)
         (self.dir / "pictures").mkdir(parents=True, exist_ok=True)
         self.classes, self.attributes = list(classes), list(attributes)
-        self.journal = Journal({"records": self.dir / "records.jsonl"}, settings, force=force)
+        self.journal = Journal({"records": self.dir / "records.jsonl"}, settings, force=force,
+                               lock=lock or acquire_lock(self.dir / ".lock", f"gallery {self.dir}", "wait for it to finish or choose another --gallery"))
 
     def add(self, batch: Sequence[Any]) -> None:
         """Thumbnails and pictures of a finished batch, then its records (committed)."""

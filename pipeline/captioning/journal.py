@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.console import get_logger
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
 from pipeline.core.fileio import atomic_write_json, read_json
+from pipeline.core.locks import WriterLock, acquire_lock
 
 log = get_logger("caption")
 
@@ -43,14 +44,26 @@ class Journal:
 
     ``files`` maps a role (``results``, ``failures``, ...) to a path; the first role's rows carry ``key``.
     ``settings`` must match the ones a resumed journal was written with (else a usage error naming the
-    field), unless ``force`` starts every file afresh.
+    field), unless ``force`` starts every file afresh. One writer: ``lock`` (a held
+    :class:`~pipeline.core.locks.WriterLock`, released by :meth:`close`) or else ``<first file>.lock`` is taken
+    before anything is read, truncated or cleared, so a second process is refused naming the first.
     """
 
-    def __init__(self, files: Mapping[str, Path], settings: Mapping[str, Any], force: bool = False) -> None:
+    def __init__(self, files: Mapping[str, Path], settings: Mapping[str, Any], force: bool = False,
+                 lock: WriterLock | None = None) -> None:
         if not files:
             raise ValueError("a journal needs at least one file")
         self.files = {role: Path(p) for role, p in files.items()}
         self.main = next(iter(self.files))
+        main = self.files[self.main]
+        self.lock = lock or acquire_lock(main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output")
+        try:
+            self._open(settings, force)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, settings: Mapping[str, Any], force: bool) -> None:
         self.state_path = self.files[self.main].with_name(self.files[self.main].name + ".committed")
         self.settings = json.loads(json.dumps(dict(settings)))  # plain JSON types, comparable with a re-read
         self.done: set[str] = set()
@@ -59,11 +72,19 @@ class Journal:
         self.sizes = {role: int(state["files"].get(role, 0)) for role in self.files}
         self._fds: dict[str, int] = {}
         for role, path in self.files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
-            os.ftruncate(fd, self.sizes[role])  # drop whatever a killed run wrote after its last commit
-            os.lseek(fd, 0, os.SEEK_END)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except OSError as exc:
+                self.close()
+                raise annotate_os_error(exc, "open for appending", path) from None
             self._fds[role] = fd
+            try:
+                os.ftruncate(fd, self.sizes[role])  # drop whatever a killed (or failed) run wrote after its last commit
+                os.lseek(fd, 0, os.SEEK_END)
+            except OSError as exc:
+                self.close()
+                raise annotate_os_error(exc, "cut back to its committed length", path) from None
         if state["rows"]:
             self.done = {row["key"] for row in self.read(self.main)}
             self.rows = int(state["rows"])
@@ -114,25 +135,43 @@ class Journal:
 
     def append(self, batches: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
         """Append one batch (rows per role) and commit it: after this returns a kill loses none of it."""
-        for role, rows in batches.items():
-            if rows:
-                _write_all(self._fds[role], b"".join(dumps_row(r) for r in rows))
+        role = self.main
+        try:
+            for role, rows in batches.items():
+                if rows:
+                    _write_all(self._fds[role], b"".join(dumps_row(r) for r in rows))
+            for role, fd in self._fds.items():
+                if batches.get(role):
+                    os.fsync(fd)
+        except OSError as exc:  # a full disk, a file-size limit: drop the torn batch now, name the file
+            self._rollback()
+            raise annotate_os_error(exc, "append captions to", self.files[role]) from None
         for role, fd in self._fds.items():
             if batches.get(role):
-                os.fsync(fd)
                 self.sizes[role] = os.lseek(fd, 0, os.SEEK_CUR)
         main_rows = batches.get(self.main) or []
         self.done.update(str(r["key"]) for r in main_rows)
         self.rows += len(main_rows)
         self._save()
 
+    def _rollback(self) -> None:
+        """Cut every file back to its committed length (best effort: the next open does it too)."""
+        for role, fd in self._fds.items():
+            try:
+                os.ftruncate(fd, self.sizes[role])
+                os.lseek(fd, 0, os.SEEK_END)
+            except OSError:
+                log.warning("could not cut %s back to its committed length; the next run will", self.files[role])
+
     def _save(self) -> None:
         atomic_write_json(self.state_path, {"version": VERSION, "files": dict(self.sizes), "rows": self.rows, "settings": self.settings})
 
     def close(self) -> None:
+        """Close the files and free the lock (the committed rows stay readable with :meth:`read`)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+        self.lock.release()
 
     def __enter__(self) -> "Journal":
         return self

@@ -9,6 +9,7 @@ at the end (:mod:`pipeline.captioning.output`); the gallery page too (:mod:`pipe
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -117,18 +118,44 @@ def caption_photos(
     plan = plan_output(output, fmt) if output is not None else None
     items = collect_items(photos, file_list)
     ids = coco_ids(items, load_id_map(image_ids) if image_ids else None) if plan is not None and plan.fmt == "coco" else None
-    ckpt_path = find_checkpoint(model, captioner)
-    det_weights = find_detector(model, ckpt_path, weights)
+    with ExitStack() as held:
+        locks = _take_locks(held, plan, gallery, visualize)
+        ckpt_path = find_checkpoint(model, captioner)
+        det_weights = find_detector(model, ckpt_path, weights)
+        return _caption_locked(items, ids, plan, locks, ckpt_path, det_weights, cfg, visualize, cache, gallery, force, decoding, vocab)
+
+
+def _take_locks(held: ExitStack, plan: OutputPlan | None, gallery: Path | None, visualize: Path | None) -> dict[str, Any]:
+    """One writer per artifact, before any work: the output (``OUT.lock``), the gallery and pictures folders
+    (``DIR/.lock``); a second process is refused naming the holder (:mod:`pipeline.core.locks`)."""
+    from pipeline.core.locks import acquire_lock
+
+    hint = "wait for it to finish or choose another {}"
+    locks: dict[str, Any] = {}
+    if plan is not None:
+        locks["output"] = held.enter_context(acquire_lock(plan.path.with_name(plan.path.name + ".lock"), f"caption output {plan.path}",
+                                                          hint.format("--output")))
+    if gallery is not None:
+        locks["gallery"] = held.enter_context(acquire_lock(gallery / ".lock", f"gallery {gallery}", hint.format("--gallery")))
+    same = gallery is not None and visualize is not None and Path(visualize).absolute() == Path(gallery).absolute()
+    if visualize is not None and not same:
+        locks["pictures"] = held.enter_context(acquire_lock(visualize / ".lock", f"pictures folder {visualize}", hint.format("--visualize")))
+    return locks
+
+
+def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPlan | None, locks: dict[str, Any], ckpt_path: Path,
+                    det_weights: str, cfg: Config, visualize: Path | None, cache: Path | None, gallery: Path | None, force: bool,
+                    decoding: dict[str, Any] | None, vocab: Path | None) -> CaptionSummary:
     engine, classes, attributes, settings = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
     n_best = int(cfg.n_best)
-    results_journal = _open_results(plan, settings, n_best, force)
+    results_journal = _open_results(plan, settings, n_best, force, locks.get("output"))
     gallery_sink = None
     if gallery is not None:
         from pipeline.captioning.gallery import GallerySink
 
-        gallery_sink = GallerySink(gallery, settings, classes, attributes, force=force)
+        gallery_sink = GallerySink(gallery, settings, classes, attributes, force=force, lock=locks.get("gallery"))
     journals = [j for j in (results_journal, gallery_sink and gallery_sink.journal) if j is not None]
-    summary = CaptionSummary(total=len(items), output=output, gallery=gallery)
+    summary = CaptionSummary(total=len(items), output=plan.path if plan else None, gallery=gallery)
     todo = [it for it in items if not journals or any(key_to_text(it.key) not in j.done for j in journals)]
     summary.already_done = len(items) - len(todo)
     if summary.already_done:
@@ -139,19 +166,21 @@ def caption_photos(
 
         writer = FeatureCache(cache, engine.store_settings)
     try:
-        _run_batches(engine, todo, cfg, summary, results_journal, gallery_sink, visualize, writer, ids, classes, attributes)
+        try:
+            _run_batches(engine, todo, cfg, summary, results_journal, gallery_sink, visualize, writer, ids, classes, attributes)
+        finally:
+            if writer is not None:
+                writer.close()
+        if plan is not None and results_journal is not None and plan.fmt != "jsonl":
+            finalize(plan, results_journal.read("results"), n_best > 1)
+        if plan is not None:
+            log.info("results: %s (%d photos; failures listed in %s)", plan.path, results_journal.rows if results_journal else 0, plan.failures)
+        if gallery_sink is not None:
+            page = gallery_sink.write_page()
+            log.info("gallery: %s", page)
     finally:
-        for j in journals:
+        for j in journals:  # the locks go last: the final files are written under them
             j.close()
-        if writer is not None:
-            writer.close()
-    if plan is not None and results_journal is not None and plan.fmt != "jsonl":
-        finalize(plan, results_journal.read("results"), n_best > 1)  # read works on a closed journal
-    if plan is not None:
-        log.info("results: %s (%d photos; failures listed in %s)", plan.path, results_journal.rows if results_journal else 0, plan.failures)
-    if gallery_sink is not None:
-        page = gallery_sink.write_page()
-        log.info("gallery: %s", page)
     if summary.failed:
         log.warning("%d of %d photos could not be captioned (listed above)", summary.failed, len(todo))
     if todo and summary.failed == len(todo):
@@ -176,10 +205,11 @@ def _release_features(cfg: Config, release: dict[str, Any] | None) -> Config:
     return cfg.with_overrides(changes, source="released model") if changes else cfg
 
 
-def _open_results(plan: OutputPlan | None, settings: dict[str, Any], n_best: int, force: bool) -> Journal | None:
+def _open_results(plan: OutputPlan | None, settings: dict[str, Any], n_best: int, force: bool, lock: Any = None) -> Journal | None:
     if plan is None:
         return None
-    return Journal({"results": plan.journal, "failures": plan.failures}, {**settings, "format": plan.fmt, "n_best": n_best}, force=force)
+    return Journal({"results": plan.journal, "failures": plan.failures}, {**settings, "format": plan.fmt, "n_best": n_best},
+                   force=force, lock=lock)
 
 
 def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSummary, results: Journal | None, gallery: Any,

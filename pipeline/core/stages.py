@@ -6,7 +6,12 @@ Layout of a run directory (``--out DIR``)::
       <stage>/                 one folder per stage (world, detector, features, data, train-<model>, ...)
         manifest.json          written atomically when the stage finishes: config digest, outputs, timings
         running.json           present while the stage runs (or after it was killed)
+      .<stage>.lock            the lock of the process running that stage (pipeline.core.locks)
         ...                    the stage's own files (checkpoints, stores), each written crash-safely
+
+One process at a time per stage folder: ``run_stage`` holds ``DIR/.<stage>.lock`` (:mod:`pipeline.core.locks`) for the
+whole stage, so a second run on the same folder is refused in one line naming the holder, before it reads,
+resumes or clears anything.
 
 A stage whose ``manifest.json`` matches the resolved config digest is *done* and is skipped; a stage with
 a manifest from a different config is refused unless ``--force`` is given; an interrupted stage (only
@@ -33,6 +38,7 @@ from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write_json, read_json
+from pipeline.core.locks import acquire_lock
 
 log = get_logger("stages")
 
@@ -111,6 +117,18 @@ def run_stage(
     """
     stage_dir = Path(run_dir) / name
     digest = cfg.digest()
+    # one process per stage folder: a second one is refused (naming the holder) before it reads or clears anything
+    with acquire_lock(stage_lock(stage_dir), f"stage {name} in {stage_dir}", "wait for it to finish or use another --out"):
+        return _run_locked(stage_dir, name, cfg, digest, work, force)
+
+
+def stage_lock(stage_dir: Path) -> Path:
+    """The lock file of a stage folder: ``.<name>.lock`` beside it (so ``--force`` can clear the folder whole)."""
+    stage_dir = stage_dir.absolute()
+    return stage_dir.with_name(f".{stage_dir.name}.lock")
+
+
+def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Callable[..., Any], force: bool) -> StageResult:
     manifest = read_manifest(stage_dir)
     if manifest is not None and not force:
         if manifest["config_digest"] == digest:

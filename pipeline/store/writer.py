@@ -13,12 +13,12 @@ A kill before step 4 leaves the previous ``store.json``: readers see exactly the
 and the next writer deletes the ``*.tmp`` and unlisted ``seg-*.h5`` files it finds. A kill after step 4
 loses nothing. HDF5 files are never modified after they are published, so the well-known failure of a
 killed HDF5 writer corrupting its whole file cannot touch committed data. One writer at a time is
-enforced with an ``flock`` on ``STORE/.lock`` (released by the kernel if the writer dies).
+enforced with an ``flock`` on ``STORE/.lock`` (:mod:`pipeline.core.locks`: released by the kernel if the writer dies,
+the holder named to a refused second writer).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
 from pipeline.core.keys import display_key
+from pipeline.core.locks import WriterLock, acquire_lock
 from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
@@ -58,7 +59,7 @@ class FeatureStoreWriter:
         self,
         path: Path,
         manifest: dict[str, Any],
-        lock_fd: int,
+        lock: WriterLock,
         commit_every: int,
         commit_bytes: int,
         chunk_rows: int,
@@ -68,7 +69,7 @@ class FeatureStoreWriter:
         self.path = path
         self.fsync = fsync
         self._manifest = manifest
-        self._lock_fd: int | None = lock_fd
+        self._lock: WriterLock | None = lock
         self.commit_every = commit_every
         self.commit_bytes = commit_bytes
         self.chunk_rows = chunk_rows
@@ -218,17 +219,16 @@ class FeatureStoreWriter:
 
     def close(self) -> None:
         """Release the writer lock. Pending (uncommitted) images are dropped: call :meth:`commit` first."""
-        if self._lock_fd is None:
+        if self._lock is None:
             return
         if self._pending:
             log.warning("store %s: closing with %d uncommitted images (dropped)", self.path, len(self._pending))
             self.discard_pending()
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
-        self._lock_fd = None
+        lock, self._lock = self._lock, None
+        lock.release()
 
     def _check_open(self) -> None:
-        if self._lock_fd is None:
+        if self._lock is None:
             raise PipelineError(f"feature store writer for {self.path} is closed")
 
     def __enter__(self) -> "FeatureStoreWriter":
@@ -236,9 +236,9 @@ class FeatureStoreWriter:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
-            if exc_type is None and self._lock_fd is not None:
+            if exc_type is None and self._lock is not None:
                 self.commit()
-            elif exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and self._lock_fd is not None:
+            elif exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and self._lock is not None:
                 try:  # Ctrl-C: the pending images are complete and validated, keep them
                     n = self.commit()
                     if n:
@@ -248,12 +248,6 @@ class FeatureStoreWriter:
         finally:
             self.close()
 
-    def __del__(self) -> None:
-        try:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-        except Exception:
-            pass
 
 
 def _clean_garbage(path: Path, manifest: dict[str, Any]) -> None:
@@ -329,14 +323,9 @@ def open_writer(
         raise UsageError(f"{path} exists, is not empty and is not a feature store; choose another path")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise annotate_os_error(exc, "open feature store for writing", path)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock_fd)
-        raise UsageError(f"feature store {path} is being written by another process") from None
+    lock = acquire_lock(path / LOCK, f"feature store {path}")
     try:
         if (path / MANIFEST).exists():
             manifest = read_manifest(path)
@@ -347,8 +336,7 @@ def open_writer(
             manifest = new_manifest(identity, feature_dtype, None)
             _clean_garbage(path, manifest)
             write_manifest(path, manifest)
-        return FeatureStoreWriter(path, manifest, lock_fd, commit_every, commit_bytes, chunk_rows, compression, fsync)
+        return FeatureStoreWriter(path, manifest, lock, commit_every, commit_bytes, chunk_rows, compression, fsync)
     except BaseException:
-        fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        os.close(lock_fd)
+        lock.release()
         raise
