@@ -6,7 +6,9 @@ bookkeeping come from the training core (:mod:`pipeline.core.training`).
 
 Per step (both stages): batch -> loss *sum* and count -> loss = sum * world / global count (the global
 token mean, :mod:`pipeline.core.distributed`) -> non-finite check on every rank (stop, last good checkpoint
-kept) -> :func:`~pipeline.core.training.optimizer_step` (fp16 scaler, value/norm clipping) -> schedule step.
+kept) -> :func:`~pipeline.core.training.optimizer_step` (fp16 scaler, value/norm clipping) -> schedule step. The rate
+of a step is written from the schedule's state just before it (never left over from an earlier epoch), so
+continuing past an epoch end and resuming there are the same.
 
 Exact resume: ``last.pt`` (atomic) is written every ``checkpoint_every`` steps, at every epoch end and
 when a stage finishes; it holds weights, optimiser/schedule/scaler states, every RNG state, the stage, the
@@ -344,8 +346,11 @@ class Trainer:
             batches = epoch_batches(self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching))
             t0, images, losses = time.perf_counter(), 0, []
             for batch in self.train_source.iterate(batches[prog.position:], seed * 100003 + prog.epoch * 1009 + prog.position):
+                # the rate is a pure function of the schedule's saved state, written just before each step: a run that
+                # goes on past an epoch end and one resumed there train every batch at the same rate
+                apply_lr(optimizer, schedule.lr())
                 stats = self._step(stage, recipe, batch, prog, optimizer, scaler)
-                apply_lr(optimizer, schedule.step())
+                schedule.step()
                 prog.position += 1
                 prog.iteration += 1
                 prog.global_step += 1
