@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.console import get_logger
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, exception_line
 from pipeline.core.locks import acquire_lock
 
 log = get_logger("released")
@@ -78,11 +78,13 @@ def convert_release(weights: str | Path, companion: str | Path | None = None, lo
     if kind is None:
         raise UsageError(f"{weights} is neither a butd-caption checkpoint nor a released M2 / AoANet captioner")
     vocab_path = find_companion(weights, kind, companion)
-    if kind == "m2":
-        conv = m2.convert(obj, m2.read_vocab(vocab_path), str(weights))
-    else:
-        conv = aoanet.convert(obj, aoanet.read_infos(vocab_path), str(weights))
-    _check_fits(conv, weights)
+    vocab = m2.read_vocab(vocab_path) if kind == "m2" else aoanet.read_infos(vocab_path)
+    try:
+        conv = m2.convert(obj, vocab, str(weights)) if kind == "m2" else aoanet.convert(obj, vocab, str(weights))
+        _check_fits(conv, weights)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as exc:  # a malformed release, never a traceback
+        raise UsageError(f"{weights} (with {vocab_path.name}): not a convertible {RELEASES[kind]['title']} release "
+                         f"({exception_line(exc)[:200]})") from None
     features = conv["features"]
     return {
         "kind": "weights",
@@ -231,7 +233,11 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     module = m2 if kind == "m2" else aoanet
     state = obj["state_dict"] if kind == "m2" else aoanet.unwrap(obj)
     params = sum(int(v.numel()) for k, v in state.items() if hasattr(v, "numel") and "running_" not in k)
-    rows = state["decoder.word_emb.weight"].shape[0] if kind == "m2" else state["embed.0.weight"].shape[0]
+    emb_key = "decoder.word_emb.weight" if kind == "m2" else "embed.0.weight"
+    emb = state.get(emb_key) if isinstance(state, dict) else None
+    if not hasattr(emb, "shape") or len(emb.shape) != 2:
+        raise UsageError(f"{path}: not a complete {RELEASES[kind]['title']} release: the weights lack a 2-d '{emb_key}'")
+    rows = emb.shape[0]
     return {"file": str(path), "format": f"released captioner: {RELEASES[kind]['title']}", "layout": kind,
             "parameters": f"{params:,}", "vocabulary rows": f"{rows:,}", "needs": f"its {RELEASES[kind]['companion']} (--vocab)",
             "decoding": module.DECODING, "features": module.FEATURES["note"],
@@ -239,18 +245,23 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
 
 
 def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
-    """M2's ``vocab.pkl`` or AoANet's ``infos_*.pkl`` (restricted unpickler), else None."""
+    """M2's ``vocab.pkl`` or AoANet's ``infos_*.pkl`` (restricted unpickler), else None. A file one of them
+    recognises but refuses (a forbidden global, a reference bomb, odd vocabulary keys) is that one-line error."""
     from models.released import aoanet, m2
 
+    errors: list[UsageError] = []
     try:
         itos = m2.read_vocab(path)
         return {"file": str(path), "format": "M2 vocab.pkl (data.vocab.Vocab, read with a restricted unpickler)",
                 "vocabulary": f"{len(itos):,} words: {' '.join(itos[:8])} ...", "use": "--vocab with meshed_memory_transformer.pth"}
-    except UsageError:
-        pass
+    except UsageError as exc:
+        errors.append(exc)
     try:
         infos = aoanet.read_infos(path)
-    except UsageError:
+    except UsageError as exc:
+        specific = [e for e in (exc, *errors) if f"{path}: not " not in str(e) and "names the global" not in str(e)]
+        if specific:
+            raise specific[0] from None
         return None
     opt = infos["opt"]
     words = aoanet.project_words(infos["vocab"])

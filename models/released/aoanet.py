@@ -45,11 +45,13 @@ from typing import Any
 
 import torch
 
-from models.released.unpickle import COMMON, NUMPY, NamespaceStandIn, restricted_load
+from models.released.unpickle import COMMON, NUMPY, NamespaceStandIn, need_tensors, restricted_load
 from pipeline.core.errors import UsageError
 
 NAME = "aoa"
 MARKERS = ("core.att_lstm.weight_ih", "att_embed.0.weight", "core.att2ctx.0.weight")
+#: converted (renamed) tensors the conversion reads: each must be there, two-dimensional (biases one-dimensional)
+REQUIRED_WEIGHTS = {"embed.0.weight": 2, "logit.weight": 2, "logit.bias": 1, "att_embed.0.weight": 2}
 NEVER = -1e30  # bias of the rows the release cannot output
 
 INFOS_GLOBALS = {("argparse", "Namespace"): NamespaceStandIn, **COMMON, **NUMPY}
@@ -105,8 +107,12 @@ def read_infos(path: str | Path) -> dict[str, Any]:
     vocab = infos.get("vocab")
     if not isinstance(vocab, dict) or not vocab or not all(isinstance(k, str) and isinstance(v, str) for k, v in vocab.items()):
         raise UsageError(f"{path}: not an AoANet infos pickle (no 'vocab' mapping of index strings to words)")
-    if sorted(vocab, key=lambda k: int(k) if k.isdigit() else -1) != [str(i) for i in range(1, len(vocab) + 1)]:
-        raise UsageError(f"{path}: the vocab keys must be '1'..'{len(vocab)}' (index 0 is BOS/EOS/PAD)")
+    # compared as text, never converted with int(): a key like '²' (isdigit, not int) or of 5,000 digits is just wrong
+    if set(vocab) != {str(i) for i in range(1, len(vocab) + 1)}:
+        odd = next((k for k in vocab if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 9 and str(int(k)) == k
+                                             and int(k) <= len(vocab))), None)
+        shown = f" (e.g. {odd[:20]!r}{'...' if odd and len(odd) > 20 else ''})" if odd is not None else ""
+        raise UsageError(f"{path}: the vocab keys must be '1'..'{len(vocab)}' (index 0 is BOS/EOS/PAD){shown}")
     return {**infos, "opt": {k: v for k, v in opt.items() if k != "__stand_in__"}}
 
 
@@ -152,6 +158,7 @@ def convert(state: dict[str, Any], infos: dict[str, Any], source: str) -> dict[s
         if new is None or not torch.is_tensor(value):
             raise UsageError(f"{source}: unexpected entry '{key}' in AoANet's state_dict")
         weights[new] = value.detach().float().clone()
+    need_tensors(weights, REQUIRED_WEIGHTS, source, "AoANet")
     v = len(infos["vocab"])
     if weights["embed.0.weight"].shape[0] != v + 1 or weights["logit.weight"].shape[0] != v + 1:
         raise UsageError(f"{source}: the embedding has {weights['embed.0.weight'].shape[0]} rows, the infos vocabulary {v} words (+1)")
@@ -162,7 +169,7 @@ def convert(state: dict[str, Any], infos: dict[str, Any], source: str) -> dict[s
     config = {
         "feat_dim": int(feat_dim), "d_model": int(d_model), "num_heads": int(opt.get("num_heads", 8)),
         "num_layers": layers, "use_ff": use_ff,
-        "d_ff": int(weights["refiner.0.ff.w_1.weight"].shape[0]) if use_ff else 2048,
+        "d_ff": int(need_tensors(weights, {"refiner.0.ff.w_1.weight": 2}, source, "AoANet")[0].shape[0]) if use_ff else 2048,
         "drop_prob_lm": float(opt.get("drop_prob_lm", 0.5)), "dropout_aoa": float(opt.get("dropout_aoa", 0.3)),
         "ctx_drop": bool(opt.get("ctx_drop", 0)),
     }

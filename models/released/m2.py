@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from models.released.unpickle import M2VocabStandIn, _counter, _defaultdict, _m2_unk_index, restricted_load
+from models.released.unpickle import M2VocabStandIn, _counter, _defaultdict, _m2_unk_index, need_tensors, restricted_load
 from pipeline.core.errors import UsageError
 from pipeline.core.vocab import SPECIALS
 
@@ -80,6 +80,10 @@ _RENAMES = [
     (r"^decoder\.fc\.", "out."),
 ]
 _STATE_BUFFERS = re.compile(r"^decoder\.(running_mask_self_attention|running_seq|layers\.\d+\.self_att\.running_(keys|values))$")
+
+
+#: converted (renamed) tensors the conversion reads, with their number of dimensions
+REQUIRED_WEIGHTS = {"encoder.fc.weight": 2, "encoder.ff.0.fc1.weight": 2, "encoder.attn.0.attention.m_k": 3, "pos_emb.weight": 2}
 
 
 def is_release(obj: Any) -> bool:
@@ -137,6 +141,7 @@ def convert(ckpt: dict[str, Any], itos: list[str], source: str) -> dict[str, Any
             got = tuple(weights[name].shape) if name in weights else "missing"
             raise UsageError(f"{source}: {name} has shape {got}, but vocab.pkl has {vocab_size} words")
         weights[name] = weights[name][rows].clone()
+    need_tensors(weights, REQUIRED_WEIGHTS, source, "M2")
     enc_layers = len({k.split(".")[2] for k in weights if k.startswith("encoder.attn.")})
     dec_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
     if enc_layers != 3:

@@ -4,7 +4,9 @@ Pickles (M2's ``vocab.pkl``, AoANet's ``infos_*.pkl``) go through :class:`Restri
 the file names must be in an explicit allowlist of ``(module, name)`` pairs, and each admitted name is bound to
 a stand-in defined here (a plain container or a recorder of state), never to the real class or function.
 Nothing is imported and no constructor of the original code runs; a file naming any other global is refused
-with one line that names the file. The stand-ins are then rebuilt into plain Python values (``argparse``
+with one line that names the file. Rebuilding is bounded in time and memory: every value built is counted and a
+file that would expand past :class:`Budget`'s limit (a few hundred bytes of shared references can stand for
+terabytes) is refused, naming the file and the limit. The stand-ins are then rebuilt into plain Python values (``argparse``
 namespaces into dicts, NumPy scalars and arrays decoded from their bytes with a numeric dtype only).
 
 The ``.pth`` weight files are read with ``torch.load(weights_only=True)``; the extra globals admitted there are
@@ -14,6 +16,7 @@ NumPy scalars next to the weights).
 
 from __future__ import annotations
 
+import contextvars
 import io
 import pickle
 from collections.abc import Mapping
@@ -24,6 +27,9 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import UsageError
+
+
+_LOADING: contextvars.ContextVar[Any] = contextvars.ContextVar("restricted_unpickle_budget", default=None)
 
 
 class Refused(pickle.UnpicklingError):
@@ -70,10 +76,18 @@ def _m2_unk_index() -> int:
     return 0
 
 
+def _charge(values: int, nbytes: int = 0) -> None:
+    """Count what a stand-in copies while the file is read (a shared dict copied again and again is a bomb too)."""
+    budget = _LOADING.get()
+    if budget is not None:
+        budget.take(values, nbytes)
+
+
 def _counter(mapping: Any = None) -> dict[Any, Any]:
     """``collections.Counter`` pickles as ``Counter(dict)``: a plain dict here."""
     if mapping is not None and not isinstance(mapping, dict):
         raise pickle.UnpicklingError("Counter state is not a dict")
+    _charge(1 + len(mapping or {}))
     return dict(mapping or {})
 
 
@@ -119,6 +133,7 @@ def _np_scalar(dtype: Any, data: Any = b"") -> Any:
     """``numpy.core.multiarray.scalar(dtype, bytes)`` -> the Python number."""
     if not isinstance(dtype, _DType):
         raise pickle.UnpicklingError("scalar without a dtype")
+    _charge(1)
     return np.frombuffer(_raw_bytes(data), dtype=dtype.numpy(), count=1)[0].item()
 
 
@@ -147,6 +162,7 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """Protocol-2 pickles written by Python 3 spell ``bytes`` as ``_codecs.encode(str, 'latin1')``."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
         raise pickle.UnpicklingError("_codecs.encode with unexpected arguments")
+    _charge(1, len(text))
     return text.encode("latin-1")
 
 
@@ -172,6 +188,14 @@ class RestrictedUnpickler(pickle.Unpickler):
         super().__init__(file, encoding="latin-1")
         self.allowed = dict(allowed)
 
+    def load_within(self, budget: "Budget") -> Any:
+        """:meth:`load`, with what the stand-ins copy counted against ``budget``."""
+        token = _LOADING.set(budget)
+        try:
+            return self.load()
+        finally:
+            _LOADING.reset(token)
+
     def find_class(self, module: str, name: str) -> Any:
         key = (_PY.get(module, module), name)
         if key in self.allowed:
@@ -179,21 +203,66 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise Refused(module, name)
 
 
-def plain(obj: Any, depth: int = 0) -> Any:
-    """Rebuild stand-ins into plain values: namespaces -> dicts, NumPy arrays decoded, containers walked."""
+#: what rebuilding one file may expand to: values (containers, numbers, strings) and bytes (strings, arrays), each a
+#: fixed allowance plus a multiple of the file's size. A pickle without shared references expands to about its own
+#: size; one built from shared references (a list of a list of ... the same list) would expand exponentially,
+#: so a file of a few hundred bytes could take the machine's memory: it is refused as soon as it passes the limit.
+BASE_VALUES, VALUES_PER_BYTE = 1_000_000, 4
+BASE_BYTES, BYTES_PER_BYTE = 64 << 20, 4
+
+
+class Budget:
+    """Counts the values and bytes :func:`plain` builds; past the limit it raises :class:`TooLarge`."""
+
+    def __init__(self, file_size: int) -> None:
+        self.max_values = BASE_VALUES + VALUES_PER_BYTE * file_size
+        self.max_bytes = BASE_BYTES + BYTES_PER_BYTE * file_size
+        self.values = self.bytes = 0
+
+    def take(self, values: int = 1, nbytes: int = 0) -> None:
+        self.values += values
+        self.bytes += nbytes
+        if self.values > self.max_values or self.bytes > self.max_bytes:
+            raise TooLarge(f"it expands past {self.max_values:,} values or {self.max_bytes:,} bytes (shared references "
+                           f"repeated over and over); the limit is {BASE_VALUES:,} values + {VALUES_PER_BYTE} per byte of the file")
+
+
+class TooLarge(pickle.UnpicklingError):
+    """A pickle that would expand past its :class:`Budget`."""
+
+
+def plain(obj: Any, depth: int = 0, budget: Budget | None = None) -> Any:
+    """Rebuild stand-ins into plain values: namespaces -> dicts, NumPy arrays decoded, containers walked.
+
+    Every value built is counted against ``budget`` (a shared reference counts each time it is reached), so a
+    reference bomb is refused in time and memory proportional to the limit, never to what it would expand to.
+    """
+    budget = budget or Budget(0)
     if depth > 50:
         raise pickle.UnpicklingError("nesting too deep")
     if isinstance(obj, _Array):
-        return obj.numpy()
+        arr = obj.numpy()
+        budget.take(1, arr.nbytes)
+        return arr
     if isinstance(obj, StandIn):
+        budget.take()
         state = getattr(obj, "state", {})
-        return {"__stand_in__": obj.stands_for, **({str(k): plain(v, depth + 1) for k, v in state.items()} if isinstance(state, dict) else {"state": plain(state, depth + 1)})}
+        return {"__stand_in__": obj.stands_for, **({str(k): plain(v, depth + 1, budget) for k, v in state.items()} if isinstance(state, dict) else {"state": plain(state, depth + 1, budget)})}
     if isinstance(obj, dict):
-        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in obj.items()}
+        budget.take(1 + len(obj))
+        return {plain(k, depth + 1, budget): plain(v, depth + 1, budget) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [plain(v, depth + 1) for v in obj]
+        budget.take(1 + len(obj))
+        items = [plain(v, depth + 1, budget) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, (str, bytes, int, float, bool, complex, type(None), set, frozenset)):
+    if isinstance(obj, (set, frozenset)):
+        budget.take(1 + len(obj))
+        return obj
+    if isinstance(obj, (str, bytes)):
+        budget.take(1, len(obj))
+        return obj
+    if isinstance(obj, (int, float, bool, complex, type(None))):
+        budget.take()
         return obj
     raise pickle.UnpicklingError(f"unexpected object of type {type(obj).__name__}")
 
@@ -203,17 +272,38 @@ def restricted_load(path: str | Path, allowed: Mapping[tuple[str, str], Any], wh
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{what} not found: {path}")
-    data = path.read_bytes()
     try:
-        return plain(RestrictedUnpickler(io.BytesIO(data), {**COMMON, **allowed}).load())
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        budget = Budget(len(data))
+        return plain(RestrictedUnpickler(io.BytesIO(data), {**COMMON, **allowed}).load_within(budget), budget=budget)
+    except TooLarge as exc:
+        raise UsageError(f"{path}: refused to load the {what}: {exc} (nothing from the file was run)") from None
     except Refused as exc:
         raise UsageError(
             f"{path}: refused to load: it names the global '{exc.qualified}', which a {what} does not hold "
             "(nothing from the file was run)"
         ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            UnicodeDecodeError, RecursionError, OverflowError) as exc:
+            UnicodeDecodeError, RecursionError, OverflowError, MemoryError) as exc:
         raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def need_tensors(weights: Mapping[str, Any], required: Mapping[str, int], source: Any, release: str) -> list[Any]:
+    """The ``required`` tensors (name -> number of dimensions) of a release's converted weights; one line naming
+    ``source`` and the first one missing or misshapen (instead of a KeyError far inside a conversion)."""
+    out = []
+    for name, dims in required.items():
+        value = weights.get(name)
+        if value is None:
+            raise UsageError(f"{source}: not a complete {release} release: the weights lack '{name}'")
+        if not torch.is_tensor(value) or value.dim() != dims or 0 in value.shape:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise UsageError(f"{source}: {release} weight '{name}' has shape {shape}; a {dims}-dimensional tensor is expected")
+        out.append(value)
+    return out
 
 
 def _numpy_safe_globals() -> list[Any]:
