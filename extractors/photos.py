@@ -105,7 +105,8 @@ class PhotoDataset(Dataset):
         if need is Need.NOTHING:
             return out
         try:
-            rgb = load_rgb(it.path, self.max_pixels)
+            data = getattr(it, "data", None)  # an upload (``cli serve``) carries its bytes and is never read from a path
+            rgb = load_rgb(data if data is not None else it.path, self.max_pixels)
         except ImageLoadError as exc:
             out.failure = Failure(exc.reason, exc.detail)
             return out

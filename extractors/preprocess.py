@@ -11,9 +11,11 @@ by ``scale = min_size / min(h, w)`` (``max_size / max(h, w)`` if ``round(scale *
 
 from __future__ import annotations
 
+import io
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -59,23 +61,28 @@ def _to_rgb_uint8(im: Image.Image) -> np.ndarray:
     return np.asarray(im)
 
 
-def load_rgb(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode ``path`` into an (H, W, 3) RGB uint8 array in its EXIF-corrected orientation.
+def load_rgb(path: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Decode ``path`` (a file, or the bytes of one, e.g. an upload to ``cli serve``, decoded in memory) into an
+    (H, W, 3) RGB uint8 array in its EXIF-corrected orientation.
 
     Policy: Pillow restricted to :data:`ALLOWED_FORMATS`; pixel count checked before decoding (decompression
     bombs); truncated files are failures (never ``LOAD_TRUNCATED_IMAGES``); multi-frame images use frame 0.
     """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise ImageLoadError("unreadable", f"{type(exc).__name__}: {exc.strerror or exc}") from None
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        source: Any = io.BytesIO(path)
+        size = len(source.getbuffer())
+    else:
+        source = path = Path(path)
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise ImageLoadError("unreadable", f"{type(exc).__name__}: {exc.strerror or exc}") from None
     if size == 0:
         raise ImageLoadError("empty", "zero-byte file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path, formats=ALLOWED_FORMATS) as im:
+            with Image.open(source, formats=ALLOWED_FORMATS) as im:
                 w, h = im.size
                 if w * h > max_pixels:
                     raise ImageLoadError("too_large", f"{w}x{h} = {w * h} pixels exceeds the cap of {max_pixels}")

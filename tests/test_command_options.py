@@ -22,6 +22,7 @@ OFFERED = {
     "caption": EVERYDAY,
     "embed": EVERYDAY,
     "eval-detector": EVERYDAY,
+    "serve": EVERYDAY - {"--num-workers"},  # uploads are decoded by the model thread
 }
 
 

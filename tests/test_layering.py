@@ -31,6 +31,7 @@ LEVELS = {
     "extractors/stage.py": 4,
     "extractors/training/stage.py": 4,
     "pipeline/demo.py": 5,
+    "pipeline/serving": 5,
     "pipeline/commands": 6,
     "cli.py": 7,
 }

@@ -33,7 +33,8 @@ from pipeline.core.locks import acquire_lock
 
 THUMB_WIDTH = 360
 
-_STYLE = """
+#: the gallery's look (the page of ``cli serve`` shares it)
+STYLE = """
 body{font-family:system-ui,sans-serif;margin:0;background:#f4f4f4;color:#222}
 header{position:sticky;top:0;background:#fff;padding:10px 16px;border-bottom:1px solid #ddd;display:flex;gap:12px;align-items:center;flex-wrap:wrap;z-index:2}
 header h1{font-size:18px;margin:0}
@@ -139,7 +140,7 @@ class GallerySink:
 
     def _write_html(self, fh: BinaryIO) -> None:
         head = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>captions: {html.escape(self.dir.name)}</title>"
-                f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><style>{_STYLE}</style></head>\n<body>\n"
+                f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><style>{STYLE}</style></head>\n<body>\n"
                 "<header><h1>captions</h1><input id=\"q\" type=\"search\" placeholder=\"filter by word\" aria-label=\"filter by word\">"
                 "<label><input id=\"all\" type=\"checkbox\"> boxes on every photo</label><span id=\"count\"></span></header>\n<main>\n")
         fh.write(head.encode("utf-8"))

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "pipeline.commands.evaluate",
     "pipeline.commands.embed",
     "pipeline.commands.caption",
+    "pipeline.commands.serve",
     "pipeline.commands.convert",
     "pipeline.commands.demo",
     "pipeline.commands.info",

@@ -1,0 +1,58 @@
+"""`cli serve`: captions over HTTP (pipeline/serving/, docs/serving.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pipeline.commands.decoding_opts import decoding_overrides
+from pipeline.commands.options import CommandOptions, Everyday, command
+
+DEFAULT_RUN = Path("runs/demo")
+#: --batch-size: images per detector/captioner batch across requests; photos are decoded by the model thread
+SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision",
+                          precision_choices=("fp32", "tf32", "bf16"))
+
+
+def register(app: typer.Typer) -> None:
+    @command(app, "serve", everyday=SERVE_EVERYDAY, decoding=True)
+    def serve_command(
+        opts: CommandOptions,
+        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, or released M2/AoANet .pth.")] = DEFAULT_RUN,
+        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary (as for `caption`).")] = None,
+        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights file, or `random` (smoke tests).")] = None,
+        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D).")] = None,
+        host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only).")] = None,
+        port: Annotated[Optional[int], typer.Option("--port", "-p", help="TCP port (default serve.port: 8000; 0 picks a free one).")] = None,
+        token: Annotated[Optional[str], typer.Option("--token", help="Bearer token clients must send (default: $BUTD_SERVE_TOKEN, else none).")] = None,
+    ) -> None:
+        """Serve captions over HTTP: POST images to /v1/captions, or open / in a browser to drop photos and see their
+        captions with boxes. The models are loaded once; images of concurrent requests share detector and captioner
+        batches (serve.max_batch, serve.max_wait_ms), through the engine `caption` uses, so a request gets the captions
+        `caption` writes for the same model and options.
+
+        Bounded: serve.queue_limit images admitted (503 with Retry-After beyond), serve.max_body_bytes per request
+        (413), caption.max_pixels per image, serve.request_timeout_s per request (504). Binds 127.0.0.1 unless --host
+        says otherwise; --token (or $BUTD_SERVE_TOKEN) makes every request but / and /healthz need
+        `Authorization: Bearer TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C: stops accepting, answers what
+        is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and /openapi.json.
+
+        Examples:
+
+            butd-caption serve --model runs/demo
+
+            curl -F files=@photo.jpg -F n_best=3 http://127.0.0.1:8000/v1/captions
+
+            butd-caption serve --model best.pt --weights bua.pth --host 0.0.0.0 --token "$TOKEN" --device cuda --batch-size 16
+        """
+        flags = dict(opts.decoding)
+        extra = [f"caption.{key}={flags.pop(key)}" for key in ("n_best", "beam_size") if key in flags]
+        cfg = opts.resolve("serve", extra)
+        from pipeline.serving.server import load_service, run_server
+        from pipeline.serving.settings import settings_from
+
+        settings = settings_from(cfg.serve, token, host=host, port=port)
+        service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding_overrides(**flags))
+        raise typer.Exit(run_server(service, batcher, settings))

@@ -1,0 +1,160 @@
+"""The ASGI application of ``cli serve`` (FastAPI): routes, the bearer token, the HTTP bounds.
+
+``POST /v1/captions`` (images in, one entry per image out, :mod:`pipeline.serving.answers`), ``GET /`` (the page
+to try it), ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs`` (the
+OpenAPI description, rendered without any script or stylesheet from a network). Every route but ``/healthz``
+and ``/`` needs ``Authorization: Bearer TOKEN`` when the server has a token (401 otherwise).
+
+Status codes of ``POST /v1/captions``: 200 (also when some images failed: their entries carry the error), 400
+(unreadable body), 401, 413 (body or image count beyond the limits), 415, 422 (options), 503 + Retry-After (queue
+full, or draining), 504 (not answered within ``serve.request_timeout_s``). A failure of the model thread on a
+whole batch (a project error such as a feature-size mismatch) is a 500 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+
+from pipeline.core.console import get_logger
+from pipeline.core.errors import exception_line
+from pipeline.serving.answers import BadOptions, CaptionsAnswer, ErrorAnswer, image_answer, options_answer, request_options
+from pipeline.serving.batcher import Batcher, Closed, QueueFull
+from pipeline.serving.metrics import Metrics
+from pipeline.serving.page import docs_html, page_html
+from pipeline.serving.settings import ServeSettings
+from pipeline.serving.uploads import BadRequest, BodyTooLarge, images_and_fields, read_body
+
+log = get_logger("serve")
+
+_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "Images as multipart files (any field name with a file name; option fields beside them), or one raw image body.",
+        "content": {
+            "multipart/form-data": {"schema": {"type": "object", "properties": {
+                "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                "beam_size": {"type": "integer"}, "n_best": {"type": "integer"}, "max_len": {"type": "integer"},
+                "regions": {"type": "boolean"}}}},
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": t}}
+                   for n, t in (("beam_size", "integer"), ("n_best", "integer"), ("max_len", "integer"), ("regions", "boolean"),
+                                ("name", "string"))],
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorAnswer, "description": text} for code, text in (
+    (400, "unreadable body"), (401, "missing or wrong bearer token"), (413, "body or image count beyond the limits"),
+    (415, "not images"), (422, "options beyond the server's limits"), (503, "queue full or draining (Retry-After)"),
+    (504, "not answered in time"))}
+
+
+class Service:
+    """What the routes share: the engine's batcher, settings, label names, counters, the draining flag."""
+
+    def __init__(self, batcher: Batcher, settings: ServeSettings, classes: Sequence[str], attributes: Sequence[str],
+                 metrics: Metrics, about: dict[str, Any]) -> None:
+        self.batcher, self.settings, self.classes, self.attributes = batcher, settings, list(classes), list(attributes)
+        self.metrics, self.about, self.draining = metrics, about, False
+
+    def authorized(self, request: Request) -> bool:
+        if self.settings.token is None:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.settings.token.encode())
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _unauthorized() -> JSONResponse:
+    return _error(401, "this server needs Authorization: Bearer TOKEN", {"WWW-Authenticate": 'Bearer realm="butd-caption"'})
+
+
+def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
+    """The FastAPI application over a running :class:`Service` (``on_shutdown``: called by the lifespan's end)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        yield
+        service.draining = True
+        if on_shutdown is not None:
+            await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
+
+    app = FastAPI(title="butd-caption", version=str(service.about.get("version", "")), docs_url=None, redoc_url=None,
+                  lifespan=lifespan, description="Captions for photos: bottom-up regions and an attention captioner (docs/serving.md).")
+    s = service.settings
+
+    @app.post("/v1/captions", response_model=CaptionsAnswer, responses=_ERRORS, openapi_extra=_BODY_DOC,
+              summary="Caption one or more images")
+    async def captions(request: Request) -> Response:
+        start = time.perf_counter()
+        response = await _captions(service, request)
+        service.metrics.request(response.status_code, time.perf_counter() - start)
+        return response
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(page_html(s, service.about))
+
+    @app.get("/healthz", summary="Liveness and readiness")
+    async def healthz() -> JSONResponse:
+        body = {"status": "draining" if service.draining else "ok", "queue_depth": service.batcher.depth, **service.about}
+        return JSONResponse(body, status_code=503 if service.draining else 200)
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    async def metrics(request: Request) -> Response:
+        if not service.authorized(request):
+            return _unauthorized()
+        service.metrics.set_queue_depth(service.batcher.depth)
+        return PlainTextResponse(service.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(docs_html(app.openapi()))
+
+    return app
+
+
+async def _captions(service: Service, request: Request) -> Response:
+    s = service.settings
+    if not service.authorized(request):
+        return _unauthorized()
+    if service.draining:
+        return _error(503, "the server is shutting down", {"Retry-After": str(s.retry_after_s)})
+    try:
+        body = await read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes)
+        items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
+        query = {k: v for k, v in request.query_params.items() if k != "name"}
+        options, regions = request_options({**query, **fields}, service.batcher.engine.options, s)
+        jobs = service.batcher.submit(items, options, regions)
+    except BodyTooLarge as exc:
+        return _error(413, str(exc))
+    except BadRequest as exc:
+        return _error(exc.status, str(exc))
+    except BadOptions as exc:
+        return _error(422, str(exc))
+    except (QueueFull, Closed) as exc:
+        return _error(503, str(exc), {"Retry-After": str(s.retry_after_s)})
+    del body
+    start = time.perf_counter()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), s.request_timeout_s)
+    except asyncio.TimeoutError:
+        service.batcher.drop(jobs)
+        return _error(504, f"not answered within {s.request_timeout_s:g} s (the server is busy; try again later)")
+    except asyncio.CancelledError:  # the client went away
+        service.batcher.drop(jobs)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model thread failed the whole batch (a project error)
+        return _error(500, f"captioning failed: {exception_line(exc)}")
+    images = [image_answer(i, r, service.classes, service.attributes, regions, s.max_regions) for i, r in enumerate(results)]
+    return JSONResponse({"images": images, "options": options_answer(options, regions), "seconds": round(time.perf_counter() - start, 4)})

@@ -1,0 +1,57 @@
+"""The server's settings: the ``serve:`` section of ``configs/serve.yaml`` as one checked dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pipeline.core.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What bounds the server (see ``configs/serve.yaml`` for each key's meaning)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_wait_ms: float = 20.0
+    queue_limit: int = 64
+    retry_after_s: int = 1
+    max_body_bytes: int = 20_000_000
+    max_images: int = 16
+    request_timeout_s: float = 60.0
+    max_beam_size: int = 5
+    max_n_best: int = 5
+    max_len: int = 30
+    regions: bool = True
+    max_regions: int = 5
+    token_env: str = "BUTD_SERVE_TOKEN"
+    drain_timeout_s: float = 90.0
+    log_requests: bool = False
+    token: str | None = None  # the bearer token (from --token or ``token_env``); never part of the config file
+
+    def __post_init__(self) -> None:
+        positive = ("max_batch", "queue_limit", "max_body_bytes", "max_images", "max_beam_size", "max_n_best", "max_len",
+                    "request_timeout_s", "drain_timeout_s", "max_regions")
+        bad = [f"serve.{name}={getattr(self, name)}" for name in positive if not getattr(self, name) > 0]
+        bad += [f"serve.{name}={getattr(self, name)}" for name in ("max_wait_ms", "retry_after_s") if getattr(self, name) < 0]
+        if bad:
+            raise UsageError(f"{', '.join(bad)}: must be positive")
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"serve.port={self.port}: not a TCP port (0: a free one)")
+        if self.token is not None and not self.token.strip():
+            raise UsageError("the bearer token is empty (--token or the token environment variable)")
+
+
+def settings_from(section: Any, token: str | None = None, **overrides: Any) -> ServeSettings:
+    """:class:`ServeSettings` from the resolved ``serve`` config section; ``token`` (``--token``) wins over the
+    environment variable named by ``serve.token_env``; ``overrides`` (``--host``, ``--port``) win over the file."""
+    names = {f.name for f in fields(ServeSettings)} - {"token"}
+    values = {k: section[k] for k in section if k in names}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    env = str(values.get("token_env") or "")
+    if token is None and env:
+        token = os.environ.get(env) or None
+    return ServeSettings(**values, token=token)

@@ -1,0 +1,220 @@
+"""`cli serve`, the real server on a free loopback port (child process, 127.0.0.1 only, every wait bounded).
+
+Captions for the real photos equal `caption`'s for the same model and options, also when concurrent requests
+share batches; a corrupt, an empty and a cut-off image beside good ones are error entries with `caption`'s own
+error rows; the HTTP bounds (401 without the token, 413 for a large body or too many images, 422 for options past
+the limits, 503 + Retry-After for a full queue, never a 500); SIGTERM while a request waits still answers it and
+the server exits 0."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
+from cli import app
+from serve_helpers import Chromium, running_server
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "photos"
+#: the size settings of the caption tests (SMALL), for both `caption` and `serve`
+SIZES = ["--set", "caption.min_size=96", "--set", "caption.max_size=160"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, Path]:
+    if not PHOTOS.is_dir():
+        pytest.skip(f"the real photos are not here ({PHOTOS})")
+    root = tmp_path_factory.mktemp("serve")
+    run = tiny_run(root, {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
+    odd = {"broken.jpg": b"this is not a JPEG file\n" * 20, "empty.jpg": b"",
+           "cut.jpg": (PHOTOS / "input.jpg").read_bytes()[:5000]}
+    return {"root": root, "ckpt": run / "train-a" / "best.pt", "weights": tiny_detector(root / "tiny.pth"), "odd": odd}
+
+
+@pytest.fixture(scope="module")
+def server(env: dict):
+    """The server with the default bounds, batches of up to 16 images that wait up to 1 s for company."""
+    with running_server("--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.max_batch=16",
+                        "--set", "serve.max_wait_ms=1000", "--set", "serve.max_images=8") as srv:
+        yield srv
+
+
+def metric(text: str, name: str) -> float:
+    return float(text.split(f"\n{name} ", 1)[1].split()[0])
+
+
+def photos() -> list[Path]:
+    return sorted(p for p in PHOTOS.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+
+
+def caption_rows(env: dict, folder: Path, *args: str) -> dict[str, dict]:
+    out = env["root"] / f"caption-{len(list(env['root'].glob('caption-*')))}.jsonl"
+    res = CliRunner().invoke(app, ["caption", str(folder), "--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL,
+                                   "--output", str(out), "--quiet", *args], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    return {Path(r["image"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_captions_equal_caption_and_bad_images_are_entries(env: dict, server) -> None:
+    folder = env["root"] / "mixed"
+    folder.mkdir()
+    for p in photos():
+        (folder / p.name).write_bytes(p.read_bytes())
+    for name, data in env["odd"].items():
+        (folder / name).write_bytes(data)
+    expected = caption_rows(env, folder, "--n-best", "2")
+    names = sorted(expected)
+    assert sum("caption" in r for r in expected.values()) == len(photos()) and any(r.get("caption") for r in expected.values())
+    groups = [names[i::3] for i in range(3)]  # three requests at once, each with good and bad images
+    answers: dict[int, tuple] = {}
+    before = server.metrics()
+
+    def send(k: int) -> None:
+        answers[k] = server.post_images([(n, (folder / n).read_bytes()) for n in groups[k]], {"n_best": 2, "regions": "false"})
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    metrics = server.metrics()
+    seen = 0
+    for k, (status, _, body) in answers.items():
+        assert status == 200, body
+        assert [a["name"] for a in body["images"]] == groups[k] and body["options"]["n_best"] == 2
+        for a in body["images"]:
+            row = expected[a["name"]]
+            seen += 1
+            if "error" in row:
+                assert a["error"] == row["error"] and "caption" not in a, a  # the same reason codes and details
+                assert a["reason"] == row["error"].split(":")[0]
+                continue
+            assert a["caption"] == row["caption"], a["name"]
+            assert a["score"] == pytest.approx(row["score"], abs=2e-4)
+            assert [h["caption"] for h in a["nbest"]] == [h["caption"] for h in row["nbest"]]
+            assert a["width"] > 0 and a["height"] > 0 and "regions" not in a
+    assert seen == len(names)
+    assert {expected[n]["error"].split(":")[0] for n in env["odd"]} == {"not_an_image", "empty", "decode_error"} or all(
+        "error" in expected[n] for n in env["odd"])
+    count = metric(metrics, "butd_batch_images_count") - metric(before, "butd_batch_images_count")
+    total = metric(metrics, "butd_batch_images_sum") - metric(before, "butd_batch_images_sum")
+    assert total == len(names) and count == 2, metrics  # 16 + 4: requests of at most 7 images shared batches
+    assert metric(metrics, 'butd_requests_total{status="200"}') - metric(before, 'butd_requests_total{status="200"}') == 3
+
+
+def test_regions_and_raw_body(server) -> None:
+    photo = photos()[0]
+    status, _, raw = server.request("POST", "/v1/captions?n_best=1&name=../../etc/" + photo.name, photo.read_bytes(),
+                                    {"Content-Type": "image/jpeg"})
+    body = json.loads(raw)
+    assert status == 200 and body["images"][0]["name"] == photo.name  # a label only, the path part dropped
+    a = body["images"][0]
+    assert 1 <= len(a["regions"]) <= 5
+    for r in a["regions"]:
+        x1, y1, x2, y2 = r["box"]
+        assert 0 <= x1 < x2 <= a["width"] + 1 and 0 <= y1 < y2 <= a["height"] + 1 and r["label"]
+    assert {w for r in a["regions"] for w in r["words"]} <= set(a["caption"].split())
+    page = server.request("GET", "/")[2].decode()
+    assert "<input id=\"files\"" in page and "http://" not in page and "https://" not in page  # nothing from a network
+    spec = json.loads(server.request("GET", "/openapi.json")[2])
+    assert "/v1/captions" in spec["paths"] and "multipart/form-data" in json.dumps(spec["paths"]["/v1/captions"])
+    assert "/v1/captions" in server.request("GET", "/docs")[2].decode()
+
+
+def test_bounds_token_and_sigterm(env: dict) -> None:
+    good = photos()[0].read_bytes()
+    token = {"Authorization": "Bearer s3cret"}
+    args = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.queue_limit=2",
+            "--set", "serve.max_batch=4", "--set", "serve.max_wait_ms=1500", "--set", "serve.max_body_bytes=200000",
+            "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3"]
+    with running_server(*args, env={"BUTD_SERVE_TOKEN": "s3cret"}) as server:
+        status, head, body = server.post_images([("a.jpg", good)])
+        assert status == 401 and head["www-authenticate"].startswith("Bearer") and "Bearer" in body["error"]
+        assert server.post_images([("a.jpg", good)], headers={"Authorization": "Bearer nope"})[0] == 401
+        assert server.request("GET", "/metrics")[0] == 401 and server.request("GET", "/healthz")[0] == 200
+        status, _, body = server.post_images([("big.jpg", b"\xff" * 250_000)], headers=token)
+        assert status == 413 and "200000" in body["error"]
+        small = small_photos(env["root"] / "small", 1, size=(64, 48))[0].read_bytes()
+        status, _, body = server.post_images([(f"{i}.jpg", small) for i in range(4)], headers=token)
+        assert status == 413 and "4 images" in body["error"]
+        status, _, body = server.post_images([("a.jpg", good)], {"beam_size": 9}, headers=token)
+        assert status == 422 and "beam_size" in body["error"]
+        status, _, body = server.post_images([("a.jpg", good)], {"colour": "red"}, headers=token)
+        assert status == 422 and "colour" in body["error"]
+
+        # a full queue: one image waits up to 1.5 s for company; two more do not fit beside it (limit 2)
+        first: dict = {}
+        waiting = threading.Thread(target=lambda: first.update(r=server.post_images([("a.jpg", good)], headers=token)))
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while "butd_queue_depth 1" not in server.metrics(token) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, head, body = server.post_images([("b.jpg", small), ("c.jpg", small)], headers=token)
+        assert status == 503 and head["retry-after"] == "1" and "queue limit" in body["error"]
+        waiting.join(60)
+        assert first["r"][0] == 200 and first["r"][2]["images"][0]["caption"] == caption_of(server, good, token)
+
+        # SIGTERM while a request waits for its batch: it is still answered, then the server exits 0
+        late: dict = {}
+        waiting = threading.Thread(target=lambda: late.update(r=server.post_images([("a.jpg", good)], headers=token)))
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while "butd_queue_depth 1" not in server.metrics(token) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metrics = server.metrics(token)
+        server.proc.send_signal(signal.SIGTERM)
+        waiting.join(60)
+        assert late["r"][0] == 200 and late["r"][2]["images"][0]["caption"] == first["r"][2]["images"][0]["caption"]
+        assert server.proc.wait(60) == 0
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+    for status in ("401", "413", "422", "503"):
+        assert f'butd_requests_total{{status="{status}"}}' in metrics, status
+    assert 'status="500"' not in metrics
+
+
+def caption_of(server, data: bytes, headers: dict) -> str:
+    status, _, body = server.post_images([("x.jpg", data)], headers=headers)
+    assert status == 200
+    return body["images"][0]["caption"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+def test_page_uploads_a_photo_in_headless_chromium(server, tmp_path: Path) -> None:
+    """The page, in headless Chromium: a real photo set on its file input is uploaded and its caption, n-best
+    and boxes appear in the card, as the API gives them; the screenshot is not blank."""
+    photo = photos()[1]
+    status, _, body = server.post_images([(photo.name, photo.read_bytes())], {"n_best": 1})
+    assert status == 200
+    want = body["images"][0]
+    browser = Chromium(CHROMIUM, tmp_path / "profile")
+    try:
+        browser.open(f"http://127.0.0.1:{server.port}/")
+        browser.wait_for("document.readyState === 'complete' && !!document.getElementById('files')")
+        doc = browser.send("DOM.getDocument")["root"]["nodeId"]
+        node = browser.send("DOM.querySelector", {"nodeId": doc, "selector": "#files"})["nodeId"]
+        browser.send("DOM.setFileInputFiles", {"nodeId": node, "files": [str(photo)]})
+        shown = browser.wait_for("(function(){var c=document.querySelector('.card .caption');return c&&c.textContent;})()")
+        assert shown == f"{want['caption']} {want['score']:.3f}"
+        assert browser.evaluate("document.querySelectorAll('.card .box').length") == len(want["regions"]) >= 1
+        assert browser.evaluate("document.getElementById('count').textContent") == "1 of 1 photos captioned"
+        assert browser.evaluate("document.querySelector('.card img').naturalWidth") == want["width"]
+        shot = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"})["data"])
+    finally:
+        browser.close()
+    pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB"), dtype=np.float32)
+    assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500  # the photo and text, not a blank page
