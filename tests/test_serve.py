@@ -29,15 +29,14 @@ from serve_helpers import Chromium, running_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
-PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "photos"
 #: the size settings of the caption tests (SMALL), for both `caption` and `serve`
 SIZES = ["--set", "caption.min_size=96", "--set", "caption.max_size=160"]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, Path]:
-    if not PHOTOS.is_dir():
-        pytest.skip(f"the real photos are not here ({PHOTOS})")
+def env(tmp_path_factory, shared_data: Path) -> dict:
+    global PHOTOS
+    PHOTOS = shared_data / "photos"
     root = tmp_path_factory.mktemp("serve")
     run = tiny_run(root, {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
     odd = {"broken.jpg": b"this is not a JPEG file\n" * 20, "empty.jpg": b"",
@@ -54,7 +53,12 @@ def server(env: dict):
 
 
 def metric(text: str, name: str) -> float:
-    return float(text.split(f"\n{name} ", 1)[1].split()[0])
+    """A sample's value in the Prometheus text (0 when the counter has not appeared yet)."""
+    parts = text.split(f"\n{name} ", 1)
+    return float(parts[1].split()[0]) if len(parts) == 2 else 0.0
+
+
+PHOTOS = Path("shared/data/photos")  # set by the env fixture (conftest's shared_data: beside or inside the checkout)
 
 
 def photos() -> list[Path]:
