@@ -8,6 +8,10 @@ config digests of the stages it reads from, so changing an upstream setting redo
 is refused without ``--force``, like any changed stage). ``--models a,b,c`` trains and evaluates several
 captioners on the same features (comparison mode); a name is a registered captioner or a ``demo.variants``
 entry (a captioner plus train overrides, e.g. ``ngsan-signed``), so ablations sit in the same table.
+``demo.features`` (``--features region,grid``) extracts each kind of feature from the demo detector and trains
+every captioner on each: ``grid`` is the res5 map of the whole image pooled to ``demo.grid`` x ``demo.grid``
+cells (docs/recipes.md#grid), stages ``features-grid``, ``train-<name>+grid``, ``eval-<name>+grid``, and the
+table's rows ``<name>+grid`` sit beside the region rows.
 """
 
 from __future__ import annotations
@@ -154,9 +158,30 @@ def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Pat
     return tcfg
 
 
-def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False) -> DemoReport:
+FEATURE_KINDS = ("region", "grid")
+
+
+def demo_feature_kinds(cfg: Config, kinds: list[str] | None = None) -> list[str]:
+    """The feature kinds of a demo run (``--features`` or ``demo.features``), checked."""
+    names = list(kinds if kinds is not None else cfg.demo.features)
+    if not names or any(k not in FEATURE_KINDS for k in names) or len(set(names)) != len(names):
+        raise UsageError(f"demo features must be distinct names among {', '.join(FEATURE_KINDS)}, got {names}")
+    return names
+
+
+def grid_extract_section(cfg: Config) -> Config:
+    """The ``extract:`` section for grid features from the demo detector: ``--boxes grid`` pooled to
+    ``demo.grid`` x ``demo.grid``, at the detector's own test scale (the recipe's ``null`` sizes and mean/std)."""
+    return cfg.extract.with_overrides({"boxes": "grid", "recipe": "grid-feats", "recipes.grid-feats.grid": int(cfg.demo.grid),
+                                       "recipes.grid-feats.min_size": None, "recipes.grid-feats.max_size": None,
+                                       "recipes.grid-feats.pixel_mean": None, "recipes.grid-feats.pixel_std": None})
+
+
+def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False,
+             features: list[str] | None = None) -> DemoReport:
     """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
     captioners = demo_captioners(cfg, models)
+    kinds = demo_feature_kinds(cfg, features)
     t0 = time.perf_counter()
     report = DemoReport(out=out)
     from pipeline.world.generate import generate_world
@@ -177,10 +202,13 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     from extractors.stage import ExtractJob, extract_features
 
-    features = extract_features(out, "features", cfg.extract, ExtractJob(str(weights), (str(world.directory / "images"),)),
-                                config=_with_inputs(cfg.extract, detector=detector), force=force)
-    report.stages.append(features)
-    store = features.directory / features.outputs["store"]
+    stores: dict[str, tuple[StageResult, Path]] = {}
+    for kind in kinds:
+        section = cfg.extract if kind == "region" else grid_extract_section(cfg)
+        feats = extract_features(out, "features" if kind == "region" else "features-grid", section,
+                                 ExtractJob(str(weights), (str(world.directory / "images"),)), config=_with_inputs(section, detector=detector), force=force)
+        report.stages.append(feats)
+        stores[kind] = (feats, feats.directory / feats.outputs["store"])
 
     from pipeline.caption_data.prepare import prepare_captions
 
@@ -195,8 +223,11 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     from pipeline.world.grounding import load_scenes
 
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
-    for name, model in captioners.items():
+    for kind, (features, store), name, model in [(k, stores[k], n, m) for k in kinds for n, m in captioners.items()]:
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
+        if kind == "grid":
+            tcfg = tcfg.with_overrides({"train.max_boxes": int(cfg.demo.grid) ** 2})
+            name = f"{name}+grid"
         trained = train_captioner(out, tcfg, force=force, stage_name=f"train-{name}")
         report.stages.append(trained)
         best = trained.directory / trained.outputs["best"]
@@ -207,7 +238,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         report.stages.append(ev)
         report.metrics[name] = dict(ev.summary.get("metrics", {}))
         report.grounding[name] = _grounding(test_scenes, ev)
-        if int(cfg.demo.pictures) > 0:
+        if int(cfg.demo.pictures) > 0 and kind == "region":
             pics = run_stage(
                 out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),
                 _pictures_work(world.directory, best, weights, data.directory, cfg.caption), force=force,

@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
         num_images: Annotated[Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
         quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
+        features: Annotated[Optional[str], typer.Option("--features", help="Comma-separated feature kinds: region, grid (default demo.features).")] = None,
     ) -> None:
         """Run the whole pipeline on the embedded synthetic world (no download): generate the world, train the
         demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate on the
@@ -41,6 +42,8 @@ def register(app: typer.Typer) -> None:
             butd-caption demo --quick --out runs/ci
 
             butd-caption demo --models san,ngsan,m2,aoa,ban --out runs/compare
+
+            butd-caption demo --models san,m2 --features region,grid --out runs/grid
 
             butd-caption demo --generate-only --out world --num-images 2000 --seed 1
         """
@@ -65,7 +68,8 @@ def register(app: typer.Typer) -> None:
 
         from pipeline.demo import run_demo
 
-        report = run_demo(out, cfg, names, force=opts.force)
+        kinds = [k.strip() for k in features.split(",") if k.strip()] if features else None
+        report = run_demo(out, cfg, names, force=opts.force, features=kinds)
         _print_report(report)
 
 
