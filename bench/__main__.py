@@ -4,6 +4,7 @@
     python -m bench --only nms --repeats 5
     python -m bench --size tiny                   # seconds: what the test suite runs
     python -m bench --device cuda --json gpu.json # CUDA: extraction, XE/SCST epoch, beam-5 decode
+    python -m bench --only vinvl [--device cuda]  # X-152 vs R-101 regions, grid vs regions (s/img, ratio)
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-CPU_BENCHES = ("cider", "nms", "store")
-GPU_BENCHES = ("extract", "train", "decode")
+CPU_BENCHES = ("cider", "nms", "store", "vinvl")
+GPU_BENCHES = ("extract", "train", "decode", "vinvl")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cases(name: str, args: argparse.Namespace, cleanups: list[Callable[[], None]]) -> list:
+    if name == "vinvl":
+        from bench import vinvl
+
+        return vinvl.cases(args.size, args.device)
     if name == "cider":
         from bench import cider
 

@@ -122,3 +122,18 @@ def test_the_cuda_table_code_runs_on_cpu_at_tiny_size():
     assert [r.name for r in rows] == ["extract", "train xe", "decode"]  # bf16 extraction only on CUDA
     for r in rows:
         assert r.project_min > 0 and r.baseline is None and r.speedup_min is None
+
+
+def test_vinvl_rows_side_by_side(capsys, tmp_path, monkeypatch):
+    """X-152 vs R-101 regions and grid vs regions: s/img on both sides and the ratio; a side whose output loses
+    a photo reports no ratio."""
+    code, out, err = _run(capsys, "--only", "vinvl", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "v.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "v.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["regions X-152 vs R-101", "grid vs regions (X-152)", "grid vs regions (R-101)"]
+    assert all(r["unit"] == "s/img" and r["speedup_min"] > 0 and r["max_diff"] == 0 for r in rows)
+    from bench import vinvl
+
+    check = vinvl._shared(2048, 2)
+    good = [type("R", (), {"features": np.ones((3, 2048), np.float32)})()] * 2
+    assert check(good, good) == 0 and check(good[:1], good) == float("inf")

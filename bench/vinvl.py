@@ -1,0 +1,96 @@
+"""``python -m bench --only vinvl`` (CPU or ``--device cuda``): the newer Visual Genome extractors side by side on
+the same photos, seconds per image and the ratio (docs/recipes.md#vinvl, docs/recipes.md#grid).
+
+* ``regions X-152 vs R-101``: VinVL's ResNeXt-152 C4 with its recipe (``nms_filter`` 1, 300 proposals) against
+  the bottom-up ResNet-101 with the Caffe recipe (adaptive 10..100, 300 proposals);
+* ``grid vs regions (X-152)`` and ``grid vs regions (R-101)``: ``--boxes grid`` (res5 map of the whole image,
+  pooled 7x7) against region extraction with the same weights (Jiang et al. 2020 report "more than an order of
+  magnitude" for grid features).
+
+Random weights at the releases' widths (the speed does not depend on the values); synthetic 480x640 photos, each
+side with its own recipe's blobs built before timing (decoding runs in DataLoader workers in ``cli extract``).
+The outputs differ by design, so each round checks what both sides must share instead: one output per photo, the
+same feature size, finite features (a failed check reports no ratio). ``size="tiny"``: narrow networks, the code
+path only (the test suite). The CPU default is reduced (300/500, 100 proposals, 2 photos: stated in the row);
+``--device cuda`` runs the releases' 600/1000 and 300 proposals on 16 photos.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bench.harness import Case
+
+
+def _setup(spec, recipe_name: str, boxes: str | None, dev, overrides: dict):
+    from extractors.random_weights import random_detector
+    from extractors.recipes import apply_recipe, recipe_from_config
+    from extractors.selector import make_selector
+
+    model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
+    section = {"recipe": recipe_name, "boxes": boxes}
+    recipe = recipe_from_config(section, "random", spec.flavor).with_(**overrides)
+    recipe = apply_recipe(model, recipe)
+    return model, make_selector(recipe, model.spec), recipe
+
+
+def _runner(model, selector, recipe, photos, dev):
+    from extractors.photos import precision_context
+    from extractors.preprocess import recipe_blob
+
+    decoded = [recipe_blob(p, recipe) for p in photos]
+    blobs = [torch.from_numpy(b) for b, _ in decoded]
+    frames = [f for _, f in decoded]
+
+    def go():
+        with precision_context("fp32", dev):
+            return [model.detect([b], [f], selector)[0] for b, f in zip(blobs, frames)]
+
+    return go
+
+
+def _shared(dim: int, count: int):
+    def check(ours, theirs) -> float:
+        for out in (ours, theirs):
+            if len(out) != count or any(o.features.shape[1] != dim or not np.isfinite(o.features).all() or o.features.shape[0] == 0 for o in out):
+                return float("inf")
+        return 0.0
+
+    return check
+
+
+def cases(size: str, device: str = "cpu") -> list[Case]:
+    from extractors.spec import caffe_r101, vinvl_x152c4
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    images, short, long, props = (2, 200, 333, 20) if size == "tiny" else (16, 600, 1000, 300) if cuda else (2, 300, 500, 100)
+    x152, r101 = vinvl_x152c4(), caffe_r101()
+    if size == "tiny":
+        x152 = x152.with_(stem_channels=16, res2_bottleneck=16, groups=4, stage_blocks=(1, 1, 1), res5_blocks=1, rpn_channels=16,
+                          num_classes=21, num_attributes=11)
+        r101 = r101.with_(stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4, stem_channels=8, num_classes=21, num_attributes=11,
+                          attr_embed_dim=8, attr_hidden=16, rpn_channels=16)
+    rng = np.random.default_rng(0)
+    photos = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(images)]
+    scale = {"min_size": short, "max_size": long}
+    region = {**scale, "post_nms_topk": props}
+    grid = {**scale, "grid": 7}
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    runs = {}
+    for key, spec, recipe, boxes, over in (("x152", x152, "vinvl", None, region), ("r101", r101, "caffe", "adaptive", region),
+                                           ("x152-grid", x152, "grid-feats", "grid", grid), ("r101-grid", r101, "grid-feats", "grid", grid)):
+        model, selector, resolved = _setup(spec, recipe, boxes, dev, over)
+        runs[key] = _runner(model, selector, resolved, photos, dev)
+    work = f"{images} photos 480x640 at {short}/{long}, {props} proposals, batch 1"
+    common = dict(work=work, tolerance=0.0, sync=sync, per_call=float(images), unit="s/img")
+    s = lambda f: (lambda: f())  # noqa: E731
+    return [
+        Case("regions X-152 vs R-101", "VinVL X-152 C4 (vinvl)", "bottom-up R-101 C4 (caffe)", run_project=s(runs["x152"]),
+             run_baseline=s(runs["r101"]), check=_shared(x152.feature_dim, images), note="ratio < 1: X-152 is slower", **common),
+        Case("grid vs regions (X-152)", "X-152 grid 7x7", "X-152 regions (vinvl)", run_project=s(runs["x152-grid"]),
+             run_baseline=s(runs["x152"]), check=_shared(x152.feature_dim, images), **common),
+        Case("grid vs regions (R-101)", "R-101 grid 7x7", "R-101 regions (caffe)", run_project=s(runs["r101-grid"]),
+             run_baseline=s(runs["r101"]), check=_shared(r101.feature_dim, images), **common),
+    ]
