@@ -327,3 +327,28 @@ def test_labelmap_names_and_refusals(tmp_path, shared_data, vinvl_file):
     res = CliRunner().invoke(app, ["extract", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s3"), "--workers", "0",
                                    "--set", "extract.recipes.vinvl.nms_filter=2", "--set", "extract.recipes.vinvl.ignore_box_regression=false"])
     assert res.exit_code == 2 and "nms_filter 2 needs ignore_box_regression" in res.output
+
+
+def test_nms_variants_and_the_shared_graph_path():
+    """``nms_variant``: torchvision (IoU > t, no +1), legacy-cuda (+1 areas, >), legacy-cpu (+1 areas, >=); the
+    one-overlap-graph path of ``nms_filter`` 1 keeps what the per-class loop keeps."""
+    from types import SimpleNamespace
+
+    from extractors import vinvl_select
+
+    boxes = torch.tensor([[0.0, 0.0, 9.0, 9.0], [0.0, 0.0, 9.0, 4.0]])  # IoU 36/81 without +1, 50/100 with +1
+    scores = torch.tensor([0.9, 0.8])
+    assert vinvl_select.nms_keep(boxes, scores, 0.5, "torchvision").tolist() == [0, 1]
+    assert vinvl_select.nms_keep(boxes, scores, 0.5, "legacy-cuda").tolist() == [0, 1]
+    assert vinvl_select.nms_keep(boxes, scores, 0.5, "legacy-cpu").tolist() == [0]
+    assert vinvl_select.nms_keep(boxes, scores, 0.44, "torchvision").tolist() == [0]  # 36 / 81 > 0.44
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(120, 2, generator=g) * 300
+    props = torch.cat([xy, xy + 20 + torch.rand(120, 2, generator=g) * 150], 1)
+    probs = torch.softmax(torch.randn(120, 31, generator=g) * 2, 1)
+    cls_boxes = props[:, None, :].expand(120, 31, 4).contiguous()
+    for variant in ("torchvision", "legacy-cpu"):
+        recipe = SimpleNamespace(nms_variant=variant, nms_thresh=0.3, conf_thresh=0.2, min_boxes=10, max_boxes=100)
+        a = vinvl_select.filter_peter(cls_boxes, probs, recipe, same_boxes=True)
+        b = vinvl_select.filter_peter(cls_boxes, probs, recipe, same_boxes=False)
+        assert torch.equal(a.rows, b.rows) and torch.equal(a.labels, b.labels) and a.rows.numel() >= 10
