@@ -86,9 +86,9 @@ def test_tsv_round_trip_is_byte_exact_via_cli(shared_data, tmp_path, fmt, name, 
 
 def test_float16_import_and_resume(shared_data, tmp_path):
     src = shared_data / "butd/caffe_obj36_train2014.tsv"
-    first = import_features("obj36-tsv", [src], tmp_path / "s", limit=4, commit_every=2)
+    first = import_features("obj36-tsv", [src], tmp_path / "s", limit=4, commit_every=2, feature_dtype="float16")
     assert first.imported == 4
-    again = import_features("obj36-tsv", [src], tmp_path / "s", commit_every=3)
+    again = import_features("obj36-tsv", [src], tmp_path / "s", commit_every=3)  # resumes in the store's dtype
     assert (again.already_present, again.imported) == (4, 6)
     store = FeatureStore(tmp_path / "s")
     assert len(store) == 10 and store.feature_dtype == "float16" and "132417" in store
@@ -222,7 +222,7 @@ def test_m2_hdf5(tmp_path):
 
 def test_export_float16_store_and_identity_mismatch(shared_data, tmp_path):
     src = shared_data / "butd/caffe_trainval36_150367.tsv"
-    import_features("butd-tsv", [src], tmp_path / "s")
+    import_features("butd-tsv", [src], tmp_path / "s", feature_dtype="float16")
     assert export_tsv(tmp_path / "s", tmp_path / "o.tsv") == 1
     (where, fields), = list(iter_lines(tmp_path / "o.tsv"))
     rec = decode_butd(fields, where)

@@ -111,13 +111,18 @@ def region_relevance(model: Captioner, inputs: dict[str, torch.Tensor], row: int
 
 
 class FeatureCache:
-    """A feature store used as a cache: ``has``/``get`` read committed images, ``add``/``commit`` extend it."""
+    """A feature store used as a cache: ``has``/``get`` read committed images, ``add``/``commit`` extend it.
+
+    Same numbers, same captions: a photo detected now is captioned from the copy the cache holds (read back
+    after the commit), as a rerun captions it, so the first run and a rerun give the same caption whatever the
+    store's dtype. A new cache stores float32 (the detector's numbers as they are: the captions equal those of
+    a run without ``--cache``); an existing store (e.g. a float16 one made by ``extract``) keeps its dtype."""
 
     def __init__(self, path: Path, identity: dict[str, Any]) -> None:
         from pipeline.store import FeatureStore, open_writer
 
         # any store whose settings agree on what determines the features will do (e.g. one made by `extract`)
-        self.writer = open_writer(path, identity, match="features")
+        self.writer = open_writer(path, identity, "float32", match="features")
         self.reader = FeatureStore(path)
 
     def has(self, key: str) -> bool:
@@ -238,6 +243,9 @@ class PhotoCaptioner:
                           attr_ids=rec.get("attr_ids"), attr_scores=rec.get("attr_scores"))
         if cache is not None:
             cache.commit()
+            for i in todo:  # caption from the cache's copy, as a rerun will: the same numbers, the same caption
+                if records[i] is not None:
+                    records[i] = cache.get(chunk[i].key)
 
     def _check_dim(self, rec: dict[str, Any]) -> None:
         dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)

@@ -11,6 +11,7 @@ reported and counted.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def import_features(
     *,
     identity: dict[str, Any] | None = None,
     release: str | None = None,
-    feature_dtype: str = "float16",
+    feature_dtype: str | None = None,
     keys: str | None = None,
     sizes: dict[str, tuple[int, int]] | None = None,
     skip_bad: bool = False,
@@ -96,6 +97,9 @@ def import_features(
     limit: int | None = None,
 ) -> ImportReport:
     """Stream ``sources`` in format ``fmt`` into the store at ``store`` (created or resumed).
+
+    ``feature_dtype``: ``float16`` or ``float32``; None keeps the source's numbers (:func:`store_dtype`): the
+    public files hold float32, which the releases' own code reads, so their captions need float32.
 
     Raises :class:`PipelineError` on the first bad row unless ``skip_bad``; duplicate ids within the
     import are bad rows; ids already committed by an earlier (interrupted) run are skipped.
@@ -116,8 +120,9 @@ def import_features(
     seen_keys: set[str] = set()
     if identity is not None and release is not None:
         identity = {**identity, "release": default_identity(fmt, release)["release"]}
-    with open_writer(store, identity or default_identity(fmt, release), feature_dtype, commit_every=commit_every) as writer, \
-            make_progress() as progress:
+    identity = identity or default_identity(fmt, release)
+    with ExitStack() as stack, make_progress() as progress:
+        writer = None
         task = progress.add_task(f"import {fmt}", total=None)
         for where, decode in spec.reader(paths, keys=keys, sizes=sizes):
             if limit is not None and report.seen >= limit:
@@ -126,6 +131,14 @@ def import_features(
             progress.advance(task)
             try:
                 rec = decode()
+            except PipelineError as exc:
+                rec, bad = None, exc
+            if writer is None and rec is not None:  # opened at the first image: its features say the source's dtype
+                writer = stack.enter_context(open_writer(store, identity, store_dtype(store, feature_dtype, rec["features"]),
+                                                         commit_every=commit_every))
+            try:
+                if rec is None:
+                    raise bad
                 key = rec["key"]
                 if key in seen_keys:
                     raise PipelineError(f"{where}: duplicate image id {key}")
@@ -140,12 +153,28 @@ def import_features(
                 report.imported += 1
             except PipelineError as exc:
                 if not skip_bad:
-                    writer.commit()  # keep the good images before it: a re-run after the fix resumes after them
+                    if writer is not None:
+                        writer.commit()  # keep the good images before it: a re-run after the fix resumes after them
                     raise
                 report.bad.append((where, str(exc)))
                 log.warning("skipped: %s", exc)
+        if writer is None:  # no image read: the (empty or resumed) store still exists afterwards
+            stack.enter_context(open_writer(store, identity, store_dtype(store, feature_dtype, None), commit_every=commit_every))
     log.info("import into %s: %s", store, report.summary())
     return report
+
+
+def store_dtype(store: str | Path, asked: str | None, features: Any) -> str:
+    """The feature dtype of an import: ``asked`` when given; else the dtype of a store being resumed; else the
+    source's (``float16`` features stay float16, every other dtype becomes float32, the widest the store holds)."""
+    if asked is not None:
+        return asked
+    from pipeline.store import FeatureStore
+    from pipeline.store.format import MANIFEST
+
+    if (Path(store) / MANIFEST).exists():
+        return FeatureStore(store).feature_dtype
+    return "float16" if features is not None and str(getattr(features, "dtype", "")) == "float16" else "float32"
 
 
 def iter_store_records(store: Any) -> Iterator[dict[str, Any]]:
