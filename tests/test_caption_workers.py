@@ -64,7 +64,7 @@ def test_cli_results_and_error_rows_equal_with_and_without_workers(env: dict[str
     the missing, broken, empty, cut-off and too-large files, in the same order; so do both when the features
     come from the --cache (there the photos are decoded only for their pictures, which are the same files)."""
     cache = tmp_path / "cache"
-    runs = {  # (features from the cached store are stored at lower precision: compared among themselves)
+    runs = {  # (runs with the cache are compared among themselves)
         "main": ["--num-workers", "0", "--cache", str(cache)],
         "workers": ["--num-workers", "2"],
         "main+cache": ["--num-workers", "0", "--cache", str(cache), "--visualize", str(tmp_path / "main+cache")],
