@@ -89,7 +89,7 @@ def test_dockerfile_copies_what_exists_and_is_slim():
 
 def _options(tokens: list[str]) -> tuple[dict[str, list[str]], int]:
     """docker run options (name -> values) and the index of the image name."""
-    takes_value = {"-v", "--volume", "--user", "-u", "--entrypoint", "--gpus", "--shm-size", "-e", "--env", "--cpus"}
+    takes_value = {"-v", "--volume", "--user", "-u", "--entrypoint", "--gpus", "--shm-size", "-e", "--env", "--cpus", "-p", "--publish"}
     opts: dict[str, list[str]] = {}
     i = 2
     while tokens[i].startswith("-"):
@@ -117,10 +117,13 @@ def test_readme_docker_commands_use_what_the_image_has():
     for tokens in runs:
         opts, at = _options(tokens)
         assert tokens[at] == tag, "runs the image that was built"
-        assert "-t" in opts and ("--ipc" in opts or "--shm-size" in opts) and "--user" in opts
+        args = tokens[at + 1 :]
+        assert "-t" in opts and "--user" in opts
+        if args[0] != "serve":  # serve decodes uploads in its model thread: no DataLoader workers, no /dev/shm
+            assert "--ipc" in opts or "--shm-size" in opts
         mounts = [PurePosixPath(v.split(":")[1]) for v in opts.get("-v", [])]
         assert mounts and all(m.is_relative_to(workdir) for m in mounts), "mounts land under the working folder"
-        args = tokens[at + 1 :]
+        assert all(v.startswith("$PWD/runs") for v in opts["-v"]), "host folders lie under ./runs (made by mkdir -p runs)"
         outputs = [a for a in args if "/" in a and not a.startswith("-")]
         for rel in outputs:  # every path the command writes lies inside a mount, so it reaches the host
             assert any((workdir / rel).is_relative_to(m) for m in mounts), rel
@@ -143,3 +146,99 @@ def test_readme_documents_shm_and_user():
 @pytest.mark.parametrize("rel,ignored", [("runs", True), (".venv", True), ("bench", False), ("configs", False)])
 def test_dockerignore(rel, ignored):
     assert dockerignored(rel) is ignored
+
+
+def test_readme_makes_the_mounted_folder_before_running_and_serves_as_the_image_allows():
+    """On a fresh clone ./runs does not exist (rootful Docker would create it root-owned): the README makes it
+    before the first run; the serve line publishes the port the server listens on, on all addresses, with the
+    model mounted read-only."""
+    import yaml
+
+    section = (REPO / "README.md").read_text().split("\n## Docker\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for b in re.findall(r"```bash\n(.*?)```", section, re.S) for line in b.strip().splitlines()]
+    first_run = next(i for i, line in enumerate(lines) if line.startswith("docker run"))
+    assert "mkdir -p runs" in lines[:first_run]
+    assert "without `--user`" in section.lower() and "10001" in section  # what a run without --user needs
+    serve = [c for c in readme_docker_commands() if c[1] == "run" and "serve" in c]
+    assert len(serve) == 1
+    opts, at = _options(serve[0])
+    args = serve[0][at + 1 :]
+    port = yaml.safe_load((REPO / "configs/serve.yaml").read_text())["serve"]["port"]
+    assert opts["-p"] == [f"{port}:{port}"] and args[args.index("--host") + 1] == "0.0.0.0"
+    expose = [rest for word, rest in instructions() if word == "EXPOSE"]
+    assert expose == [str(port)]
+    model = PurePosixPath("/work") / args[args.index("--model") + 1]
+    ro = [PurePosixPath(v.split(":")[1]) for v in opts["-v"] if v.endswith(":ro")]
+    assert any(model.is_relative_to(m) for m in ro), "the model is mounted read-only"
+    assert "BUTD_SERVE_TOKEN" in opts.get("-e", [])
+
+
+def test_dependency_layer_depends_on_the_lock_alone_and_code_layers_are_cheap():
+    """The first pip install sees only constraints.txt (a README, docs or code edit keeps the big layer); the
+    pycocoevalcap chmod runs in that layer (not as a 100 MB copy after every code edit); code is byte-compiled; the
+    editable install builds with the pinned setuptools (no build isolation downloading unpinned ones)."""
+    instrs = instructions()
+    runs = [i for i, (word, rest) in enumerate(instrs) if word == "RUN"]
+    dep = next(i for i in runs if "pip install" in instrs[i][1])
+    copied = [src for word, rest in instrs[:dep] if word == "COPY" for src in shlex.split(rest)[:-1]]
+    assert copied == ["constraints.txt"], copied
+    assert "--no-deps -r" in instrs[dep][1] and "constraints.txt" in instrs[dep][1] and "pip check" in instrs[dep][1]
+    chmods = [i for i in runs if "chmod -R" in instrs[i][1]]
+    assert chmods == [dep], "the site-packages chmod belongs to the dependency layer"
+    code = max(i for i, (word, _) in enumerate(instrs) if word == "COPY")
+    after = " ".join(instrs[i][1] for i in runs if i > code)
+    assert "compileall" in after and "--no-build-isolation" in after
+
+
+def _pins() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not pinned with =="
+            out[_norm(name)] = version
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_constraints_pin_what_the_image_installs_and_the_tests_run_on():
+    """constraints.txt is the lock of the image: every distribution the project needs (transitively, with its
+    dev extra and the build requirements) is pinned, at the version installed where these tests run; the image's
+    Python is the Python of these tests."""
+    import importlib.metadata as md
+    import sys
+
+    from packaging.requirements import Requirement
+
+    instrs = instructions()
+    args = dict(rest.split("=", 1) for word, rest in instrs if word == "ARG" and "=" in rest)
+    image_python = re.match(r"python:(\d+\.\d+)", args["PYTHON_IMAGE"]).group(1)
+    assert image_python in (REPO / "constraints.txt").read_text().split("\n", 2)[0]  # the header names it
+    pins = _pins()
+    for build in tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]:
+        assert _norm(Requirement(build).name) in pins, build
+    try:
+        md.distribution("butd-caption")
+    except md.PackageNotFoundError:
+        pytest.skip("butd-caption is not installed here (pip install -e .)")
+    if f"{sys.version_info.major}.{sys.version_info.minor}" != image_python:
+        pytest.skip(f"these tests run on Python {sys.version_info.major}.{sys.version_info.minor}; the image uses {image_python}")
+    seen, todo = set(), [("butd-caption", {"dev"})]
+    while todo:
+        name, extras = todo.pop()
+        if _norm(name) in seen:
+            continue
+        seen.add(_norm(name))
+        dist = md.distribution(name)
+        if name != "butd-caption":
+            assert _norm(name) in pins, f"{name} (needed, installed {dist.version}) is not pinned in constraints.txt"
+            assert pins[_norm(name)] == dist.version, f"{name}: constraints.txt pins {pins[_norm(name)]}, the tests run on {dist.version}"
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                todo.append((req.name, set(req.extras)))
+    assert len(seen) > 40  # torch's CUDA libraries, FastAPI's and Typer's dependencies were walked
