@@ -11,11 +11,19 @@ extrapolate a Karpathy-train epoch (113,287 images) from the measured images/s.
 
     PYTHONPATH=. python bench/train.py [--models san,ngsan,m2,aoa] [--device auto] [--precision auto]
                                         [--batch N] [--iters 5] [--stages xe,scst] [--cider]
+                                        [--deterministic off|on|both]
+
+``--deterministic on`` times the steps under ``train.deterministic: true``
+(:func:`pipeline.core.training.determinism.deterministic_mode`); ``both`` times every row without and with
+it, one after the other on the same model and batches, and prints the cost as a ratio. ``CUBLAS_WORKSPACE_CONFIG``
+is set for the whole process then (it must be set before cuBLAS's first call), so the "off" rows of ``both``
+run with the fixed cuBLAS workspace too; run ``off`` and ``on`` as two processes to include its cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -25,6 +33,7 @@ from models import build_captioner, model_card
 from pipeline.metrics.cider import CiderD
 from pipeline.core.distributed import resolve_device
 from pipeline.core.training import autocast, resolve_precision
+from pipeline.core.training.determinism import CUBLAS_SETTING, deterministic_mode
 from pipeline.training.engine import build_optimizer
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.scst_step import greedy_rewards, scst_loss
@@ -67,7 +76,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab) -> tuple[int, float]:
+def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
+                deterministic: bool = False) -> tuple[int, float]:
+    """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step."""
+    with deterministic_mode(deterministic, "--deterministic"):
+        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab)
+
+
+def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD,
+                 vocab: Vocab) -> tuple[int, float]:
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
     b = batch_size or recipe.batch_size
     torch.manual_seed(0)
@@ -115,7 +132,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cider", action="store_true", help="also run the CIDEr-D rows of python -m bench (vs pycocoevalcap)")
+    ap.add_argument("--deterministic", choices=("off", "on", "both"), default="off",
+                    help="time under train.deterministic: true (on), or without and with it (both: the cost as a ratio)")
     args = ap.parse_args()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
+    if True in modes:  # before cuBLAS's first call (see the module docstring)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_SETTING)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -127,14 +149,21 @@ def main() -> None:
     corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
     vocab = Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
     print(f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
-          f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}")
-    print(f"{'model':<7}{'stage':<6}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
+          f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
+          f", deterministic {args.deterministic}")
+    print(f"{'model':<7}{'stage':<6}{'det':<5}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
     for name in args.models.split(","):
         for stage in args.stages.split(","):
-            b, sec = bench_stage(name, stage, args.batch, args.iters, device, amp, scorer, vocab)
-            ips = b / sec
-            epoch = COCO_TRAIN_IMAGES / ips
-            print(f"{name:<7}{stage:<6}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m", flush=True)
+            seconds = []
+            for det in modes:
+                b, sec = bench_stage(name, stage, args.batch, args.iters, device, amp, scorer, vocab, deterministic=det)
+                seconds.append(sec)
+                ips = b / sec
+                epoch = COCO_TRAIN_IMAGES / ips
+                print(f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m",
+                      flush=True)
+            if len(seconds) == 2:
+                print(f"{name:<7}{stage:<6}deterministic costs x{seconds[1] / seconds[0]:.2f} the step time", flush=True)
     if args.cider:
         from bench.__main__ import main as bench_main
 

@@ -1,6 +1,7 @@
 """The RoI head: ROIPool 14x14 on C4, res5 (stride 1, dilation 2), mean pooling, and the predictors.
 
-* ``roi_pool5`` (Caffe ROIPooling == torchvision ``roi_pool``): 14x14 max bins at ``1/16``.
+* ``roi_pool5`` (Caffe ROIPooling == torchvision ``roi_pool``; :mod:`extractors.roi_pool` for a deterministic
+  CUDA backward): 14x14 max bins at ``1/16``.
 * res5: ``res5_blocks`` bottlenecks; with dilation > 1 the first block has stride 1 and every 3x3 conv has
   dilation = pad = 2 (test.prototxt ``res5*_branch2b``), so a 14x14 RoI stays 14x14.
 * ``pool5_flat``: global average over the 14x14 map -> the 2048-d region feature (non-negative: after ReLU).
@@ -15,9 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import roi_pool
-
 from extractors.resnet_caffe import make_stage
+from extractors.roi_pool import roi_pool
 from extractors.spec import BottomUpSpec
 
 

@@ -39,6 +39,7 @@ from pipeline.core.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import UsageError
+from pipeline.core.training.determinism import deterministic_mode
 from pipeline.core.training import (StopOnSignal, autocast, check_finite, make_scaler, optimizer_step, resolve_precision,
                                     restore_training_state, seed_everything, training_state)
 
@@ -142,7 +143,8 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     if int(cfg.train.threads) > 0:
         torch.set_num_threads(int(cfg.train.threads))
     try:
-        return DetectorTrainer(Path(stage_dir), cfg).run()
+        with deterministic_mode(bool(cfg.train.deterministic), "train.deterministic"):
+            return DetectorTrainer(Path(stage_dir), cfg).run()
     finally:
         torch.set_num_threads(threads)
 

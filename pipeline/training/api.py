@@ -43,6 +43,7 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     ``summary`` = {model, stages, best {metric, value, stage, epoch}, global_steps, history}.
     """
     from pipeline.core import distributed
+    from pipeline.core.training.determinism import deterministic_mode
     from pipeline.training.engine import Trainer
 
     import torch
@@ -54,7 +55,8 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     name = stage_name or f"train-{section.model}"
 
     def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        summary = Trainer(stage_dir, scfg, ctx).run()
+        with deterministic_mode(bool(scfg.deterministic), "train.deterministic"):  # before the model touches cuBLAS
+            summary = Trainer(stage_dir, scfg, ctx).run()
         outputs = {"last": "last.pt", "best": "best.pt", "log": "log.jsonl"}
         if "xe" in scfg.stages:
             outputs["xe"] = "xe.pt"
