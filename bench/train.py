@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -85,17 +86,32 @@ def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, devic
 
 def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD,
                  vocab: Vocab) -> tuple[int, float]:
+    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1)
+    step(batches[0])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(batches[1 + i % (len(batches) - 1)])
+    sync(device)
+    return b, (time.perf_counter() - t0) / iters
+
+
+def prepare_stage(name: str, stage: str, batch_size: int | None, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
+                  num_batches: int, seed: int = 0) -> tuple[torch.nn.Module, Callable[[dict], torch.Tensor], list[dict], int]:
+    """A paper-size ``name`` captioner on ``device``, its stage optimiser (lr 1e-5) and ``num_batches`` synthetic
+    batches; ``step(batch)`` runs one training step of ``stage`` (xe | scst) under ``amp`` and returns the loss.
+    Returns ``(model, step, batches, images per batch)``."""
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
     b = batch_size or recipe.batch_size
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = build_captioner(name, VOCAB_SIZE).to(device).train()
     opt = build_optimizer(recipe, model.parameters())
     for group in opt.param_groups:
         group["lr"] = 1e-5
-    rng = torch.Generator().manual_seed(0)
-    batches = [make_batch(b, VOCAB_SIZE, device, rng) for _ in range(min(iters, 3) + 1)]
+    rng = torch.Generator().manual_seed(seed)
+    batches = [make_batch(b, VOCAB_SIZE, device, rng) for _ in range(num_batches)]
 
-    def step(batch: dict) -> None:
+    def step(batch: dict) -> torch.Tensor:
         with autocast(device, amp):
             if stage == "xe":
                 loss, count = xe_loss_sum(model, batch, recipe.label_smoothing, recipe.ss_prob(10))
@@ -112,14 +128,18 @@ def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, devi
         if recipe.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
         opt.step()
+        return loss.detach()
 
-    step(batches[0])  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(iters):
-        step(batches[1 + i % (len(batches) - 1)])
-    sync(device)
-    return b, (time.perf_counter() - t0) / iters
+    return model, step, batches, b
+
+
+def bench_vocab() -> Vocab:
+    """A 9,487-word vocabulary whose ids 4.. decode to the reference corpus's words, so sampled ids become real
+    (mostly wrong) words."""
+    words = ("<pad>", "<bos>", "<eos>", "<unk>")
+    rng = np.random.default_rng(0)
+    corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
+    return Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
 
 
 def main() -> None:
@@ -142,12 +162,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     amp = resolve_precision(args.precision, device, "--precision")
-    words = ("<pad>", "<bos>", "<eos>", "<unk>")
-    scorer = reference_corpus(Vocab(words))
-    # a vocabulary whose ids 4.. decode to the corpus words, so sampled ids become real (mostly wrong) words
-    rng = np.random.default_rng(0)
-    corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
-    vocab = Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
+    scorer = reference_corpus(Vocab(("<pad>", "<bos>", "<eos>", "<unk>")))
+    vocab = bench_vocab()
     print(f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
           f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
           f", deterministic {args.deterministic}")

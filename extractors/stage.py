@@ -117,7 +117,7 @@ def _device(section: Config, job: ExtractJob) -> Any:
     """``extract.device``; under torchrun with shards, ``cuda`` (or ``auto`` on a CUDA machine) means this rank's
     GPU, and more processes than visible GPUs share them: local rank ``r`` runs on ``cuda:(r mod GPUs)``
     (:func:`pipeline.core.distributed.shared_gpu`; each process holds its own detector, no collective runs on
-    the GPU), said once in the log."""
+    the GPU), said in the log."""
     import torch
 
     from pipeline.core.distributed import local_processes, resolve_device, shared_gpu, visible_gpus
@@ -127,9 +127,9 @@ def _device(section: Config, job: ExtractJob) -> Any:
         local_rank = int(os.environ["LOCAL_RANK"] or 0)
         dev = shared_gpu(local_rank)
         procs, gpus = local_processes(local_rank), visible_gpus()
-        if procs > gpus:
-            log.info("%d processes share %d visible GPU%s: local rank %d extracts on %s", procs, gpus, "" if gpus == 1 else "s",
-                     local_rank, dev)
+        if procs > gpus:  # said by rank 0 (the other ranks log warnings only), for every rank
+            log.info("%d processes share %d visible GPU%s: local rank r extracts on cuda:(r mod %d) (this process: local rank %d "
+                     "on %s)", procs, gpus, "" if gpus == 1 else "s", gpus, local_rank, dev)
         return dev
     return resolve_device(name)
 

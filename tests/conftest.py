@@ -23,3 +23,15 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data not found at {' or '.join(str(p / 'data') for p in SHARED_CANDIDATES)}")
     return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
