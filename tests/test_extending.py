@@ -39,7 +39,7 @@ def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.Com
 def plugin_env(tmp_path_factory) -> dict[str, str]:
     plugins = tmp_path_factory.mktemp("plugins")
     assert sorted(documented_files(plugins)) == ["toy.yaml", "toy_captioner.py", "toy_importer.py"]
-    return dict(os.environ, BUTD_PLUGINS="toy_captioner,toy_importer", PYTHONPATH=f"{plugins}{os.pathsep}{REPO}",
+    return dict(os.environ, BUTD_PLUGINS="toy_captioner,toy_importer", PYTHONPATH=os.pathsep.join([str(plugins), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                 BUTD_NO_PROGRESS="1", OMP_NUM_THREADS="1", BUTD_THREADS="1")
 
 

@@ -42,7 +42,7 @@ def test_torchrun_merges_its_shards_and_equals_one_process(tmp_path, shared_data
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "merged 2 shards (7 images)" in two.stdout
-    shards = sorted(p.name for p in (tmp_path / "two.shards").iterdir())
+    shards = sorted(p.name for p in (tmp_path / "two.shards").iterdir() if p.is_dir())  # beside them: each writer's .lock file
     assert shards == ["0-of-2", "1-of-2"]
     # batch-sized blocks: rank 0 got images 0-1 and 4-5, rank 1 images 2-3 and 6 (as the one-process batches)
     assert len(FeatureStore(tmp_path / "two.shards" / "0-of-2")) == 4 and len(FeatureStore(tmp_path / "two.shards" / "1-of-2")) == 3
