@@ -11,7 +11,12 @@ entry (a captioner plus train overrides, e.g. ``ngsan-signed``), so ablations si
 ``demo.features`` (``--features region,grid``) extracts each kind of feature from the demo detector and trains
 every captioner on each: ``grid`` is the res5 map of the whole image pooled to ``demo.grid`` x ``demo.grid``
 cells (docs/recipes.md#grid), stages ``features-grid``, ``train-<name>+grid``, ``eval-<name>+grid``, and the
-table's rows ``<name>+grid`` sit beside the region rows.
+table's rows ``<name>+grid`` sit beside the region rows. The kind ``oracle`` needs no detector: the world's
+ground-truth regions (:mod:`pipeline.world.oracle_features`, ``demo.oracle``), stages ``features-oracle``,
+``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it.
+``demo.seeds`` trains (and evaluates) each captioner with that many training seeds (``train.seed``,
+``train.seed + 1``, ...; the first keeps the single-run folder names, the others end in ``-seed<N>``); the
+report holds every seed's figures and their mean and sample standard deviation.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ class DemoReport:
 
     out: Path
     stages: list[StageResult] = field(default_factory=list)
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    grounding: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # per row: mean over seeds
+    grounding: dict[str, dict[str, Any]] = field(default_factory=dict)  # per row: mean over seeds
+    spread: dict[str, dict[str, float]] = field(default_factory=dict)  # per row: sample sd over seeds (metrics + grounding)
+    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per row: {seed, metrics, grounding, train_seconds}
     detector: dict[str, Any] = field(default_factory=dict)
     pictures: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -53,6 +60,8 @@ class DemoReport:
             "detector": self.detector,
             "metrics": self.metrics,
             "grounding": self.grounding,
+            "spread": self.spread,
+            "runs": self.runs,
             "pictures": self.pictures,
         }
 
@@ -101,6 +110,37 @@ def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path,
         }
 
     return work
+
+
+def _oracle_work(world_dir: Path):
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        from pipeline.world.oracle_features import write_oracle_store
+
+        summary = write_oracle_store(world_dir, stage_dir / "store", noise=float(cfg.noise), seed=int(cfg.seed),
+                                     box_features=bool(cfg.box_features), key="file_name")
+        return {"store": "store"}, summary
+
+    return work
+
+
+def _stage_seconds(result: StageResult) -> float:
+    """How long the stage took when it ran (also when this run skipped it: from its manifest)."""
+    from pipeline.core.stages import read_manifest
+
+    if not result.skipped:
+        return round(result.seconds, 1)
+    return round(float((read_manifest(result.directory) or {}).get("seconds", 0.0)), 1)
+
+
+def mean_and_spread(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean and sample standard deviation (0 for one row) of every numeric key the rows share."""
+    import statistics
+
+    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and all(isinstance(r.get(k), (int, float)) for r in rows)] if rows else []
+    mean = {k: statistics.fmean(float(r[k]) for r in rows) for k in keys}
+    spread = {k: statistics.stdev(float(r[k]) for r in rows) if len(rows) > 1 else 0.0 for k in keys}
+    return mean, spread
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -158,7 +198,7 @@ def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Pat
     return tcfg
 
 
-FEATURE_KINDS = ("region", "grid")
+FEATURE_KINDS = ("region", "grid", "oracle")
 
 
 def demo_feature_kinds(cfg: Config, kinds: list[str] | None = None) -> list[str]:
@@ -182,6 +222,8 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
     captioners = demo_captioners(cfg, models)
     kinds = demo_feature_kinds(cfg, features)
+    if int(cfg.demo.seeds) < 1:
+        raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
     t0 = time.perf_counter()
     report = DemoReport(out=out)
     from pipeline.world.generate import generate_world
@@ -192,18 +234,24 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         report.seconds = time.perf_counter() - t0
         return report
 
-    from extractors.training.stage import demo_detector_config, train_detector
+    stores: dict[str, tuple[StageResult, Path]] = {}
+    if "oracle" in kinds:
+        feats = run_stage(out, "features-oracle", _with_inputs(cfg.demo.oracle, world=world), _oracle_work(world.directory), force=force)
+        report.stages.append(feats)
+        stores["oracle"] = (feats, feats.directory / feats.outputs["store"])
+    weights: Path | None = None
+    if any(kind != "oracle" for kind in kinds):
+        from extractors.training.stage import demo_detector_config, train_detector
 
-    det_cfg = demo_detector_config(world.directory, overrides=list(cfg.demo.detector_overrides))
-    detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
-    report.stages.append(detector)
-    report.detector = dict(detector.summary.get("eval", {}))
-    weights = detector.directory / detector.outputs["weights"]
+        det_cfg = demo_detector_config(world.directory, overrides=list(cfg.demo.detector_overrides))
+        detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
+        report.stages.append(detector)
+        report.detector = dict(detector.summary.get("eval", {}))
+        weights = detector.directory / detector.outputs["weights"]
 
     from extractors.stage import ExtractJob, extract_features
 
-    stores: dict[str, tuple[StageResult, Path]] = {}
-    for kind in kinds:
+    for kind in [k for k in kinds if k != "oracle"]:
         section = cfg.extract if kind == "region" else grid_extract_section(cfg)
         feats = extract_features(out, "features" if kind == "region" else "features-grid", section,
                                  ExtractJob(str(weights), (str(world.directory / "images"),)), config=_with_inputs(section, detector=detector), force=force)
@@ -223,28 +271,39 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     from pipeline.world.grounding import load_scenes
 
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
+    seeds = int(cfg.demo.seeds)
     for kind, (features, store), name, model in [(k, stores[k], n, m) for k in kinds for n, m in captioners.items()]:
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
         if kind == "grid":
             tcfg = tcfg.with_overrides({"train.max_boxes": int(cfg.demo.grid) ** 2})
-            name = f"{name}+grid"
-        trained = train_captioner(out, tcfg, force=force, stage_name=f"train-{name}")
-        report.stages.append(trained)
-        best = trained.directory / trained.outputs["best"]
-        ev = run_stage(
-            out, f"eval-{name}", _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only)}, train=trained, features=features),
-            _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only)), force=force,
-        )
-        report.stages.append(ev)
-        report.metrics[name] = dict(ev.summary.get("metrics", {}))
-        report.grounding[name] = _grounding(test_scenes, ev)
-        if int(cfg.demo.pictures) > 0 and kind == "region":
-            pics = run_stage(
-                out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),
-                _pictures_work(world.directory, best, weights, data.directory, cfg.caption), force=force,
+        name = name if kind == "region" else f"{name}+{kind}"
+        runs = []
+        for k in range(seeds):
+            seed = int(tcfg.train.seed) + k
+            suffix = f"-seed{seed}" if k else ""  # the first seed keeps the single-run folder names
+            trained = train_captioner(out, tcfg.with_overrides({"train.seed": seed}), force=force, stage_name=f"train-{name}{suffix}")
+            report.stages.append(trained)
+            best = trained.directory / trained.outputs["best"]
+            ev = run_stage(
+                out, f"eval-{name}{suffix}",
+                _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only)}, train=trained, features=features),
+                _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only)), force=force,
             )
-            report.stages.append(pics)
-            report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]
+            report.stages.append(ev)
+            runs.append({"seed": seed, "metrics": dict(ev.summary.get("metrics", {})), "grounding": _grounding(test_scenes, ev),
+                         "train_seconds": _stage_seconds(trained)})
+            if k == 0 and int(cfg.demo.pictures) > 0 and kind == "region":
+                pics = run_stage(
+                    out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),
+                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption), force=force,
+                )
+                report.stages.append(pics)
+                report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]
+        report.runs[name] = runs
+        report.metrics[name], metric_sd = mean_and_spread([r["metrics"] for r in runs])
+        ground_mean, ground_sd = mean_and_spread([r["grounding"] for r in runs])
+        report.grounding[name] = {k: ground_mean.get(k) for k in runs[0]["grounding"]} if seeds > 1 else runs[0]["grounding"]
+        report.spread[name] = {**metric_sd, **ground_sd}
     report.seconds = time.perf_counter() - t0
     from pipeline.core.fileio import atomic_write_text
 

@@ -63,7 +63,42 @@ def test_every_reference_caption_is_true_and_every_mirrored_relation_false(world
 ])
 def test_hand_scene(caption: str, phrases: list[bool], relation: bool | None, position: bool | None) -> None:
     verdict = judge_caption(caption, SCENE, VOCAB)
+    chance = verdict.pop("relation_chance")
     assert verdict == {"phrases": phrases, "relation": relation, "position": position}
+    assert (chance is None) == (relation is None)
+
+
+# Hand-made two-object scenes for every relation word: the red circle's box against the blue square's box
+# (x1, y1, x2, y2), and which of the four words hold for "circle REL square". Strict separation along the
+# axis: touching or overlapping boxes are in no relation along that axis.
+SQUARE = (100.0, 100.0, 140.0, 140.0)
+PAIRS = [
+    ((10, 100, 50, 140), {"left"}),                 # same row, circle left of square
+    ((200, 100, 240, 140), {"right"}),              # same row, circle right
+    ((100, 10, 140, 50), {"above"}),                # same column, circle above
+    ((100, 200, 140, 240), {"below"}),              # same column, circle below
+    ((10, 10, 50, 50), {"left", "above"}),          # diagonal: both hold
+    ((200, 200, 240, 240), {"right", "below"}),
+    ((60, 100, 100, 140), set()),                   # touching at x = 100: not strictly left
+    ((90, 90, 110, 110), set()),                    # overlapping: nothing
+    ((60, 10, 120, 50), {"above"}),                 # overlapping in x, above in y
+]
+PHRASES = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}
+
+
+@pytest.mark.parametrize(("circle", "true_words"), PAIRS)
+@pytest.mark.parametrize("word", list(PHRASES))
+@pytest.mark.parametrize("form", ["{a} {rel} {b}", "{a} is {rel} {b}", "there is {a} {rel} {b}"])
+def test_every_relation_word_true_and_false_on_hand_scenes(circle, true_words: set[str], word: str, form: str) -> None:
+    scene = Scene(300.0, 300.0, (SceneObject("circle", "red", "small", circle), SceneObject("square", "blue", "large", SQUARE)))
+    mirror = {"left": "right", "right": "left", "above": "below", "below": "above"}
+    forward = judge_caption(form.format(a="a red circle", rel=PHRASES[word], b="a blue square"), scene, VOCAB)
+    backward = judge_caption(form.format(a="a large blue square", rel=PHRASES[mirror[word]], b="one small red circle"), scene, VOCAB)
+    assert forward["phrases"] == [True, True] and backward["phrases"] == [True, True]
+    assert forward["relation"] is (word in true_words)
+    assert backward["relation"] is (word in true_words)  # "B mirror(REL) A" says the same as "A REL B"
+    assert forward["relation_chance"] == backward["relation_chance"] == len(true_words) / 4
+    assert forward["position"] is None
 
 
 def test_scores_count_claims_and_bad_files_name_themselves(tmp_path: Path) -> None:
@@ -73,7 +108,7 @@ def test_scores_count_claims_and_bad_files_name_themselves(tmp_path: Path) -> No
              {"image_id": 1, "caption": "two blue squares"},
              {"image_id": 1, "caption": "the the the"}]
     s = grounding_scores(preds, scenes)
-    assert s == {"object_accuracy": 0.8, "phrases": 5, "relation_accuracy": 0.5, "relations": 2,
+    assert s == {"object_accuracy": 0.8, "phrases": 5, "relation_accuracy": 0.5, "relations": 2, "relation_chance": 0.5,
                  "position_accuracy": None, "positions": 0, "captions_without_claims": 1}
     with pytest.raises(PipelineError, match="image 7"):
         grounding_scores([{"image_id": 7, "caption": "a circle"}], scenes)

@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
         num_images: Annotated[Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
         quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
-        features: Annotated[Optional[str], typer.Option("--features", help="Comma-separated feature kinds: region, grid (default demo.features).")] = None,
+        features: Annotated[Optional[str], typer.Option("--features", help="Comma-separated feature kinds: region, grid, oracle (default demo.features).")] = None,
+        seeds: Annotated[Optional[int], typer.Option("--seeds", help="Training seeds per captioner (demo.seeds); the table shows mean ± sd.")] = None,
     ) -> None:
         """Run the whole pipeline on the embedded synthetic world (no download): generate the world, train the
         demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate on the
@@ -46,11 +47,14 @@ def register(app: typer.Typer) -> None:
             butd-caption demo --models san,m2 --features region,grid --out runs/grid
 
             butd-caption demo --generate-only --out world --num-images 2000 --seed 1
+
+            butd-caption demo --config configs/demo_relations.yaml --models san,ngsan,ngsan-signed --seeds 3 --out runs/relations
         """
         from pipeline.core.config import load_config
 
         first = list(load_config("demo", opts.config).demo.quick_overrides) if quick else []
         extra = [f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None]
+        extra += [f"demo.seeds={seeds}"] if seeds is not None else []
         cfg = opts.resolve("demo", extra, first=first)
         names = [m.strip() for m in (models.split(",") if models else cfg.demo.models) if m.strip()]
         if not names:
@@ -91,20 +95,12 @@ def _print_report(report) -> None:
             + ", ".join(f"{k}={d[k]:.3f}" for k in ("recall", "class_accuracy", "attribute_accuracy", "colour_accuracy") if isinstance(d.get(k), (int, float)))
         )
     if report.metrics:
-        table = Table(title="captioning metrics (synthetic test split)", show_edge=False)
-        table.add_column("model")
-        for m in METRIC_COLUMNS:
-            table.add_column(m, justify="right")
-        for title, _, _ in GROUNDING_COLUMNS:
-            table.add_column(f"true {title}", justify="right")
-        for name, metrics in report.metrics.items():
-            ground = report.grounding.get(name, {})
-            cells = [f"{metrics[m]:.3f}" if m in metrics else "-" for m in METRIC_COLUMNS]
-            cells += [f"{ground[key]:.0%} of {ground[count]}" if ground.get(key) is not None else "-" for _, key, count in GROUNDING_COLUMNS]
-            table.add_row(name, *cells)
-        con.print(table)
+        if not con.is_terminal:  # a pipe or file gets the whole table, not rich's 80-column default that wraps cells
+            con.width = max(con.width, 160)
+        con.print(comparison_table(report))
         if report.grounding:
-            con.print("true objects / relations: noun phrases and spatial relations of the test captions that hold in the image")
+            con.print("true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
+                      "guess: what a random relation word between the same phrases would score")
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")
@@ -112,6 +108,42 @@ def _print_report(report) -> None:
             if gallery.is_file():
                 con.print(f"gallery ({name}): {gallery} (open it in a browser)")
     con.print(f"total {report.seconds:.1f} s; everything is in {report.out.resolve()} (summary.json)")
+
+
+def _cell(mean: float | None, sd: float | None, seeds: int, percent: bool) -> str:
+    if mean is None:
+        return "-"
+    text = f"{mean:.0%}" if percent else f"{mean:.3f}"
+    if seeds > 1 and sd is not None:
+        text += f" ± {sd * 100:.0f}" if percent else f" ± {sd:.3f}"
+    return text
+
+
+def comparison_table(report):
+    """The captioners' metrics (mean ± sample sd over the seeds when there are several) and grounding columns."""
+    from rich.table import Table
+
+    seeds = max((len(r) for r in report.runs.values()), default=1)
+    title = "captioning metrics (synthetic test split" + (f", mean ± sd over {seeds} seeds)" if seeds > 1 else ")")
+    table = Table(title=title, show_edge=False)
+    table.add_column("model", no_wrap=True)
+    for m in METRIC_COLUMNS:
+        table.add_column(m, justify="right")
+    for title, _, _ in GROUNDING_COLUMNS:
+        table.add_column(f"true {title}", justify="right")
+    table.add_column("guess", justify="right")
+    table.add_column("train s", justify="right")
+    for name, metrics in report.metrics.items():
+        ground, sd = report.grounding.get(name, {}), report.spread.get(name, {})
+        cells = [_cell(metrics.get(m), sd.get(m), seeds, False) for m in METRIC_COLUMNS]
+        for _, key, count in GROUNDING_COLUMNS:
+            cell = _cell(ground.get(key), sd.get(key), seeds, True)
+            cells.append(f"{cell} of {ground[count]:.0f}" if ground.get(key) is not None else cell)
+        cells.append(_cell(ground.get("relation_chance"), None, 1, True))
+        runs = report.runs.get(name, [])
+        cells.append(f"{sum(r['train_seconds'] for r in runs) / len(runs):.0f}" if runs else "-")
+        table.add_row(name, *cells)
+    return table
 
 
 def _short(summary: dict) -> str:

@@ -10,6 +10,11 @@ Semantics (the tests re-check every caption against the boxes with an independen
   object of NP1 and every object of NP2.
 * ``NP POSITION`` (count one) says which third of the image holds the object's centre.
 * ``on a B background`` names the background texture.
+
+Two caption styles (``world.captions``): ``mixed`` (the default: enumerations, counts, positions and at least two
+relations between any disjoint phrases) and ``relations`` (every caption states one relation between two
+objects that each have a name of their own, in either order; the comparison world of
+``configs/demo_relations.yaml``, where the relation is the only thing a caption can get wrong about geometry).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ POSITION_PHRASES: dict[tuple[str, str], str] = {
 }
 
 CAPTIONS_PER_IMAGE = 5
+CAPTION_STYLES = ("mixed", "relations")
 
 
 @dataclass(frozen=True)
@@ -179,8 +185,47 @@ def finish(text: str) -> str:
     return text[0].upper() + text[1:] + "."
 
 
+def _own_name(i: int, objects: Sequence[WorldObject]) -> Descriptor | None:
+    """The shortest descriptor (colour + shape, else size + colour + shape) that names object ``i`` alone."""
+    o = objects[i]
+    for desc in (Descriptor(None, o.colour, o.shape), Descriptor(o.size, o.colour, o.shape)):
+        if _members(desc, objects) == [i]:
+            return desc
+    return None
+
+
+def pair_relations(scene: Scene) -> list[tuple[Descriptor, str, Descriptor]]:
+    """Every true ``(A, REL, B)`` between two objects that each have a name of their own (both orders)."""
+    objs = scene.objects
+    names = [_own_name(i, objs) for i in range(len(objs))]
+    out = []
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i == j or a is None or b is None:
+                continue
+            out += [(a, rel, b) for rel in RELATIONS if group_relation_holds(rel, [objs[i].box], [objs[j].box])]
+    return out
+
+
+def make_relation_captions(scene: Scene, rng: np.random.Generator, n: int = CAPTIONS_PER_IMAGE) -> list[str]:
+    """``relations`` style: ``n`` captions, each one true relation between two singly named objects (each
+    drawn uniformly from :func:`pair_relations`); a scene without such a pair gets the ``mixed`` captions."""
+    relations = pair_relations(scene)
+    if not relations:
+        return make_captions(scene, rng, n)
+    captions: list[str] = []
+    for attempt in range(8 * n):
+        raw = finish(_relation_caption(scene, relations[int(rng.integers(len(relations)))], rng))
+        if raw not in captions or attempt >= 4 * n:
+            captions.append(raw)
+        if len(captions) == n:
+            break
+    return captions
+
+
 def make_captions(scene: Scene, rng: np.random.Generator, n: int = CAPTIONS_PER_IMAGE) -> list[str]:
-    """``n`` distinct raw captions (when the scene allows that many), at least two spatial ones if possible."""
+    """``mixed`` style: ``n`` distinct raw captions (when the scene allows that many), at least two spatial ones
+    if possible."""
     relations = _relations(scene)
     plan: list[str] = []
     if relations:

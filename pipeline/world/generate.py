@@ -21,7 +21,7 @@ from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import ConfigError
 from pipeline.core.fileio import atomic_write_bytes, atomic_write_json
-from pipeline.world.captions import make_captions, tokenize
+from pipeline.world.captions import CAPTION_STYLES, make_captions, make_relation_captions, tokenize
 from pipeline.world.export import SPLITS, write_annotations
 from pipeline.world.render import render_scene
 from pipeline.world.scene import SceneParams, sample_scene
@@ -65,9 +65,9 @@ def file_name(image_id: int, ext: str) -> str:
     return f"world_{image_id:06d}.{ext}"
 
 
-def make_image(task: tuple[int, int, dict[str, Any], str, int, str]) -> dict[str, Any]:
+def make_image(task: tuple[int, int, dict[str, Any], str, int, str, str]) -> dict[str, Any]:
     """Build (and, unless already on disk, write) image ``index``; returns its annotation record."""
-    index, seed, params_d, image_format, quality, out_dir = task
+    index, seed, params_d, image_format, quality, out_dir, style = task
     params = SceneParams(**params_d)
     scene_ss, render_ss, caption_ss = np.random.SeedSequence([seed, index]).spawn(3)
     scene = sample_scene(np.random.default_rng(scene_ss), params)
@@ -82,7 +82,8 @@ def make_image(task: tuple[int, int, dict[str, Any], str, int, str]) -> dict[str
         else:
             img.save(buf, format="PNG", optimize=False, compress_level=6)
         atomic_write_bytes(path, buf.getvalue())
-    captions = make_captions(scene, np.random.default_rng(caption_ss))
+    captioner = make_relation_captions if style == "relations" else make_captions
+    captions = captioner(scene, np.random.default_rng(caption_ss))
     return {
         "id": image_id,
         "file_name": name,
@@ -128,8 +129,11 @@ def generate_world(out_dir: str | Path, cfg: Config) -> tuple[dict[str, Any], di
     if fmt not in ("jpg", "png"):
         raise ConfigError(f"world.image_format must be 'jpg' or 'png', got {fmt!r}")
     params = scene_params(cfg)
+    style = str(cfg.captions)
+    if style not in CAPTION_STYLES:
+        raise ConfigError(f"world.captions must be one of {', '.join(CAPTION_STYLES)}, got {style!r}")
     (out / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
-    tasks = [(i, int(cfg.seed), params.__dict__, fmt, int(cfg.jpeg_quality), str(out)) for i in range(n)]
+    tasks = [(i, int(cfg.seed), params.__dict__, fmt, int(cfg.jpeg_quality), str(out), style) for i in range(n)]
     records: list[dict[str, Any]] = []
     with make_progress() as progress:
         bar = progress.add_task("generating world", total=n)

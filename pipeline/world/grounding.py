@@ -13,7 +13,10 @@ COCO instances (shape = category, colour and size = attribute ids), with the wor
   a caption with one single-object phrase is true iff that object's box centre lies in that third.
 
 :func:`grounding_scores` gives the fraction of true claims of each kind over a set of captions (and how many
-claims there were): ``relation_accuracy`` is what geometry-aware attention should improve.
+claims there were): ``relation_accuracy`` is what geometry-aware attention should improve. ``relation_chance``
+is its guessing rate: the share of the four relation words that would have been true between the same two
+phrases, averaged over the relation claims (what a captioner that names the same objects but draws the
+relation word at random would score).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from pipeline.core.errors import PipelineError
 from pipeline.core.fileio import read_json
 from pipeline.world.captions import tokenize
-from pipeline.world.geometry import group_relation_holds, position
+from pipeline.world.geometry import RELATIONS, group_relation_holds, position
 from pipeline.world.vocab import PLURALS
 
 NUMBERS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
@@ -136,16 +139,18 @@ def _find(tokens: Sequence[str], words: tuple[str, ...], start: int, end: int) -
 
 def judge_caption(caption: str, scene: Scene, vocab: Mapping[str, set[str]]) -> dict[str, Any]:
     """The claims of one caption and whether each holds: ``phrases`` (list of bools), ``relation`` and
-    ``position`` (None when the caption makes no such claim)."""
+    ``position`` (None when the caption makes no such claim), and ``relation_chance`` (the share of the four
+    relation words that hold between the relation's two phrases; None without a relation claim)."""
     tokens = tokenize(caption)
     phrases = parse_phrases(tokens, vocab["shapes"], vocab["colours"], vocab["sizes"])
-    verdict: dict[str, Any] = {"phrases": [p.holds(scene) for p in phrases], "relation": None, "position": None}
+    verdict: dict[str, Any] = {"phrases": [p.holds(scene) for p in phrases], "relation": None, "position": None, "relation_chance": None}
     for a, b in zip(phrases, phrases[1:]):
         rel = next((r for words, r in RELATION_WORDS.items() if _find(tokens, words, a.end, b.start)), None)
         if rel is not None:
             boxes_a = [o.box for o in a.members(scene)]
             boxes_b = [o.box for o in b.members(scene)]
             verdict["relation"] = group_relation_holds(rel, boxes_a, boxes_b)
+            verdict["relation_chance"] = sum(group_relation_holds(r, boxes_a, boxes_b) for r in RELATIONS) / len(RELATIONS)
             break
     if verdict["relation"] is None and len(phrases) == 1 and phrases[0].count == 1:
         for words, (h, v) in POSITION_WORDS.items():
@@ -158,7 +163,7 @@ def judge_caption(caption: str, scene: Scene, vocab: Mapping[str, set[str]]) -> 
 
 def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[int, Scene]) -> dict[str, Any]:
     """Fractions of true claims over ``predictions`` (``[{image_id, caption}]``): ``object_accuracy``
-    (noun phrases), ``relation_accuracy``, ``position_accuracy``, with the number of claims of each kind and
+    (noun phrases), ``relation_accuracy`` (with its guessing rate ``relation_chance``), ``position_accuracy``, with the number of claims of each kind and
     ``captions_without_claims`` (captions in which no noun phrase could be parsed)."""
     vocab: dict[str, set[str]] = {"shapes": {o.shape for s in scenes.values() for o in s.objects}, "colours": set(), "sizes": set()}
     for scene in scenes.values():
@@ -166,6 +171,7 @@ def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[i
         vocab["sizes"] |= {o.size for o in scene.objects if o.size}
     phrases: list[bool] = []
     relations: list[bool] = []
+    chances: list[float] = []
     positions: list[bool] = []
     empty = 0
     for pred in predictions:
@@ -177,15 +183,16 @@ def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[i
         empty += not v["phrases"]
         if v["relation"] is not None:
             relations.append(v["relation"])
+            chances.append(v["relation_chance"])
         if v["position"] is not None:
             positions.append(v["position"])
 
-    def frac(xs: list[bool]) -> float | None:
+    def frac(xs: list[bool] | list[float]) -> float | None:
         return round(sum(xs) / len(xs), 4) if xs else None
 
     return {
         "object_accuracy": frac(phrases), "phrases": len(phrases),
-        "relation_accuracy": frac(relations), "relations": len(relations),
+        "relation_accuracy": frac(relations), "relations": len(relations), "relation_chance": frac(chances),
         "position_accuracy": frac(positions), "positions": len(positions),
         "captions_without_claims": empty,
     }
