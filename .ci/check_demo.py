@@ -1,6 +1,9 @@
 """CI check of the reduced demo's summary: metrics above a floor, pictures written, or (--second) every stage
 skipped on a re-run, or (--compare a,b,c) a comparison run over the same run directory: one metrics row per
-name, the shared stages skipped. Usage: python .ci/check_demo.py RUN_DIR [--second | --compare NAMES]"""
+name, the shared stages skipped, or (--relations a,b,c TABLE) the relations comparison (configs/demo_relations.yaml
+--quick): one row per name with its relation rate and guessing rate, every seed's run recorded, and the printed
+table (TABLE: the command's output) holding every name.
+Usage: python .ci/check_demo.py RUN_DIR [--second | --compare NAMES | --relations NAMES TABLE]"""
 
 from __future__ import annotations
 
@@ -18,8 +21,23 @@ def main() -> int:
     args = sys.argv[2:]
     second = "--second" in args
     compare = args[args.index("--compare") + 1].split(",") if "--compare" in args else []
+    relations = args[args.index("--relations") + 1].split(",") if "--relations" in args else []
     summary = json.loads((run / "summary.json").read_text())
     problems = []
+    if relations:
+        table = Path(args[args.index("--relations") + 2]).read_text(encoding="utf-8")
+        if list(summary["metrics"]) != relations:
+            problems.append(f"relations rows {list(summary['metrics'])}, expected {relations}")
+        for name in relations:
+            ground = summary["grounding"].get(name, {})
+            if not isinstance(ground.get("relation_chance"), float) or not ground.get("relations"):
+                problems.append(f"{name}: no relation claims or no guessing rate in {ground}")
+            if not summary["runs"].get(name):
+                problems.append(f"{name}: no per-seed runs recorded")
+            if not any(line.split() and line.split()[0] == name for line in table.splitlines()):
+                problems.append(f"{name}: no row in the printed table")
+        if "guess" not in table:
+            problems.append("the printed table has no guess column")
     if second:
         ran = [s["stage"] for s in summary["stages"] if not s["skipped"]]
         if ran:
@@ -39,7 +57,7 @@ def main() -> int:
             if value is None or value < floor:
                 problems.append(f"{model}: {name} = {value} is below the floor {floor}")
     pictures = [p for pics in summary["pictures"].values() for p in pics]
-    if not pictures or not all(Path(p).is_file() and Path(p).stat().st_size > 1000 for p in pictures):
+    if not relations and not pictures or not all(Path(p).is_file() and Path(p).stat().st_size > 1000 for p in pictures):
         problems.append(f"pictures missing: {pictures}")
     print(json.dumps({"metrics": summary["metrics"], "grounding": summary.get("grounding"), "detector": summary["detector"], "pictures": len(pictures),
                       "stages": {s["stage"]: (s["skipped"], s["seconds"]) for s in summary["stages"]}}, indent=1))
