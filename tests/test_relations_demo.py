@@ -67,13 +67,15 @@ def _background(world: Path, image_id: int) -> str:
 
 def test_oracle_regions_without_box_features_carry_no_position(world: Path, tmp_path: Path) -> None:
     with_box = write_oracle_store(world, tmp_path / "a", noise=0.0)
-    without = write_oracle_store(world, tmp_path / "b", noise=0.0, box_features=False)
+    without = write_oracle_store(world, tmp_path / "b", noise=0.0, box_features=False, key="file_name")
     assert with_box["feature_dim"] == oracle_dim() == oracle_dim(box_features=False) + 5 == without["feature_dim"] + 5
     with FeatureStore(tmp_path / "a") as sa, FeatureStore(tmp_path / "b") as sb:
         assert sb.identity["box_features"] is False and "box_features" not in sa.identity
+        assert sorted(sb.keys()) == sorted(f"world_{int(k):06d}.jpg" for k in sa.keys())  # keyed by file name, as the demo's stores
         key = sorted(sa.keys())[0]
-        a, b = np.asarray(sa.get(key)["features"]), np.asarray(sb.get(key)["features"])
-        np.testing.assert_array_equal(np.asarray(sa.get(key)["boxes"]), np.asarray(sb.get(key)["boxes"]))  # the geometry input stays
+        other = f"world_{int(key):06d}.jpg"
+        a, b = np.asarray(sa.get(key)["features"]), np.asarray(sb.get(other)["features"])
+        np.testing.assert_array_equal(np.asarray(sa.get(key)["boxes"]), np.asarray(sb.get(other)["boxes"]))  # the geometry input stays
     # the same one-hot content, and without the box columns the rows are identical for objects of the same kind
     np.testing.assert_allclose(a[:, : b.shape[1]], b)
     assert set(np.unique(b)) <= {0.0, 1.0}
@@ -88,9 +90,9 @@ def test_comparison_trains_every_seed_and_reports_mean_and_spread(tmp_path: Path
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["metrics"]) == ["san", "ngsan-signed"]
+    assert list(summary["metrics"]) == ["san+oracle", "ngsan-signed+oracle"]
     assert not (out / "detector").exists() and not any(out.glob("pictures-*"))
-    for name in ("san", "ngsan-signed"):
+    for name in ("san+oracle", "ngsan-signed+oracle"):
         runs = summary["runs"][name]
         assert [r["seed"] for r in runs] == [1234, 1235]
         assert (out / f"train-{name}").is_dir() and (out / f"train-{name}-seed1235").is_dir() and (out / f"eval-{name}-seed1235").is_dir()
