@@ -360,3 +360,31 @@ def test_fuzzed_store_record_is_refused_with_one_line(tmp_path):
         res = CliRunner().invoke(app, ["info", "--verify", str(store)])
         assert res.exception is None or isinstance(res.exception, SystemExit), (k, res.exception)
         assert res.exit_code in (0, 1, 2) and "Traceback" not in res.output
+
+
+def test_hdf5_runtime_error_of_a_full_disk_is_the_disk_full_os_error(tmp_path, monkeypatch):
+    """Some h5py builds (the CUDA image's) report a write that fails at close on a full disk as RuntimeError
+    ("file write failed: ... errno = 28"), not OSError: the segment writer still says "disk full" with the path,
+    and leaves no partial file; a RuntimeError without an errno stays what it is."""
+    from pipeline.store import segment
+
+    def full_disk(h5py, path, *args):
+        path.write_bytes(b"partial")
+        raise RuntimeError("Can't decrement id ref count (file write failed: time = now, filename = 'x', "
+                           "file descriptor = 4, errno = 28, error message = 'No space left on device')")
+
+    monkeypatch.setattr(segment, "_write_segment_file", full_disk)
+    target = tmp_path / "seg-000000.h5.tmp"
+    with pytest.raises(OSError) as info:
+        segment.write_segment(target, [], num_images=0, num_rows=0, identity={}, feature_dtype="float32",
+                              feature_dim=4, fields=[], fsync=False)
+    assert info.value.errno == 28 and info.value.butd_action == "write feature segment"
+    assert info.value.filename == str(target) and not target.exists()
+
+    def other(h5py, path, *args):
+        raise RuntimeError("unrelated HDF5 failure")
+
+    monkeypatch.setattr(segment, "_write_segment_file", other)
+    with pytest.raises(RuntimeError, match="unrelated"):
+        segment.write_segment(target, [], num_images=0, num_rows=0, identity={}, feature_dtype="float32",
+                              feature_dim=4, fields=[], fsync=False)

@@ -124,14 +124,29 @@ def write_segment(
                             row_fields, chunk_rows, compression)
         if fsync:
             _fsync_file(path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         from pipeline.core.errors import annotate_os_error
 
         path.unlink(missing_ok=True)
-        raise annotate_os_error(exc, "write feature segment", path) from None
+        os_error = exc if isinstance(exc, OSError) else _hdf5_os_error(exc)
+        if os_error is None:
+            raise
+        raise annotate_os_error(os_error, "write feature segment", path) from None
     except BaseException:
         path.unlink(missing_ok=True)
         raise
+
+
+def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
+    """The OS error inside an HDF5 failure that h5py reports as ``RuntimeError`` (some builds raise it when a
+    close flushes to a full disk: "file write failed: ... errno = 28, error message = 'No space left on device'")."""
+    import re
+
+    found = re.search(r"errno = (\d+)", str(exc))
+    if not found:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], num_images: int, num_rows: int,
