@@ -100,8 +100,17 @@ class Recipe:
     res5_dilation: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (tuples as lists) for JSON, the store identity and ``cli info``."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """Plain values (tuples as lists) for JSON, the store identity and ``cli info``. The VinVL and grid fields
+        appear only for their selector (``to_bgr255`` when true), so the identity of a bottom-up recipe is what it
+        was before they existed."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        for key in VINVL_FIELDS if self.selector != "vinvl" else ():
+            out.pop(key)
+        for key in GRID_FIELDS if self.selector != "grid" else ():
+            out.pop(key)
+        if not self.to_bgr255:
+            out.pop("to_bgr255")
+        return out
 
     def with_(self, **changes: Any) -> "Recipe":
         return replace(self, **changes)
@@ -112,6 +121,8 @@ class Recipe:
         return all(getattr(self, k) is not None for k in _NULLABLE)
 
 
+VINVL_FIELDS = ("nms_filter", "ignore_box_regression", "roi_nms_thresh", "nms_variant", "attr_thresh", "max_attrs_per_image")
+GRID_FIELDS = ("grid", "res5_dilation")
 _INT = ("min_size", "max_size", "pre_nms_topk", "post_nms_topk", "min_boxes", "max_boxes", "max_attrs_per_image", "grid")
 _FLOAT = ("rpn_nms_thresh", "nms_thresh", "conf_thresh", "roi_nms_thresh", "attr_thresh")
 _NULLABLE = ("pixel_mean", "pixel_std", "min_size", "max_size", "pre_nms_topk", "post_nms_topk", "rpn_nms_thresh")

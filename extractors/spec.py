@@ -7,7 +7,7 @@ One frozen dataclass holds everything that shapes the network or its test-time b
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pipeline.core.errors import UsageError
@@ -122,9 +122,18 @@ class BottomUpSpec:
         return 4 * 2 ** (len(self.stage_blocks) - 1)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data; the ResNeXt / VinVL fields only when they differ from their defaults, so a
+        ResNet-101 identity (and a store written before those fields existed) stays the same."""
         d = asdict(self)
         d.pop("extra")
+        for key, default in NEWER_DEFAULTS.items():
+            if d[key] == default:
+                d.pop(key)
         return d
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)} - {"extra"}
 
     def with_(self, **changes: Any) -> "BottomUpSpec":
         """A copy with ``changes`` applied (the dataclass checks run again)."""
@@ -133,7 +142,7 @@ class BottomUpSpec:
     def with_overrides(self, overrides: dict[str, Any], key: str = "spec") -> "BottomUpSpec":
         """A copy with user overrides from config section ``key`` (lists become tuples); an unknown or invalid
         key is a :class:`~pipeline.core.errors.UsageError` naming ``key``."""
-        known = set(self.to_dict())
+        known = self.field_names()
         bad = sorted(set(overrides) - known)
         if bad:
             raise UsageError(f"unknown {key} key {bad[0]!r} (known: {', '.join(sorted(known))})")
@@ -141,6 +150,10 @@ class BottomUpSpec:
             return self.with_(**{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
         except (TypeError, ValueError) as exc:
             raise UsageError(f"invalid {key}: {exc}") from None
+
+
+NEWER_DEFAULTS: dict[str, Any] = {"groups": 1, "stride_in_1x1": True, "stem_pool": "caffe", "pixel_std": (1.0, 1.0, 1.0)}
+"""Fields added for ResNeXt / VinVL / grid-feats, left out of :meth:`BottomUpSpec.to_dict` at these values."""
 
 
 def caffe_r101() -> BottomUpSpec:

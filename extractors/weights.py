@@ -193,9 +193,8 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         sd[k] = v
     from extractors import layouts  # the vinvl / grid-feats layouts (docs/extractor.md#weights-layouts)
 
-    release = layouts.detect(sd) if container == "torch" else None
-    if release is not None:
-        return release, layouts.normalise(sd), meta
+    if container == "torch" and layouts.detect(sd) is not None:
+        return layouts.detect(sd), layouts.normalise(sd), meta
     return _detect_layout(path, sd, container), sd, meta
 
 
@@ -286,7 +285,7 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
 def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpSpec:
     """The :class:`BottomUpSpec` stored in a ``butd`` file (lists back to tuples; unknown keys refused)."""
     raw = dict(meta.get("spec", {}))
-    known = set(BottomUpSpec().to_dict())
+    known = BottomUpSpec.field_names()
     bad = sorted(set(raw) - known)
     if bad:
         raise WeightsError(f"weights file {path} (butd): unknown spec key '{bad[0]}'")
@@ -332,7 +331,6 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     layout, sd, meta = read_weights(path)
     if layout in ("vinvl", "grid-feats"):
         from extractors.layouts import load_release
-
         model, info = load_release(path, layout, sd, spec)
         info.update(layout=layout, weights_sha256=sha256_file(path), weights_file=Path(path).name, spec=model.spec.to_dict())
         return model.to(device), info
@@ -386,7 +384,6 @@ def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
     layout, sd, meta = read_weights(path)
     if layout in ("vinvl", "grid-feats"):
         from extractors.layouts import describe_release
-
         facts, spec = describe_release(layout, sd, path)
         return {"file": str(path), **facts, "keys": len(sd), "elements": int(sum(v.numel() for v in sd.values())), "sha256": sha256_file(path)}, spec
     spec = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)

@@ -242,6 +242,18 @@ def test_weight_independent_facts():
     assert torch.equal(random_detector(narrow_spec()).proposal_generator.anchor_generator.cell_anchors[0], cell)
 
 
+def test_older_identities_are_unchanged():
+    """The ResNeXt / VinVL / grid fields stay out of a bottom-up identity, so stores written before them resume."""
+    from extractors.recipes import recipe_from_config
+    from extractors.spec import caffe_r101
+
+    assert not {"groups", "stride_in_1x1", "stem_pool", "pixel_std"} & set(caffe_r101().to_dict())
+    assert {"groups", "stride_in_1x1", "stem_pool"} <= set(narrow_spec().to_dict())
+    caffe = recipe_from_config({"recipe": "caffe"}, "milvlg").to_dict()
+    assert not {"nms_filter", "to_bgr255", "grid", "res5_dilation", "nms_variant"} & set(caffe)
+    assert {"nms_filter", "to_bgr255", "nms_variant"} <= set(recipe_from_config({"recipe": "vinvl"}, "vinvl").to_dict())
+
+
 @pytest.mark.parametrize("mode,ignore", [(1, True), (2, True), (0, True), (1, False)])
 def test_extract_equals_the_release_pipeline(tmp_path, shared_data, vinvl_file, mode, ignore):
     files = [shared_data / "photos" / p for p in PHOTOS]
