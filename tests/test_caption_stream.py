@@ -36,7 +36,7 @@ def env(tmp_path_factory) -> dict[str, Path]:
 
 def caption(env: dict[str, Path], *args: str, model: str | None = None):
     return CliRunner().invoke(app, ["caption", *args, "--model", model or str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL],
-                              env={"COLUMNS": "300"})
+                              env={"COLUMNS": "600"})  # wide enough that a long temp path (xdist basetemp) never folds inside a name
 
 
 #: the most the peak RSS of `caption` on 400 small photos may exceed the peak on 40 (see the test below)
