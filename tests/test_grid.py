@@ -94,7 +94,7 @@ def _rows(fmap, k):
 
 
 def _extract(tmp_path, name, weights, *args):
-    res = CliRunner().invoke(app, ["extract", *args, "--weights", str(weights), "--store", str(tmp_path / name), "--workers", "0",
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", *args, "--weights", str(weights), "--store", str(tmp_path / name), "--workers", "0",
                                    "--set", "extract.feature_dtype=float32"])
     assert res.exit_code == 0, res.output
     return FeatureStore(tmp_path / name)
@@ -146,7 +146,7 @@ def test_caffe_r101_grid_geometry_and_refusals(tmp_path, shared_data, files):
     torch.save(sd, tmp_path / "X-152pp.pth")
     res = CliRunner().invoke(app, ["info", str(tmp_path / "X-152pp.pth")])
     assert res.exit_code != 0 and "deformable" in res.output and "Traceback" not in res.output
-    res = CliRunner().invoke(app, ["extract", f, "--weights", str(files / "X-152.pth"), "--store", str(tmp_path / "r"), "--recipe", "vinvl"])
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", f, "--weights", str(files / "X-152.pth"), "--store", str(tmp_path / "r"), "--recipe", "vinvl"])
     assert res.exit_code == 2 and "grid features only" in res.output
     res = CliRunner().invoke(app, ["info", str(files / "X-152.pth")])
     assert res.exit_code == 0 and "layout: grid-feats" in res.output and "recipe: grid-feats" in res.output

@@ -258,7 +258,7 @@ def test_older_identities_are_unchanged():
 def test_extract_equals_the_release_pipeline(tmp_path, shared_data, vinvl_file, mode, ignore):
     files = [shared_data / "photos" / p for p in PHOTOS]
     store = tmp_path / "s"
-    res = CliRunner().invoke(app, ["extract", *map(str, files), "--weights", str(vinvl_file), "--store", str(store), "--workers", "0",
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", *map(str, files), "--weights", str(vinvl_file), "--store", str(store), "--workers", "0",
                                    "--set", "extract.feature_dtype=float32", "--set", f"extract.recipes.vinvl.nms_filter={mode}",
                                    "--set", f"extract.recipes.vinvl.ignore_box_regression={str(ignore).lower()}"])
     assert res.exit_code == 0, res.output
@@ -289,7 +289,7 @@ def test_layout_variants_and_refusals(tmp_path, shared_data, vinvl_file):
     outs = []
     for i, kw in enumerate([{}, {"module_prefix": False, "wrap": True, "anchors": False, "copies": False}]):
         p = save_vinvl(model, tmp_path / f"w{i}.pth", **kw)
-        res = CliRunner().invoke(app, ["extract", photo, "--weights", str(p), "--store", str(tmp_path / f"s{i}"), "--workers", "0"])
+        res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(p), "--store", str(tmp_path / f"s{i}"), "--workers", "0"])
         assert res.exit_code == 0, res.output
         outs.append(FeatureStore(tmp_path / f"s{i}").get("132417"))
     np.testing.assert_array_equal(outs[0]["boxes"], outs[1]["boxes"])
@@ -327,16 +327,16 @@ def test_labelmap_names_and_refusals(tmp_path, shared_data, vinvl_file):
     lm = {"label_to_idx": {f"obj{i}": i + 1 for i in range(40)}, "attribute_to_idx": {f"att{i}": i + 1 for i in range(30)}}
     (tmp_path / "lm.json").write_text(json.dumps(lm))
     photo = str(shared_data / "photos" / PHOTOS[0])
-    res = CliRunner().invoke(app, ["extract", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s"), "--workers", "0",
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s"), "--workers", "0",
                                    "--set", f"extract.labelmap={tmp_path / 'lm.json'}"])
     assert res.exit_code == 0, res.output
     assert len(FeatureStore(tmp_path / "s").identity["config"]["labelmap_sha256"]) == 64
     lm["label_to_idx"] = {f"obj{i}": i + 1 for i in range(39)}
     (tmp_path / "bad.json").write_text(json.dumps(lm))
-    res = CliRunner().invoke(app, ["extract", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s2"), "--workers", "0",
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s2"), "--workers", "0",
                                    "--set", f"extract.labelmap={tmp_path / 'bad.json'}"])
     assert res.exit_code != 0 and "names 39 classes" in res.output
-    res = CliRunner().invoke(app, ["extract", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s3"), "--workers", "0",
+    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s3"), "--workers", "0",
                                    "--set", "extract.recipes.vinvl.nms_filter=2", "--set", "extract.recipes.vinvl.ignore_box_regression=false"])
     assert res.exit_code == 2 and "nms_filter 2 needs ignore_box_regression" in res.output
 

@@ -47,7 +47,7 @@ def test_train_evaluate_caption_on_vinvl_features(world, kind):
     root, weights = world
     store = root / f"store-{kind}"
     extra = ["--boxes", "grid", "--set", "extract.recipes.grid-feats.grid=4"] if kind == "grid" else []
-    _ok(CliRunner().invoke(app, ["extract", str(root / "world/images"), "--weights", str(weights), "--store", str(store), "--workers", "0",
+    _ok(CliRunner().invoke(app, ["extract", "--device", "cpu", str(root / "world/images"), "--weights", str(weights), "--store", str(store), "--workers", "0",
                                  *SCALE, *extra]))
     st = FeatureStore(store)
     assert st.feature_dim == 128 and len(st) == 40
@@ -64,7 +64,7 @@ def test_train_evaluate_caption_on_vinvl_features(world, kind):
     metrics = json.loads((root / f"metrics-{kind}.json").read_text())
     assert "CIDEr" in json.dumps(metrics), res.output
     photos = sorted((root / "world/images").iterdir())[:3]
-    cap = ["caption", *map(str, photos), "--model", str(ckpt), "--weights", str(weights), "--output", str(root / f"caps-{kind}.json"),
+    cap = ["caption", "--device", "cpu", *map(str, photos), "--model", str(ckpt), "--weights", str(weights), "--output", str(root / f"caps-{kind}.json"),
            "--set", "caption.min_size=128", "--set", "caption.max_size=200"]
     if kind == "grid":
         cap += ["--set", "caption.boxes=grid"]  # every cell of the map (the recipe table of configs/extract.yaml)
