@@ -7,6 +7,10 @@
   release's ``get_conv5_features`` equivalent); the Caffe R-101's dilated res5 (stride 1, dilation 2) is switched
   to stride 2 / dilation 1 with the same weights (``res5_dilation: 1``, what grid-feats-vqa does to its own
   models) or kept (``res5_dilation: 2``, a stride-16 map).
+* X-152++ (``DEFORM_ON_PER_STAGE`` res4, res5): every 3x3 conv of those stages is a deformable convolution
+  (Dai et al. 2017, DCNv1; detectron2 ``DeformBottleneckBlock``): offsets ``conv2_offset`` (3x3, with bias, the
+  conv2 geometry) on the conv1 output, channel 2k = dy and 2k + 1 = dx of tap k = 3i + j, bilinear sampling with
+  zeros outside, computed with ``torchvision.ops.deform_conv2d`` (one offset group, the conv's 32 groups).
 * ``grid: k`` > 0 average-pools the map to k x k with ``adaptive_avg_pool2d`` (RSTNet / DLCT ``AdaptiveAvgPool2d
   ((7, 7))``); 0 keeps every cell. Cell boxes: the cell's (or bin's) span at the map's stride, clipped to the
   resized image, then scaled to original pixels per axis. Row-major order (RSTNet ``view(49, 2048)``).
@@ -14,10 +18,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchvision.ops import deform_conv2d
 
 from extractors.bottom_up import RegionOutput
 from extractors.preprocess import Frame
@@ -36,6 +44,12 @@ class GridFeatsModel(nn.Module):
         self.spec = spec
         self.backbone = ResNetC4(tuple(spec.stage_blocks) + (spec.res5_blocks,), spec.stem_channels, spec.res2_bottleneck, spec.expansion,
                                  spec.bn_eps, groups=spec.groups, stride_in_1x1=spec.stride_in_1x1, stem_pool=spec.stem_pool)
+        for s in spec.deform_stages:  # detectron2 DeformBottleneckBlock: conv2_offset (18 channels, bias) beside conv2
+            for block in getattr(self.backbone, f"res{s}"):
+                width = block.conv2.weight.shape[0]
+                block.conv2_offset = nn.Conv2d(width, 18, 3, padding=1)
+                nn.init.zeros_(block.conv2_offset.weight)
+                nn.init.zeros_(block.conv2_offset.bias)
         self.roi_chunk = 0
         self.eval()
         for p in self.parameters():
@@ -55,25 +69,34 @@ class GridFeatsModel(nn.Module):
         return selector.detect(self, blobs, frames)
 
 
-def _conv(cn: ConvNorm, x: torch.Tensor, stride: int, dilation: int) -> torch.Tensor:
+def _conv(cn: ConvNorm, x: torch.Tensor, stride: int, dilation: int, offset_conv: nn.Conv2d | None = None) -> torch.Tensor:
     pad = dilation if cn.weight.shape[-1] == 3 else 0
-    if cn._folded is not None:
-        w, b = cn._folded
-        return F.conv2d(x, w.to(x.dtype), b.to(x.dtype), stride, pad, dilation, cn.groups)
-    return cn.norm(F.conv2d(x, cn.weight.to(x.dtype), None, stride, pad, dilation, cn.groups))
+    w, b = cn._folded if cn._folded is not None else (cn.weight, None)
+    if offset_conv is not None:  # DCNv1: offsets from the same input, with conv2's geometry
+        offset = F.conv2d(x, offset_conv.weight, offset_conv.bias, stride, pad, dilation)
+        y = deform_conv2d(x.float(), offset.float(), w.float(), None if b is None else b.float(), (stride, stride), (pad, pad), (dilation, dilation))
+    else:
+        y = F.conv2d(x, w.to(x.dtype), None if b is None else b.to(x.dtype), stride, pad, dilation, cn.groups)
+    return y if cn._folded is not None else cn.norm(y)
 
 
-def run_res5(stage: nn.Sequential, x: torch.Tensor, dilation: int) -> torch.Tensor:
-    """A res5 stage under the given geometry: dilation 1 -> first block stride 2 (on the 1x1 or 3x3 conv as
-    built), dilation 2 -> stride 1 with dilated 3x3 convs (maskrcnn_benchmark / detectron2 rule)."""
+def run_stage(stage: nn.Sequential, x: torch.Tensor, first_stride: int, dilation: int) -> torch.Tensor:
+    """A ResNet stage under the given geometry (the stride on the 1x1 or 3x3 conv as built; deformable 3x3 convs
+    where the block has ``conv2_offset``)."""
     for i, block in enumerate(stage):
-        stride = (2 if dilation == 1 else 1) if i == 0 else 1
+        stride = first_stride if i == 0 else 1
         s1, s3 = (stride, 1) if block.stride_in_1x1 else (1, stride)
         identity = x if block.shortcut is None else _conv(block.shortcut, x, stride, 1)
         y = F.relu_(_conv(block.conv1, x, s1, 1))
-        y = F.relu_(_conv(block.conv2, y, s3, dilation))
+        y = F.relu_(_conv(block.conv2, y, s3, dilation, getattr(block, "conv2_offset", None)))
         x = F.relu_(_conv(block.conv3, y, 1, 1) + identity)
     return x
+
+
+def run_res5(stage: nn.Sequential, x: torch.Tensor, dilation: int) -> torch.Tensor:
+    """res5 under the given geometry: dilation 1 -> first block stride 2, dilation 2 -> stride 1 with dilated 3x3
+    convs (maskrcnn_benchmark / detectron2 rule)."""
+    return run_stage(stage, x, 2 if dilation == 1 else 1, dilation)
 
 
 @torch.inference_mode()
@@ -84,8 +107,8 @@ def grid_map(model: nn.Module, blob: torch.Tensor, res5_dilation: int = 1) -> tu
     if isinstance(model, GridFeatsModel):
         bb = model.backbone
         x = bb.stem(x)
-        for name in bb.stage_names[:-1]:
-            x = getattr(bb, name)(x)
+        for i, name in enumerate(bb.stage_names[:-1]):
+            x = run_stage(getattr(bb, name), x, 1 if i == 0 else 2, 1)
         return run_res5(getattr(bb, bb.stage_names[-1]), x, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
     c4 = model.backbone(x)
     return run_res5(model.roi_heads.res5, c4, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
@@ -132,9 +155,11 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     from extractors.layouts import _err, _shape, _stage_blocks
 
     L = "grid-feats"
-    if any("conv2_offset" in k for k in sd):
-        raise _err(path, L, "deformable res4/res5 (conv2_offset: the X-152++ model) is not supported; "
-                            "use the R-50, X-101 or X-152 grid-feats weights")
+    deform = tuple(sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)}))
+    for k in sd:
+        if k.endswith("conv2_offset.weight") and tuple(sd[k].shape[:1]) != (18,):
+            raise _err(path, L, f"key '{k}' has {sd[k].shape[0]} offset channels: only DCNv1 with one deformable group "
+                                "(18, the X-152++ model) is supported, not modulated or grouped offsets")
     stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:
         raise _err(path, L, "backbone.res2 .. backbone.res5 not found")
@@ -145,4 +170,5 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     std = X101_PIXEL_STD if (groups > 1 and blocks == (3, 4, 23)) else (1.0, 1.0, 1.0)
     return BottomUpSpec(flavor="d2", stem_channels=_shape(sd, "backbone.stem.conv1.weight", path, L)[0], res2_bottleneck=bott,
                         expansion=out2 // bott, stage_blocks=blocks, res5_blocks=stages[5], res5_dilation=1, groups=groups,
-                        stride_in_1x1=groups == 1, stem_pool="pad1", has_attributes=False, pixel_means=VINVL_PIXEL_MEANS_BGR, pixel_std=std)
+                        stride_in_1x1=groups == 1, stem_pool="pad1", has_attributes=False, pixel_means=VINVL_PIXEL_MEANS_BGR, pixel_std=std,
+                        deform_stages=deform)

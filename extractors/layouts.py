@@ -9,8 +9,8 @@
   ``attribute.feature_extractor.head.layer4`` (the shared res5 saved twice: it must equal the box head's).
 * ``grid-feats`` - facebookresearch/grid-feats-vqa detectron2 checkpoints (R-50, X-101, X-152, X-152++):
   ``backbone.stem`` / ``backbone.res2..res5`` (``conv{k}.norm``, ``shortcut``), plus the RPN, box head and
-  attribute predictor, which grid extraction does not run (checked by name, not loaded). X-152++ has
-  ``conv2_offset`` (deformable res4/res5): refused, see :func:`check_grid_feats`.
+  attribute predictor, which grid extraction does not run (checked by name, not loaded). X-152++ adds
+  ``conv2_offset`` (deformable res4/res5, DCNv1), run with ``torchvision.ops.deform_conv2d`` (:mod:`extractors.grid`).
 
 Loading is strict: the first lines name every missing and every unexpected key (up to five each) in one
 error line; shapes must match the architecture inferred from the file.
@@ -261,4 +261,5 @@ def describe_release(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> 
     name = f"ResNeXt-{depth} {spec.groups}x{spec.res2_bottleneck // spec.groups}d" if spec.groups > 1 else f"ResNet-{depth}"
     return {"layout": "grid-feats", "semantics": "d2 (detectron2 backbone through res5; grid features only)",
             "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
-            "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std), "classes": 0, "attributes": 0}, spec
+            "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std), "classes": 0, "attributes": 0,
+            "deformable": ", ".join(f"res{s}" for s in spec.deform_stages) or "none"}, spec

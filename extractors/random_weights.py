@@ -55,7 +55,7 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
 
 def random_grid_feats_file(spec, path, seed: int = 0, num_classes: int = 1601, num_attributes: int = 400, wrap: bool = True):
     """A grid-feats-vqa detectron2 checkpoint with seeded random weights: the backbone of ``spec`` (``flavor d2``,
-    4 stages) plus the RPN / box head / attribute predictor keys the release saves (``{"model": ...}``)."""
+    4 stages; ``deform_stages`` add the X-152++ ``conv2_offset`` convs) plus the RPN / box head / attribute predictor keys the release saves (``{"model": ...}``)."""
     from collections import OrderedDict
 
     from extractors.grid import GridFeatsModel
@@ -65,7 +65,7 @@ def random_grid_feats_file(spec, path, seed: int = 0, num_classes: int = 1601, n
     model = GridFeatsModel(spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p[0].numel()) ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p[0].numel()) ** 0.5 * (0.5 if "conv2_offset" in name else 1.0))
         for name, m in model.named_modules():
             if isinstance(m, ConvNorm):
                 n = m.norm.num_features

@@ -55,6 +55,7 @@ class BottomUpSpec:
     groups: int = 1  # ResNeXt cardinality of every 3x3 conv (VinVL X-152 32x8d: 32, res2_bottleneck = 32 * 8)
     stride_in_1x1: bool = True  # False: the block stride sits on the 3x3 conv (ResNeXt, STRIDE_IN_1X1 False)
     stem_pool: str = "caffe"  # caffe: 3x3/2 pad 0 ceil mode; pad1: 3x3/2 pad 1 floor mode (maskrcnn_benchmark, detectron2)
+    deform_stages: tuple[int, ...] = ()  # stages whose 3x3 convs are deformable (DCNv1; grid-feats X-152++: res4, res5)
     # RPN
     rpn_channels: int = 512
     anchor_stride: int = 16
@@ -152,7 +153,7 @@ class BottomUpSpec:
             raise UsageError(f"invalid {key}: {exc}") from None
 
 
-NEWER_DEFAULTS: dict[str, Any] = {"groups": 1, "stride_in_1x1": True, "stem_pool": "caffe", "pixel_std": (1.0, 1.0, 1.0)}
+NEWER_DEFAULTS: dict[str, Any] = {"groups": 1, "stride_in_1x1": True, "stem_pool": "caffe", "pixel_std": (1.0, 1.0, 1.0), "deform_stages": ()}
 """Fields added for ResNeXt / VinVL / grid-feats, left out of :meth:`BottomUpSpec.to_dict` at these values."""
 
 

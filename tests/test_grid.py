@@ -131,8 +131,8 @@ def test_vinvl_grid_is_the_res5_head_on_the_whole_map(tmp_path, shared_data, fil
 
 
 def test_caffe_r101_grid_geometry_and_refusals(tmp_path, shared_data, files):
-    """The dilated R-101 head gives a stride-32 map with ``res5_dilation: 1`` and stride 16 with 2; X-152++ and
-    region extraction with grid-feats weights are refused in one line."""
+    """The dilated R-101 head gives a stride-32 map with ``res5_dilation: 1`` and stride 16 with 2; modulated or
+    grouped deformable offsets and region extraction with grid-feats weights are refused in one line."""
     from extract_helpers import tiny_spec
     from extractors.weights import save_layout
 
@@ -142,11 +142,72 @@ def test_caffe_r101_grid_geometry_and_refusals(tmp_path, shared_data, files):
     b = _extract(tmp_path, "b", w, f, "--boxes", "grid", "--set", "extract.recipes.grid-feats.res5_dilation=2").get("131486")
     assert a["boxes"].shape[0] == 19 * 30 and b["boxes"].shape[0] == 38 * 59
     sd = torch.load(files / "X-152.pth", weights_only=True)
-    sd["model"]["backbone.res4.0.conv2_offset.weight"] = torch.zeros(18, 32, 3, 3)
+    sd["model"]["backbone.res4.0.conv2_offset.weight"] = torch.zeros(27, 32, 3, 3)  # DCNv2 (modulated): 27 channels
     torch.save(sd, tmp_path / "X-152pp.pth")
     res = CliRunner().invoke(app, ["info", str(tmp_path / "X-152pp.pth")])
-    assert res.exit_code != 0 and "deformable" in res.output and "Traceback" not in res.output
+    assert res.exit_code != 0 and "27 offset channels" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, ["extract", "--device", "cpu", f, "--weights", str(files / "X-152.pth"), "--store", str(tmp_path / "r"), "--recipe", "vinvl"])
     assert res.exit_code == 2 and "grid features only" in res.output
     res = CliRunner().invoke(app, ["info", str(files / "X-152.pth")])
     assert res.exit_code == 0 and "layout: grid-feats" in res.output and "recipe: grid-feats" in res.output
+
+
+def _deform_ref(x, w, off_w, off_b, stride, groups):
+    """detectron2 ``DeformConv`` (DCNv1, one offset group) re-stated: offsets from a 3x3 conv, channel 2k = dy,
+    2k + 1 = dx of tap k = 3i + j; each tap bilinearly sampled (zeros outside) with ``grid_sample``, then the
+    tap's weights applied as a grouped 1x1 conv and summed."""
+    offset = F.conv2d(x, off_w, off_b, stride, 1)
+    n, c, h, w_in = x.shape
+    ho, wo = offset.shape[2:]
+    base_y = (torch.arange(ho, dtype=torch.float32) * stride - 1).view(1, ho, 1)
+    base_x = (torch.arange(wo, dtype=torch.float32) * stride - 1).view(1, 1, wo)
+    out = 0
+    for k in range(9):
+        i, j = divmod(k, 3)
+        py = base_y + i + offset[:, 2 * k]
+        px = base_x + j + offset[:, 2 * k + 1]
+        grid = torch.stack([2 * px / (w_in - 1) - 1, 2 * py / (h - 1) - 1], dim=-1)
+        tap = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+        out = out + F.conv2d(tap, w[:, :, i : i + 1, j : j + 1], groups=groups)
+    return out
+
+
+def _d2_backbone_deform(sd, x):
+    def bn(y, p):
+        scale = sd[p + ".norm.weight"] * (sd[p + ".norm.running_var"] + 1e-5).rsqrt()
+        return y * scale.view(1, -1, 1, 1) + (sd[p + ".norm.bias"] - sd[p + ".norm.running_mean"] * scale).view(1, -1, 1, 1)
+
+    x = F.max_pool2d(F.relu(bn(F.conv2d(x, sd["backbone.stem.conv1.weight"], None, 2, 3), "backbone.stem.conv1")), 3, 2, 1)
+    groups = sd["backbone.res2.0.conv1.weight"].shape[0] // sd["backbone.res2.0.conv2.weight"].shape[1]
+    for s in (2, 3, 4, 5):
+        i = 0
+        while f"backbone.res{s}.{i}.conv1.weight" in sd:
+            p, stride = f"backbone.res{s}.{i}", (1 if s == 2 or i > 0 else 2)
+            out = F.relu(bn(F.conv2d(x, sd[p + ".conv1.weight"]), p + ".conv1"))
+            if p + ".conv2_offset.weight" in sd:
+                out = _deform_ref(out, sd[p + ".conv2.weight"], sd[p + ".conv2_offset.weight"], sd[p + ".conv2_offset.bias"], stride, groups)
+            else:
+                out = F.conv2d(out, sd[p + ".conv2.weight"], None, stride, 1, 1, groups)
+            out = F.relu(bn(out, p + ".conv2"))
+            out = bn(F.conv2d(out, sd[p + ".conv3.weight"]), p + ".conv3")
+            short = bn(F.conv2d(x, sd[p + ".shortcut.weight"], None, stride), p + ".shortcut") if p + ".shortcut.weight" in sd else x
+            x = F.relu(out + short)
+            i += 1
+    return x
+
+
+def test_x152pp_deformable_res4_res5_equal_the_release(tmp_path, shared_data):
+    random_grid_feats_file(grid_spec(deform_stages=(4, 5)), tmp_path / "X-152pp.pth", seed=6)
+    sd = {k: v.float() for k, v in torch.load(tmp_path / "X-152pp.pth", weights_only=True)["model"].items()}
+    assert sd["backbone.res4.0.conv2_offset.weight"].shape[0] == 18 and "backbone.res3.0.conv2_offset.weight" not in sd
+    f = shared_data / "photos" / PHOTOS[0]
+    st = _extract(tmp_path, "pp", tmp_path / "X-152pp.pth", str(f), "--set", "extract.recipes.grid-feats.grid=7")
+    x, orig, resized = _d2_image(f)
+    with torch.no_grad():
+        fmap = _d2_backbone_deform(sd, x)
+        plain = _d2_backbone(sd, x)
+    assert not torch.allclose(fmap, plain, rtol=1e-3)  # the offsets matter
+    ref = _rows(fmap, 7)
+    np.testing.assert_allclose(st.get("132417")["features"], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "X-152pp.pth")])
+    assert res.exit_code == 0 and "deformable: res4, res5" in res.output
