@@ -164,12 +164,21 @@ def trigram_block_mask(history: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return hits > 0
 
 
-def constrain(logp: torch.Tensor, history: torch.Tensor, options: DecodeOptions) -> torch.Tensor:
-    """Forbid ``<pad>``, ``<bos>`` (``<unk>`` with ``suppress_unk``) and, if asked, repeated trigrams."""
-    banned = torch.zeros(logp.shape[-1], dtype=torch.bool, device=logp.device)
+def banned_tokens(vocab_size: int, options: DecodeOptions, device: torch.device) -> torch.Tensor:
+    """``(V,)`` bool: ``<pad>``, ``<bos>`` (and ``<unk>`` with ``suppress_unk``), never generated."""
+    banned = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     banned[PAD] = banned[BOS] = True
-    if options.suppress_unk and logp.shape[-1] > UNK:
+    if options.suppress_unk and vocab_size > UNK:
         banned[UNK] = True
+    return banned
+
+
+def constrain(logp: torch.Tensor, history: torch.Tensor | None, options: DecodeOptions, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """Forbid ``<pad>``, ``<bos>`` (``<unk>`` with ``suppress_unk``) and, if asked, repeated trigrams.
+
+    ``banned`` (:func:`banned_tokens`) can be built once per decode; ``history`` is only read with ``block_trigrams``."""
+    if banned is None:
+        banned = banned_tokens(logp.shape[-1], options, logp.device)
     mask = banned.expand_as(logp)
     if options.block_trigrams:
         mask = mask | trigram_block_mask(history, logp.shape[-1])
@@ -194,8 +203,16 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 # --- greedy and sampling ---------------------------------------------------------------------------------
 
 
+def _first_rows(flags: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions of the ``n`` False entries of a 1-D bool tensor, in ascending order, without a host sync
+    (``(~flags).nonzero()`` waits for the device to know the count; here the caller knows it)."""
+    return torch.sort(flags.to(torch.uint8), stable=True).indices[:n]
+
+
 def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Callable[[torch.Tensor], torch.Tensor]) -> Generated:
-    """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch."""
+    """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch.
+
+    One host sync per step (the number of rows that just ended, which the batch shape depends on)."""
     rows = _rows(enc)
     device = _device(enc)
     state = model.init_state(enc)
@@ -204,27 +221,36 @@ def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Calla
     lengths = torch.full((rows,), options.max_len, dtype=torch.long, device=device)
     picked: list[tuple[torch.Tensor, int, torch.Tensor]] = []
     active = torch.arange(rows, device=device)
-    history = torch.zeros(rows, 0, dtype=torch.long, device=device)
-    cur_enc = enc
+    history = torch.zeros(rows, 0, dtype=torch.long, device=device) if options.block_trigrams else None
+    banned: torch.Tensor | None = None
+    cur_enc, alive = enc, rows
     for t in range(options.max_len):
         logp, state = model.step(tokens, cur_enc, state)
-        nxt = choose(constrain(logp, history, options))
+        if banned is None:
+            banned = banned_tokens(logp.shape[-1], options, device)
+        nxt = choose(constrain(logp, history, options, banned))
         picked.append((active, t, logp.gather(1, nxt[:, None])[:, 0]))
         out[active, t] = nxt
-        history = torch.cat([history, nxt[:, None]], 1)
+        if history is not None:
+            history = torch.cat([history, nxt[:, None]], 1)
         done = nxt == EOS
-        if bool(done.any()):
-            lengths[active[done]] = t + 1
-            keep = (~done).nonzero()[:, 0]
-            if keep.numel() == 0:
+        ended = int(done.sum())  # the step's one host sync
+        if ended:
+            lengths.index_put_((active,), torch.where(done, t + 1, lengths[active]))
+            if ended == alive:
+                steps = t + 1  # the last rows ended now: none is longer
                 break
-            active, nxt, history = active[keep], nxt[keep], history[keep]
+            alive -= ended
+            keep = _first_rows(done, alive)
+            active, nxt = active[keep], nxt[keep]
+            history = history[keep] if history is not None else None
             cur_enc, state = index_state(cur_enc, keep), index_state(state, keep)
         tokens = nxt
-    steps = int(lengths.max())
+    else:
+        steps = options.max_len  # rows still running at max_len
     token_lp = torch.zeros(rows, steps, device=device, dtype=picked[0][2].dtype)
-    for idx, t, lp in picked:  # out-of-place so the log-probabilities keep their graph
-        token_lp = token_lp.index_put((idx, torch.full_like(idx, t)), lp)
+    where = (torch.cat([idx for idx, _, _ in picked]), torch.cat([torch.full_like(idx, t) for idx, t, _ in picked]))
+    token_lp = token_lp.index_put(where, torch.cat([lp for _, _, lp in picked]))  # out-of-place: keeps the graph
     total = token_lp.sum(1)
     return Generated(out[:, :steps, None].transpose(1, 2), lengths[:, None], total[:, None], total[:, None], token_lp[:, None])
 
@@ -235,6 +261,14 @@ def greedy(model: Captioner, enc: State, options: DecodeOptions | None = None) -
     return _rollout(model, enc, options, lambda logp: logp.argmax(-1))
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One word per row drawn from ``probs`` ``(R, V)``: ``argmax(p / q)`` with ``q ~ Exp(1)``, the exponential race
+    ``torch.multinomial(probs, 1)`` itself runs (same random numbers, same words) minus its validity check,
+    which reads a value back to the host on every call."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(-1)
+
+
 def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None) -> Generated:
     """``n`` sampled captions per image (default ``options.n_best``): ``(B, n, T)`` outputs."""
     n = n or options.n_best
@@ -243,8 +277,8 @@ def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None =
         enc = index_state(enc, torch.arange(rows, device=_device(enc)).repeat_interleave(n))
 
     def choose(logp: torch.Tensor) -> torch.Tensor:
-        logits = filter_logits(logp / options.temperature, options.top_k, options.top_p)
-        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+        probs = filter_logits(logp / options.temperature, options.top_k, options.top_p).softmax(-1)
+        return draw(probs, generator)
 
     g = _rollout(model, enc, options, choose)
     return Generated(*(None if x is None else x.reshape(rows, n, *x.shape[2:]) for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)))
@@ -264,18 +298,12 @@ def reachable_bound(scores: torch.Tensor, generated: int, options: DecodeOptions
     return scores / float(lp.max())
 
 
-def _image_done(found: list[tuple[float, torch.Tensor, int, torch.Tensor]], bound: float, options: DecodeOptions) -> bool:
-    """The stop rule for one image (see the module docstring)."""
-    if options.stop_rule == "first_k":
-        return len(found) >= options.beam_size
-    if len(found) < options.n_best:
-        return False
-    nth = sorted((h[0] for h in found), reverse=True)[options.n_best - 1]
-    return nth >= bound
-
-
 def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
-    """Batched beam search; returns the ``options.n_best`` best hypotheses per image, best first."""
+    """Batched beam search; returns the ``options.n_best`` best hypotheses per image, best first.
+
+    Finished hypotheses are kept in per-image tensors (slot ``t * k + rank`` for the candidate of rank ``rank`` that
+    ends at step ``t``), ranked by a stable sort, so the stop rule and the bookkeeping need no host sync: the
+    step's one sync is the number of images that stop (the batch shape depends on it)."""
     if options.stop_rule in ("official_m2", "official_aoanet"):
         from models.beam_official import official_search
 
@@ -291,65 +319,87 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
     scores[:, 0] = 0.0  # one live hypothesis per image at the start
     tokens = torch.full((num_images * k,), BOS, dtype=torch.long, device=device)
     history = torch.zeros(num_images * k, 0, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]] = [[] for _ in range(num_images)]
+    slots = max_len * k
+    fin_norm = torch.full((num_images, slots), NEG_INF, dtype=torch.float64, device=device)  # ranking score (float64 as before)
+    fin_raw: torch.Tensor | None = None  # summed log-probabilities; keeps the graph when autograd is on (beam-based SCST)
+    fin_tokens = torch.full((num_images, slots, max_len), PAD, dtype=torch.long, device=device)
+    fin_count = torch.zeros(num_images, dtype=torch.long, device=device)
+    # lp(t + 1) as the 0-d float32 values the ranking has always divided by (in float64)
+    penalties = [length_penalty(n, options.length_penalty, options.length_penalty_kind).double() for n in range(1, max_len + 1)]
+    width = torch.zeros((), dtype=torch.long, device=device)  # the longest finished hypothesis so far
+    banned: torch.Tensor | None = None
+    alive = num_images
     for t in range(max_len):
         logp, state = model.step(tokens, cur_enc, state)
         vocab = logp.shape[-1]
-        logp = constrain(logp.float(), history, options)
-        alive = images.numel()
+        if banned is None:
+            banned = banned_tokens(vocab, options, device)
+        logp = constrain(logp.float(), history, options, banned)
         cand = (scores[:, :, None] + logp.view(alive, k, vocab)).view(alive, k * vocab)
         top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=-1)
         src_beam = top_idx // vocab  # integer division: the beam each candidate extends
         words = top_idx % vocab
-        rank = torch.arange(top_idx.shape[1], device=device)[None]
         last = t == max_len - 1
         ends = (words == EOS) | last
-        final = ends & (rank < k) & torch.isfinite(top_scores)
         src_rows = (torch.arange(alive, device=device)[:, None] * k + src_beam)  # rows of the current batch
-        for a, c in final.nonzero().tolist():
-            seq = torch.cat([history[src_rows[a, c]], words[a, c : c + 1]])
-            raw = top_scores[a, c]  # a 0-d tensor: keeps its graph when autograd is on (beam-based SCST)
-            norm = float(raw.detach()) / float(length_penalty(t + 1, options.length_penalty, options.length_penalty_kind))
-            finished[int(images[a])].append((norm, raw, t + 1, seq))
+        # the first k candidates that end are finished hypotheses (slots t*k .. t*k+k-1 of their image)
+        final = ends[:, :k] & torch.isfinite(top_scores[:, :k])
+        raw = top_scores[:, :k]
+        norm = torch.where(final, raw.detach().double() / penalties[t], NEG_INF)
+        cols = torch.arange(t * k, (t + 1) * k, device=device)
+        fin_norm[images[:, None], cols] = norm
+        if fin_raw is None:
+            fin_raw = torch.zeros(num_images, slots, dtype=raw.dtype, device=device)
+        fin_raw = fin_raw.index_put((images[:, None], cols[None]), raw)  # out-of-place: keeps the graph
+        seqs = torch.cat([history[src_rows[:, :k]], words[:, :k, None]], -1)  # (alive, k, t + 1)
+        fin_tokens[images[:, None, None], cols[None, :, None], torch.arange(t + 1, device=device)] = seqs
+        fin_count.index_add_(0, images, final.sum(1))
+        width = torch.where(final.any(), t + 1, width)
         if last:
+            steps = int(width)
             break
         # continue with the k best candidates that do not end (there are >= k: one EOS per beam at most)
         cont = ~ends
         take = cont & (cont.long().cumsum(-1) <= k)
-        pick = take.nonzero()[:, 1].view(alive, k)
+        pick = torch.sort((~take).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # the k taken columns, in order
         new_scores = top_scores.gather(1, pick)
         new_rows = src_rows.gather(1, pick)  # (alive, k)
         new_words = words.gather(1, pick)
-        bounds = reachable_bound(new_scores.detach().max(1).values, t + 1, options).tolist()
-        done = torch.tensor([_image_done(finished[int(i)], b, options) for i, b in zip(images.tolist(), bounds)], device=device)
-        if bool(done.all()):
+        done = _images_done(fin_norm[images], fin_count[images], new_scores.detach().max(1).values, t, options)
+        stopping, steps = torch.stack([done.sum(), width]).tolist()  # the step's one host sync
+        if stopping == alive:
             break
-        if bool(done.any()):
-            keep = (~done).nonzero()[:, 0]
+        if stopping:
+            alive -= stopping
+            keep = _first_rows(done, alive)
             images, new_scores, new_rows, new_words = images[keep], new_scores[keep], new_rows[keep], new_words[keep]
             cur_enc = index_state(cur_enc, (keep[:, None] * k + beam_offsets).flatten())
         flat_rows = new_rows.flatten()
         state = index_state(state, flat_rows)
         history = torch.cat([history[flat_rows], new_words.flatten()[:, None]], 1)
         scores, tokens = new_scores, new_words.flatten()
-    return _collect(finished, n_best, options, device)
+    return _collect(fin_norm, fin_raw, fin_tokens, n_best, steps, options)
 
 
-def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]], n_best: int, options: DecodeOptions, device: torch.device) -> Generated:
-    """The ``n_best`` finished hypotheses of every image, best first (every image has >= n_best)."""
-    num_images = len(finished)
-    steps = max((h[2] for hyps in finished for h in hyps), default=1)
-    tokens = torch.full((num_images, n_best, steps), PAD, dtype=torch.long, device=device)
-    raws = []
-    for i, hyps in enumerate(finished):
-        hyps.sort(key=lambda h: -h[0])
-        for j, (_, raw, length, seq) in enumerate(hyps[:n_best]):
-            tokens[i, j, :length] = seq
-            raws.append(raw)
-    lengths = torch.tensor([[h[2] for h in hyps[:n_best]] for hyps in finished], dtype=torch.long, device=device)
-    logprob = torch.stack(raws).view(num_images, n_best)
-    scores = logprob / length_penalty(lengths, options.length_penalty, options.length_penalty_kind).to(device)
-    return Generated(tokens, lengths, logprob, scores)
+def _images_done(norms: torch.Tensor, counts: torch.Tensor, best_live: torch.Tensor, t: int, options: DecodeOptions) -> torch.Tensor:
+    """The stop rule of every live image (see the module docstring), on the device."""
+    if options.stop_rule == "first_k":
+        return counts >= options.beam_size
+    bound = reachable_bound(best_live, t + 1, options).double()
+    nth = norms.topk(options.n_best, dim=1).values[:, -1]
+    return (counts >= options.n_best) & (nth >= bound)
+
+
+def _collect(fin_norm: torch.Tensor, fin_raw: torch.Tensor, fin_tokens: torch.Tensor, n_best: int, steps: int,
+             options: DecodeOptions) -> Generated:
+    """The ``n_best`` finished hypotheses of every image, best first (ties: the earlier first; every image has >= n_best);
+    ``steps``: the longest finished hypothesis of the batch (the width of ``tokens``)."""
+    order = torch.sort(fin_norm, dim=1, descending=True, stable=True).indices[:, :n_best]
+    tokens = fin_tokens.gather(1, order[:, :, None].expand(-1, -1, fin_tokens.shape[-1]))
+    lengths = (order // options.beam_size) + 1
+    logprob = fin_raw.gather(1, order)
+    scores = logprob / length_penalty(lengths, options.length_penalty, options.length_penalty_kind).to(logprob.device)
+    return Generated(tokens[:, :, :steps].contiguous(), lengths, logprob, scores)
 
 
 # --- entry point -----------------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""CPU proxies of GPU launch overhead: operators dispatched and host syncs per training step, decoding step and image.
+
+On a GPU a small-batch SCST step is bound by kernel launches and host synchronisations, not by arithmetic. Both
+can be counted on any CPU with the torch profiler, so the GPU work can be judged without a GPU:
+
+* **operators**: top-level ATen operators (profiler events with no ATen parent; what Python dispatches, each one
+  kernel launch or more on a GPU), backward and optimizer included;
+* **host syncs**: operators that make a CUDA host wait for the device: ``aten::_local_scalar_dense`` (``.item()``,
+  ``float()``, ``bool()`` of a tensor, ``torch.multinomial``'s own check), ``aten::nonzero`` (``nonzero``, boolean
+  indexing), plus calls of ``Tensor.tolist`` / ``.cpu`` / ``.numpy`` (seen with a ``TorchFunctionMode``).
+
+Rows: one SCST step and one XE step of each captioner **as the trainer runs it** (:func:`pipeline.training.engine.Trainer._step`
+with its precision, clipping and optimizer; paper sizes, batch 10 = the papers' SCST batch, 36 x 2048 regions), one
+beam-5 decode (per decoding step), and one extracted image of a shrunk bottom-up detector. The captioner is first
+fitted for a few XE steps to captions of 8-16 words, so that its samples end like a trained model's, not at
+``max_len`` (the mean decoded length is printed).
+
+    python -m bench.proxies [--models m2,ngsan] [--batch 10] [--json proxies.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+SYNC_METHODS = ("tolist", "cpu", "numpy")
+
+
+class _SyncCalls(TorchFunctionMode):
+    """Counts Python calls that copy a tensor to the host (``tolist``, ``cpu``, ``numpy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        if getattr(func, "__name__", "") in SYNC_METHODS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn: Callable[[], Any]) -> dict[str, int]:
+    """Top-level operators and host syncs of one call of ``fn`` (the torch profiler on CPU)."""
+    mode = _SyncCalls()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, mode:
+        fn()
+    events = prof.events()
+    top = [e for e in events if e.name.startswith("aten::") and not _has_aten_parent(e)]
+    names = Counter(e.name for e in events)
+    return {"operators": len(top), "syncs": sum(names[n] for n in SYNC_OPS) + mode.count}
+
+
+def _has_aten_parent(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+# --- captioner steps ------------------------------------------------------------------------------------------
+
+
+def fitted_model(name: str, batch: dict, vocab_size: int, steps: int = 25):
+    """A paper-size captioner fitted for ``steps`` XE steps to ``batch``'s captions (8-16 words): trained-like lengths."""
+    from models import build_captioner
+    from pipeline.training.xe import xe_loss_sum
+
+    torch.manual_seed(0)
+    model = build_captioner(name, vocab_size).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss, n = xe_loss_sum(model, batch)
+        opt.zero_grad(set_to_none=True)
+        (loss / n).backward()
+        opt.step()
+    return model
+
+
+def trainer_like(model, name: str, stage: str, scorer, vocab) -> tuple[Any, Any, Any]:
+    """What :meth:`pipeline.training.engine.Trainer._step` reads from its trainer, built like the trainer builds it."""
+    from models import model_card
+    from pipeline.core.distributed import DistContext
+    from pipeline.training.engine import _Policy, build_optimizer
+    from pipeline.training.recipe import stage_recipe
+
+    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
+    me = types.SimpleNamespace(model=model, policy=_Policy(model), ctx=DistContext(), precision="fp32", vocab=vocab,
+                               dir=Path("."), _scst_scorer=lambda: scorer, _scorer=scorer)
+    opt = build_optimizer(recipe, model.parameters())
+    return me, recipe, opt
+
+
+def step_rows(name: str, batch_size: int) -> list[dict[str, Any]]:
+    from bench.train import VOCAB_SIZE, make_batch, reference_corpus
+    from models.decoding import DecodeOptions, beam_search
+    from pipeline.core.vocab import Vocab
+    from pipeline.training.engine import Progress, Trainer
+
+    words = ("<pad>", "<bos>", "<eos>", "<unk>")
+    vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
+    scorer = reference_corpus(Vocab(words), 200)
+    batch = make_batch(batch_size, VOCAB_SIZE, torch.device("cpu"), torch.Generator().manual_seed(0))
+    model = fitted_model(name, batch, VOCAB_SIZE)
+    rows = []
+    for stage in ("scst", "xe"):
+        me, recipe, opt = trainer_like(model, name, stage, scorer, vocab)
+        prog = Progress(stage=stage)
+        Trainer._step(me, stage, recipe, batch, prog, opt, None)  # warm-up (lazy state of the optimizer)
+        torch.manual_seed(1)
+        rows.append({"row": f"{name} {stage} step", "work": f"batch {batch_size}, {recipe.sample_method if stage == 'scst' else 'teacher forcing'}",
+                     **count(lambda: Trainer._step(me, stage, recipe, batch, prog, opt, None))})
+    model.eval()
+    opts = DecodeOptions(method="beam", beam_size=5, max_len=20)
+    with torch.no_grad():
+        enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
+        g = beam_search(model, enc, opts)
+        steps = int(g.lengths.max())
+        c = count(lambda: beam_search(model, enc, opts))
+    mean_len = float(g.lengths.float().mean())
+    rows.append({"row": f"{name} beam-5 decode, per step", "work": f"batch {batch_size}, {steps} steps, mean length {mean_len:.1f}",
+                 "operators": round(c["operators"] / steps, 1), "syncs": round(c["syncs"] / steps, 2)})
+    return rows
+
+
+# --- extraction -------------------------------------------------------------------------------------------------
+
+
+def extract_row(images: int = 4) -> dict[str, Any]:
+    import numpy as np
+
+    from extractors.preprocess import recipe_blob
+    from extractors.random_weights import random_detector
+    from extractors.recipes import apply_recipe, recipe_from_config
+    from extractors.run import precision_context
+    from extractors.selector import make_selector
+    from extractors.spec import caffe_r101
+
+    spec = caffe_r101().with_(min_size=200, max_size=333, post_nms_topk=100, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
+                              stem_channels=8, rpn_channels=16)
+    model = random_detector(spec, seed=0).fold_batchnorm()
+    recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
+    rule = make_selector(recipe, model.spec)
+    rng = np.random.default_rng(0)
+    decoded = [recipe_blob(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), recipe) for _ in range(images)]
+    blobs = [torch.from_numpy(d[0]) for d in decoded]
+    scales = [d[1] for d in decoded]
+
+    def go() -> None:
+        with precision_context("fp32", torch.device("cpu")), torch.no_grad():
+            model.detect(blobs, scales, rule)
+
+    go()
+    c = count(go)
+    return {"row": "extract, per image", "work": f"{images} images 480x640, shrunk R101, {spec.post_nms_topk} proposals, {spec.num_classes} classes",
+            "operators": round(c["operators"] / images, 1), "syncs": round(c["syncs"] / images, 2)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = [f"{'row':<34} {'operators':>10} {'host syncs':>11}  work"]
+    out += [f"{r['row']:<34} {r['operators']:>10} {r['syncs']:>11}  {r['work']}" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.proxies", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="m2,ngsan")
+    ap.add_argument("--batch", type=int, default=10)
+    ap.add_argument("--no-extract", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [r for m in args.models.split(",") for r in step_rows(m.strip(), args.batch)]
+    if not args.no_extract:
+        rows.append(extract_row())
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
