@@ -5,6 +5,7 @@
     python -m bench --size tiny                   # seconds: what the test suite runs
     python -m bench --device cuda --json gpu.json # CUDA: extraction, XE/SCST epoch, beam-5 decode
     python -m bench --only vinvl [--device cuda]  # X-152 vs R-101 regions, grid vs regions (s/img, ratio)
+    python -m bench --only proxies --repeats 1 --warmup 0   # CPU: operators and host syncs per step (bench.proxies)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-CPU_BENCHES = ("cider", "nms", "store", "vinvl")
+CPU_BENCHES = ("cider", "nms", "store", "vinvl", "proxies")
+CPU_DEFAULT = ("cider", "nms", "store", "vinvl")  # proxies (minutes at paper sizes) only when named
 GPU_BENCHES = ("extract", "train", "decode", "vinvl")
 
 
@@ -34,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides (default 1)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--models", default="ngsan,m2", help="captioners of the CUDA train/decode rows")
+    ap.add_argument("--models", default="ngsan,m2", help="captioners of the CUDA train/decode rows and of the proxies")
     ap.add_argument("--format", choices=("table", "json"), default="table", help="what goes to stdout")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON results to this file")
     ap.add_argument("--store-dir", type=Path, default=None, help="folder for the store bench's files (default: a temporary one)")
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 def _select(only: str | None, device: str) -> list[str]:
     known = CPU_BENCHES if device == "cpu" else GPU_BENCHES
     if only is None:
-        return list(known)
+        return list(CPU_DEFAULT if device == "cpu" else GPU_BENCHES)
     names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -114,6 +116,10 @@ def _cases(name: str, args: argparse.Namespace, cleanups: list[Callable[[], None
         found, cleanup = store.cases(args.size, args.store_dir)
         cleanups.append(cleanup)
         return found
+    if name == "proxies":
+        from bench import proxies
+
+        return proxies.cases(args.size, args.models.split(","))
     from bench import gpu
 
     return gpu.cases(name, args.size, args.models.split(","))

@@ -1,15 +1,21 @@
 """The CUDA table of ``python -m bench --device cuda``: throughput rows (no baseline, so no ratio).
 
 * ``extract``: bottom-up extraction (ResNet-101 C4 preset, random weights: speed does not depend on the
-  values) on synthetic 480x640 photos at the Caffe test scale 600/1000, 300 proposals, batch 8, fp32 and
-  bf16; reported per image (``s/img``; images/s is its inverse).
-* ``train``: one XE and one SCST optimisation step of each ``--models`` captioner at its paper batch size on
-  synthetic COCO-shaped tensors (36 x 2048 regions, 5 captions of 8-16 words, 9,487 words), reported as the
-  projected Karpathy-train epoch (113,287 images) in seconds (``bench.train.bench_stage`` does the step).
-* ``decode``: beam search (beam 5, 20 words) over 5,000 images of synthetic features in batches of 500.
+  values) at the Caffe test scale 600/1000, 300 proposals, batch 8, tf32, fp32 (strict) and bf16; the photos
+  have the sizes of real photos, not one repeated shape: :data:`PHOTO_SIZES`, twelve sizes common in COCO (long
+  side 640 or 500, portrait and landscape), so a batch mixes resized shapes as a real folder does; reported per
+  image (``s/img``; images/s is its inverse).
+* ``train``: XE and SCST optimisation steps of each ``--models`` captioner at its paper batch size, the
+  trainer's own step (``pipeline.training.engine.Trainer._step``: samples and greedy baseline under the
+  precision's autocast, optimizer and clipping) on synthetic COCO-shaped tensors (36 x 2048 regions, 5 captions
+  of 8-16 words, 9,487 words), after fitting the captioner for 25 XE steps to those captions so that samples end
+  at trained-like lengths (random weights would run every sample to ``max_len``); reported as the projected
+  Karpathy-train epoch (113,287 images) in seconds (``bench.train.bench_stage``).
+* ``decode``: beam search (beam 5, 20 words) over 5,000 images in batches of 500 by the fitted captioner.
 
-Run ``python -m bench --device cuda`` on a machine with a GPU; the test suite runs the same code on CPU at
-``size="tiny"`` (no GPU there), so it is exercised, but its CUDA figures have not been measured here.
+Every CUDA row's note gives the peak memory allocated (``torch.cuda.max_memory_allocated``) during the row, and the
+train and decode rows the mean decoded length. Run ``python -m bench --device cuda`` on a machine with a GPU; the
+test suite runs the same code on CPU at ``size="tiny"`` (no GPU there), so it is exercised.
 """
 
 from __future__ import annotations
@@ -20,6 +26,16 @@ import torch
 from bench.harness import Case
 
 COCO_TRAIN_IMAGES = 113_287
+#: (height, width) of the bench photos: sizes common among COCO photos (long side 640 or 500)
+PHOTO_SIZES = ((480, 640), (640, 480), (427, 640), (640, 427), (425, 640), (360, 640), (640, 512), (512, 640),
+               (375, 500), (500, 375), (333, 500), (640, 640))
+
+
+def _peak(dev: torch.device):
+    """``(reset, note)``: reset the CUDA peak-memory counter before a row; the note reads it after."""
+    if dev.type != "cuda":
+        return (lambda: None), (lambda: "")
+    return (lambda: torch.cuda.reset_peak_memory_stats(dev)), (lambda: f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB allocated")
 
 
 def _syncer(dev: torch.device):
@@ -54,21 +70,26 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)
     rng = np.random.default_rng(0)
-    decoded = [recipe_blob(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8), recipe) for _ in range(4)]
-    blobs = [torch.from_numpy(decoded[i % 4][0]) for i in range(images)]
+    sizes = [PHOTO_SIZES[i % len(PHOTO_SIZES)] for i in range(images)]
+    if size == "tiny":
+        sizes = [(h // 2, w // 2) for h, w in sizes]
+    decoded = [recipe_blob(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), recipe) for h, w in sizes]
+    blobs = [torch.from_numpy(d[0]) for d in decoded]
     blobs = [b.pin_memory() for b in blobs] if dev.type == "cuda" else blobs
-    scales = [decoded[i % 4][1] for i in range(images)]
+    scales = [d[1] for d in decoded]
+    reset, note = _peak(dev)
 
     def run(precision: str):
         def go() -> None:
+            reset()
             with precision_context(precision, dev):
                 for i in range(0, images, batch):
                     model.detect(blobs[i : i + batch], scales[i : i + batch], rule)
         return go
 
-    work = f"{images} images, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
-    precisions = ("fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
-    return [Case("extract", f"bottom-up R101 {p}", None, work, run(p), sync=_syncer(dev), per_call=images, unit="s/img")
+    work = f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
+    precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
+    return [Case("extract", f"bottom-up R101 {p}", None, work, run(p), sync=_syncer(dev), per_call=images, unit="s/img", after=note)
             for p in precisions]
 
 
@@ -83,29 +104,42 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
     vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
     scorer = reference_corpus(Vocab(words), 200 if size == "tiny" else 2000)
     out = []
+    reset, note = _peak(dev)
     for stage in ("xe", "scst"):
         def epoch(stage: str = stage) -> float:
-            batch, sec = bench_stage(name, stage, 2 if size == "tiny" else None, 1 if size == "tiny" else 5, dev, amp, scorer, vocab)
+            reset()
+            batch, sec = bench_stage(name, stage, 2 if size == "tiny" else None, 1 if size == "tiny" else 5, dev, amp, scorer, vocab,
+                                     fit_steps=2 if size == "tiny" else 25)
             return images / batch * sec
 
         out.append(Case(f"train {stage}", f"{name} {stage} epoch (projected, {amp})", None,
-                        f"{images} images at the paper batch size; timed steps x epoch length", epoch, unit="s",
-                        reports="value"))
+                        f"{images} images at the paper batch size; the trainer's step timed x epoch length", epoch, unit="s",
+                        reports="value", after=note))
     return out
 
 
 def _decode_case(name: str, size: str, dev: torch.device) -> Case:
-    from bench.decode import make_inputs, run_once
-    from bench.train import VOCAB_SIZE
-    from models import build_captioner
+    from bench.decode import make_inputs
+    from bench.train import VOCAB_SIZE, fitted_model, make_batch
+    from models.decoding import DecodeOptions, beam_search
 
     total, batch, max_len = (4, 2, 5) if size == "tiny" else (5000, 500, 20)
-    model = build_captioner(name, VOCAB_SIZE).to(dev).eval()
+    fit = make_batch(2 if size == "tiny" else 50, VOCAB_SIZE, dev, torch.Generator().manual_seed(0))
+    model = fitted_model(name, fit, 2 if size == "tiny" else 25, dev).eval()
     inputs = make_inputs(batch, 36, int(getattr(model, "feat_dim", 2048)), dev)
+    options = DecodeOptions(method="beam", beam_size=5, max_len=max_len)
+    lengths: list[float] = []
+    reset, peak = _peak(dev)
 
     def go() -> None:
+        reset()
         with torch.inference_mode():
             for _ in range(total // batch):
-                run_once(model, inputs, 5, max_len)
+                enc = model.encode(*inputs)
+                lengths.append(float(beam_search(model, enc, options).lengths.float().mean()))
 
-    return Case("decode", f"{name} beam-5", None, f"{total} images, batch {batch}, max {max_len} words", go, sync=_syncer(dev), unit="s")
+    def note() -> str:
+        return f"mean caption length {sum(lengths) / max(len(lengths), 1):.1f} tokens; {peak()}".rstrip("; ")
+
+    return Case("decode", f"{name} beam-5", None, f"{total} images, batch {batch}, max {max_len} words", go, sync=_syncer(dev), unit="s",
+                after=note)

@@ -48,6 +48,7 @@ class Case:
     per_call: float = 1.0  # divide times by this (e.g. per image); ``unit`` names it
     unit: str = "ms"
     reports: str = "time"  # "value": an unpaired ``run_project`` returns the figure itself (in ``unit``)
+    after: Callable[[], str] | None = None  # read after the timed rounds, appended to the note (peak memory, lengths)
 
 
 @dataclass
@@ -127,9 +128,11 @@ def measure(case: Case, repeats: int = 3, warmup: int = 1) -> Row:
     if paired:
         b_min, b_med = min(t_base) * scale, statistics.median(t_base) * scale
         s_min, s_med = b_min / p_min, b_med / p_med
+    extra = case.after() if case.after is not None else ""
+    note = "; ".join(x for x in (case.note, extra) if x)
     return Row(case.name, case.project, case.baseline, case.work, case.unit, repeats, p_min, p_med, b_min, b_med,
                s_min, s_med, max(diffs) if diffs else None, case.tolerance if paired else None, load_before,
-               os.getloadavg()[0], case.note)
+               os.getloadavg()[0], note)
 
 
 def environment(device: str, threads: int) -> dict[str, Any]:

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,55 +71,23 @@ def _has_aten_parent(event: Any) -> bool:
 # --- captioner steps ------------------------------------------------------------------------------------------
 
 
-def fitted_model(name: str, batch: dict, vocab_size: int, steps: int = 25):
-    """A paper-size captioner fitted for ``steps`` XE steps to ``batch``'s captions (8-16 words): trained-like lengths."""
-    from models import build_captioner
-    from pipeline.training.xe import xe_loss_sum
-
-    torch.manual_seed(0)
-    model = build_captioner(name, vocab_size).train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        loss, n = xe_loss_sum(model, batch)
-        opt.zero_grad(set_to_none=True)
-        (loss / n).backward()
-        opt.step()
-    return model
-
-
-def trainer_like(model, name: str, stage: str, scorer, vocab) -> tuple[Any, Any, Any]:
-    """What :meth:`pipeline.training.engine.Trainer._step` reads from its trainer, built like the trainer builds it."""
-    from models import model_card
-    from pipeline.core.distributed import DistContext
-    from pipeline.training.engine import _Policy, build_optimizer
-    from pipeline.training.recipe import stage_recipe
-
-    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
-    me = types.SimpleNamespace(model=model, policy=_Policy(model), ctx=DistContext(), precision="fp32", vocab=vocab,
-                               dir=Path("."), _scst_scorer=lambda: scorer, _scorer=scorer)
-    opt = build_optimizer(recipe, model.parameters())
-    return me, recipe, opt
-
-
 def step_rows(name: str, batch_size: int) -> list[dict[str, Any]]:
-    from bench.train import VOCAB_SIZE, make_batch, reference_corpus
+    from bench.train import VOCAB_SIZE, fitted_model, make_batch, reference_corpus, trainer_step
     from models.decoding import DecodeOptions, beam_search
     from pipeline.core.vocab import Vocab
-    from pipeline.training.engine import Progress, Trainer
 
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
     scorer = reference_corpus(Vocab(words), 200)
-    batch = make_batch(batch_size, VOCAB_SIZE, torch.device("cpu"), torch.Generator().manual_seed(0))
-    model = fitted_model(name, batch, VOCAB_SIZE)
+    cpu = torch.device("cpu")
+    batch = make_batch(batch_size, VOCAB_SIZE, cpu, torch.Generator().manual_seed(0))
+    model = fitted_model(name, batch)
     rows = []
     for stage in ("scst", "xe"):
-        me, recipe, opt = trainer_like(model, name, stage, scorer, vocab)
-        prog = Progress(stage=stage)
-        Trainer._step(me, stage, recipe, batch, prog, opt, None)  # warm-up (lazy state of the optimizer)
+        step = trainer_step(model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0)  # lr 0: the counted step sees the same weights
+        step(batch)  # warm-up (the optimizer's lazy state)
         torch.manual_seed(1)
-        rows.append({"row": f"{name} {stage} step", "work": f"batch {batch_size}, {recipe.sample_method if stage == 'scst' else 'teacher forcing'}",
-                     **count(lambda: Trainer._step(me, stage, recipe, batch, prog, opt, None))})
+        rows.append({"row": f"{name} {stage} step", "work": f"batch {batch_size}", **count(lambda: step(batch))})
     model.eval()
     opts = DecodeOptions(method="beam", beam_size=5, max_len=20)
     with torch.no_grad():
@@ -166,6 +132,28 @@ def extract_row(images: int = 4) -> dict[str, Any]:
     c = count(go)
     return {"row": "extract, per image", "work": f"{images} images 480x640, shrunk R101, {spec.post_nms_topk} proposals, {spec.num_classes} classes",
             "operators": round(c["operators"] / images, 1), "syncs": round(c["syncs"] / images, 2)}
+
+
+def cases(size: str, models: list[str]) -> list:
+    """The proxies as rows of ``python -m bench`` (``reports="value"``: each row's figure is the count itself).
+    ``size="tiny"`` counts only the extraction row (seconds; what the test suite runs)."""
+    from bench.harness import Case
+
+    found: list[dict[str, Any]] = []
+
+    def rows() -> list[dict[str, Any]]:
+        if not found:
+            found.extend(r for m in ([] if size == "tiny" else models) for r in step_rows(m.strip(), 10))
+            found.append(extract_row(2 if size == "tiny" else 4))
+        return found
+
+    out = []
+    for i, label in enumerate([f"{m.strip()} {what}" for m in ([] if size == "tiny" else models)
+                               for what in ("scst step", "xe step", "beam-5 decode, per step")] + ["extract, per image"]):
+        for key in ("operators", "syncs"):
+            out.append(Case("proxies", f"{label}: {key}", None, "operators dispatched / host syncs (torch profiler, CPU)",
+                            lambda i=i, key=key: rows()[i][key], unit=key, reports="value"))
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:

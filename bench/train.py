@@ -1,8 +1,9 @@
 """XE and SCST training throughput of the captioners at their paper sizes, and the CIDEr-D reward speed-up.
 
-Runs the training loop's own step functions (:func:`pipeline.training.xe.xe_loss_sum`,
-:func:`pipeline.training.scst_step.greedy_rewards` + :func:`~pipeline.training.scst_step.scst_loss`,
-backward, gradient clipping as configured, optimiser step) on synthetic batches shaped like COCO
+Runs the trainer's own step (:meth:`pipeline.training.engine.Trainer._step`: the XE or SCST loss under the
+precision's autocast, samples and greedy baseline alike, the non-finite check, backward, clipping as configured,
+optimiser step) on a captioner first fitted for a few XE steps to captions of 8-16 words (so that samples end like
+a trained model's, not at ``max_len``), on synthetic batches shaped like COCO
 bottom-up features: 36 regions x 2048-d per image, 5 captions of 8-16 words, a 9,487-word vocabulary,
 and CIDEr-D rewards against a 2,000-image synthetic-world reference corpus. Batch sizes are the papers'
 (``schedule.xe.batch_size`` / ``schedule.scst.batch_size`` of each model YAML) unless ``--batch`` is given;
@@ -33,11 +34,10 @@ import torch
 from models import build_captioner, model_card
 from pipeline.metrics.cider import CiderD
 from pipeline.core.distributed import resolve_device
-from pipeline.core.training import autocast, resolve_precision
+from pipeline.core.training import make_scaler, resolve_precision
 from pipeline.core.training.determinism import CUBLAS_SETTING, deterministic_mode
 from pipeline.training.engine import build_optimizer
 from pipeline.training.recipe import stage_recipe
-from pipeline.training.scst_step import greedy_rewards, scst_loss
 from pipeline.training.xe import xe_loss_sum
 from pipeline.core.vocab import BOS, EOS, Vocab
 from pipeline.world.captions import make_captions, tokenize
@@ -78,15 +78,16 @@ def sync(device: torch.device) -> None:
 
 
 def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                deterministic: bool = False) -> tuple[int, float]:
-    """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step."""
+                deterministic: bool = False, fit_steps: int = 25) -> tuple[int, float]:
+    """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step, on a captioner fitted
+    for ``fit_steps`` XE steps to trained-like caption lengths."""
     with deterministic_mode(deterministic, "--deterministic"):
-        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab)
+        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab, fit_steps)
 
 
 def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD,
-                 vocab: Vocab) -> tuple[int, float]:
-    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1)
+                 vocab: Vocab, fit_steps: int) -> tuple[int, float]:
+    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps)
     step(batches[0])  # warm-up
     sync(device)
     t0 = time.perf_counter()
@@ -96,41 +97,54 @@ def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, devi
     return b, (time.perf_counter() - t0) / iters
 
 
+def fitted_model(name: str, batch: dict, steps: int = 25, device: torch.device | None = None, seed: int = 0) -> torch.nn.Module:
+    """A paper-size captioner, fitted for ``steps`` XE steps (Adam, lr 1e-3) to ``batch``'s captions (8-16 words)
+    so that its samples and beams end like a trained model's instead of running to ``max_len`` (random weights
+    almost never pick ``<eos>``); ``steps=0``: the random initial weights."""
+    torch.manual_seed(seed)
+    model = build_captioner(name, VOCAB_SIZE).to(device or batch["feats"].device).train()
+    if steps:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(steps):
+            loss, n = xe_loss_sum(model, batch)
+            opt.zero_grad(set_to_none=True)
+            (loss / n).backward()
+            opt.step()
+    return model
+
+
+def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
+                 lr: float = 1e-5) -> Callable[[dict], float]:
+    """``step(batch) -> loss``: :meth:`pipeline.training.engine.Trainer._step` (the trainer's own step) on what it
+    reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler)."""
+    import types
+    from pathlib import Path
+
+    from pipeline.core.distributed import DistContext
+    from pipeline.training.engine import Progress, Trainer, _Policy
+
+    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
+    me = types.SimpleNamespace(model=model, policy=_Policy(model), ctx=DistContext(device=device), precision=amp, vocab=vocab,
+                               dir=Path("."), _scst_scorer=lambda: scorer)
+    opt = build_optimizer(recipe, model.parameters())
+    for group in opt.param_groups:
+        group["lr"] = lr
+    prog, scaler = Progress(stage=stage), make_scaler(amp, device)
+    return lambda batch: Trainer._step(me, stage, recipe, batch, prog, opt, scaler)["loss"]
+
+
 def prepare_stage(name: str, stage: str, batch_size: int | None, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                  num_batches: int, seed: int = 0) -> tuple[torch.nn.Module, Callable[[dict], torch.Tensor], list[dict], int]:
-    """A paper-size ``name`` captioner on ``device``, its stage optimiser (lr 1e-5) and ``num_batches`` synthetic
-    batches; ``step(batch)`` runs one training step of ``stage`` (xe | scst) under ``amp`` and returns the loss.
+                  num_batches: int, seed: int = 0, fit_steps: int = 0) -> tuple[torch.nn.Module, Callable[[dict], float], list[dict], int]:
+    """A paper-size ``name`` captioner on ``device`` (fitted for ``fit_steps`` XE steps to the first batch's captions),
+    ``num_batches`` synthetic batches and ``step(batch)``: one training step of ``stage`` (xe | scst) exactly as the
+    trainer runs it under ``amp`` (:func:`trainer_step`, lr 1e-5), returning the loss.
     Returns ``(model, step, batches, images per batch)``."""
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
     b = batch_size or recipe.batch_size
-    torch.manual_seed(seed)
-    model = build_captioner(name, VOCAB_SIZE).to(device).train()
-    opt = build_optimizer(recipe, model.parameters())
-    for group in opt.param_groups:
-        group["lr"] = 1e-5
     rng = torch.Generator().manual_seed(seed)
     batches = [make_batch(b, VOCAB_SIZE, device, rng) for _ in range(num_batches)]
-
-    def step(batch: dict) -> torch.Tensor:
-        with autocast(device, amp):
-            if stage == "xe":
-                loss, count = xe_loss_sum(model, batch, recipe.label_smoothing, recipe.ss_prob(10))
-                loss = loss / count
-            else:
-                base = greedy_rewards(model, batch, scorer, vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
-                out = scst_loss(model, batch, scorer, vocab, method=recipe.sample_method, num_samples=recipe.num_samples,
-                                max_len=recipe.sample_max_len, baseline=recipe.baseline, normalize=recipe.pg_normalize, baseline_rewards=base)
-                loss = out.loss_sum / max(out.count, 1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if recipe.grad_clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), recipe.grad_clip_value)
-        if recipe.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip_norm)
-        opt.step()
-        return loss.detach()
-
-    return model, step, batches, b
+    model = fitted_model(name, batches[0], fit_steps, device, seed)
+    return model, trainer_step(model, name, stage, device, amp, scorer, vocab), batches, b
 
 
 def bench_vocab() -> Vocab:

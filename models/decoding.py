@@ -295,7 +295,7 @@ def reachable_bound(scores: torch.Tensor, generated: int, options: DecodeOptions
     monotone in ``len``).
     """
     lp = length_penalty(torch.tensor([generated + 1, options.max_len]), options.length_penalty, options.length_penalty_kind)
-    return scores / float(lp.max())
+    return scores / lp.max()  # a 0-d host tensor: no read-back of a device value
 
 
 def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:

@@ -139,3 +139,30 @@ def test_beam_search_equals_the_old_loop(rule, penalty) -> None:
             a, b = beam_search(model, enc, opts), ref.beam_search(model, enc, opts)
             for x, y in zip((a.tokens, a.lengths, a.logprob, a.scores), (b.tokens, b.lengths, b.logprob, b.scores)):
                 assert torch.equal(x, y)
+
+
+def test_decoding_loops_sync_with_the_host_at_most_once_per_step() -> None:
+    """bench.proxies counts host syncs (item/nonzero/tolist...); the old loops needed several per step."""
+    from bench.proxies import count
+    from models.decoding import DecodeOptions, beam_search, greedy, sample
+    from tests import reference_decoding as ref
+
+    assert count(lambda: (torch.ones(3).sum().item(), torch.ones(2).nonzero(), torch.ones(2).tolist()))["syncs"] == 3
+    model = _tiny("m2").eval()
+    batch = _batch(8)
+    with torch.no_grad():
+        enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
+        beam = DecodeOptions(method="beam", beam_size=5, n_best=5, max_len=12)
+        for new, old in ((lambda: beam_search(model, enc, beam), lambda: ref.beam_search(model, enc, beam)),
+                         (lambda: sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5),
+                          lambda: ref.sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5)),
+                         (lambda: greedy(model, enc, DecodeOptions(method="greedy", max_len=12)),
+                          lambda: ref.greedy(model, enc, DecodeOptions(method="greedy", max_len=12)))):
+            torch.manual_seed(0)
+            steps = int(new().lengths.max())
+            torch.manual_seed(0)
+            ours = count(new)
+            torch.manual_seed(0)
+            theirs = count(old)
+            assert ours["syncs"] <= steps < theirs["syncs"], (ours, theirs, steps)
+            assert ours["operators"] < theirs["operators"], (ours, theirs)

@@ -42,9 +42,9 @@ def optimizer_step(
     else:
         loss.backward()
     if clip_value is not None and clip_value > 0:
-        nn.utils.clip_grad_value_(params, float(clip_value))
+        nn.utils.clip_grad_value_(params, float(clip_value), foreach=True)
     if clip_norm is not None and clip_norm > 0:
-        nn.utils.clip_grad_norm_(params, float(clip_norm))
+        nn.utils.clip_grad_norm_(params, float(clip_norm), foreach=True)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
