@@ -24,6 +24,10 @@ sequential kernels by a few sweeps over ``E x K/64`` words (``bench`` measures i
 nms``). :func:`per_class_keep` returns the kept mask per class; :func:`max_conf` the ``generate_tsv.py``
 ``max_conf`` (the per-proposal max score over the classes that kept it), which
 ``extractors.selection.max_conf_vectorized`` calls on CPU.
+
+On a GPU, :func:`max_conf_device` solves the same fixed point (1) with torch operators on the device: the edges
+of every image of a batch at once, the classes unpacked (a bool per edge and class), each sweep one gather, one
+scatter-max and one comparison; a few sweeps instead of one sequential step per proposal rank.
 """
 
 from __future__ import annotations
@@ -131,3 +135,40 @@ def max_conf(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, val
             out[i, rows] = torch.where(keep, s, torch.zeros_like(s)).amax(dim=1).clamp_min(0.0)
     out = out.to(scores.device)
     return out[0] if single else out
+
+
+def max_conf_device(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None,
+                    max_sweeps: int | None = None) -> torch.Tensor:
+    """:func:`max_conf` with torch operators only (any device, the same result): (B, R, 4) boxes, (B, R, K)
+    scores, (B, R) ``valid`` -> (B, R) float32.
+
+    The IoU is torchvision's ``box_iou`` on the same ``+1``-shifted float32 boxes (elementwise float32 operators,
+    correctly rounded on every device, so the same edges); an edge ``a < b`` orders ``a`` first in class k iff
+    ``s[a, k] >= s[b, k]``; the sweeps of Eq. (1) run until nothing changes (one host read per sweep)."""
+    b, r, k = scores.shape
+    dev = scores.device
+    if r == 0 or k == 0:
+        return torch.zeros((b, r), dtype=torch.float32, device=dev)
+    s = scores.detach().float().reshape(b * r, k)
+    shifted = boxes.detach().float() + torch.tensor([0.0, 0.0, 1.0, 1.0], device=dev)
+    iou = torch.stack([box_iou(shifted[i], shifted[i]) for i in range(b)])  # (B, R, R)
+    over = torch.triu(iou >= torch.tensor(thresh, dtype=torch.float32, device=dev), diagonal=1)
+    if valid is not None:
+        over &= valid[:, :, None] & valid[:, None, :]
+    img, a, c = over.nonzero(as_tuple=True)  # one host read: the number of edges
+    a, c = img * r + a, img * r + c
+    first = s[a] >= s[c]  # (E, K): a comes before c in class k
+    src, dst = torch.cat([a, c]), torch.cat([c, a])
+    before = torch.cat([first, ~first])  # (2E, K): src comes before dst
+    kept = torch.ones((b * r, k), dtype=torch.bool, device=dev)
+    dst_k = dst[:, None].expand(-1, k)
+    for _ in range(max_sweeps or r + 1):
+        hit = torch.zeros((b * r, k), dtype=torch.uint8, device=dev).scatter_reduce_(0, dst_k, (kept[src] & before).to(torch.uint8), "amax")
+        new = hit == 0
+        if torch.equal(new, kept):  # the sweep's host read
+            break
+        kept = new
+    else:
+        raise RuntimeError("per-class NMS did not converge (non-finite scores?)")
+    out = torch.where(kept, s, torch.zeros_like(s)).amax(dim=1).clamp_min(0.0).view(b, r)
+    return out if valid is None else torch.where(valid, out, torch.zeros_like(out))

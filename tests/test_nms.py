@@ -82,3 +82,34 @@ def test_real_size_300x1600_and_max_conf_batched_with_padding():
 def test_empty_inputs():
     assert nms.per_class_keep(torch.zeros(0, 4), torch.zeros(0, 5)).shape == (0, 5)
     assert nms.max_conf(torch.zeros(3, 4), torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]
+
+
+def _random_case(seed: int, ties: bool, padded: bool):
+    g = torch.Generator().manual_seed(seed)
+    b, r, k = 3, 120, 70
+    xy = torch.rand(b, r, 2, generator=g) * 200
+    boxes = torch.cat([xy, xy + torch.rand(b, r, 2, generator=g) * 80 + 2], -1)
+    scores = torch.rand(b, r, k, generator=g)
+    if ties:
+        scores = (scores * 4).round() / 4  # many equal scores: the lower index goes first
+    valid = torch.rand(b, r, generator=g) > 0.2 if padded else None
+    return boxes, scores, valid
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_fixed_point_equals_the_cpu_path(seed) -> None:
+    """The torch-operator solver the GPU runs (here on CPU tensors) gives exactly the packed-word CPU result."""
+    from extractors import nms
+
+    boxes, scores, valid = _random_case(seed, ties=seed % 2 == 1, padded=seed >= 2)
+    assert torch.equal(nms.max_conf_device(boxes, scores, 0.3, valid), nms.max_conf(boxes, scores, 0.3, valid))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_per_class_nms_equals_the_cpu_path(seed) -> None:
+    boxes, scores, valid = _random_case(seed, ties=seed % 2 == 1, padded=seed >= 2)
+    cpu = selection.max_conf_vectorized(boxes, scores, 0.3, valid)
+    gpu = selection.max_conf_vectorized(boxes.cuda(), scores.cuda(), 0.3, valid.cuda() if valid is not None else None)
+    assert torch.equal(gpu.cpu(), cpu)
