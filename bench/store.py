@@ -23,6 +23,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from pipeline.core.regions import RegionRecord
 
 from bench.harness import Case
 from pipeline.store import FeatureStore, open_writer
@@ -71,7 +72,7 @@ def write_store(path: Path, src: Source, dtype: str, chunk_rows: int = 0, fsync:
     with open_writer(path, IDENTITY, dtype, commit_every=1000, commit_bytes=0, chunk_rows=chunk_rows, fsync=fsync) as w:
         for i in range(len(src)):
             key, f, b, wd, ht = src.image(i, np.dtype(dtype))
-            w.add(key, f, b, wd, ht)
+            w.add(key, RegionRecord(f, b, wd, ht))
 
 
 def write_groups(path: Path, src: Source, dtype: str) -> None:

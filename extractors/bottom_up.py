@@ -2,7 +2,7 @@
 
 Test time: backbone on each image blob -> proposals -> ROIPool 14x14 -> res5 -> ``pool5_flat`` -> class /
 box / attribute probabilities -> the selector of the recipe (:mod:`extractors.selector`: Caffe per-class NMS,
-the NMS ladder of the detectron2 ports, or given boxes) -> per-image :class:`RegionOutput` in original-image
+the NMS ladder of the detectron2 ports, or given boxes) -> per-image :class:`RegionRecord` in original-image
 pixels. The recipes (preprocessing, proposal settings, selection, rescaling per release) are in
 :mod:`extractors.recipes` and docs/recipes.md.
 
@@ -14,7 +14,6 @@ Presets are registered in :data:`extractors.EXTRACTORS` as spec factories.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,20 +26,7 @@ from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.rpn import RPN
 from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
-
-@dataclass
-class RegionOutput:
-    """One image's regions: ``features`` (N, D) float32, ``boxes`` (N, 4) float32 x1y1x2y2 original pixels,
-    0-based vocabulary ``class_ids``/``attr_ids`` (int64) with their probabilities (float32)."""
-
-    features: np.ndarray
-    boxes: np.ndarray
-    image_w: int
-    image_h: int
-    class_ids: np.ndarray
-    class_scores: np.ndarray
-    attr_ids: np.ndarray | None
-    attr_scores: np.ndarray | None
+from pipeline.core.regions import RegionRecord
 
 
 class BottomUpDetector(nn.Module):
@@ -82,7 +68,7 @@ class BottomUpDetector(nn.Module):
         frames: list[Frame],
         selector: Selector,
         given_boxes: list[np.ndarray] | None = None,
-    ) -> list[RegionOutput]:
+    ) -> list[RegionRecord]:
         """Probabilities -> selector -> regions for a batch of blobs (3, H', W') made by the recipe's
         preprocessing (:func:`extractors.preprocess.recipe_blob`), with their :class:`Frame`.
 
@@ -151,7 +137,7 @@ class BottomUpDetector(nn.Module):
             return torch.softmax(attr_logits, dim=1)[:, 1:]
         return torch.softmax(attr_logits[:, :-1], dim=1)
 
-    def _regions(self, rois, per_image, feats, logits, deltas, attr_logits, frames, selector) -> list[RegionOutput]:
+    def _regions(self, rois, per_image, feats, logits, deltas, attr_logits, frames, selector) -> list[RegionRecord]:
         n = len(rois)
         fg = self.class_probs(logits)
         attr = self.attr_probs(attr_logits) if attr_logits is not None else None
@@ -167,7 +153,7 @@ class BottomUpDetector(nn.Module):
                 a_s, a_i = attr[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
             h, w = frames[i].height, frames[i].width
             results.append(
-                RegionOutput(
+                RegionRecord(
                     features=feats[sl][keep].cpu().numpy().astype(np.float32),
                     boxes=out_boxes[i].float().cpu().numpy().astype(np.float32),
                     image_w=int(w),

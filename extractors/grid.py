@@ -27,7 +27,7 @@ from torch import nn
 
 from torchvision.ops import deform_conv2d
 
-from extractors.bottom_up import RegionOutput
+from pipeline.core.regions import RegionRecord
 from extractors.preprocess import Frame
 from extractors.resnet_caffe import ConvNorm, ResNetC4, fold_all
 from extractors.selector import Selector, to_original
@@ -63,7 +63,7 @@ class GridFeatsModel(nn.Module):
         fold_all(self)
         return self
 
-    def detect(self, blobs, frames, selector, given_boxes=None) -> list[RegionOutput]:
+    def detect(self, blobs, frames, selector, given_boxes=None) -> list[RegionRecord]:
         if not getattr(selector, "whole_image", False):
             raise ValueError("grid-feats weights hold a backbone for grid features only: use --boxes grid")
         return selector.detect(self, blobs, frames)
@@ -121,8 +121,8 @@ def cell_edges(n: int, k: int) -> list[tuple[int, int]]:
     return [((i * n) // k, -((-(i + 1) * n) // k)) for i in range(k)]
 
 
-def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionOutput:
-    """A (1, D, h, w) map -> one :class:`RegionOutput` of cells (pooled to ``grid`` x ``grid`` when > 0)."""
+def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
+    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (pooled to ``grid`` x ``grid`` when > 0)."""
     _, d, h, w = fmap.shape
     pooled = F.adaptive_avg_pool2d(fmap, (grid, grid)) if grid > 0 else fmap
     feats = pooled[0].permute(1, 2, 0).reshape(-1, d)
@@ -130,7 +130,7 @@ def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> Re
     boxes = torch.tensor([[x0 * stride, y0 * stride, min(x1 * stride, frame.blob_w), min(y1 * stride, frame.blob_h)]
                           for (y0, y1) in ys for (x0, x1) in xs], dtype=torch.float32)
     boxes = to_original(boxes, frame, "per-axis", "none")
-    return RegionOutput(features=feats.cpu().numpy().astype(np.float32), boxes=boxes.numpy().astype(np.float32), image_w=int(frame.width),
+    return RegionRecord(features=feats.cpu().numpy().astype(np.float32), boxes=boxes.numpy().astype(np.float32), image_w=int(frame.width),
                         image_h=int(frame.height), class_ids=None, class_scores=None, attr_ids=None, attr_scores=None)
 
 
@@ -140,7 +140,7 @@ class GridCells(Selector):
     name = "grid"
     whole_image = True
 
-    def detect(self, model: nn.Module, blobs, frames) -> list[RegionOutput]:
+    def detect(self, model: nn.Module, blobs, frames) -> list[RegionRecord]:
         r = self.recipe
         out = []
         for blob, frame in zip(blobs, frames):

@@ -2,7 +2,7 @@
 
 The Visual Genome vocabularies (1600 objects, 400 attributes; ``extractors/vocab/``, identical to the files
 of the bottom-up-attention release) name the classes of the public checkpoints: 0-based vocabulary ids as
-in :class:`extractors.bottom_up.RegionOutput`. Detectors trained here (``butd`` layout) carry their own
+in :class:`extractors.bottom_up.RegionRecord`. Detectors trained here (``butd`` layout) carry their own
 names in the weights file.
 """
 

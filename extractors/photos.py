@@ -182,7 +182,7 @@ def _detect(model: Any, photos: list[Photo], selector: Any, precision: str, dev:
 
 def detect_guarded(model: Any, photos: list[Photo], selector: Any, precision: str, dev: torch.device,
                    fail: Callable[[Photo, Failure], None]) -> list[tuple[Photo, Any]]:
-    """The per-image guard: detect the batch (``RegionOutput`` per photo); if the model raises, run each photo
+    """The per-image guard: detect the batch (``RegionRecord`` per photo); if the model raises, run each photo
     alone and send the ones that still raise to ``fail(photo, Failure("detector_failed", ...))``.
     Project errors (:class:`PipelineError`) are not a photo's failure: they stop the run."""
     if not photos:

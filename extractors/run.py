@@ -138,8 +138,7 @@ def _extract_batch(batch: list[Photo], model: BottomUpDetector, writer: Any, sel
             fail(photo, Failure("no_regions", "the detector returned no region for this image"))
             continue
         try:
-            writer.add(photo.item.key, o.features, o.boxes, o.image_w, o.image_h, class_ids=o.class_ids,
-                       class_scores=o.class_scores, attr_ids=o.attr_ids, attr_scores=o.attr_scores)
+            writer.add(photo.item.key, o)
         except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
             fail(photo, Failure("invalid_output", str(exc)))
             continue

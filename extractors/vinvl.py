@@ -31,7 +31,7 @@ from torch import nn
 from torchvision.ops import roi_align
 
 from extractors import EXTRACTORS, box_coding, vinvl_select
-from extractors.bottom_up import RegionOutput
+from pipeline.core.regions import RegionRecord
 from extractors.preprocess import Frame
 from extractors.resnet_caffe import ResNetC4, fold_all, make_stage
 from extractors.rpn import AnchorGenerator, RPNHead
@@ -140,7 +140,7 @@ class VinVLDetector(nn.Module):
         return self._res5_pooled(self.roi_heads.pool(feat, rois)).float()
 
     @torch.inference_mode()
-    def detect(self, blobs: list[torch.Tensor], frames: list[Frame], selector, given_boxes: list[np.ndarray] | None = None) -> list[RegionOutput]:
+    def detect(self, blobs: list[torch.Tensor], frames: list[Frame], selector, given_boxes: list[np.ndarray] | None = None) -> list[RegionRecord]:
         """Regions of each blob with the resolved recipe of ``selector`` (``vinvl`` post-processing or given boxes)."""
         if getattr(selector, "whole_image", False):  # --boxes grid (extractors.grid)
             return selector.detect(self, blobs, frames)
@@ -149,7 +149,7 @@ class VinVLDetector(nn.Module):
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, b in enumerate(blobs):
             groups[tuple(b.shape[-2:])].append(i)
-        results: list[RegionOutput | None] = [None] * len(blobs)
+        results: list[RegionRecord | None] = [None] * len(blobs)
         for (h, w), idx in groups.items():
             feat = self.backbone(torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev))
             if selector.given:
@@ -189,9 +189,9 @@ class VinVLDetector(nn.Module):
             start += n
         return out
 
-    def _region(self, pick, feats, attr, frame: Frame) -> RegionOutput:
+    def _region(self, pick, feats, attr, frame: Frame) -> RegionRecord:
         boxes = to_original(pick.boxes.float(), frame, "per-axis", "none")
-        return RegionOutput(
+        return RegionRecord(
             features=feats[pick.rows].cpu().numpy().astype(np.float32),
             boxes=boxes.cpu().numpy().astype(np.float32),
             image_w=int(frame.width), image_h=int(frame.height),

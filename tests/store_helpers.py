@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from pipeline.core.regions import RegionRecord
 
 IDENTITY = {"name": "test-extractor", "weights_sha256": "0" * 64, "config": {"boxes": [10, 30]}}
 
@@ -30,4 +31,4 @@ def synthetic_image(i: int, dim: int = 64) -> dict:
 
 
 def add_image(writer, rec: dict) -> None:
-    writer.add(**{k: v for k, v in rec.items()})
+    writer.add(rec["key"], RegionRecord.from_mapping(rec))

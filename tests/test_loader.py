@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from pipeline.core.regions import RegionRecord
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def world_data(tmp_path_factory):
     with open_writer(root / "store", {"name": "synthetic-test"}, commit_every=9) as w:
         for key, (wd, ht) in sizes.items():
             f = image_features(key, wd, ht)
-            w.add(key, f["features"], f["boxes"], wd, ht, class_ids=f["class_ids"], class_scores=f["class_scores"])
+            w.add(key, RegionRecord(f["features"], f["boxes"], wd, ht, class_ids=f["class_ids"], class_scores=f["class_scores"]))
     return root / "store", root / "run" / "data"
 
 
@@ -167,8 +168,8 @@ def test_missing_features_are_an_error_not_random_features(world_data, tmp_path)
     with open_writer(tmp_path / "partial", src.identity) as w:
         for key in src.keys()[:20]:
             rec = src.get(key)
-            w.add(key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
-                  class_ids=rec["class_ids"], class_scores=rec["class_scores"])
+            w.add(key, RegionRecord(rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
+                                    class_ids=rec["class_ids"], class_scores=rec["class_scores"]))
     with pytest.raises(PipelineError, match=r"of 32 train images have no features in .*partial"):
         CaptionDataset(tmp_path / "partial", data_dir, "train")
     ds = CaptionDataset(tmp_path / "partial", data_dir, "train", allow_missing=True)

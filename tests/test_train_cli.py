@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from pipeline.core.regions import RegionRecord
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -117,7 +118,7 @@ def test_store_missing_images_of_the_split(trained, tmp_path) -> None:
     with open_writer(tmp_path / "partial", full.identity, feature_dtype="float32") as w:
         for i in data.split_indices("train"):
             rec = full.get(data.images[i]["key"])
-            w.add(data.images[i]["key"], rec["features"], rec["boxes"], rec["image_w"], rec["image_h"])
+            w.add(data.images[i]["key"], RegionRecord(rec["features"], rec["boxes"], rec["image_w"], rec["image_h"]))
     res = invoke("evaluate", "--model", str(ckpt), "--store", str(tmp_path / "partial"), "--data", str(run / "data"))
     assert res.exit_code == 1 and "12 of 12 test images have no features in" in error_line(res)
 

@@ -8,6 +8,7 @@ import json
 
 import h5py
 import numpy as np
+from pipeline.core.regions import RegionRecord
 from typer.testing import CliRunner
 
 from cli import app
@@ -89,7 +90,7 @@ def test_grid_hdf5_import(tmp_path):
 def test_export_appends_the_position_to_extracted_features(tmp_path):
     feats, boxes = _rand(10, 3)
     with open_writer(tmp_path / "s", {"name": "t"}, feature_dtype="float32") as w:
-        w.add("5", feats, boxes, 640, 480)
+        w.add("5", RegionRecord(feats, boxes, 640, 480))
         w.commit()
     res = CliRunner().invoke(app, ["export-features", str(tmp_path / "s"), "--format", "vinvl-tsv", "--out", str(tmp_path / "o.tsv")])
     assert res.exit_code == 0, res.output

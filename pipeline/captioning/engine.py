@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from extractors.bottom_up import BottomUpDetector, RegionOutput
+from extractors.bottom_up import BottomUpDetector
 from extractors.inputs import ImageItem
 from extractors.photos import Need, Photo, PhotoDataset, check_precision, detect_guarded, photo_batches, precision_context
 from extractors.selector import Selector
@@ -36,6 +36,7 @@ from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.keys import key_to_text
+from pipeline.core.regions import RegionRecord
 from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
 
@@ -62,21 +63,6 @@ class CaptionResult:
         from pipeline.captioning.output import result_row
 
         return result_row(self, with_nbest)
-
-
-def regions_to_record(o: RegionOutput) -> dict[str, Any]:
-    rec: dict[str, Any] = {
-        "features": o.features,
-        "boxes": o.boxes,
-        "image_w": o.image_w,
-        "image_h": o.image_h,
-        "class_ids": o.class_ids,
-        "class_scores": o.class_scores,
-    }
-    if o.attr_ids is not None:
-        rec["attr_ids"] = o.attr_ids
-        rec["attr_scores"] = o.attr_scores
-    return rec
 
 
 def batch_tensors(records: Sequence[dict[str, Any]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -133,8 +119,8 @@ class FeatureCache:
             self.reader.refresh()
         return self.reader.get(key)
 
-    def add(self, key: str, *args: Any, **kwargs: Any) -> None:
-        self.writer.add(key, *args, **kwargs)
+    def add(self, key: str, record: RegionRecord) -> None:
+        self.writer.add(key, record)
 
     def commit(self) -> None:
         self.writer.commit()
@@ -236,11 +222,9 @@ class PhotoCaptioner:
             if len(out.boxes) == 0:
                 results[i].error = Failure("no_regions", "the detector returned no region").line
                 continue
-            records[i] = rec = regions_to_record(out)
+            records[i] = out.to_dict()
             if cache is not None:
-                cache.add(chunk[i].key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
-                          class_ids=rec["class_ids"], class_scores=rec["class_scores"],
-                          attr_ids=rec.get("attr_ids"), attr_scores=rec.get("attr_scores"))
+                cache.add(chunk[i].key, out)
         if cache is not None:
             cache.commit()
             for i in todo:  # caption from the cache's copy, as a rerun will: the same numbers, the same caption

@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
+from pipeline.core.regions import RegionRecord
 from pipeline.importers import cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 
@@ -26,7 +27,6 @@ log = get_logger("import")
 
 __all__ = ["FORMATS", "Format", "ImportReport", "export_tsv", "import_features", "read_sizes", "register_format"]
 
-OPTIONAL = ("class_ids", "class_scores", "attr_ids", "attr_scores")
 
 
 @dataclass
@@ -146,10 +146,10 @@ def import_features(
                 if writer.has(key):
                     report.already_present += 1
                     continue
-                extras = {k: rec[k] for k in OPTIONAL if k in rec}
-                validate_image(key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
-                               {k: v.reshape(-1) for k, v in extras.items()}, None, where)
-                writer.add(key, rec["features"], rec["boxes"], rec["image_w"], rec["image_h"], **extras)
+                record = RegionRecord.from_mapping(rec)
+                validate_image(key, record.features, record.boxes, record.image_w, record.image_h,
+                               {k: v.reshape(-1) for k, v in record.optional().items()}, None, where)
+                writer.add(key, record)
                 report.imported += 1
             except PipelineError as exc:
                 if not skip_bad:

@@ -4,7 +4,7 @@ Entry points::
 
     with open_writer("runs/x/features/store", {"name": "butd-r101", "weights_sha256": ..., "config": {...}}) as w:
         if not w.has(key):
-            w.add(key, features, boxes, image_w, image_h, class_ids=..., class_scores=...)
+            w.add(key, RegionRecord(features, boxes, image_w, image_h, class_ids=..., class_scores=...))
         w.commit()                      # durable from here on
 
     store = FeatureStore("runs/x/features/store")

@@ -30,6 +30,7 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
 from pipeline.core.keys import display_key
 from pipeline.core.locks import WriterLock, acquire_lock
+from pipeline.core.regions import RegionRecord
 from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
@@ -103,33 +104,22 @@ class FeatureStoreWriter:
         return key in self._committed or key in self._pending_keys
 
     # -- writing -------------------------------------------------------------------------------------------
-    def add(
-        self,
-        key: str,
-        features: np.ndarray,
-        boxes: np.ndarray,
-        image_w: int,
-        image_h: int,
-        class_ids: np.ndarray | None = None,
-        class_scores: np.ndarray | None = None,
-        attr_ids: np.ndarray | None = None,
-        attr_scores: np.ndarray | None = None,
-    ) -> None:
-        """Validate and queue one image; it becomes durable at the next :meth:`commit` (or auto-commit).
+    def add(self, key: str, record: RegionRecord) -> None:
+        """Validate and queue one image's :class:`~pipeline.core.regions.RegionRecord`; it becomes durable at the
+        next :meth:`commit` (or auto-commit).
 
         ``features`` (N, D) any float dtype (cast to the store dtype), ``boxes`` (N, 4) x1 y1 x2 y2 in
         original pixels. Optional per-box fields must be given for every image or for none.
         """
         self._check_open()
+        if not isinstance(record, RegionRecord):
+            raise TypeError(f"writer.add(key, record) takes a RegionRecord, not {type(record).__name__}")
         if self.has(key):
             raise PipelineError(f"feature store {self.path}: duplicate image id {display_key(key)}")
-        feats = np.asarray(features)
+        feats = np.asarray(record.features)
+        boxes, image_w, image_h = record.boxes, record.image_w, record.image_h
         dtype = FEATURE_DTYPES[self._manifest["feature_dtype"]]
-        given = {
-            name: np.asarray(val).reshape(-1)
-            for name, val in (("class_ids", class_ids), ("class_scores", class_scores), ("attr_ids", attr_ids), ("attr_scores", attr_scores))
-            if val is not None
-        }
+        given = {name: np.asarray(val).reshape(-1) for name, val in record.optional().items()}
         fields = self._manifest["fields"]
         if fields is not None and sorted(given) != sorted(fields):
             raise PipelineError(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pipeline.core.regions import RegionRecord
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
@@ -93,7 +94,7 @@ def write_oracle_store(
                     continue
                 rng = np.random.default_rng((int(seed), int(img["id"])))
                 feats, boxes = oracle_region_features(per_image[int(img["id"])], int(img["width"]), int(img["height"]), rng, noise, extra_dims, box_features)
-                writer.add(name, feats, boxes, int(img["width"]), int(img["height"]))
+                writer.add(name, RegionRecord(feats, boxes, int(img["width"]), int(img["height"])))
                 written += 1
         writer.commit()
         total = writer.num_committed
