@@ -2,7 +2,8 @@
 throughput of the same captioning engine run in one process the way ``caption`` runs it.
 
     python -m bench.serve --model runs/demo --photos my_photos/ [--clients 4] [--seconds 30] [--images-per-request 1]
-                          [--batch-size 8] [--max-wait-ms 20] [--regions] [--set KEY=VALUE ...] [--json FILE]
+                          [--batch-size 8] [--max-wait-ms 20] [--queue-limit N] [--regions] [--set KEY=VALUE ...]
+                          [--json FILE]
 
 1. ``caption`` in one process: the engine that ``caption`` builds (``configs/caption.yaml`` with the ``--set``
    overrides: its batch size and decoding workers), captioning the photos round after round for ``--seconds``
@@ -11,7 +12,7 @@ throughput of the same captioning engine run in one process the way ``caption`` 
    overrides), one untimed request per photo, then ``--clients`` threads each posting ``--images-per-request``
    photos at a time (round robin) for ``--seconds``, every request bounded by a timeout. Prints throughput (images
    per second answered 200), latency p50/p95/p99, answers by status (no answer and 500 counted apart), the
-   server's peak RSS (VmHWM) and the ratio to (1). Captions the server gave are compared with (1)'s per photo.
+   server's peak RSS (VmHWM) and the ratio to (1). A client told 503 waits its Retry-After before the next request. Captions the server gave are compared with (1)'s per photo.
 
 Only 127.0.0.1 is contacted; the server is stopped with SIGTERM (and killed by its pid if it hangs).
 """
@@ -84,12 +85,14 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 
 def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 300, conn: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
+            timeout: float = 300, conn: http.client.HTTPConnection | None = None, answer: dict | None = None) -> tuple[int, bytes]:
     own = conn is None
     conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         res = conn.getresponse()
+        if answer is not None:
+            answer["retry_after"] = res.getheader("Retry-After")
         return res.status, res.read()
     finally:
         if own:
@@ -155,8 +158,9 @@ def load(port: int, photos: list[Path], clients: int, seconds: float, per_reques
             files = [data[(start + k) % len(data)] for k in range(per_request)]
             body, ctype = multipart(files, fields)
             t0 = time.perf_counter()
+            head: dict[str, Any] = {}
             try:
-                status, raw = request(port, "POST", "/v1/captions", body, {"Content-Type": ctype}, conn=conn)
+                status, raw = request(port, "POST", "/v1/captions", body, {"Content-Type": ctype}, conn=conn, answer=head)
             except (OSError, http.client.HTTPException):
                 status, raw = 0, b""
                 conn.close()
@@ -169,6 +173,8 @@ def load(port: int, photos: list[Path], clients: int, seconds: float, per_reques
                     latencies.append(took)
                     for a in json.loads(raw)["images"]:
                         captions.setdefault(a["name"], set()).add(a.get("caption", a.get("error", "")))
+            if status == 503:  # overloaded: wait as told (a well-behaved client), within the run's time
+                time.sleep(max(0.0, min(float(head.get("retry_after") or 1), deadline - time.monotonic())))
         conn.close()
 
     t0 = time.perf_counter()
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=8, help="the server's max batch (serve.max_batch)")
     ap.add_argument("--max-wait-ms", type=float, default=20.0)
+    ap.add_argument("--queue-limit", type=int, default=None, help="serve.queue_limit (default: room for every client; smaller shows 503s)")
     ap.add_argument("--regions", action="store_true", help="ask the server for regions (occlusion relevance: more work than caption)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="caption.KEY=VALUE for both sides (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("caption in one process: %d photos, rounds for at least %.0f s", len(photos), args.seconds)
     base = baseline(args.model, args.weights, args.photos, args.sets, args.seconds)
     server_args = ["--model", args.model, *(["--weights", args.weights] if args.weights else []), "--batch-size", str(args.batch_size),
-                   "--set", f"serve.max_wait_ms={args.max_wait_ms:g}", "--set", f"serve.queue_limit={max(64, 4 * args.clients * args.images_per_request)}",
+                   "--set", f"serve.max_wait_ms={args.max_wait_ms:g}", "--set", f"serve.queue_limit={args.queue_limit or max(64, 4 * args.clients * args.images_per_request)}",
                    *[x for s in args.sets for x in ("--set", s)], "--quiet"]
     proc, port = start_server(server_args)
     try:
