@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 class Server:
     proc: subprocess.Popen
     port: int
+    tmp: Path | None = None  # the server's TMPDIR, when a test gives it one
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
                 timeout: float = 120) -> tuple[int, dict[str, str], bytes]:

@@ -46,9 +46,13 @@ def env(tmp_path_factory, shared_data: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def server(env: dict):
-    """The server with the default bounds, batches of up to 16 images that wait up to 1 s for company."""
+    """The server with the default bounds, batches of up to 16 images that wait up to 1 s for company; its
+    temporary folder is an empty one of ours (nothing may appear in it)."""
+    tmp = env["root"] / "server-tmp"
+    tmp.mkdir()
     with running_server("--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.max_batch=16",
-                        "--set", "serve.max_wait_ms=1000", "--set", "serve.max_images=8") as srv:
+                        "--set", "serve.max_wait_ms=1000", "--set", "serve.max_images=8", env={"TMPDIR": str(tmp)}) as srv:
+        srv.tmp = tmp
         yield srv
 
 
@@ -132,6 +136,18 @@ def test_regions_and_raw_body(server) -> None:
         x1, y1, x2, y2 = r["box"]
         assert 0 <= x1 < x2 <= a["width"] + 1 and 0 <= y1 < y2 <= a["height"] + 1 and r["label"]
     assert {w for r in a["regions"] for w in r["words"]} <= set(a["caption"].split())
+    # a client's file name is a label: the bytes are decoded, the named server path is never opened
+    status, _, body = server.post_images([("/etc/hostname", photo.read_bytes()), ("/etc/passwd", b"root:x:0:0\n")], {"regions": "false"})
+    assert status == 200 and [a["name"] for a in body["images"]] == ["hostname", "passwd"]
+    assert body["images"][0]["caption"] == a["caption"] and body["images"][1]["reason"] == "not_an_image"
+    # an upload of 2.5 MB (beyond the 1 MB a spooled form parser keeps in memory) leaves no file in its TMPDIR
+    noise = np.random.default_rng(0).integers(0, 255, (700, 1200, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="PNG")
+    assert len(buf.getvalue()) > 2_000_000
+    status, _, body = server.post_images([("noise.png", buf.getvalue())], {"regions": "false"})
+    assert status == 200 and body["images"][0]["width"] == 1200
+    assert list(server.tmp.iterdir()) == []
     page = server.request("GET", "/")[2].decode()
     assert "<input id=\"files\"" in page and "http://" not in page and "https://" not in page  # nothing from a network
     spec = json.loads(server.request("GET", "/openapi.json")[2])
@@ -222,3 +238,32 @@ def test_page_uploads_a_photo_in_headless_chromium(server, tmp_path: Path) -> No
         browser.close()
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB"), dtype=np.float32)
     assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500  # the photo and text, not a blank page
+
+
+def test_uploads_are_parsed_in_memory(monkeypatch) -> None:
+    """A 2.5 MB multipart upload is parsed with no temporary file (every way to make one raises here), where
+    Starlette's own form parser, given the same body, spools the file to disk."""
+    import asyncio
+    import tempfile
+
+    from starlette.datastructures import Headers
+    from starlette.formparsers import MultiPartParser
+
+    from pipeline.serving.uploads import images_and_fields
+    from serve_helpers import multipart
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a temporary file was made")
+
+    for name in ("TemporaryFile", "NamedTemporaryFile", "mkstemp", "mkdtemp"):
+        monkeypatch.setattr(tempfile, name, refused)
+    data = np.random.default_rng(1).integers(0, 256, 2_500_000, dtype=np.uint8).tobytes()
+    body, ctype = multipart([("/etc/shadow", data)], {"n_best": 2})
+    items, fields = images_and_fields(ctype, body, None, 4)
+    assert [(it.path.name, it.data == data) for it in items] == [("shadow", True)] and fields == {"n_best": "2"}
+
+    async def chunks():
+        yield body
+
+    with pytest.raises(AssertionError, match="temporary file"):  # the counterfactual: a spooled temporary file
+        asyncio.run(MultiPartParser(Headers({"content-type": ctype}), chunks()).parse())
