@@ -148,6 +148,17 @@ def test_regions_and_raw_body(server) -> None:
     status, _, body = server.post_images([("noise.png", buf.getvalue())], {"regions": "false"})
     assert status == 200 and body["images"][0]["width"] == 1200
     assert list(server.tmp.iterdir()) == []
+    # its own time limit: alone, an image waits 1 s for company; asked to answer within 0.3 s it gets 504, and the
+    # image is dropped, not captioned
+    before = server.metrics()
+    status, _, body = server.post_images([("late.jpg", photo.read_bytes())], {"timeout_s": 0.3, "regions": "false"})
+    assert status == 504 and "0.3 s" in body["error"]
+    assert server.post_images([("x.jpg", photo.read_bytes())], {"timeout_s": 0})[0] == 422
+    status, _, body = server.post_images([("again.jpg", photo.read_bytes())], {"regions": "false"})
+    assert status == 200 and body["images"][0]["caption"] == a["caption"]
+    after = server.metrics()
+    assert metric(after, 'butd_images_total{outcome="captioned"}') - metric(before, 'butd_images_total{outcome="captioned"}') == 1
+    assert metric(after, 'butd_requests_total{status="504"}') == 1
     page = server.request("GET", "/")[2].decode()
     assert "<input id=\"files\"" in page and "http://" not in page and "https://" not in page  # nothing from a network
     spec = json.loads(server.request("GET", "/openapi.json")[2])

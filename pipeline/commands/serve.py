@@ -35,8 +35,8 @@ def register(app: typer.Typer) -> None:
 
         Bounded: serve.queue_limit images admitted (503 with Retry-After beyond), serve.max_body_bytes per request
         (413), caption.max_pixels per image, serve.request_timeout_s per request (504). Binds 127.0.0.1 unless --host
-        says otherwise; --token (or $BUTD_SERVE_TOKEN) makes every request but / and /healthz need
-        `Authorization: Bearer TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C: stops accepting, answers what
+        says otherwise; --token (or $BUTD_SERVE_TOKEN) makes /v1/captions and /metrics need `Authorization: Bearer
+        TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C: stops accepting, answers what
         is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and /openapi.json.
 
         Examples:
@@ -50,9 +50,15 @@ def register(app: typer.Typer) -> None:
         flags = dict(opts.decoding)
         extra = [f"caption.{key}={flags.pop(key)}" for key in ("n_best", "beam_size") if key in flags]
         cfg = opts.resolve("serve", extra)
-        from pipeline.serving.server import load_service, run_server
+        from pipeline.serving.server import bind, load_service, run_server
         from pipeline.serving.settings import settings_from
 
         settings = settings_from(cfg.serve, token, host=host, port=port)
-        service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding_overrides(**flags))
-        raise typer.Exit(run_server(service, batcher, settings))
+        decoding = decoding_overrides(**flags)
+        sock = bind(settings.host, settings.port)  # a port in use fails before the models load
+        try:
+            service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)
+        except BaseException:
+            sock.close()
+            raise
+        raise typer.Exit(run_server(service, batcher, settings, sock))

@@ -1,7 +1,8 @@
 """What a ``POST /v1/captions`` request asks for and what it gets back.
 
 Options (query parameters or multipart text fields): ``beam_size``, ``n_best``, ``max_len`` (within the server's
-``serve.max_*`` limits; HTTP 422 beyond them) and ``regions`` (``true``/``false``). They override the decoding of
+``serve.max_*`` limits; HTTP 422 beyond them), ``regions`` (``true``/``false``) and ``timeout_s`` (a shorter
+time limit than ``serve.request_timeout_s``). They override the decoding of
 the served checkpoint the way ``caption --beam-size/--n-best/--max-len`` do (:func:`models.captions.merge_decoding`),
 so a request gets the captions ``caption`` writes with the same flags.
 
@@ -25,7 +26,7 @@ from pipeline.core.errors import FAILURE_REASONS, ConfigError
 from pipeline.core.keys import key_to_text
 from pipeline.serving.settings import ServeSettings
 
-OPTION_NAMES = ("beam_size", "n_best", "max_len", "regions")
+OPTION_NAMES = ("beam_size", "n_best", "max_len", "regions", "timeout_s")
 
 
 class BadOptions(Exception):
@@ -81,8 +82,8 @@ def _int(fields: Mapping[str, str], name: str, limit: int) -> int | None:
     return value
 
 
-def request_options(fields: Mapping[str, str], base: DecodeOptions, limits: ServeSettings) -> tuple[DecodeOptions, bool]:
-    """The request's decoding options (over the served ones) and whether it wants regions."""
+def request_options(fields: Mapping[str, str], base: DecodeOptions, limits: ServeSettings) -> tuple[DecodeOptions, bool, float]:
+    """The request's decoding options (over the served ones), whether it wants regions, and its time limit."""
     unknown = sorted(set(fields) - set(OPTION_NAMES))
     if unknown:
         raise BadOptions(f"unknown option(s) {', '.join(unknown)} (known: {', '.join(OPTION_NAMES)})")
@@ -95,13 +96,21 @@ def request_options(fields: Mapping[str, str], base: DecodeOptions, limits: Serv
     if regions not in ("", "true", "false", "1", "0", "yes", "no"):
         raise BadOptions(f"regions must be true or false, not {regions!r}")
     want_regions = limits.regions if regions == "" else regions in ("true", "1", "yes")
+    timeout = limits.request_timeout_s
+    if fields.get("timeout_s", "") != "":
+        try:
+            timeout = float(fields["timeout_s"])
+        except ValueError:
+            raise BadOptions(f"timeout_s must be a number, not {fields['timeout_s']!r}") from None
+        if not 0 < timeout <= limits.request_timeout_s:
+            raise BadOptions(f"timeout_s must be above 0 and at most {limits.request_timeout_s:g} on this server, not {timeout:g}")
     try:
         options = DecodeOptions.from_mapping(merge_decoding(asdict(base), overrides)) if overrides else base
     except ConfigError as exc:
         raise BadOptions(str(exc)) from None
     if options.method == "beam" and options.beam_size > limits.max_beam_size:
         raise BadOptions(f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's {limits.max_beam_size}")
-    return options, want_regions
+    return options, want_regions, timeout
 
 
 def image_answer(index: int, res: Any, classes: Sequence[str], attributes: Sequence[str], regions: bool, max_regions: int

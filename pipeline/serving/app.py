@@ -2,8 +2,9 @@
 
 ``POST /v1/captions`` (images in, one entry per image out, :mod:`pipeline.serving.answers`), ``GET /`` (the page
 to try it), ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs`` (the
-OpenAPI description, rendered without any script or stylesheet from a network). Every route but ``/healthz``
-and ``/`` needs ``Authorization: Bearer TOKEN`` when the server has a token (401 otherwise).
+OpenAPI description, rendered without any script or stylesheet from a network). ``POST /v1/captions`` and
+``GET /metrics`` need ``Authorization: Bearer TOKEN`` when the server has a token (401 otherwise); the page, the
+health check and the API description are open (they hold nothing about the model's inputs or outputs).
 
 Status codes of ``POST /v1/captions``: 200 (also when some images failed: their entries carry the error), 400
 (unreadable body), 401, 413 (body or image count beyond the limits), 415, 422 (options), 503 + Retry-After (queue
@@ -41,13 +42,13 @@ _BODY_DOC = {
             "multipart/form-data": {"schema": {"type": "object", "properties": {
                 "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
                 "beam_size": {"type": "integer"}, "n_best": {"type": "integer"}, "max_len": {"type": "integer"},
-                "regions": {"type": "boolean"}}}},
+                "regions": {"type": "boolean"}, "timeout_s": {"type": "number"}}}},
             "image/*": {"schema": {"type": "string", "format": "binary"}},
         },
     },
     "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": t}}
                    for n, t in (("beam_size", "integer"), ("n_best", "integer"), ("max_len", "integer"), ("regions", "boolean"),
-                                ("name", "string"))],
+                                ("timeout_s", "number"), ("name", "string"))],
 }
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorAnswer, "description": text} for code, text in (
     (400, "unreadable body"), (401, "missing or wrong bearer token"), (413, "body or image count beyond the limits"),
@@ -134,7 +135,7 @@ async def _captions(service: Service, request: Request) -> Response:
         body = await read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes)
         items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
         query = {k: v for k, v in request.query_params.items() if k != "name"}
-        options, regions = request_options({**query, **fields}, service.batcher.engine.options, s)
+        options, regions, timeout = request_options({**query, **fields}, service.batcher.engine.options, s)
         jobs = service.batcher.submit(items, options, regions)
     except BodyTooLarge as exc:
         return _error(413, str(exc))
@@ -147,10 +148,10 @@ async def _captions(service: Service, request: Request) -> Response:
     del body
     start = time.perf_counter()
     try:
-        results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), s.request_timeout_s)
+        results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), timeout)
     except asyncio.TimeoutError:
         service.batcher.drop(jobs)
-        return _error(504, f"not answered within {s.request_timeout_s:g} s (the server is busy; try again later)")
+        return _error(504, f"not answered within {timeout:g} s (the server is busy; try again later)")
     except asyncio.CancelledError:  # the client went away
         service.batcher.drop(jobs)
         raise

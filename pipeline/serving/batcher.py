@@ -9,8 +9,9 @@ batch are captioned) are exactly ``caption``'s. Images with other options wait f
 
 Bounds: at most ``queue_limit`` images are admitted (waiting or in a batch); a request that does not fit is
 refused whole (:class:`QueueFull`, HTTP 503 with Retry-After) before any of its images is queued. Images of a
-request that gave up (timeout, client gone) are dropped when their turn comes. :meth:`Batcher.close` stops
-admitting and returns once everything admitted has been answered (SIGTERM draining).
+request that gave up (timeout, client gone) are dropped when their turn comes. On SIGTERM :meth:`Batcher.flush`
+sends what waits at once; :meth:`Batcher.close` stops admitting and returns once everything admitted has been
+answered.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._queue: deque[Job] = deque()
         self._admitted = 0
-        self._closing = False
+        self._closing = self._flushing = False
         self._engines: dict[Any, Any] = {}
         self._thread = threading.Thread(target=self._run, name="serve-batcher", daemon=True)
         self._thread.start()
@@ -92,6 +93,12 @@ class Batcher:
         with self._cv:
             return len(self._queue)
 
+    def flush(self) -> None:
+        """Stop waiting for company (draining): what is queued goes now; admission goes on until :meth:`close`."""
+        with self._cv:
+            self._flushing = True
+            self._cv.notify_all()
+
     def close(self, timeout: float | None = None) -> bool:
         """Admit nothing more, let the thread finish what was admitted; True when it has."""
         with self._cv:
@@ -110,7 +117,7 @@ class Batcher:
                 self._cv.wait()
             first = self._queue[0]
             deadline = first.queued_at + self.max_wait_s
-            while not self._closing and sum(j.group == first.group for j in self._queue) < self.max_batch:
+            while not (self._closing or self._flushing) and sum(j.group == first.group for j in self._queue) < self.max_batch:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

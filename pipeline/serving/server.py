@@ -1,7 +1,7 @@
 """Running ``cli serve``: load the models once, bind the socket, run uvicorn, drain on SIGTERM and exit 0.
 
-The socket is bound here (``--port 0`` picks a free port; the line ``serving on http://HOST:PORT`` on stdout
-names it), so a port in use is one ``error:`` line. SIGTERM or Ctrl-C: uvicorn stops accepting connections,
+The socket is bound here before the models load (``--port 0`` picks a free port; the line ``serving on
+http://HOST:PORT`` on stdout names it once the models are loaded), so a port in use is one ``error:`` line at once. SIGTERM or Ctrl-C: uvicorn stops accepting connections,
 closes idle ones, lets every request in flight finish (at most ``serve.drain_timeout_s``), then the lifespan's
 end closes the batcher (which has answered everything it admitted) and the process exits 0; uvicorn's own
 re-raising of the signal after a graceful stop (which would make the exit status 143) is not wanted here.
@@ -58,13 +58,18 @@ def load_service(model: Path, weights: str | None, cfg: Config, settings: ServeS
     return Service(batcher, settings, classes, attributes, metrics, about), batcher
 
 
-def run_server(service: Any, batcher: Any, settings: ServeSettings) -> int:
-    """Serve until SIGTERM/SIGINT; returns 0 once every admitted request was answered."""
+def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket.socket) -> int:
+    """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was answered."""
     import uvicorn
 
     from pipeline.serving.app import create_app
 
     class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM/SIGINT: draining starts now
+            service.draining = True
+            batcher.flush()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):  # noqa: ANN202 - uvicorn's hook
             with super().capture_signals():
@@ -73,7 +78,6 @@ def run_server(service: Any, batcher: Any, settings: ServeSettings) -> int:
 
     drained: list[bool] = []
     app = create_app(service, on_shutdown=lambda: drained.append(batcher.close(settings.drain_timeout_s)))
-    sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_config=None, access_log=settings.log_requests, lifespan="on",
                             timeout_graceful_shutdown=int(settings.drain_timeout_s), timeout_keep_alive=5)
