@@ -55,7 +55,7 @@ def main() -> None:
     precision = resolve_precision(args.precision, device, "--precision")
     with tempfile.TemporaryDirectory() as tmp:
         world = Path(tmp) / "world"
-        generate_world(world, load_config("world", None, [f"world.num_images={args.images}", "world.workers=1"]).world)
+        generate_world(world, load_config("world", None, [f"world.num_images={args.images}", "world.num_workers=1"]).world)
         ann = world / "annotations" / "instances_train.json"
         if args.preset == "vg_r101":
             widen_vocabulary(ann, 1600, 400)

@@ -20,7 +20,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'workers':>8} {'images':>7} {'seconds':>8} {'images/s':>9}")
     for workers in (1, 2):
-        cfg = load_config("world", overrides=[f"world.num_images={args.num_images}", f"world.workers={workers}"]).world
+        cfg = load_config("world", overrides=[f"world.num_images={args.num_images}", f"world.num_workers={workers}"]).world
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             generate_world(Path(tmp), cfg)

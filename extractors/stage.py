@@ -159,7 +159,7 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
         store = stage_dir / job.store
         log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity["name"], recipe.name, dev, section.precision, store)
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
-            summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.workers),
+            summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.num_workers),
                                      precision=str(section.precision), max_pixels=int(section.max_pixels),
                                      failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every))
         reasons: dict[str, int] = {}

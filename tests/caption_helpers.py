@@ -39,7 +39,7 @@ def tiny_run(root: Path, trainings: dict[str, list[str]]) -> Path:
     (stage ``train-<name>``, extra train overrides), each validated on CIDEr-D."""
     torch.set_num_threads(1)
     world = root / "world"
-    generate_world(world, load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     run = root / "run"
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
     run_stage(run, "data", cfg.prepare, prepare_captions)

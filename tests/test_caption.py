@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory) -> Path:
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("caption")
     world = root / "world"
-    generate_world(world, load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     run = root / "run"
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
     run_stage(run, "data", cfg.prepare, prepare_captions)

@@ -40,7 +40,7 @@ def tiny_world(tmp_path_factory) -> Path:
     from pipeline.core.config import load_config
 
     out = tmp_path_factory.mktemp("world")
-    cfg = load_config("world", None, ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3", "world.workers=1"]).world
+    cfg = load_config("world", None, ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3", "world.num_workers=1"]).world
     generate_world(out, cfg)
     return out
 

@@ -82,7 +82,7 @@ def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path):
 
     world = tmp_path / "world"
     generate_world(world, load_config("world", None, ["world.num_images=6", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                      "world.workers=1"]).world)
+                                                      "world.num_workers=1"]).world)
     sets = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
             "train.max_iter=3", "train.steps=[2]", "train.device=cpu", "train.threads=1"]
     tiny = load_detector_config(os.path.join(os.path.dirname(__file__), "..", "configs", "detector", "tiny.yaml"), sets)

@@ -32,7 +32,7 @@ def trained(tmp_path_factory):
     """(world folder, weights file, config): 24 iterations of the tiny preset on 16 images of 64-65 px."""
     world = tmp_path_factory.mktemp("world")
     generate_world(world, load_config("world", None, ["world.num_images=20", "world.image_size=[64, 65]", "world.max_objects=3",
-                                                      "world.workers=1"]).world)
+                                                      "world.num_workers=1"]).world)
     cfg = load_detector_config(TINY, [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
                                       f"data.train_images={world / 'images'}", "data.eval_annotations=null",
                                       "train.max_iter=24", "train.steps=[20]"])
@@ -62,8 +62,8 @@ def test_batch_size_and_workers_leave_the_scores_unchanged(trained, four_cores):
     assert base["images"] == 16 and base["objects"] > 16 and "failed_images" not in base
     assert 0.0 < base["recall"] <= 1.0 and 10 <= base["boxes_per_image"] <= 100
     assert _evaluate(trained, "eval.batch_size=3") == base
-    assert _evaluate(trained, "eval.workers=2") == base
-    assert _evaluate(trained, "eval.batch_size=4", "eval.workers=2") == base
+    assert _evaluate(trained, "eval.num_workers=2") == base
+    assert _evaluate(trained, "eval.batch_size=4", "eval.num_workers=2") == base
 
 
 def test_batched_detection_and_attribute_head_match_one_by_one(trained):
@@ -125,7 +125,7 @@ def test_cli_options_reach_the_evaluation(trained):
 
 @pytest.mark.parametrize("extra, message", [
     (["--batch-size", "0"], "eval.batch_size must be an integer >= 1, not 0"),
-    (["--num-workers", "-1"], "eval.workers must be an integer >= 0, not -1"),
+    (["--num-workers", "-1"], "eval.num_workers must be an integer >= 0, not -1"),
     (["--precision", "fp16"], "--precision must be one of fp32, tf32, bf16, not 'fp16'"),
     (["--set", "eval.precision=fp64"], "eval.precision must be one of fp32, tf32, bf16, not 'fp64'"),
     (["--device", "tpu"], "unknown device 'tpu'"),

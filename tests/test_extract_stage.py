@@ -18,7 +18,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 from pipeline.store import FeatureStore
 
-SETTINGS = [TINY_SET, "extract.min_size=200", "extract.max_size=333", "extract.workers=0", "extract.batch_size=2"]
+SETTINGS = [TINY_SET, "extract.min_size=200", "extract.max_size=333", "extract.num_workers=0", "extract.batch_size=2"]
 
 
 def _photos(tmp_path: Path, shared_data: Path, names: list[str]) -> Path:

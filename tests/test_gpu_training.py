@@ -96,7 +96,7 @@ def det_world(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("world")
     generate_world(out, load_config("world", None, ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                    "world.workers=1"]).world)
+                                                    "world.num_workers=1"]).world)
     return out
 
 

@@ -27,7 +27,7 @@ SCENE = Scene(300.0, 300.0, (
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gworld")
-    generate_world(out, load_config("world", overrides=["world.num_images=80", "world.seed=11", "world.workers=1",
+    generate_world(out, load_config("world", overrides=["world.num_images=80", "world.seed=11", "world.num_workers=1",
                                                         "world.splits={train: 1.0, val: 0.0, test: 0.0}"]).world)
     return out
 

@@ -35,7 +35,7 @@ def image_features(key: str, w: int, h: int) -> dict:
 @pytest.fixture(scope="module")
 def world_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
-    generate_world(root / "world", load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(root / "world", load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={root / 'world/annotations/dataset_coco.json'}"])
     run_stage(root / "run", "data", cfg.prepare, prepare_captions)
     sizes = {}

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("world")
-    cfg = load_config("world", None, ["world.num_images=100", "world.workers=1"])
+    cfg = load_config("world", None, ["world.num_images=100", "world.num_workers=1"])
     generate_world(out, cfg.world)
     return out
 

@@ -26,7 +26,7 @@ TINY = Path(__file__).resolve().parent.parent / "configs" / "detector" / "tiny.y
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("world")
-    cfg = load_config("world", None, ["world.num_images=12", "world.image_size=[64, 96]", "world.max_objects=3", "world.workers=1"]).world
+    cfg = load_config("world", None, ["world.num_images=12", "world.image_size=[64, 96]", "world.max_objects=3", "world.num_workers=1"]).world
     generate_world(out, cfg)
     return out
 

@@ -26,7 +26,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_relations.yaml"
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("relworld")
-    cfg = load_config("demo", CONFIG, ["world.num_images=60", "world.workers=1", "world.seed=5"]).world
+    cfg = load_config("demo", CONFIG, ["world.num_images=60", "world.num_workers=1", "world.seed=5"]).world
     generate_world(out, cfg)
     return out
 
@@ -84,7 +84,7 @@ def test_oracle_regions_without_box_features_carry_no_position(world: Path, tmp_
 def test_comparison_trains_every_seed_and_reports_mean_and_spread(tmp_path: Path) -> None:
     out = tmp_path / "rel"
     args = ["demo", "--config", str(CONFIG), "--out", str(out), "--models", "san,ngsan-signed", "--seeds", "2", "--quiet",
-            "--set", "world.num_images=40", "--set", "world.workers=1", "--set", "demo.fast_metrics_only=true",
+            "--set", "world.num_images=40", "--set", "world.num_workers=1", "--set", "demo.fast_metrics_only=true",
             "--set", "train.xe={epochs: 1, batch_size: 16, lr: 0.002, warmup_iters: 0}",
             "--set", "train.model_overrides={d_model: 32, num_heads: 4, d_ff: 64, num_layers: 1}"]
     res = CliRunner().invoke(app, args)

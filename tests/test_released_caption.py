@@ -123,7 +123,7 @@ def test_evaluate_the_released_m2_on_a_prepared_split(tmp_path: Path) -> None:
     from pipeline.world.oracle_features import oracle_dim, write_oracle_store
 
     world, run = tmp_path / "world", tmp_path / "run"
-    generate_world(world, load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
     run_stage(run, "data", cfg.prepare, prepare_captions)
     write_oracle_store(world, run / "features" / "store", extra_dims=64 - oracle_dim())

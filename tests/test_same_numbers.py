@@ -76,7 +76,7 @@ def test_released_m2_on_features_imported_by_the_readme_command(tmp_path, monkey
     monkeypatch.setenv("BUTD_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(1)
     world, run = tmp_path / "world", tmp_path / "run"
-    generate_world(world, load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
     run_stage(run, "data", cfg.prepare, prepare_captions)
     sizes = world / "annotations" / "captions_test.json"

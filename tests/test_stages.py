@@ -67,7 +67,7 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
 
     world = tmp_path / "world"
     generate_world(world, load_config("world", None, ["world.num_images=8", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                      "world.workers=1"]).world)
+                                                      "world.num_workers=1"]).world)
     out = tmp_path / "det"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
 

@@ -148,7 +148,7 @@ def test_batch_order_is_a_function_of_seed_and_epoch_and_shards_partition(tmp_pa
 
 
 def test_oracle_features_encode_the_ground_truth(tmp_path) -> None:
-    generate_world(tmp_path / "w", load_config("world", None, ["world.num_images=12", "world.workers=1"]).world)
+    generate_world(tmp_path / "w", load_config("world", None, ["world.num_images=12", "world.num_workers=1"]).world)
     summary = write_oracle_store(tmp_path / "w", tmp_path / "s", noise=0.0)
     assert summary["images"] == 12 and summary["feature_dim"] == oracle_dim()
     store = FeatureStore(tmp_path / "s")

@@ -29,7 +29,7 @@ SCALE = ["--set", "extract.recipes.vinvl.min_size=128", "--set", "extract.recipe
 def world(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("vinvlcap")
-    generate_world(root / "world", load_config("world", None, ["world.num_images=40", "world.workers=1"]).world)
+    generate_world(root / "world", load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     cfg = load_config("prepare", None, [f"prepare.karpathy_json={root / 'world/annotations/dataset_coco.json'}", "prepare.word_count_threshold=0",
                                          "prepare.key=filename"])
     run_stage(root / "run", "data", cfg.prepare, prepare_captions)

@@ -13,7 +13,7 @@ object, the selected box with the highest IoU (``+1`` pixel areas) is its match:
   is the object's; with no group, the most probable attribute is one of the object's attributes.
 
 The loop is ``cli extract``'s: DataLoader workers decode the images into the recipe's blobs
-(:class:`extractors.photos.PhotoDataset`, ``eval.workers``), ``eval.batch_size`` images go through the detector at
+(:class:`extractors.photos.PhotoDataset`, ``eval.num_workers``), ``eval.batch_size`` images go through the detector at
 once (same-shape blobs share one backbone pass) under ``eval.precision``
 (:func:`extractors.photos.precision_context`), and an image that cannot be decoded, is too thin for the network
 or makes the model raise is counted in ``failed_images`` instead of stopping the run. Batching changes only the
@@ -176,7 +176,7 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
     """
     check_precision(precision, "eval.precision")
     if int(batch_size) < 1 or int(workers) < 0:
-        raise UsageError(f"eval.batch_size must be >= 1 and eval.workers >= 0, got {batch_size} and {workers}")
+        raise UsageError(f"eval.batch_size must be >= 1 and eval.num_workers >= 0, got {batch_size} and {workers}")
     if rule is None:
         from extractors.factory import configure_recipe
 

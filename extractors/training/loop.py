@@ -119,7 +119,7 @@ def _training_identity(cfg: Config) -> dict[str, Any]:
     """The config parts a checkpoint must agree with to be resumed (not logging/checkpoint cadence)."""
     d = cfg.to_dict()
     d["train"] = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "log_every", "device", "threads")}
-    d["data"] = {k: v for k, v in d["data"].items() if k not in ("workers", "eval_annotations", "eval_images")}
+    d["data"] = {k: v for k, v in d["data"].items() if k not in ("num_workers", "eval_annotations", "eval_images")}
     d.pop("eval", None)
     return d
 
@@ -244,7 +244,7 @@ class DetectorTrainer:
             self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) if ctx.distributed else self.model
         max_iter, log_every, every = int(tc.max_iter), int(tc.log_every), int(tc.checkpoint_every)
         loader = DataLoader(self.batches, batch_size=1, sampler=range(start, max_iter), collate_fn=collate_one,
-                            num_workers=thread_policy.loader_workers(int(self.cfg.data.workers), int(tc.threads) or None),
+                            num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers), int(tc.threads) or None),
                             generator=torch.Generator().manual_seed(int(tc.seed)),
                             persistent_workers=False)
         running: dict[str, float] = {}

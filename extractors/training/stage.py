@@ -77,4 +77,4 @@ def evaluate_detector(weights: str | Path, ann_file: str | Path, image_root: str
     dev = resolve_device(str(device if device is not None else ecfg.device))
     return evaluate_weights(weights, ann_file, image_root, device=dev, section=ecfg, iou=float(ecfg.iou),
                             attribute_group=str(ecfg.attribute_group), limit=None if ecfg.limit is None else int(ecfg.limit),
-                            batch_size=int(ecfg.batch_size), workers=int(ecfg.workers), precision=str(ecfg.precision))
+                            batch_size=int(ecfg.batch_size), workers=int(ecfg.num_workers), precision=str(ecfg.precision))

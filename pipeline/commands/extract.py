@@ -58,7 +58,7 @@ def merge_shard_stores(store: Path) -> None:
 
 #: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.photos.precision_context)
 EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_size", precision="extract.precision",
-                            num_workers="extract.workers", precision_choices=("fp32", "tf32", "bf16"))
+                            num_workers="extract.num_workers", precision_choices=("fp32", "tf32", "bf16"))
 
 
 def register(app: typer.Typer) -> None:

@@ -14,11 +14,11 @@ from pipeline.core.errors import UsageError
 
 #: images per batch is the detector's batch size; ``--num-workers`` decodes images
 DETECTOR_EVERYDAY = Everyday(device="train.device", batch_size="train.images_per_batch", precision="train.precision",
-                             num_workers="data.workers")
+                             num_workers="data.num_workers")
 
 
-#: eval-detector runs as `extract` does: eval.batch_size images per forward, decoded in eval.workers processes
-EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.workers",
+#: eval-detector runs as `extract` does: eval.batch_size images per forward, decoded in eval.num_workers processes
+EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers",
                          precision_choices=("fp32", "tf32", "bf16"))
 
 

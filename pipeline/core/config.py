@@ -30,7 +30,10 @@ from pipeline.core.errors import ConfigError
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
 # keys that were renamed: old name -> (new name, what it takes); an old key is refused with one line naming the new one
-RENAMED_KEYS = {"amp": ("precision", "auto | fp32 | bf16 | fp16")}
+RENAMED_KEYS = {
+    "amp": ("precision", "auto | fp32 | bf16 | fp16"),
+    "workers": ("num_workers", "DataLoader processes, as in every section"),
+}
 
 
 class _Loader(yaml.SafeLoader):

@@ -137,7 +137,7 @@ def generate_world(out_dir: str | Path, cfg: Config) -> tuple[dict[str, Any], di
     records: list[dict[str, Any]] = []
     with make_progress() as progress:
         bar = progress.add_task("generating world", total=n)
-        for rec in _records(tasks, int(cfg.workers)):
+        for rec in _records(tasks, int(cfg.num_workers)):
             rec["split"] = split_of(rec["id"] - 1, n, cfg.splits)
             records.append(rec)
             progress.advance(bar)
