@@ -117,9 +117,9 @@ def check_caption(raw: str, tokens: list[str], img: dict) -> str:
 
 def test_same_seed_gives_identical_bytes(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    generate_world(a, world_cfg(40, seed=7, workers=1))
-    generate_world(b, world_cfg(40, seed=7, workers=2))
-    generate_world(c, world_cfg(40, seed=8, workers=1))
+    generate_world(a, world_cfg(40, seed=7, num_workers=1))
+    generate_world(b, world_cfg(40, seed=7, num_workers=2))
+    generate_world(c, world_cfg(40, seed=8, num_workers=1))
 
     def digest(root: Path) -> dict[str, str]:
         return {
@@ -231,7 +231,7 @@ def test_files_load_with_pycocotools(world: Path) -> None:
 
 
 def test_resume_skips_existing_images(tmp_path: Path) -> None:
-    cfg = world_cfg(30, seed=1, workers=1)
+    cfg = world_cfg(30, seed=1, num_workers=1)
     generate_world(tmp_path, cfg)
     victim = tmp_path / "images" / "world_000007.jpg"
     before = victim.read_bytes()
