@@ -226,9 +226,9 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
     t0 = time.perf_counter()
     report = DemoReport(out=out)
-    from pipeline.world.generate import generate_world
+    from pipeline.world.generate import generate_world, world_stage_config
 
-    world = run_stage(out, "world", cfg.world, generate_world, force=force)
+    world = run_stage(out, "world", world_stage_config(cfg.world), generate_world, force=force)
     report.stages.append(world)
     if generate_only:
         report.seconds = time.perf_counter() - t0

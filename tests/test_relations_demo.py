@@ -106,3 +106,13 @@ def test_comparison_trains_every_seed_and_reports_mean_and_spread(tmp_path: Path
     again = CliRunner().invoke(app, args)  # every stage, every seed, is skipped on a second run
     assert again.exit_code == 0, again.output
     assert json.loads((out / "summary.json").read_text())["runs"] == summary["runs"]
+
+
+def test_the_default_world_keeps_its_stage_config_and_the_relations_world_records_its_style() -> None:
+    from pipeline.world.generate import world_stage_config
+
+    default = world_stage_config(load_config("demo").world)
+    assert "captions" not in default  # worlds generated before world.captions existed keep their digest
+    relations = world_stage_config(load_config("demo", CONFIG).world)
+    assert relations.captions == "relations" and relations.digest() != world_stage_config(
+        load_config("demo", CONFIG, ["world.captions=mixed"]).world).digest()

@@ -64,9 +64,9 @@ def register(app: typer.Typer) -> None:
 
         if generate_only:
             from pipeline.core.stages import run_stage
-            from pipeline.world.generate import generate_world
+            from pipeline.world.generate import generate_world, world_stage_config
 
-            result = run_stage(out.parent if out.name else out, out.name, cfg.world, generate_world, force=opts.force)
+            result = run_stage(out.parent if out.name else out, out.name, world_stage_config(cfg.world), generate_world, force=opts.force)
             stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
 

@@ -49,6 +49,14 @@ def scene_params(cfg: Config) -> SceneParams:
     )
 
 
+def world_stage_config(cfg: Config) -> Config:
+    """The ``world`` section as the world stage records it: ``captions`` only when it is not the default
+    ``mixed``, so worlds generated before that key existed keep their config digest (and are not redone)."""
+    if str(cfg.get("captions", "mixed")) != "mixed":
+        return cfg
+    return Config({k: v for k, v in cfg.to_dict().items() if k != "captions"}, cfg.open_paths)
+
+
 def split_of(index: int, num_images: int, fractions: Config) -> str:
     """Split of image ``index``: the first images are train, then val, then test (by ``fractions``)."""
     n_val = int(round(num_images * float(fractions.val)))
@@ -129,7 +137,7 @@ def generate_world(out_dir: str | Path, cfg: Config) -> tuple[dict[str, Any], di
     if fmt not in ("jpg", "png"):
         raise ConfigError(f"world.image_format must be 'jpg' or 'png', got {fmt!r}")
     params = scene_params(cfg)
-    style = str(cfg.captions)
+    style = str(cfg.get("captions", "mixed"))
     if style not in CAPTION_STYLES:
         raise ConfigError(f"world.captions must be one of {', '.join(CAPTION_STYLES)}, got {style!r}")
     (out / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
