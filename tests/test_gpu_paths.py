@@ -216,3 +216,31 @@ def test_torchrun_extraction_shares_one_gpu(shared_data, tmp_path):
         ra, rb = a.get(key), b.get(key)
         assert ra["boxes"].shape == rb["boxes"].shape and float(np.abs(ra["boxes"] - rb["boxes"]).max()) <= 0.05
         assert float(np.abs(ra["features"] - rb["features"]).max()) <= 1e-3 * float(np.abs(ra["features"]).max())
+
+
+# ------------------------------------------------------------------------------------------------- serve
+def test_serve_on_cuda_answers_caption_s_captions(shared_data, tmp_path):
+    """`serve --device cuda` (fp32) gives, photo for photo, the captions `caption --device cuda` writes for the same
+    model and options (one engine, same device: equal words; scores within 2e-4, the tolerance of tests/test_serve.py
+    for batches shared across requests), and the CPU's captions too (fp32 rounding only, as above)."""
+    from caption_helpers import SMALL, tiny_detector, tiny_run
+    from serve_helpers import running_server
+
+    run = tiny_run(tmp_path, {"a": ["train.xe={epochs: 4, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
+    ckpt, weights = run / "train-a" / "best.pt", tiny_detector(tmp_path / "tiny.pth")
+    names = PHOTOS
+    rows = {}
+    for device in ("cuda", "cpu"):
+        out = tmp_path / f"{device}.jsonl"
+        res = CliRunner().invoke(app, ["caption", *(str(shared_data / "photos" / n) for n in names), "--model", str(ckpt),
+                                       "--weights", str(weights), *SMALL, "--output", str(out), "--device", device,
+                                       "--precision", "fp32", "--quiet"])
+        assert res.exit_code == 0, res.output
+        rows[device] = {Path(r["image"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    assert {n: r["caption"] for n, r in rows["cuda"].items()} == {n: r["caption"] for n, r in rows["cpu"].items()}
+    with running_server("--model", str(ckpt), "--weights", str(weights), *SMALL, "--device", "cuda", "--precision", "fp32") as srv:
+        status, _, body = srv.post_images([(n, (shared_data / "photos" / n).read_bytes()) for n in names], {"regions": "false"})
+    assert status == 200, body
+    assert [a["name"] for a in body["images"]] == names
+    for a in body["images"]:
+        assert a["caption"] == rows["cuda"][a["name"]]["caption"] and a["score"] == pytest.approx(rows["cuda"][a["name"]]["score"], abs=2e-4)
