@@ -278,3 +278,11 @@ def test_uploads_are_parsed_in_memory(monkeypatch) -> None:
 
     with pytest.raises(AssertionError, match="temporary file"):  # the counterfactual: a spooled temporary file
         asyncio.run(MultiPartParser(Headers({"content-type": ctype}), chunks()).parse())
+
+
+def test_bench_serve_refuses_a_folder_without_photos(tmp_path: Path, capsys) -> None:
+    """``python -m bench.serve`` checks its photos before it loads a model or starts a server."""
+    from bench.serve import main
+
+    assert main(["--model", str(tmp_path / "none"), "--photos", str(tmp_path)]) == 2
+    assert "no photos in" in capsys.readouterr().err
