@@ -7,7 +7,10 @@
    :func:`extractors.preprocess.load_rgb` with the decompression-bomb cap, then the recipe's input blob
    (:func:`extractors.preprocess.recipe_blob`) and the thin-image check (:func:`thin_image_reason`). Every
    failure comes back as a value (:class:`Photo` ``failure``), never as an exception, in the input order.
-   Pixels and blobs travel as tensors (shared memory), so a worker never blocks on a full result pipe.
+   Pixels and blobs travel as tensors (shared memory), so a worker never blocks on a full result pipe. Every
+   wait is bounded (:mod:`pipeline.core.loaders`): a photo a worker cannot hand over (``/dev/shm`` full) is
+   decoded again in the main process, a dead or stuck worker hands the rest to the main process, each with
+   one line of advice (``--ipc=host``, ``--shm-size``, ``--num-workers 0``).
 2. :func:`detect_guarded` runs the detector on a batch of decoded photos under the command's precision
    (:func:`precision_context`); if the batch raises, each photo runs alone and the ones that still raise fail
    with ``detector_failed``, so one odd photo never costs the others.
@@ -33,6 +36,7 @@ from extractors.preprocess import Frame, ImageLoadError, load_rgb, recipe_blob
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, UsageError, exception_line
+from pipeline.core.loaders import SHM_HINT, is_worker_failure, loader_timeout, share_in_worker, worker_failure_line
 from pipeline.core.training.precision import tf32
 
 log = get_logger("photos")
@@ -63,6 +67,7 @@ class Photo:
     frame: Frame | None = None
     size: tuple[int, int] | None = None  # (H, W) of the decoded photo
     failure: Failure | None = None
+    handover: str | None = None  # a worker could not put its tensors in shared memory: decoded again in the main process
 
 
 def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_side: int) -> str | None:
@@ -127,6 +132,10 @@ class PhotoDataset(Dataset):
             out.blob = torch.from_numpy(blob)
         if self.keep_images or need is Need.IMAGE:  # a tensor travels through shared memory, not the result pipe
             out.image = torch.from_numpy(rgb if rgb.flags.writeable else rgb.copy())
+        # in a worker the tensors go to shared memory here, where a shortage can be caught (pipeline.core.loaders)
+        out.handover = share_in_worker((out.image, out.blob))
+        if out.handover is not None:
+            out.image = out.blob = None
         return out
 
 
@@ -143,8 +152,40 @@ def photo_batches(dataset: Dataset, batch_size: int, num_workers: int, prefetch:
     with thread_policy.loader_threads(int(num_workers)) as n:
         loader = DataLoader(dataset, batch_size=max(1, int(batch_size)), shuffle=False, num_workers=n, collate_fn=as_list,
                             prefetch_factor=max(1, int(prefetch)) if n else None, persistent_workers=False,
-                            pin_memory=pin_memory)
-        yield from loader
+                            pin_memory=pin_memory, timeout=loader_timeout(n))
+        yield from _bounded(loader, dataset, max(1, int(batch_size)))
+
+
+def _bounded(loader: DataLoader, dataset: Dataset, batch_size: int) -> Iterator[list[Any]]:
+    """Every wait on the workers is bounded (:mod:`pipeline.core.loaders`): a photo a worker could not hand over is
+    decoded again here; a dead or stuck worker ends the workers and the rest is decoded in this process. Each
+    says once, in one line, why and what to do."""
+    done, warned = 0, False
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            if not is_worker_failure(exc):
+                raise
+            del it  # shuts the workers down
+            log.warning("%s; decoding the remaining %d photos in this process", worker_failure_line(exc, "the photo-decoding workers"),
+                        len(dataset) - done)  # type: ignore[arg-type]
+            for lo in range(done, len(dataset), batch_size):  # type: ignore[arg-type]
+                yield [dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))]  # type: ignore[arg-type]
+            return
+        redo = [k for k, p in enumerate(batch) if getattr(p, "handover", None) is not None]
+        if redo:
+            if not warned:
+                log.warning("the photo-decoding workers could not hand photos over (%s): decoding those in this process; %s",
+                            batch[redo[0]].handover, SHM_HINT)
+                warned = True
+            for k in redo:
+                batch[k] = dataset[batch[k].index]
+        done += len(batch)
+        yield batch
 
 
 def check_precision(precision: str, key: str = "precision") -> str:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from pipeline.data.dataset import CaptionDataset, caption_tensor, collate_images, pad_regions
+from pipeline.core.loaders import loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.errors import UsageError
 
@@ -224,4 +225,5 @@ def build_loader(
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_images, num_workers=num_workers,
         persistent_workers=num_workers > 0, multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        timeout=loader_timeout(num_workers),
     )

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import track
 from pipeline.data.dataset import caption_tensor
@@ -67,9 +68,9 @@ def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None 
     with thread_policy.loader_threads(num_workers if len(keys) else 0) as workers:
         # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
         loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=np.stack,
-                            generator=torch.Generator().manual_seed(0))
+                            generator=torch.Generator().manual_seed(0), timeout=loader_timeout(workers))
         start = 0
-        for rows in track(loader, "image vectors", total=len(loader)):
+        for rows in track(guarded(loader, "the feature-reading workers"), "image vectors", total=len(loader)):
             out[start : start + len(rows)] = rows
             start += len(rows)
     return out

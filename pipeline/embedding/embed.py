@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from pipeline.embedding.checkpoint import load_encoder
 from pipeline.embedding.heatmap import attention_heatmap
 from pipeline.embedding.retrieval import encode_batches, words_to_inputs
+from pipeline.core.loaders import loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger, track
 from pipeline.core.errors import PipelineError, UsageError, exception_line
@@ -111,7 +112,8 @@ def sentence_batches(sentences: Sequence[str], vocab: Vocab, max_words: int, bat
     dataset = SentenceBatches(sentences, vocab, max_words, batch_size)
     workers = thread_policy.loader_workers(num_workers) if len(dataset) > 1 else 0
     # an own generator: the global RNG is left as it was (a DataLoader draws its base seed from it otherwise)
-    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is, generator=torch.Generator().manual_seed(0))
+    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is, generator=torch.Generator().manual_seed(0),
+                      timeout=loader_timeout(workers))
 
 
 def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.Tensor]], total: int, device: torch.device,

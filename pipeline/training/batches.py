@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger
 from pipeline.data import BucketBatchSampler, CaptionDataset, FeatureBank, PreloadedLoader, collate_images
@@ -71,8 +72,10 @@ class BatchSource:
         if self.bank is not None:
             it: Any = PreloadedLoader(self.dataset, self.bank, batches)  # type: ignore[arg-type]
         else:
-            it = DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate_images, num_workers=thread_policy.loader_workers(self.num_workers),
-                            pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+            workers = thread_policy.loader_workers(self.num_workers)
+            it = guarded(DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate_images, num_workers=workers,
+                                    pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(seed),
+                                    timeout=loader_timeout(workers)), "the feature-reading workers")
         for batch in it:
             yield to_device(batch, self.device)
 
