@@ -157,13 +157,56 @@ def items_from_paths(paths: list[str | Path]) -> list[ImageItem]:
     items: list[ImageItem] = []
     for p in paths:
         p = Path(p)
-        root = p if p.is_dir() else None
+        root = p if p.is_dir() else glob_root(p)
         scan = scan_images([p])
         for f in scan.files:
             items.append(ImageItem(image_key(f, root), f))
         for f, reason, detail in scan.problems:
             items.append(ImageItem(image_key(f, root), f, problem=(reason, detail)))
-    return unique_items(items)
+    return unique_items(rekey_collisions(items))
+
+
+def glob_root(pattern: Path) -> Path | None:
+    """The folder a glob pattern is relative to (its parts before the first wildcard), None for a plain path:
+    ``trip/*/IMG_0001.JPG`` -> ``trip``, so the matches are keyed ``day1/IMG_0001.JPG``, ``day2/IMG_0001.JPG``."""
+    if not glob.has_magic(str(pattern)):
+        return None
+    parts = []
+    for part in pattern.parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
+
+
+def rekey_collisions(items: list[ImageItem]) -> list[ImageItem]:
+    """Different files that got one key (``a/x.jpg`` and ``b/x.jpg`` given as two folders) are keyed by their
+    paths relative to the folder they share instead of being refused; keys that do not collide are kept."""
+    paths: dict[str, set[Path]] = {}
+    for it in items:
+        paths.setdefault(it.key, set()).add(it.path)
+    clash = {k for k, ps in paths.items() if len(ps) > 1}
+    if not clash:
+        return items
+    out = []
+    for it in items:
+        if it.key in clash:
+            group = sorted(paths[it.key])
+            base = Path(os.path.commonpath([os.path.abspath(q) for q in group]))
+            rel = Path(os.path.abspath(it.path)).relative_to(base)
+            it = ImageItem(key_from_name(rel.as_posix()), it.path, it.boxes, it.problem)
+        out.append(it)
+    return out
+
+
+def decode_text(raw: bytes) -> str:
+    """A text file as saved by any editor: a UTF-8 byte-order mark (Windows Notepad) is dropped, UTF-16 with its
+    mark is decoded as such, and bytes that are not UTF-8 stay exact (``surrogateescape``) for file names."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return raw.decode("utf-16", "surrogatepass")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    return raw.decode("utf-8", "surrogateescape")
 
 
 def items_from_file_list(list_file: Path, base: Path | None = None) -> list[ImageItem]:
@@ -173,7 +216,7 @@ def items_from_file_list(list_file: Path, base: Path | None = None) -> list[Imag
     root = base or list_file.parent
     items = []
     try:
-        text = list_file.read_bytes().decode("utf-8", "surrogateescape")  # names that are not UTF-8 stay exact
+        text = decode_text(list_file.read_bytes())
     except OSError as exc:
         raise UsageError(f"cannot read file list {list_file}: {exc.strerror or exc}") from None
     for line in text.splitlines():

@@ -53,6 +53,11 @@ class Captioner(nn.Module, ABC):
         super().__init__()
         self.vocab_size = vocab_size
 
+    def max_caption_len(self) -> int | None:
+        """The most tokens (``<eos>`` included) the model can generate: the size of its position table, or None
+        when it has none (recurrent models). Decoding options are checked against it before any work."""
+        return None
+
     @abstractmethod
     def encode(self, feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor) -> State:
         """Encode the regions of each image; the result is indexable by image along dim 0."""

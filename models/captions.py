@@ -6,14 +6,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.decoding import DecodeOptions
+from pipeline.core.console import get_logger
 from pipeline.core.vocab import EOS
+
+log = get_logger("decoding")
 
 
 def merge_decoding(saved: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A checkpoint's decoding settings with ``overrides``; a larger ``n_best`` widens the beam to fit."""
-    out = {**dict(saved or {}), **dict(overrides or {})}
-    if out.get("method", "beam") == "beam" and "n_best" in out:
-        out["beam_size"] = max(int(out.get("beam_size", 3)), int(out["n_best"]))
+    """A checkpoint's decoding settings with ``overrides``.
+
+    An ``n_best`` larger than the checkpoint's own beam widens it, and says so in one log line; an ``n_best``
+    larger than a beam size given alongside it is left for :class:`DecodeOptions` to refuse (never silently widened).
+    """
+    overrides = dict(overrides or {})
+    out = {**dict(saved or {}), **overrides}
+    if out.get("method", "beam") == "beam" and "n_best" in out and "beam_size" not in overrides:
+        beam, n_best = int(out.get("beam_size", 3)), int(out["n_best"])
+        if n_best > beam:
+            log.info("n_best %d: the checkpoint's beam of %d is widened to %d (give a beam size to choose another)", n_best, beam, n_best)
+            out["beam_size"] = n_best
     return out
 
 

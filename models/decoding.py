@@ -37,6 +37,7 @@ that ranks higher).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -92,6 +93,10 @@ class DecodeOptions:
             problems.append("stop_rule official_aoanet has no trigram blocking (AoANet's beam search)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append("need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+        odd = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+               if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
+        if odd:
+            problems.insert(0, f"{', '.join(odd)}: every number must be finite")
         if problems:
             raise ConfigError("decoding: " + "; ".join(problems))
 
@@ -103,6 +108,14 @@ class DecodeOptions:
         if unknown:
             raise ConfigError(f"decoding: unknown option(s) {unknown} (known: {sorted(known)})")
         return cls(**dict(data))
+
+
+def check_max_len(options: DecodeOptions, model: Captioner, where: str = "max_len") -> None:
+    """Refuse, before any decoding, a ``max_len`` past the model's position table (:meth:`Captioner.max_caption_len`)."""
+    limit = model.max_caption_len()
+    if limit is not None and options.max_len > limit:
+        raise ConfigError(f"{where} {options.max_len} is longer than the {limit} positions this {model.name or 'captioner'} model's "
+                          f"position table holds: give {limit} or less")
 
 
 def decoding_config(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> Config:

@@ -211,6 +211,10 @@ class M2Transformer(Captioner):
             x = layer(x, self_allowed, enc["cross_k"][:, i], enc["cross_v"][:, i], enc["allowed"], keep)
         return torch.log_softmax(self.out(x), dim=-1)
 
+    def max_caption_len(self) -> int:
+        """Positions 1..max_len of the (frozen) table; row 0 is the padding row."""
+        return int(self.max_len)
+
     def init_state(self, enc: State) -> State:
         rows = enc["allowed"].shape[0]
         empty = enc["cross_k"].new_zeros(rows, 0, self.d_model)

@@ -141,6 +141,10 @@ class SelfAttentionCaptioner(Captioner):
         memory = self.encoder(x, mask, rel)
         return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
 
+    def max_caption_len(self) -> int:
+        """The decoder's sinusoidal table: one position per generated token."""
+        return int(self.decoder.pe.shape[0])
+
     def init_state(self, enc: State) -> State:
         mask = enc["mask"]
         k0 = enc["memory_kv"][0][0]

@@ -149,6 +149,11 @@ class GallerySink:
         fh.write(f"</main>\n<script>{_SCRIPT}</script>\n</body></html>\n".encode("utf-8"))
 
 
+def _score(value: Any) -> str:
+    """A score as the page shows it (``null`` in the records, a non-finite score, is a dash)."""
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "\u2013"
+
+
 def card_html(row: Mapping[str, Any]) -> str:
     """One photo's card (every string HTML-escaped)."""
     e = html.escape
@@ -165,13 +170,13 @@ def card_html(row: Mapping[str, Any]) -> str:
         f"<span><i style=\"background:{_colour(n)}\"></i>{n + 1} {e(r['label'])}{' &larr; ' + e(', '.join(r['words'])) if r['words'] else ''}</span>"
         for n, r in enumerate(row["regions"])
     )
-    items = "".join(f"<li>{e(c)} <span class=\"score\">{s:.3f}</span></li>" for c, s in row["nbest"])
+    items = "".join(f"<li>{e(c)} <span class=\"score\">{_score(s)}</span></li>" for c, s in row["nbest"])
     nbest = f"<ol class=\"nbest\">{items}</ol>" if len(row["nbest"]) > 1 else ""
     return (
         f"<figure class=\"card\" id=\"{e(row['key'])}\" data-words=\"{e(words)}\"><div class=\"photo\">"
         f"<a href=\"{e(row['picture'])}\"><img src=\"{e(row['thumb'])}\" alt=\"{e(row['caption'])}\" loading=\"lazy\"></a>"
         f"<div class=\"boxes\">{boxes}</div></div><figcaption><p class=\"caption\">{e(row['caption'])} "
-        f"<span class=\"score\">{row['score']:.3f}</span></p>{nbest}<div class=\"legend\">{legend}</div>"
+        f"<span class=\"score\">{_score(row['score'])}</span></p>{nbest}<div class=\"legend\">{legend}</div>"
         f"<button type=\"button\">boxes</button> <a href=\"{e(row['picture'])}\">picture</a> · "
         f"<a href=\"{e(row['source'])}\">photo</a> · <span class=\"score\" title=\"{e(row['image'])}\">{e(row['key'])}</span></figcaption></figure>\n"
     )

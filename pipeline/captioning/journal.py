@@ -12,6 +12,7 @@ that a rerun only does the rest. Memory is one batch plus the set of committed k
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,9 +28,25 @@ log = get_logger("caption")
 VERSION = 1
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every NaN or infinite number replaced by None: strict JSON (``NaN`` is no JSON token)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
 def dumps_row(row: Mapping[str, Any]) -> bytes:
-    """One JSON line (ASCII: non-ASCII and undecodable file-name characters are ``\\u`` escapes)."""
-    return (json.dumps(row, ensure_ascii=True) + "\n").encode("ascii")
+    """One strict JSON line (ASCII: non-ASCII and undecodable file-name characters are ``\\u`` escapes; a
+    non-finite number, e.g. the score of a diverged model, is ``null``)."""
+    try:
+        text = json.dumps(row, ensure_ascii=True, allow_nan=False)
+    except ValueError:
+        text = json.dumps(strict(row), ensure_ascii=True, allow_nan=False)
+    return (text + "\n").encode("ascii")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -146,13 +163,19 @@ class Journal:
         except OSError as exc:  # a full disk, a file-size limit: drop the torn batch now, name the file
             self._rollback()
             raise annotate_os_error(exc, "append captions to", self.files[role]) from None
+        committed = dict(self.sizes)
         for role, fd in self._fds.items():
             if batches.get(role):
                 self.sizes[role] = os.lseek(fd, 0, os.SEEK_CUR)
         main_rows = batches.get(self.main) or []
+        try:
+            self._save(self.rows + len(main_rows))
+        except OSError:  # the position file could not be replaced: the batch is not committed, cut it off now
+            self.sizes = committed
+            self._rollback()
+            raise
         self.done.update(str(r["key"]) for r in main_rows)
         self.rows += len(main_rows)
-        self._save()
 
     def _rollback(self) -> None:
         """Cut every file back to its committed length (best effort: the next open does it too)."""
@@ -163,8 +186,9 @@ class Journal:
             except OSError:
                 log.warning("could not cut %s back to its committed length; the next run will", self.files[role])
 
-    def _save(self) -> None:
-        atomic_write_json(self.state_path, {"version": VERSION, "files": dict(self.sizes), "rows": self.rows, "settings": self.settings})
+    def _save(self, rows: int | None = None) -> None:
+        atomic_write_json(self.state_path, {"version": VERSION, "files": dict(self.sizes), "rows": self.rows if rows is None else rows,
+                                            "settings": self.settings})
 
     def close(self) -> None:
         """Close the files and free the lock (the committed rows stay readable with :meth:`read`)."""

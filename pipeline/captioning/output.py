@@ -4,6 +4,10 @@ Every format streams: rows go to a JSON-lines journal as they are produced (the 
 ``<output>.journal.jsonl`` for the other formats, see :mod:`pipeline.captioning.journal`); ``.json``, ``.csv``
 and ``coco`` files are then written from the journal line by line, atomically, at the end of a run.
 
+Outputs are strict: JSON and JSON lines never hold ``NaN`` or ``Infinity`` (a non-finite score is ``null``), and a
+CSV cell that starts like a spreadsheet formula (``=``, ``+``, ``-``, ``@``, tab, carriage return) is written with a
+leading apostrophe (:func:`csv_cell`), so opening the file never runs a photo's name as a formula.
+
 File names and keys are written with the bytes-safe rule of :mod:`pipeline.core.keys` (their text form), so a
 name that is not valid UTF-8 (``caf\\xe9.jpg``) is kept losslessly in JSON, JSON lines and CSV.
 
@@ -27,6 +31,7 @@ from typing import Any, BinaryIO
 from pipeline.core.errors import UsageError
 from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.keys import key_to_text
+from pipeline.captioning.journal import dumps_row
 
 FORMATS = ("jsonl", "json", "csv", "coco")
 _SUFFIX = {"jsonl": ".jsonl", "json": ".json", "csv": ".csv", "coco": ".json"}
@@ -128,10 +133,22 @@ def _write_json(rows: Iterable[Mapping[str, Any]], fh: BinaryIO, coco: bool) -> 
             if "caption" not in row:
                 continue
             row = {"image_id": row["image_id"], "caption": row["caption"]}
-        fh.write((",\n " if n else "\n ").encode() + json.dumps(row).encode("ascii"))
+        fh.write((",\n " if n else "\n ").encode() + dumps_row(row).rstrip(b"\n"))
         n += 1
     fh.write(b"\n]\n")
     return n
+
+
+#: first characters that make a spreadsheet read a cell as a formula (OWASP "CSV injection")
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+
+
+def csv_cell(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: a string that starts like a formula (``=``, ``+``, ``-``, ``@``, tab,
+    carriage return, or their full-width forms) gets a leading apostrophe (OWASP's advice); numbers are kept."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
 
 
 def _write_csv(rows: Iterable[Mapping[str, Any]], fh: BinaryIO, with_nbest: bool) -> int:
@@ -143,7 +160,7 @@ def _write_csv(rows: Iterable[Mapping[str, Any]], fh: BinaryIO, with_nbest: bool
     for r in rows:
         if "nbest" in r:
             r = dict(r, nbest=" | ".join(f"{h['caption']} ({h['score']})" for h in r["nbest"]))
-        w.writerow(r)
+        w.writerow({k: csv_cell(v) for k, v in r.items()})
         n += 1
     text.flush()
     text.detach()

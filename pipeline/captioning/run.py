@@ -54,6 +54,31 @@ def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]
     return items
 
 
+#: caption.KEY -> (least value, greatest value or None, may be null)
+_NUMBERS = {"batch_size": (1, None, False), "num_workers": (0, None, False), "max_pixels": (1, None, False),
+            "n_best": (1, None, False), "beam_size": (1, None, True), "max_boxes": (1, None, True),
+            "conf_thresh": (0.0, 1.0, True), "nms_thresh": (0.0, 1.0, True), "min_size": (1, None, True), "max_size": (1, None, True)}
+
+
+def check_numbers(cfg: Any) -> None:
+    """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
+    here (the config refuses them). ``--n-best`` past a given ``--beam-size`` is refused, not silently widened."""
+    if cfg is None:
+        return
+    for key, (low, high, nullable) in _NUMBERS.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f"{low} or more"
+            raise UsageError(f"caption.{key} must be {span}, not {value!r}")
+    if "beam_size" in cfg and cfg["beam_size"] is not None and int(cfg.n_best) > int(cfg.beam_size):
+        raise UsageError(f"--n-best {cfg.n_best} cannot exceed --beam-size {cfg.beam_size} (a beam keeps that many hypotheses): "
+                         f"give --beam-size {cfg.n_best} or more, or a smaller --n-best")
+
+
 def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[str, Any] | None = None,
                  vocab: Path | None = None) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
@@ -66,7 +91,8 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     from extractors.run import record_settings
     from models.captions import merge_decoding
     from models.checkpoints import load_captioner
-    from models.decoding import DecodeOptions
+    from models.decoding import DecodeOptions, check_max_len
+    from pipeline.core.errors import ConfigError
     from pipeline.captioning.engine import PhotoCaptioner
     from pipeline.core.vocab import Vocab
 
@@ -77,11 +103,19 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     vocab = Vocab(tuple(ckpt["vocab"]))
     decoding = dict(ckpt.get("decoding") or {})
     if cfg.beam_size is not None:
-        decoding.update(method="beam", beam_size=int(cfg.beam_size))
-    decoding["n_best"] = int(cfg.n_best) if decoding.get("method", "beam") == "beam" else 1
-    if decoding.get("method", "beam") == "beam":
-        decoding["beam_size"] = max(int(decoding.get("beam_size", 3)), decoding["n_best"])
-    options = DecodeOptions.from_mapping(merge_decoding(decoding, overrides))
+        overrides.update(method="beam", beam_size=int(cfg.beam_size))
+    if overrides.get("method", decoding.get("method", "beam")) == "beam":
+        overrides["n_best"] = int(cfg.n_best)
+    elif int(cfg.n_best) != 1:
+        raise UsageError(f"--n-best {cfg.n_best} needs beam search; this model decodes with {overrides.get('method', decoding.get('method'))}")
+    if "beam_size" in overrides and int(cfg.n_best) > int(overrides["beam_size"]):
+        raise UsageError(f"--n-best {cfg.n_best} cannot exceed --beam-size {overrides['beam_size']} (a beam keeps that many "
+                         f"hypotheses): give --beam-size {cfg.n_best} or more, or a smaller --n-best")
+    try:
+        options = DecodeOptions.from_mapping(merge_decoding(decoding, overrides))
+        check_max_len(options, captioner, "--max-len")
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
     detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device)
     # caption.max_boxes is what the captioner gets, not a recipe field
@@ -115,6 +149,7 @@ def caption_photos(
     """
     if output is None and fmt is not None:
         raise UsageError("--format needs --output FILE")
+    check_numbers(cfg)
     plan = plan_output(output, fmt) if output is not None else None
     items = collect_items(photos, file_list)
     ids = coco_ids(items, load_id_map(image_ids) if image_ids else None) if plan is not None and plan.fmt == "coco" else None

@@ -1,6 +1,8 @@
 """The decoding options shared by the commands that decode captions (``caption``, ``evaluate --model``).
 
-Values are checked where they are used (:class:`models.decoding.DecodeOptions`: one ``error:`` line, exit 2).
+Values are checked before any work: here (whole numbers >= 1, finite numbers), then against the checkpoint's
+settings and the model's limits (:class:`models.decoding.DecodeOptions`, :func:`models.decoding.check_max_len`):
+one ``error:`` line, exit 2.
 
 Each option overrides the checkpoint's own decoding settings (its ``decoding`` section: the paper's test-time
 setting for released models, ``configs/models/<name>.yaml`` for trained ones); see models/decoding.py.
@@ -8,6 +10,7 @@ setting for released models, ``configs/models/<name>.yaml`` for trained ones); s
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Optional
 
 import typer
@@ -37,6 +40,11 @@ def decoding_overrides(
     """The given options as a ``decoding`` mapping (unset ones are left to the checkpoint)."""
     if stop_rule is not None and stop_rule not in STOP_RULES:
         raise UsageError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, not {stop_rule!r}")
+    for flag, value in (("--beam-size", beam_size), ("--n-best", n_best), ("--max-len", max_len)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be 1 or more, not {value}")
+    if length_penalty is not None and not math.isfinite(length_penalty):
+        raise UsageError(f"--length-penalty must be a finite number, not {length_penalty}")
     given = {"beam_size": beam_size, "n_best": n_best, "max_len": max_len, "length_penalty": length_penalty,
              "block_trigrams": block_trigrams, "stop_rule": stop_rule}
     out = {k: v for k, v in given.items() if v is not None}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -177,6 +178,18 @@ def open_paths_of(schema: Mapping[str, Any], prefix: str = "") -> frozenset[str]
     return frozenset(out)
 
 
+def _check_finite(value: Any, dotted: str, source: str) -> None:
+    """No config value is NaN or infinite (``--set x=nan`` parses as a float): refused naming the key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: '{dotted}' must be a finite number, got {value!r}")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_finite(v, f"{dotted}.{k}", source)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{dotted}[{i}]", source)
+
+
 def validate_against(
     schema: Mapping[str, Any],
     data: Mapping[str, Any],
@@ -193,6 +206,7 @@ def validate_against(
     out = copy.deepcopy(dict(schema))
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        _check_finite(value, dotted, source)
         if key not in schema and key in RENAMED_KEYS and RENAMED_KEYS[key][0] in schema:
             new, values = RENAMED_KEYS[key]
             raise ConfigError(f"{source}: '{dotted}' was renamed: use '{prefix}{new}' ({values})")

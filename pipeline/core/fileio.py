@@ -94,7 +94,7 @@ def read_json(path: str | Path, what: str = "JSON file", expect: type | None = d
     if not path.is_file():
         raise UsageError(f"{what} not found: {path}")
     try:
-        with path.open("r", encoding="utf-8") as fh:
+        with path.open("r", encoding="utf-8-sig") as fh:  # a byte-order mark (Windows editors) is not an error
             obj = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PipelineError(f"{what} {path} is not valid JSON: {exc}") from exc

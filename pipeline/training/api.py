@@ -125,7 +125,7 @@ def evaluate_checkpoint(
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
     from models.captions import merge_decoding
-    from models.decoding import DecodeOptions
+    from models.decoding import DecodeOptions, check_max_len
     from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.core.config import load_config
     from pipeline.data import CaptionDataset
@@ -151,6 +151,7 @@ def evaluate_checkpoint(
         raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
     dataset = CaptionDataset(features, prepared, split)
     options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
+    check_max_len(options, model, "--max-len")
     source = _decoding_source(dataset, dev, num_workers)
     ctx = DistContext(device=dev)
     # released models decode in fp32, as published, unless a precision is asked for
