@@ -6,10 +6,10 @@ Layout of a run directory (``--out DIR``)::
       <stage>/                 one folder per stage (world, detector, features, data, train-<model>, ...)
         manifest.json          written atomically when the stage finishes: config digest, outputs, timings
         running.json           present while the stage runs (or after it was killed)
-      .<stage>.lock            the lock of the process running that stage (pipeline.core.locks)
+        .stage.lock            the lock of the process running the stage (pipeline.core.locks)
         ...                    the stage's own files (checkpoints, stores), each written crash-safely
 
-One process at a time per stage folder: ``run_stage`` holds ``DIR/.<stage>.lock`` (:mod:`pipeline.core.locks`) for the
+One process at a time per stage folder: ``run_stage`` holds ``DIR/<stage>/.stage.lock`` (:mod:`pipeline.core.locks`) for the
 whole stage, so a second run on the same folder is refused in one line naming the holder, before it reads,
 resumes or clears anything.
 
@@ -44,6 +44,7 @@ log = get_logger("stages")
 
 MANIFEST = "manifest.json"
 RUNNING = "running.json"
+STAGE_LOCK = ".stage.lock"  # one process per stage folder (pipeline.core.locks)
 MANIFEST_VERSION = 1
 
 
@@ -83,7 +84,7 @@ def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
     if previous.get("config_digest") in (None, digest):
         log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
         return
-    if all(p.name == RUNNING for p in stage_dir.iterdir()):
+    if all(p.name in (RUNNING, STAGE_LOCK) for p in stage_dir.iterdir()):
         log.info("stage %s: the interrupted run in %s wrote nothing; starting again under the new config", name, stage_dir)
         return
     failed = f" (it failed: {previous['error']})" if previous.get("error") else ""
@@ -123,9 +124,19 @@ def run_stage(
 
 
 def stage_lock(stage_dir: Path) -> Path:
-    """The lock file of a stage folder: ``.<name>.lock`` beside it (so ``--force`` can clear the folder whole)."""
-    stage_dir = stage_dir.absolute()
-    return stage_dir.with_name(f".{stage_dir.name}.lock")
+    """The lock file of a stage folder, inside it (``--force`` clears everything else)."""
+    return stage_dir / STAGE_LOCK
+
+
+def _clear(stage_dir: Path) -> None:
+    """``--force``: remove everything in the stage folder but the lock this process holds."""
+    for p in stage_dir.iterdir():
+        if p.name == STAGE_LOCK:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Callable[..., Any], force: bool) -> StageResult:
@@ -144,7 +155,7 @@ def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Call
     if force and (manifest is not None or running.exists()):
         state = "finished" if manifest is not None else "interrupted"
         log.info("stage %s: --force given, clearing the %s stage in %s and starting it from scratch", name, state, stage_dir)
-        shutil.rmtree(stage_dir)
+        _clear(stage_dir)
     elif running.exists():
         _check_interrupted(name, stage_dir, digest)
     stage_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from pipeline.core.regions import RegionRecord
 from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
+from pipeline.core.stages import STAGE_LOCK
 from pipeline.store.format import (
     FEATURE_DTYPES,
     LOCK,
@@ -308,7 +309,7 @@ def open_writer(
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path} is a file; a writer needs a store directory (single-file stores are read-only)")
     # a store may be the folder of its own extraction stage (cli extract): the stage's bookkeeping files may be there
-    allowed = {LOCK, STAGE_MANIFEST, STAGE_RUNNING}
+    allowed = {LOCK, STAGE_MANIFEST, STAGE_RUNNING, STAGE_LOCK}
     if path.is_dir() and not (path / MANIFEST).exists() and any(p.name not in allowed for p in path.iterdir()):
         raise UsageError(f"{path} exists, is not empty and is not a feature store; choose another path")
     try:
