@@ -171,7 +171,7 @@ def test_bounds_token_and_sigterm(env: dict) -> None:
     token = {"Authorization": "Bearer s3cret"}
     args = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.queue_limit=2",
             "--set", "serve.max_batch=4", "--set", "serve.max_wait_ms=1500", "--set", "serve.max_body_bytes=200000",
-            "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3"]
+            "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3", "--set", "serve.request_timeout_s=4"]
     with running_server(*args, env={"BUTD_SERVE_TOKEN": "s3cret"}) as server:
         status, head, body = server.post_images([("a.jpg", good)])
         assert status == 401 and head["www-authenticate"].startswith("Bearer") and "Bearer" in body["error"]
@@ -186,6 +186,14 @@ def test_bounds_token_and_sigterm(env: dict) -> None:
         assert status == 422 and "beam_size" in body["error"]
         status, _, body = server.post_images([("a.jpg", good)], {"colour": "red"}, headers=token)
         assert status == 422 and "colour" in body["error"]
+
+        # a body that trickles in: 408 once the request's time is up, the connection is not held
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+            raw.sendall(b"POST /v1/captions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: image/jpeg\r\n"
+                        b"Content-Length: 1000\r\n\r\n" + good[:100])
+            t0 = time.monotonic()
+            reply = raw.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408") and 3 < time.monotonic() - t0 < 20, reply[:200]
 
         # a full queue: one image waits up to 1.5 s for company; two more do not fit beside it (limit 2)
         first: dict = {}
@@ -213,7 +221,7 @@ def test_bounds_token_and_sigterm(env: dict) -> None:
         assert server.proc.wait(60) == 0
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
-    for status in ("401", "413", "422", "503"):
+    for status in ("401", "408", "413", "422", "503"):
         assert f'butd_requests_total{{status="{status}"}}' in metrics, status
     assert 'status="500"' not in metrics
 

@@ -7,8 +7,9 @@ OpenAPI description, rendered without any script or stylesheet from a network). 
 health check and the API description are open (they hold nothing about the model's inputs or outputs).
 
 Status codes of ``POST /v1/captions``: 200 (also when some images failed: their entries carry the error), 400
-(unreadable body), 401, 413 (body or image count beyond the limits), 415, 422 (options), 503 + Retry-After (queue
-full, or draining), 504 (not answered within ``serve.request_timeout_s``). A failure of the model thread on a
+(unreadable body), 401, 408 (the body did not arrive within ``serve.request_timeout_s``), 413 (body or image
+count beyond the limits), 415, 422 (options), 503 + Retry-After (queue full, or draining), 504 (not answered
+within ``serve.request_timeout_s`` or the request's ``timeout_s``). A failure of the model thread on a
 whole batch (a project error such as a feature-size mismatch) is a 500 naming it.
 """
 
@@ -51,7 +52,8 @@ _BODY_DOC = {
                                 ("timeout_s", "number"), ("name", "string"))],
 }
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorAnswer, "description": text} for code, text in (
-    (400, "unreadable body"), (401, "missing or wrong bearer token"), (413, "body or image count beyond the limits"),
+    (400, "unreadable body"), (401, "missing or wrong bearer token"), (408, "the body arrived too slowly"),
+    (413, "body or image count beyond the limits"),
     (415, "not images"), (422, "options beyond the server's limits"), (503, "queue full or draining (Retry-After)"),
     (504, "not answered in time"))}
 
@@ -132,13 +134,16 @@ async def _captions(service: Service, request: Request) -> Response:
     if service.draining:
         return _error(503, "the server is shutting down", {"Retry-After": str(s.retry_after_s)})
     try:
-        body = await read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes)
+        body = await asyncio.wait_for(read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes),
+                                      s.request_timeout_s)
         items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
         query = {k: v for k, v in request.query_params.items() if k != "name"}
         options, regions, timeout = request_options({**query, **fields}, service.batcher.engine.options, s)
         jobs = service.batcher.submit(items, options, regions)
     except BodyTooLarge as exc:
         return _error(413, str(exc))
+    except asyncio.TimeoutError:  # a body trickling in (slow client): the connection is not held for ever
+        return _error(408, f"the body did not arrive within {s.request_timeout_s:g} s")
     except BadRequest as exc:
         return _error(exc.status, str(exc))
     except BadOptions as exc:

@@ -80,7 +80,8 @@ def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket
     app = create_app(service, on_shutdown=lambda: drained.append(batcher.close(settings.drain_timeout_s)))
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_config=None, access_log=settings.log_requests, lifespan="on",
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s), timeout_keep_alive=5)
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s), timeout_keep_alive=5,
+                            limit_concurrency=settings.max_connections)
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving on http://{shown}:{port}  (page /, API /v1/captions, docs /docs)", flush=True)
