@@ -37,7 +37,8 @@ def photo(path: Path) -> Path:
 @pytest.mark.parametrize("args,flag", [(["--length-penalty", "nan"], "--length-penalty"), (["--length-penalty", "inf"], "--length-penalty"),
                                        (["--beam-size", "2", "--n-best", "4"], "--n-best 4 cannot exceed --beam-size 2"),
                                        (["--max-len", "0"], "--max-len"), (["--set", "caption.conf_thresh=nan"], "caption.conf_thresh"),
-                                       (["--set", "caption.batch_size=0"], "caption.batch_size"), (["--n-best", "0"], "n_best")])
+                                       (["--set", "caption.batch_size=0"], "caption.batch_size"), (["--n-best", "0"], "n_best"),
+                                       (["--batch-size", "0"], "--batch-size"), (["--num-workers", "-1"], "--num-workers")])
 def test_caption_refuses_bad_numbers_before_any_work(tmp_path: Path, args: list[str], flag: str) -> None:
     """One line, exit 2, before the model is even looked for (the --model here does not exist)."""
     import cli
@@ -46,6 +47,17 @@ def test_caption_refuses_bad_numbers_before_any_work(tmp_path: Path, args: list[
     lines = [x for x in res.output.splitlines() if x.startswith("error:")]
     assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output[-2000:]
     assert flag in lines[0] and "none.pt" not in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", [["extract", "--store", "S"], ["train", "--out", "R"], ["evaluate", "--model", "M.pt"]])
+def test_every_model_command_refuses_a_zero_batch_and_negative_workers(tmp_path: Path, command: list[str]) -> None:
+    import cli
+
+    for flag, value in (("--batch-size", "0"), ("--num-workers", "-2")):
+        args = [command[0], *[str(tmp_path / a) if a.isupper() or "." in a else a for a in command[1:]], flag, value]
+        res = CliRunner().invoke(cli.app, args)
+        lines = [x for x in res.output.splitlines() if x.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and flag in lines[0], res.output[-2000:]
 
 
 def test_decoding_numbers_are_finite_and_n_best_is_never_silently_widened(tmp_path: Path) -> None:

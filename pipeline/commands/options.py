@@ -128,6 +128,10 @@ class CommandOptions:
         out: list[str] = []
         if self.precision is not None and self.precision not in self.everyday.precision_choices:
             raise UsageError(f"--precision must be one of {', '.join(self.everyday.precision_choices)}, not {self.precision!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise UsageError(f"--batch-size must be 1 or more, not {self.batch_size}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise UsageError(f"--num-workers must be 0 (load in this process) or more, not {self.num_workers}")
         for name in ("device", "batch_size", "precision", "num_workers"):
             value = getattr(self, name)
             if value is None:
