@@ -179,3 +179,43 @@ def test_noam_without_warmup_is_refused_not_silently_replaced() -> None:
     with pytest.raises(ConfigError, match="warmup_iters >= 1"):
         recipe("m2", "xe", {"warmup_iters": 0})
     assert recipe("m2", "xe", {"warmup_iters": 50}).schedule["warmup"] == 50
+
+
+@pytest.mark.parametrize("synonym,value,one_spelling", [
+    ("max_epochs", 3, "epochs"), ("warmup_steps", 100, "warmup_iters"), ("grad_clip", 1.0, "grad_clip_norm"),
+    ("seq_per_img", 5, "captions_per_image"),
+])
+def test_the_recipe_accepts_no_synonym(synonym, value, one_spelling):
+    """One spelling per schedule key: a synonym is refused (naming the known keys), never translated."""
+    from pipeline.core.errors import ConfigError
+    from pipeline.training.recipe import stage_recipe
+
+    card = {"xe": {"epochs": 2, "lr": 1e-3, "lr_schedule": "constant", "batch_size": 4}}
+    assert stage_recipe("xe", card, {one_spelling: value}, 5, "schedule") is not None
+    with pytest.raises(ConfigError, match=f"unknown key\\(s\\) {synonym} .*{one_spelling}"):
+        stage_recipe("xe", card, {synonym: value}, 5, "schedule")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"lr_schedule": None}, "name the learning-rate schedule: lr_schedule: one of"),
+    ({"lr_schedule": "reduce_on_plateau"}, "unknown schedule 'reduce_on_plateau' \\(known: "),
+    ({"warmup": "noam"}, "warmup: linear or none"),
+    ({"scheduled_sampling": {"start_epoch": 0}}, "unknown key\\(s\\) \\['start_epoch'\\]"),
+])
+def test_the_schedule_is_named_from_the_registry_without_hidden_defaults(change, message):
+    from pipeline.core.errors import ConfigError
+    from pipeline.training.recipe import stage_recipe
+
+    card = {"xe": {"epochs": 2, "lr": 1e-3, "lr_schedule": "step", "batch_size": 4, **change}}
+    with pytest.raises(ConfigError, match=message):
+        stage_recipe("xe", card, None, 5, "schedule")
+
+
+def test_scst_mean_baseline_has_one_name():
+    from pipeline.core.errors import ConfigError
+    from pipeline.training.recipe import stage_recipe
+
+    card = {"scst": {"epochs": 1, "lr": 1e-5, "lr_schedule": "constant", "batch_size": 4, "num_samples": 5}}
+    assert stage_recipe("scst", card, {"baseline": "mean"}, 5, "schedule").baseline == "mean"
+    with pytest.raises(ConfigError, match="baseline must be one of greedy, mean_of_others, mean"):
+        stage_recipe("scst", card, {"baseline": "mean_of_samples"}, 5, "schedule")

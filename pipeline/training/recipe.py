@@ -1,16 +1,18 @@
 """The training recipe of one stage (XE or SCST), read from a model YAML's ``schedule:`` section.
 
-Each ``configs/models/<name>.yaml`` states its paper's recipe in the words of that paper's code
-(``lr_schedule: noam`` with ``warmup_steps`` for M2, ``lr_decay_every`` for AoANet, ``warmup: linear`` with
-``decay_start_epoch`` for NG-SAN, ...). :func:`stage_recipe` merges the user's overrides
-(``train.xe`` / ``train.scst``) on top, refuses unknown keys, and turns it into one :class:`StageRecipe`
-with a :func:`~pipeline.training.schedules.build_schedule` spec.
+Each ``configs/models/<name>.yaml`` states its paper's recipe with one spelling per key: the learning-rate
+schedule is named from the registry (``lr_schedule``: a name of :data:`pipeline.training.schedules.SCHEDULES`:
+``noam`` for M2, ``step`` for AoANet and NG-SAN, ``plateau``, ``gradual`` for BAN, ``constant``) with its
+parameters (``warmup_iters``, ``lr_decay_every`` / ``decay_start_epoch``, ...). :func:`stage_recipe` merges the
+user's overrides (``train.xe`` / ``train.scst``) on top, refuses unknown keys (no synonyms: ``max_epochs``,
+``warmup_steps``, ``grad_clip``, ``seq_per_img``, ``mean_of_samples``, ... are refused, not translated), and
+turns it into one :class:`StageRecipe` with a :func:`~pipeline.training.schedules.build_schedule` spec.
 
 Choices where the YAMLs are silent (documented here, each overridable):
 
-* ``epochs`` / ``max_epochs``: either name; when both are null (M2: "until validation CIDEr stops
-  improving") the stage runs at most ``train.default_epochs`` epochs and stops early after ``patience``
-  epochs without a gain of the validation metric.
+* ``epochs``: null (M2: "until validation CIDEr stops improving") runs the stage at most
+  ``train.default_epochs`` epochs and stops early after ``patience`` epochs without a gain of the
+  validation metric.
 * NG-SAN's "after 6 epochs decayed by 1/2 every 3 epochs" (``decay_start_epoch: 6``) is the ``step``
   schedule with ``decay_start = decay_start_epoch - decay_every_epochs``, so the first halving happens
   when epoch 6 (0-based) starts (ruotianluo's ``learning_rate_decay_start`` semantics).
@@ -18,7 +20,7 @@ Choices where the YAMLs are silent (documented here, each overridable):
   ``lr`` constant. SCST always starts a fresh optimizer (as M2 does).
 * ``max_caption_len`` (AoANet: 16) is what ``prepare.max_length`` truncates the labels to; the trainer only
   warns when they differ.
-* ``baseline: mean_of_samples`` (M2's wording) is the ``mean`` baseline of :mod:`pipeline.training.scst`.
+* ``baseline: mean`` is M2's "mean of the samples" baseline (:mod:`pipeline.training.scst`).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ OPTIMIZERS = ("adam", "adamw", "adamax", "sgd")
 SAMPLE_METHODS = ("sample", "beam")
 
 _COMMON = {
-    "epochs", "max_epochs", "patience", "batch_size", "optimizer", "betas", "eps", "weight_decay", "lr",
-    "lr_schedule", "warmup", "warmup_iters", "warmup_steps", "decay_start_epoch", "decay_every_epochs", "decay_rate",
+    "epochs", "patience", "batch_size", "optimizer", "betas", "eps", "weight_decay", "lr",
+    "lr_schedule", "warmup", "warmup_iters", "decay_start_epoch", "decay_every_epochs", "decay_rate",
     "noam_model_size", "extra_scheduler_step_per_epoch", "lr_decay_start", "lr_decay_every", "lr_decay_rate",
-    "plateau_factor", "plateau_patience", "warmup_epoch_factors", "grad_clip", "grad_clip_value", "grad_clip_norm",
-    "label_smoothing", "scheduled_sampling", "seed", "reward", "captions_per_image", "seq_per_img", "max_caption_len",
+    "plateau_factor", "plateau_patience", "warmup_epoch_factors", "grad_clip_value", "grad_clip_norm",
+    "label_smoothing", "scheduled_sampling", "seed", "reward", "captions_per_image", "max_caption_len",
 }
 _SCST = {"sample_method", "num_samples", "sample_max_len", "baseline", "pg_normalize"}
 
@@ -78,8 +80,8 @@ class StageRecipe:
 
 
 def _noam_warmup(r: Mapping[str, Any], where: str) -> int:
-    """Warm-up steps of a Noam schedule (``warmup_steps`` or ``warmup_iters``; 0 is refused, not replaced)."""
-    value = r.get("warmup_steps") if r.get("warmup_steps") is not None else r.get("warmup_iters")
+    """Warm-up steps of a Noam schedule (``warmup_iters``; 0 is refused, not replaced)."""
+    value = r.get("warmup_iters")
     steps = 10000 if value is None else int(value)
     if steps < 1:
         raise ConfigError(f"{where}: the Noam schedule needs warmup_iters >= 1 (set lr_schedule: constant or step for no warm-up)")
@@ -87,17 +89,16 @@ def _noam_warmup(r: Mapping[str, Any], where: str) -> int:
 
 
 def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
+    from pipeline.training.schedules import SCHEDULES
+
     kind = r.get("lr_schedule")
     lr = r.get("lr")
-    if kind is None and r.get("warmup") in ("noam", "ban_gradual"):  # the model YAMLs name the schedule by its warm-up
-        kind = str(r["warmup"])
-    if kind is None and r.get("warmup") in (None, "none", False):
-        decays = r.get("decay_start_epoch") is not None or r.get("lr_decay_every") is not None
-        kind = "step" if decays else "constant"
     if kind is None:
-        if r.get("warmup") != "linear":
-            raise ConfigError(f"{where}.warmup: only 'linear' is known, got {r['warmup']!r}")
-        kind = "step"
+        raise ConfigError(f"{where}: name the learning-rate schedule: lr_schedule: one of {', '.join(SCHEDULES.names())}")
+    if kind not in SCHEDULES:
+        raise ConfigError(f"{where}.lr_schedule: unknown schedule {kind!r} (known: {', '.join(SCHEDULES.names())})")
+    if r.get("warmup") not in (None, "linear", "none"):
+        raise ConfigError(f"{where}.warmup: linear or none (the warm-up of a step schedule), got {r['warmup']!r}")
     if kind == "constant":
         if lr is None:
             raise ConfigError(f"{where}: a constant learning rate needs 'lr'")
@@ -113,18 +114,18 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
             start, rate = int(r["decay_start_epoch"]) - every, float(r.get("decay_rate", 0.5))
         else:
             every, start, rate = int(r.get("lr_decay_every") or 3), int(r.get("lr_decay_start") or 0), float(r.get("lr_decay_rate", 0.8))
-        warm = int(r.get("warmup_iters") or r.get("warmup_steps") or 0)
+        warm = int(r.get("warmup_iters") or 0)
         return {"type": "step", "lr": float(lr), "decay_rate": rate, "decay_every": every, "decay_start": start, "warmup_iters": warm}
-    if kind in ("reduce_on_plateau", "plateau"):
+    if kind == "plateau":
         return {"type": "plateau", "lr": float(lr if lr is not None else 2e-5), "factor": float(r.get("plateau_factor", 0.5)),
                 "patience": int(r.get("plateau_patience", 3))}
-    if kind in ("ban_gradual", "gradual"):
+    if kind == "gradual":
         return {"type": "gradual", "lr": float(lr if lr is not None else 1e-3),
                 "warmup_factors": [float(f) for f in r.get("warmup_epoch_factors") or [0.5, 1.0, 1.5, 2.0]],
                 "decay_start": int(r.get("lr_decay_start", r.get("decay_start_epoch", 10))),
                 "decay_every": int(r.get("lr_decay_every", r.get("decay_every_epochs", 2))),
                 "decay_rate": float(r.get("lr_decay_rate", r.get("decay_rate", 0.25)))}
-    raise ConfigError(f"{where}.lr_schedule: unknown schedule {kind!r} (known: constant, noam, step, reduce_on_plateau, ban_gradual)")
+    raise ConfigError(f"{where}.lr_schedule: the recipe cannot build a {kind!r} schedule")
 
 
 def _scheduled_sampling(value: Any, where: str) -> dict[str, float] | None:
@@ -133,8 +134,6 @@ def _scheduled_sampling(value: Any, where: str) -> dict[str, float] | None:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}.scheduled_sampling must be false or a mapping (start, increase_every, increase_prob, max_prob)")
     keys = {"start", "increase_every", "increase_prob", "max_prob"}
-    aliases = {"start_epoch": "start", "increase_every_epochs": "increase_every"}  # the model YAMLs' wording
-    value = {aliases.get(k, k): v for k, v in value.items()}
     if set(value) - keys:
         raise ConfigError(f"{where}.scheduled_sampling: unknown key(s) {sorted(set(value) - keys)} (known: {sorted(keys)})")
     out = {"start": 0, "increase_every": 5, "increase_prob": 0.05, "max_prob": 0.25, **dict(value)}
@@ -158,7 +157,7 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
     if unknown:
         raise ConfigError(f"{where}.{stage}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(allowed))})")
     w = f"{where}.{stage}"
-    epochs = r.get("epochs") if r.get("epochs") is not None else r.get("max_epochs")
+    epochs = r.get("epochs")
     opt = str(r.get("optimizer") or "adam").lower()
     if opt not in OPTIMIZERS:
         raise ConfigError(f"{w}.optimizer: unknown optimizer {opt!r} (known: {', '.join(OPTIMIZERS)})")
@@ -171,7 +170,7 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
         kwargs["weight_decay"] = float(r["weight_decay"])
     if r.get("reward", "cider_d") != "cider_d":
         raise ConfigError(f"{w}.reward: only cider_d is implemented, got {r['reward']!r}")
-    clip_norm = r.get("grad_clip_norm", r.get("grad_clip"))
+    clip_norm = r.get("grad_clip_norm")
     recipe = StageRecipe(
         stage=stage,
         epochs=int(epochs) if epochs is not None else int(default_epochs),
@@ -184,12 +183,12 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
         grad_clip_value=None if r.get("grad_clip_value") is None else float(r["grad_clip_value"]),
         grad_clip_norm=None if clip_norm is None else float(clip_norm),
         scheduled_sampling=_scheduled_sampling(r.get("scheduled_sampling"), w) if stage == "xe" else None,
-        captions_per_image=r.get("captions_per_image", r.get("seq_per_img")),
+        captions_per_image=r.get("captions_per_image"),
         max_caption_len=r.get("max_caption_len"),
         sample_method=str(r.get("sample_method", "sample")),
         num_samples=int(r.get("num_samples", 5)),
         sample_max_len=int(r.get("sample_max_len", 20)),
-        baseline="mean" if r.get("baseline") == "mean_of_samples" else str(r.get("baseline", "greedy")),
+        baseline=str(r.get("baseline", "greedy")),
         pg_normalize=str(r.get("pg_normalize", "steps" if r.get("sample_method") == "beam" else "tokens")),
         extra={"seed": r.get("seed")},
     )
@@ -199,7 +198,7 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
         if recipe.sample_method not in SAMPLE_METHODS:
             raise ConfigError(f"{w}.sample_method must be one of {SAMPLE_METHODS}, got {recipe.sample_method!r}")
         if recipe.baseline not in BASELINES:
-            raise ConfigError(f"{w}.baseline must be one of greedy, mean_of_others, mean (mean_of_samples), got {recipe.baseline!r}")
+            raise ConfigError(f"{w}.baseline must be one of {', '.join(BASELINES)}, got {recipe.baseline!r}")
         if recipe.num_samples < 1 or (recipe.baseline != "greedy" and recipe.num_samples < 2):
             raise ConfigError(f"{w}.num_samples must be >= 1 (>= 2 for the {recipe.baseline} baseline)")
     return recipe
