@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 # Before anything imports torch (the command modules do): OpenMP reads its wait policy once, when it loads.
 # Idle threads sleep instead of spinning, which keeps a run usable next to other processes
@@ -76,7 +77,15 @@ for _module in COMMAND_MODULES:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (from the source checkout: see ``pipeline.core.config.check_config_dir``)."""
+    from pipeline.core.config import check_config_dir
+    from pipeline.core.errors import UsageError
+
+    try:
+        check_config_dir()
+    except UsageError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(exc.exit_code) from None
     app(prog_name="butd-caption")
 
 

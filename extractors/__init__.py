@@ -1,7 +1,7 @@
 """Region-feature extractors: a registry of detector presets (the bottom-up Faster R-CNN and its variants).
 
 An extractor module registers a factory with ``@EXTRACTORS.register("name")``; ``cli extract`` picks one by
-config (``extractor.name``) or from the checkpoint layout.
+config (``extract.preset``) or, with ``preset: auto``, from the weights file's layout.
 """
 
 from __future__ import annotations

@@ -228,27 +228,3 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
         blob = t.numpy()
     blob = np.ascontiguousarray(blob, dtype=np.float32)
     return blob, Frame(int(h), int(w), int(blob.shape[1]), int(blob.shape[2]), float(scale))
-
-
-def list_images(paths: list[str | Path]) -> list[Path]:
-    """Expand folders (recursive, sorted, hidden entries skipped, extension allowlist), files and globs."""
-    import glob
-
-    out: list[Path] = []
-    seen: set[Path] = set()
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            found = sorted(
-                q for q in p.rglob("*")
-                if q.is_file() and q.suffix.lower() in IMAGE_EXTENSIONS and not any(part.startswith(".") for part in q.relative_to(p).parts)
-            )
-        elif p.exists():
-            found = [p]
-        else:
-            found = sorted(Path(g) for g in glob.glob(str(p), recursive=True) if Path(g).is_file())
-        for q in found:
-            if q not in seen:
-                seen.add(q)
-                out.append(q)
-    return out

@@ -107,3 +107,16 @@ def test_loader_processes_have_one_name_in_every_config():
     for p in sorted(CONFIG_DIR.rglob("*.yaml")):
         walk(load_yaml_with_bases(p), "", p.name)
     assert not offenders, offenders
+
+
+def test_without_the_configs_folder_every_command_fails_in_one_line(monkeypatch, tmp_path, capsys):
+    """A non-editable `pip install .` carries no configs/ (README: not supported): one line, exit 2."""
+    import cli
+    from pipeline.core import config
+
+    monkeypatch.setattr(config, "CONFIG_DIR", tmp_path / "site-packages" / "configs")
+    monkeypatch.setattr("sys.argv", ["butd-caption", "info", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "non-editable `pip install .` is not supported" in err[0]

@@ -8,7 +8,6 @@ Follows ruotianluo's ``scripts/prepro_labels.py`` (the setup behind the publishe
   map to ``<unk>``;
 * labels truncated to ``max_length`` (16) words; references for evaluation kept untruncated;
 * ``restval`` images join ``train`` unless ``restval_to_train`` is false;
-* CIDEr-D document frequencies from the training references (``prepro_ngrams.py``), over words.
 
 Output files (in the stage folder, each written atomically): see :mod:`pipeline.caption_data.prepared`.
 """
@@ -16,7 +15,6 @@ Output files (in the stage folder, each written atomically): see :mod:`pipeline.
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.caption_data.prepared import save_prepared
-from pipeline.caption_data.text import document_frequencies, normalise_tokens, tokenize
+from pipeline.caption_data.text import normalise_tokens, tokenize
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import ConfigError, PipelineError, UsageError
@@ -232,19 +230,17 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
             row += 1
         offsets[i + 1] = row
     train_refs = [e.captions for e in entries if e.split == "train"]
-    df = document_frequencies(train_refs, int(cfg.cider_ngrams))
     unk = sum(1 for e in entries for c in e.captions for w in c if vocab.id(w) == UNK)
     total_words = sum(len(c) for e in entries for c in e.captions)
     outputs = save_prepared(
         stage_dir, vocab=vocab, entries=entries, labels=labels, lengths=lengths, offsets=offsets,
-        df=df, df_images=len(train_refs), ngrams=int(cfg.cider_ngrams), max_length=max_len,
+        max_length=max_len,
     )
     splits = Counter(e.split for e in entries)
     summary = {
         "images": len(entries), **{f"{s}_images": splits.get(s, 0) for s in ("train", "val", "test", "restval") if splits.get(s)},
         "captions": n_caps, "vocab_words": len(vocab) - 4, "unk_rate": round(unk / max(total_words, 1), 5),
         "truncated_captions": int(sum(len(c) > max_len for e in entries for c in e.captions)),
-        "cider_df_ref_len": round(math.log(max(len(train_refs), 1)), 4),
     }
     log.info("prepared %d images, %d captions, %d words (+4 specials)", len(entries), n_caps, len(vocab) - 4)
     return outputs, summary

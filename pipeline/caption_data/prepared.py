@@ -7,15 +7,11 @@ Files in the ``data`` stage folder (each written atomically; JSON and plain npz,
     labels.npz        labels int32 (C, max_length) word ids padded with 0, no BOS/EOS;
                       lengths int32 (C,); offsets int64 (N + 1,): image i owns captions offsets[i]:offsets[i+1]
     references.json   {key: ["a man riding a horse", ...]}  untruncated tokenised references (evaluation)
-    cider_df.json     {"ngrams", "num_images", "ref_len" = ln(num_images), "df": {"a man": 1234, ...}}
-                      CIDEr-D document frequencies over the train split's references (words, not ids)
 """
 
 from __future__ import annotations
 
-import math
 import zipfile
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +33,6 @@ FILES = {
     "images": "images.json",
     "labels": "labels.npz",
     "references": "references.json",
-    "cider_df": "cider_df.json",
 }
 
 
@@ -49,9 +44,6 @@ def save_prepared(
     labels: np.ndarray,
     lengths: np.ndarray,
     offsets: np.ndarray,
-    df: Counter[str],
-    df_images: int,
-    ngrams: int,
     max_length: int,
 ) -> dict[str, str]:
     """Write the prepared files into ``out``; returns name -> file name (for the stage manifest)."""
@@ -63,11 +55,6 @@ def save_prepared(
 
     atomic_write(out / FILES["labels"], write_npz)
     atomic_write_json(out / FILES["references"], {e.key: [" ".join(c) for c in e.captions] for e in entries}, indent=None)
-    atomic_write_json(
-        out / FILES["cider_df"],
-        {"ngrams": ngrams, "num_images": df_images, "ref_len": math.log(max(df_images, 1)), "df": dict(df)},
-        indent=None,
-    )
     # images.json last: its presence with a matching version marks a complete set
     atomic_write_json(
         out / FILES["images"],
@@ -133,10 +120,5 @@ class PreparedCaptions:
         """Untruncated references by image key (for evaluation)."""
         return read_json(self.directory / FILES["references"], what="references file")
 
-    def cider_df(self) -> dict[str, Any]:
-        data = read_json(self.directory / FILES["cider_df"], what="CIDEr-D document frequencies")
-        if not isinstance(data.get("df"), dict) or not isinstance(data.get("num_images"), int):
-            raise PipelineError(f"{self.directory / FILES['cider_df']}: malformed document frequencies")
-        return data
 
 

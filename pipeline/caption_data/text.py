@@ -8,7 +8,6 @@ delete ASCII punctuation and split on whitespace; Karpathy's ``dataset_coco.json
 from __future__ import annotations
 
 import string
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 _DELETE_PUNCT = str.maketrans("", "", string.punctuation)
@@ -33,12 +32,3 @@ def ngrams(words: Sequence[str], n: int) -> Iterable[str]:
     for k in range(1, n + 1):
         for i in range(len(words) - k + 1):
             yield " ".join(words[i : i + k])
-
-
-def document_frequencies(references: Iterable[Sequence[Sequence[str]]], n: int = 4) -> Counter[str]:
-    """CIDEr-D document frequency: for each n-gram (1..n), the number of *images* whose reference set
-    contains it (Vedantam et al. 2015, Eq. 1's IDF term; computed on the training references)."""
-    df: Counter[str] = Counter()
-    for refs in references:
-        df.update({g for ref in refs for g in ngrams(ref, n)})
-    return df

@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
     @command(app, "prepare", force=True)
     def prepare_command(opts: CommandOptions, out: out_option("Run directory; the stage writes OUT/data.") = Path("runs/data")) -> None:
         """Prepare captions and the vocabulary from Karpathy or COCO caption files into RUN/data (vocab.json,
-        labels.npz, images.json, references.json, cider_df.json). Done once per config; skipped when already
+        labels.npz, images.json, references.json). Done once per config; skipped when already
         done.
 
         Examples:

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, UsageError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
@@ -367,9 +367,21 @@ class Config(Mapping[str, Any]):
         return Config(data, self._open)
 
 
+def check_config_dir() -> Path:
+    """:data:`CONFIG_DIR` (``configs/`` of the source checkout), or a usage error when it is missing.
+
+    Packaging: the project runs from its source checkout (``pip install -e .``); a non-editable
+    ``pip install .`` does not carry ``configs/`` and is not supported: every command then fails with this
+    one line instead of a missing-file error deep inside."""
+    if not CONFIG_DIR.is_dir():
+        raise UsageError(f"the configs folder {CONFIG_DIR} is missing: butd-caption runs from its source checkout "
+                         "(git clone, then pip install -e .); a non-editable `pip install .` is not supported")
+    return CONFIG_DIR
+
+
 def default_config_path(stage: str) -> Path:
     """``configs/<stage>.yaml`` inside the project."""
-    return CONFIG_DIR / f"{stage}.yaml"
+    return check_config_dir() / f"{stage}.yaml"
 
 
 def load_config(
