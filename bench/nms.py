@@ -4,7 +4,7 @@ The workload of the Caffe bottom-up extractor's selection: R proposals x K foreg
 greedy NMS at 0.3 with ``+1`` areas in every class. Two box layouts: uniform random boxes, and clustered boxes
 (20 objects, 15 jittered proposals each: a dense overlap graph, closer to real RPN output). The check is exact:
 for every class the kept indices, in the order ``nms`` returns them, must be ``torch.equal`` to the loop's.
-A third row times the ``max_conf`` the extractor uses (``extractors.selection.max_conf_vectorized`` on CPU vs
+A third row times the ``max_conf`` the extractor uses (``extractors.selector.max_conf_vectorized`` on CPU vs
 ``max_conf_loop``), also exact.
 
     python -m bench --only nms [--size default|tiny]
@@ -57,7 +57,7 @@ def differing_classes(mask: torch.Tensor, loop: list[torch.Tensor], scores: torc
 
 def cases(size: str = "default") -> list[Case]:
     """Kept indices on uniform and clustered boxes, and the extractor's ``max_conf``."""
-    from extractors import nms, selection
+    from extractors import nms, selector
 
     r, k = SIZES[size]
     g = torch.Generator().manual_seed(0)
@@ -69,8 +69,8 @@ def cases(size: str = "default") -> list[Case]:
                         lambda m, loop, s=scores: differing_classes(m, loop, s), 0.0,
                         note="exact: kept indices per class torch.equal to the loop's" if layout == "uniform" else ""))
     boxes, scores = uniform_boxes(r, g), class_scores(r, k, g)
-    out.append(Case("nms max_conf", "selection.max_conf_vectorized", "selection.max_conf_loop", f"{r} boxes x {k} classes",
-                    lambda: selection.max_conf_vectorized(boxes, scores, 0.3), lambda: selection.max_conf_loop(boxes, scores, 0.3),
+    out.append(Case("nms max_conf", "selector.max_conf_vectorized", "selector.max_conf_loop", f"{r} boxes x {k} classes",
+                    lambda: selector.max_conf_vectorized(boxes, scores, 0.3), lambda: selector.max_conf_loop(boxes, scores, 0.3),
                     lambda a, b: 0.0 if torch.equal(a, b) else float((a - b).abs().max()), 0.0))
     return out
 

@@ -23,7 +23,7 @@ The speed-up over a loop of K torchvision calls comes from sharing the IoU work 
 sequential kernels by a few sweeps over ``E x K/64`` words (``bench`` measures it: ``python -m bench --only
 nms``). :func:`per_class_keep` returns the kept mask per class; :func:`max_conf` the ``generate_tsv.py``
 ``max_conf`` (the per-proposal max score over the classes that kept it), which
-``extractors.selection.max_conf_vectorized`` calls on CPU.
+``extractors.selector.max_conf_vectorized`` calls on CPU.
 
 On a GPU, :func:`max_conf_device` solves the same fixed point (1) with torch operators on the device: the edges
 of every image of a batch at once, the classes unpacked (a bool per edge and class), each sweep one gather, one

@@ -14,6 +14,13 @@ post-processing). Changing the selection touches a selector and one YAML (``conf
   class-agnostic NMS on those boxes at each threshold of the ladder until at least ``min_boxes`` survive;
   the first ``max_boxes``; write the regressed boxes.
 * :class:`GivenBoxes`: the supplied boxes, in their order.
+
+The rules are the module's functions: :func:`max_conf_vectorized` (Caffe's per-class ``max_conf``, docs/extractor.md#box-selection),
+:func:`clamp_selection` (the ``conf_thresh`` / [min, max] rule) and :func:`maxnms_select` (the ladder).
+The per-class NMS is vectorised (:mod:`extractors.nms`): one ``+1``-area IoU matrix per image gives the overlap
+graph shared by all classes, and a fixed-point iteration over it solves greedy NMS for every class (and every
+image of a batch) at once. It is exactly greedy NMS per class (the same survivors as the loop in
+:func:`max_conf_loop`, which the tests compare it with).
 """
 
 from __future__ import annotations
@@ -22,8 +29,62 @@ from dataclasses import dataclass
 
 import torch
 
-from extractors import box_coding, selection
+from extractors import box_coding, nms
 from extractors.preprocess import Frame
+
+
+def max_conf_vectorized(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-proposal max score over the classes in which greedy NMS (``+1`` IoU >= ``thresh``) keeps it.
+
+    ``boxes`` (B, R, 4) or (R, 4); ``scores`` (B, R, K) or (R, K) foreground class scores (>= 0);
+    ``valid`` (B, R) marks real proposals (padding neither suppresses nor is scored). Returns (B, R) or (R,)
+    float32. On CPU :func:`extractors.nms.max_conf` (packed class words), on a GPU :func:`extractors.nms.max_conf_device`
+    (the same fixed point with device operators, a few sweeps instead of one sequential step per rank).
+    """
+    if boxes.device.type == "cpu":
+        return nms.max_conf(boxes, scores, thresh, valid)
+    single = boxes.dim() == 2
+    if single:
+        boxes, scores = boxes[None], scores[None]
+        valid = None if valid is None else valid[None]
+    out = nms.max_conf_device(boxes, scores, thresh, valid)
+    return out[0] if single else out
+
+
+def max_conf_loop(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3) -> torch.Tensor:
+    """Reference: the ``generate_tsv.py`` loop, one Caffe NMS call per class. (R, 4), (R, K) -> (R,)."""
+    max_conf = torch.zeros(boxes.shape[0], dtype=torch.float32, device=boxes.device)
+    for c in range(scores.shape[1]):
+        s = scores[:, c].float()
+        keep = box_coding.nms_boxes(boxes.float(), s, thresh, legacy=True)
+        max_conf[keep] = torch.maximum(max_conf[keep], s[keep])
+    return max_conf
+
+
+def clamp_selection(max_conf: torch.Tensor, conf_thresh: float, min_boxes: int, max_boxes: int) -> torch.Tensor:
+    """Indices kept by the ``conf_thresh`` / [min_boxes, max_boxes] rule (proposal order when in range)."""
+    keep = torch.nonzero(max_conf >= conf_thresh).flatten()
+    if keep.numel() < min_boxes or keep.numel() > max_boxes:
+        n = min_boxes if keep.numel() < min_boxes else max_boxes
+        keep = torch.argsort(max_conf, descending=True, stable=True)[:n]
+    return keep
+
+
+def maxnms_select(boxes: torch.Tensor, fg_scores: torch.Tensor, min_boxes: int, max_boxes: int, thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> tuple[torch.Tensor, torch.Tensor]:
+    """airsplay "maxnms": ``boxes`` (R, K, 4) class boxes, ``fg_scores`` (R, K) -> (kept proposal ids, their boxes).
+
+    Stops at the first threshold that leaves at least ``min_boxes`` proposals (the last one otherwise).
+    """
+    r = fg_scores.shape[0]
+    best_score, best_cls = fg_scores.float().max(dim=1)
+    best_boxes = boxes[torch.arange(r, device=boxes.device), best_cls]
+    keep = best_score.new_zeros((0,), dtype=torch.long)
+    for t in thresholds:
+        keep = box_coding.nms_boxes(best_boxes, best_score, t, legacy=False)
+        if keep.numel() >= min_boxes:
+            break
+    keep = keep[:max_boxes]
+    return keep, best_boxes[keep]
 
 
 @dataclass
@@ -108,14 +169,14 @@ class PerClassNMS(Selector):
         out = []
         for i in range(n):
             m = orig[i].shape[0]
-            keep = selection.clamp_selection(max_conf[i, :m], r.conf_thresh, r.min_boxes, r.max_boxes)
+            keep = clamp_selection(max_conf[i, :m], r.conf_thresh, r.min_boxes, r.max_boxes)
             out.append(Selected(keep, orig[i][keep]))
         return out
 
     def max_conf(self, boxes: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, R) per-proposal max class score over the classes whose greedy NMS (``+1`` areas, ``IoU >=
-        nms_thresh``, Caffe ``cpu_nms``) keeps it: :func:`extractors.selection.max_conf_vectorized`."""
-        return selection.max_conf_vectorized(boxes, scores, self.recipe.nms_thresh, valid)
+        nms_thresh``, Caffe ``cpu_nms``) keeps it: :func:`max_conf_vectorized`."""
+        return max_conf_vectorized(boxes, scores, self.recipe.nms_thresh, valid)
 
 
 class NMSLadder(Selector):
@@ -141,7 +202,7 @@ class NMSLadder(Selector):
             cls_boxes = self.class_boxes(rois[i], deltas[i])
             if r.clip in ("resized", "resized-and-original"):
                 cls_boxes = box_coding.clip(cls_boxes, frame.blob_h, frame.blob_w, legacy=False)
-            keep, best = selection.maxnms_select(cls_boxes, fg[i], r.min_boxes, r.max_boxes, thresholds=r.ladder)
+            keep, best = maxnms_select(cls_boxes, fg[i], r.min_boxes, r.max_boxes, thresholds=r.ladder)
             boxes = to_original(best, frame, r.rescale, "resized-and-original" if r.clip == "resized-and-original" else "none")
             if r.drop_empty:
                 nonempty = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])

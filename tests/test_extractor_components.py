@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extractors import box_coding, selection
+from extractors import box_coding, selector
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
 from extractors.box_head import Res5ROIHeads
 from extractors.resnet_caffe import BasicStem, ConvNorm, ResNetC4
@@ -219,15 +219,15 @@ def _random_case(g: torch.Generator, r: int, k: int):
 def test_vectorized_per_class_nms_equals_the_loop(r, k, t):
     g = torch.Generator().manual_seed(r * 31 + k)
     boxes, scores = _random_case(g, r, k)
-    torch.testing.assert_close(selection.max_conf_vectorized(boxes, scores, t), selection.max_conf_loop(boxes, scores, t), rtol=0, atol=0)
+    torch.testing.assert_close(selector.max_conf_vectorized(boxes, scores, t), selector.max_conf_loop(boxes, scores, t), rtol=0, atol=0)
 
 
 def test_vectorized_nms_equals_the_loop_at_real_size_300x1600_and_batched():
     g = torch.Generator().manual_seed(7)
     b1, s1 = _random_case(g, 300, 1600)
     b2, s2 = _random_case(g, 250, 1600)
-    loop1 = selection.max_conf_loop(b1, s1, 0.3)
-    loop2 = selection.max_conf_loop(b2, s2, 0.3)
+    loop1 = selector.max_conf_loop(b1, s1, 0.3)
+    loop2 = selector.max_conf_loop(b2, s2, 0.3)
     boxes = torch.zeros(2, 300, 4)
     scores = torch.zeros(2, 300, 1600)
     boxes[0], scores[0] = b1, s1
@@ -235,7 +235,7 @@ def test_vectorized_nms_equals_the_loop_at_real_size_300x1600_and_batched():
     valid = torch.zeros(2, 300, dtype=torch.bool)
     valid[0] = True
     valid[1, :250] = True
-    got = selection.max_conf_vectorized(boxes, scores, 0.3, valid)
+    got = selector.max_conf_vectorized(boxes, scores, 0.3, valid)
     torch.testing.assert_close(got[0], loop1, rtol=0, atol=0)
     torch.testing.assert_close(got[1, :250], loop2, rtol=0, atol=0)
     assert (got[1, 250:] == 0).all()
@@ -244,25 +244,25 @@ def test_vectorized_nms_equals_the_loop_at_real_size_300x1600_and_batched():
 
 def test_selection_threshold_and_clamps():
     conf = torch.tensor([0.1, 0.5, 0.19999, 0.2, 0.9, 0.05])
-    assert selection.clamp_selection(conf, 0.2, 1, 100).tolist() == [1, 3, 4]  # in range: proposal order, >= 0.2
-    assert selection.clamp_selection(conf, 0.2, 5, 100).tolist() == [4, 1, 3, 2, 0]  # too few: top 5 by score
-    assert selection.clamp_selection(conf, 0.2, 1, 2).tolist() == [4, 1]  # too many: top 2
+    assert selector.clamp_selection(conf, 0.2, 1, 100).tolist() == [1, 3, 4]  # in range: proposal order, >= 0.2
+    assert selector.clamp_selection(conf, 0.2, 5, 100).tolist() == [4, 1, 3, 2, 0]  # too few: top 5 by score
+    assert selector.clamp_selection(conf, 0.2, 1, 2).tolist() == [4, 1]  # too many: top 2
     many = torch.linspace(0.21, 0.99, 150)
-    assert selection.clamp_selection(many, 0.2, 10, 100).numel() == 100
-    assert selection.clamp_selection(many, 0.2, 36, 36).numel() == 36
-    assert selection.clamp_selection(torch.full((300,), 0.01), 0.2, 10, 100).numel() == 10
-    assert selection.clamp_selection(torch.full((300,), 0.01), 0.2, 36, 36).numel() == 36
+    assert selector.clamp_selection(many, 0.2, 10, 100).numel() == 100
+    assert selector.clamp_selection(many, 0.2, 36, 36).numel() == 36
+    assert selector.clamp_selection(torch.full((300,), 0.01), 0.2, 10, 100).numel() == 10
+    assert selector.clamp_selection(torch.full((300,), 0.01), 0.2, 36, 36).numel() == 36
 
 
 def test_maxnms_picks_best_class_box_and_relaxes_threshold():
     boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [1.0, 1.0, 11.0, 11.0], [50.0, 50.0, 60.0, 60.0]])
     cls_boxes = torch.stack([boxes, boxes + 100], 1)  # (R, K=2, 4)
     scores = torch.tensor([[0.9, 0.1], [0.2, 0.7], [0.3, 0.4]])
-    keep, kept_boxes = selection.maxnms_select(cls_boxes, scores, 2, 36)
+    keep, kept_boxes = selector.maxnms_select(cls_boxes, scores, 2, 36)
     assert keep.tolist() == [0, 1, 2]  # score order 0.9, 0.7, 0.4; no overlap between the chosen boxes
     assert torch.equal(kept_boxes[0], boxes[0])  # class 0 is best for proposal 0
     assert torch.equal(kept_boxes[1], boxes[1] + 100)  # class 1 box for proposal 1
-    keep, _ = selection.maxnms_select(torch.stack([boxes, boxes], 1), scores, 3, 36)
+    keep, _ = selector.maxnms_select(torch.stack([boxes, boxes], 1), scores, 3, 36)
     assert keep.numel() == 3  # 0 and 1 overlap (IoU 0.68): only a threshold >= 0.7 keeps both
 
 

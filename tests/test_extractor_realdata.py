@@ -8,7 +8,7 @@ import pytest
 
 from extract_helpers import read_obj36, read_trainval36
 from extractors.preprocess import caffe_blob, compute_scale, load_rgb
-from extractors.selection import clamp_selection
+from extractors.selector import clamp_selection
 
 
 @pytest.fixture(scope="module")

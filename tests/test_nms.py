@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.ops import nms as tv_nms
 
-from extractors import box_coding, nms, selection
+from extractors import box_coding, nms, selector
 
 
 def _loop_keeps(boxes: torch.Tensor, scores: torch.Tensor, thresh: float, legacy: bool) -> list[torch.Tensor]:
@@ -73,10 +73,10 @@ def test_real_size_300x1600_and_max_conf_batched_with_padding():
     valid = torch.zeros(2, 300, dtype=torch.bool)
     valid[0], valid[1, :250] = True, True
     got = nms.max_conf(boxes, scores, 0.3, valid)
-    assert torch.equal(got[0], selection.max_conf_loop(b1, s1, 0.3))
-    assert torch.equal(got[1, :250], selection.max_conf_loop(b2, s2, 0.3))
+    assert torch.equal(got[0], selector.max_conf_loop(b1, s1, 0.3))
+    assert torch.equal(got[1, :250], selector.max_conf_loop(b2, s2, 0.3))
     assert (got[1, 250:] == 0).all()
-    assert torch.equal(selection.max_conf_vectorized(boxes, scores, 0.3, valid), got)  # the CPU entry point uses it
+    assert torch.equal(selector.max_conf_vectorized(boxes, scores, 0.3, valid), got)  # the CPU entry point uses it
 
 
 def test_empty_inputs():
@@ -110,6 +110,6 @@ def test_device_fixed_point_equals_the_cpu_path(seed) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_per_class_nms_equals_the_cpu_path(seed) -> None:
     boxes, scores, valid = _random_case(seed, ties=seed % 2 == 1, padded=seed >= 2)
-    cpu = selection.max_conf_vectorized(boxes, scores, 0.3, valid)
-    gpu = selection.max_conf_vectorized(boxes.cuda(), scores.cuda(), 0.3, valid.cuda() if valid is not None else None)
+    cpu = selector.max_conf_vectorized(boxes, scores, 0.3, valid)
+    gpu = selector.max_conf_vectorized(boxes.cuda(), scores.cuda(), 0.3, valid.cuda() if valid is not None else None)
     assert torch.equal(gpu.cpu(), cpu)
