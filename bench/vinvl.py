@@ -88,7 +88,8 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
     s = lambda f: (lambda: f())  # noqa: E731
     return [
         Case("regions X-152 vs R-101", "VinVL X-152 C4 (vinvl)", "bottom-up R-101 C4 (caffe)", run_project=s(runs["x152"]),
-             run_baseline=s(runs["r101"]), check=_shared(x152.feature_dim, images), note="ratio < 1: X-152 is slower", **common),
+             run_baseline=s(runs["r101"]), check=_shared(x152.feature_dim, images),
+             note="ratio = R-101 / X-152 time (the R-101 head runs res5 dilated at 14x14, X-152's at 7x7)", **common),
         Case("grid vs regions (X-152)", "X-152 grid 7x7", "X-152 regions (vinvl)", run_project=s(runs["x152-grid"]),
              run_baseline=s(runs["x152"]), check=_shared(x152.feature_dim, images), **common),
         Case("grid vs regions (R-101)", "R-101 grid 7x7", "R-101 regions (caffe)", run_project=s(runs["r101-grid"]),
