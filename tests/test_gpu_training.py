@@ -1,8 +1,8 @@
 """GPU training paths (``pytest -m gpu``; skipped, with the reason, without CUDA).
 
 * one XE and one SCST step of every registered captioner at its paper size on CUDA, under fp32 and bf16:
-  finite losses and gradients, the XE step moves the weights, the fp32 XE loss equals the CPU's and the bf16
-  one stays near it (tolerances below, each with its reason);
+  finite losses and gradients, the XE step moves the weights; before it, the eval-mode NLL of the batch equals
+  the CPU's under fp32 and stays near fp32's under bf16 (tolerances below, each with its reason);
 * ``deterministic: true``: two detector runs and two captioner runs on CUDA give bitwise the same weights,
   and a SIGKILL + resume gives bitwise the weights of the uninterrupted run (docs/gpu.md).
 """
@@ -48,22 +48,37 @@ def _finite_grads(model: torch.nn.Module) -> tuple[int, int]:
     return len(grads), sum(int(not torch.isfinite(g).all()) for g in grads)
 
 
+def _eval_xe(model: torch.nn.Module, batch: dict, device: torch.device, precision: str) -> float:
+    """The token-mean NLL of ``batch`` in eval mode (no dropout, no scheduled sampling, no smoothing): the
+    same number on any device up to rounding, since the training-mode losses draw from each device's RNG."""
+    from pipeline.core.training import autocast
+    from pipeline.training.xe import xe_loss_sum
+
+    model.eval()
+    with torch.no_grad(), autocast(device, precision):
+        loss, count = xe_loss_sum(model, batch, 0.0, 0.0)
+    model.train()
+    return float(loss) / float(count)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", models.available_captioners())
 def test_one_xe_and_one_scst_step_on_cuda(name, precision, scoring):
     scorer, vocab = scoring
     model, step, batches, _ = prepare_stage(name, "xe", 2, CUDA, precision, scorer, vocab, 1)
+    nll = _eval_xe(model, batches[0], CUDA, precision)
+    # the same weights and batch elsewhere: fp32 on the CPU (exact math, other order) and, for bf16, fp32 on CUDA
+    ref_device, rtol = (torch.device("cpu"), CPU_RTOL) if precision == "fp32" else (CUDA, BF16_RTOL)
+    ref_model, _, ref_batches, _ = prepare_stage(name, "xe", 2, ref_device, "fp32", scorer, vocab, 1)
+    ref = _eval_xe(ref_model, ref_batches[0], ref_device, "fp32")
+    del ref_model
+    assert math.isfinite(nll) and abs(nll - ref) <= rtol * abs(ref), f"{name} {precision} on CUDA: NLL {nll} vs fp32 on {ref_device}: {ref}"
     before = [p.detach().clone() for p in model.parameters()]
     loss = float(step(batches[0]))
     assert math.isfinite(loss) and loss > 0
     with_grad, bad = _finite_grads(model)
     assert with_grad > 0 and bad == 0, f"{bad} of {with_grad} gradients not finite"
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), "the XE step left the weights unchanged"
-    # the same first step elsewhere: fp32 on the CPU (exact math, other order) and, for bf16, fp32 on CUDA
-    ref_device, ref_precision, rtol = (torch.device("cpu"), "fp32", CPU_RTOL) if precision == "fp32" else (CUDA, "fp32", BF16_RTOL)
-    _, ref_step, ref_batches, _ = prepare_stage(name, "xe", 2, ref_device, ref_precision, scorer, vocab, 1)
-    ref = float(ref_step(ref_batches[0]))
-    assert abs(loss - ref) <= rtol * abs(ref), f"{name} {precision} on CUDA: XE loss {loss} vs {ref_precision} on {ref_device}: {ref}"
     model, step, batches, _ = prepare_stage(name, "scst", 2, CUDA, precision, scorer, vocab, 1)
     loss = float(step(batches[0]))
     with_grad, bad = _finite_grads(model)
