@@ -97,13 +97,30 @@ def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, devi
     return b, (time.perf_counter() - t0) / iters
 
 
+def world_captions(batch: dict, seed: int = 0) -> dict:
+    """``batch`` with its captions replaced by synthetic-world sentences (5 per image, 5-15 words, ids of
+    :func:`bench_vocab`): a grammar a captioner can fit in a few steps, unlike random words (whose one frequent
+    token, ``<eos>``, a briefly fitted model predicts first)."""
+    vocab = bench_vocab()
+    rng = np.random.default_rng(seed)
+    images = batch["feats"].shape[0]
+    rows = [vocab.encode(tokenize(c), add_bos=True) for _ in range(images)
+            for c in (make_captions(sample_scene(rng, SceneParams()), rng) * 5)[:5]]
+    caps = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for r, ids in enumerate(rows):
+        caps[r, : len(ids)] = torch.tensor(ids)
+    return {**batch, "captions": caps.to(batch["feats"].device),
+            "caption_image": torch.arange(images, device=batch["feats"].device).repeat_interleave(len(rows) // images)}
+
+
 def fitted_model(name: str, batch: dict, steps: int = 25, device: torch.device | None = None, seed: int = 0) -> torch.nn.Module:
-    """A paper-size captioner, fitted for ``steps`` XE steps (Adam, lr 1e-3) to ``batch``'s captions (8-16 words)
-    so that its samples and beams end like a trained model's instead of running to ``max_len`` (random weights
-    almost never pick ``<eos>``); ``steps=0``: the random initial weights."""
+    """A paper-size captioner, fitted for ``steps`` XE steps (Adam, lr 1e-3) to synthetic-world captions of
+    ``batch``'s images (:func:`world_captions`), so that its samples and beams end like a trained model's instead of
+    running to ``max_len`` (random weights almost never pick ``<eos>``); ``steps=0``: the random initial weights."""
     torch.manual_seed(seed)
     model = build_captioner(name, VOCAB_SIZE).to(device or batch["feats"].device).train()
     if steps:
+        batch = world_captions(batch, seed)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         for _ in range(steps):
             loss, n = xe_loss_sum(model, batch)

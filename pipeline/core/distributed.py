@@ -162,6 +162,15 @@ def all_sum(value: float | int, ctx: DistContext) -> float:
     return float(t.item())
 
 
+def all_sums(values: list[float], ctx: DistContext) -> list[float]:
+    """Element-wise sums over ranks of a few scalars, in ONE collective (the values themselves in one process)."""
+    if not ctx.distributed:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True when ``flag`` is true on any rank (all ranks get the same answer)."""
     return all_sum(1.0 if flag else 0.0, ctx) > 0

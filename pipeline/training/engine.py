@@ -22,6 +22,7 @@ SIGTERM/SIGINT: :class:`~pipeline.core.training.StopOnSignal` (save at the next 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,8 +44,8 @@ from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
 from models.checkpoints import check_compatible, read_training_checkpoint
-from pipeline.core.distributed import DistContext, broadcast_object, global_mean_factor
-from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, check_finite, make_scaler, optimizer_step,
+from pipeline.core.distributed import DistContext, all_sums, broadcast_object
+from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, make_scaler, optimizer_step,
                                     resolve_precision, restore_rng_states, restore_training_state, seed_everything,
                                     training_state)
 from pipeline.training.recipe import StageRecipe, stage_recipe
@@ -301,10 +302,13 @@ class Trainer:
             loss_sum, info = self.policy(stage, batch, kwargs)
         count = info if stage == "xe" else info.count
         local = float(loss_sum.detach()) / max(count, 1.0)
-        check_finite(local, self.ctx, f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: "
-                     f"training stopped; the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the learning rate "
-                     "or check the features)")
-        optimizer_step(loss_sum * global_mean_factor(count, self.ctx), optimizer, scaler, recipe.grad_clip_value,
+        # one collective for both: a non-finite loss on any rank (every rank stops) and the global token count
+        bad, total = all_sums([0.0 if math.isfinite(local) else 1.0, count], self.ctx)
+        if bad:
+            raise PipelineError(f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: "
+                                f"training stopped; the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the "
+                                "learning rate or check the features)")
+        optimizer_step(loss_sum * (self.ctx.world / max(total, 1.0)), optimizer, scaler, recipe.grad_clip_value,
                        recipe.grad_clip_norm, self.model.parameters())
         out = {"loss": local}
         if stage == "scst":
