@@ -131,7 +131,7 @@ def extract_row(images: int = 4) -> dict[str, Any]:
     from extractors.preprocess import recipe_blob
     from extractors.random_weights import random_detector
     from extractors.recipes import apply_recipe, recipe_from_config
-    from extractors.run import precision_context
+    from extractors.photos import precision_context
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
 

@@ -137,3 +137,14 @@ def test_vinvl_rows_side_by_side(capsys, tmp_path, monkeypatch):
     check = vinvl._shared(2048, 2)
     good = [type("R", (), {"features": np.ones((3, 2048), np.float32)})()] * 2
     assert check(good, good) == 0 and check(good[:1], good) == float("inf")
+
+
+def test_proxies_count_operators_and_syncs(capsys, tmp_path):
+    """python -m bench --only proxies at tiny size (the extraction row): counts, not times, and an exact sync count."""
+    from bench.proxies import count
+
+    assert count(lambda: (torch.ones(3).sum().item(), torch.ones(2).nonzero(), torch.ones(2).tolist()))["syncs"] == 3
+    code, out, err = _run(capsys, "--only", "proxies", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["unit"] for r in rows] == ["operators", "syncs"] and rows[0]["project_min"] > 50
