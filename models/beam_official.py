@@ -29,7 +29,9 @@ evaluated with beam 2; ``group_size`` 1, so no diversity term):
   ``s / lp(t + 1)`` (the ``length_penalty`` option; none by default) and its running score is set to -1000, so
   it is not extended (it still proposes words, which lose against live candidates);
 * the log-probabilities of steps >= 1 pass through ``log_softmax`` a second time, as the release does;
-* all ``max_len`` steps run; the finished captions are ranked by score (stable: earlier first).
+* all ``max_len`` steps run; the finished captions are ranked by score (stable: earlier first). They are kept in
+  per-image tensors (slot ``t * beam_size + q``) and ranked by a stable sort on the device, so the search reads
+  nothing back before the end.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def m2_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated
     return _pack(tokens, best, best)
 
 
-def _aoanet_penalty(length: int, score: float, options: DecodeOptions) -> float:
-    """The release's ``penalty_builder``: ``wu``/``avg`` in Python floats, identity when alpha is 0 ('')."""
+def _aoanet_penalty(length: int, score: torch.Tensor, options: DecodeOptions) -> torch.Tensor:
+    """The release's ``penalty_builder`` on float64 scores: ``wu``/``avg`` with the divisor a Python float (the
+    release's arithmetic in doubles), identity when alpha is 0 ('')."""
     alpha = options.length_penalty
     if alpha == 0:
         return score
@@ -128,7 +131,11 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
     logp = logp.float().view(num_images, k, vocab)
     sums = torch.zeros(num_images, k, device=device)
     history = torch.zeros(num_images, k, 0, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_images)]
+    # finished captions: slot t * k + v holds slot v's caption if it ends at step t (score -inf otherwise), so the
+    # search reads nothing back from the device; insertion order (t, then v) is the release's list order
+    fin_score = torch.full((num_images, max_len * k), float("-inf"), dtype=torch.float64, device=device)
+    fin_raw = torch.zeros(num_images, max_len * k, device=device)
+    fin_tokens = torch.full((num_images, max_len * k, max_len), PAD, dtype=torch.long, device=device)
     for t in range(max_len):
         rows = 1 if t == 0 else k
         ranked = logp[:, :rows].clone()
@@ -143,24 +150,15 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
         history = torch.cat([history.gather(1, src[:, :, None].expand(-1, -1, history.shape[-1])), words[:, :, None]], 2)
         state = index_state(state, (image_rows[:, None] * k + src).flatten())
         ended = (words == EOS) | (t == max_len - 1)
-        for b, v in ended.nonzero().tolist():
-            score = _aoanet_penalty(t + 1, float(sums[b, v]), options)
-            finished[b].append((score, sums[b, v].clone(), history[b, v].clone()))
+        slots = slice(t * k, (t + 1) * k)
+        fin_score[:, slots] = torch.where(ended, _aoanet_penalty(t + 1, sums.double(), options), float("-inf"))
+        fin_raw[:, slots] = sums
+        fin_tokens[:, slots, : t + 1] = history
         sums = sums.masked_fill(ended, AOA_DEAD)
         if t == max_len - 1:
             break
         logp, state = model.step(words.flatten(), enc, state)
         logp = torch.log_softmax(logp.float().view(num_images, k, vocab), -1)  # the release normalises twice
-    return _collect_finished(finished, options.n_best, max_len, device)
-
-
-def _collect_finished(finished: list[list[tuple[float, torch.Tensor, torch.Tensor]]], n_best: int, max_len: int,
-                      device: torch.device) -> Generated:
-    tokens = torch.full((len(finished), n_best, max_len), PAD, dtype=torch.long, device=device)
-    raw = torch.zeros(len(finished), n_best, device=device)
-    scores = torch.zeros(len(finished), n_best, device=device)
-    for i, hyps in enumerate(finished):
-        for j, (score, total, seq) in enumerate(sorted(hyps, key=lambda h: -h[0])[:n_best]):
-            tokens[i, j, : seq.shape[0]] = seq
-            raw[i, j], scores[i, j] = total, score
-    return _pack(tokens, raw, scores)
+    order = torch.sort(fin_score, dim=1, descending=True, stable=True).indices[:, : options.n_best]  # ties: listed first
+    tokens = fin_tokens.gather(1, order[:, :, None].expand(-1, -1, max_len))
+    return _pack(tokens, fin_raw.gather(1, order), fin_score.gather(1, order).float())

@@ -166,3 +166,16 @@ def test_decoding_loops_sync_with_the_host_at_most_once_per_step() -> None:
             theirs = count(old)
             assert ours["syncs"] <= steps < theirs["syncs"], (ours, theirs, steps)
             assert ours["operators"] < theirs["operators"], (ours, theirs)
+
+
+def test_official_aoanet_search_reads_back_once_per_decode() -> None:
+    """The released AoANet search ranks its finished captions on the device (it used one read per finished caption)."""
+    from bench.proxies import count
+    from models.decoding import DecodeOptions, beam_search
+
+    model = _tiny("aoa").eval()
+    batch = _batch(8)
+    with torch.no_grad():
+        enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
+        opts = DecodeOptions(method="beam", beam_size=3, n_best=2, max_len=10, stop_rule="official_aoanet")
+        assert count(lambda: beam_search(model, enc, opts))["syncs"] <= 1
