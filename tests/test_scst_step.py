@@ -179,3 +179,19 @@ def test_official_aoanet_search_reads_back_once_per_decode() -> None:
         enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
         opts = DecodeOptions(method="beam", beam_size=3, n_best=2, max_len=10, stop_rule="official_aoanet")
         assert count(lambda: beam_search(model, enc, opts))["syncs"] <= 1
+
+
+def test_draw_is_multinomial_without_its_read_back() -> None:
+    """models.decoding.draw gives torch.multinomial(p, 1)'s words for the same random state (zeros and ties too)."""
+    from models.decoding import draw
+
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        p = torch.rand(9, 60, generator=g) ** 4
+        p[:, :5] = 0  # filtered words
+        for gen in (torch.Generator().manual_seed(seed), None):
+            torch.manual_seed(seed)
+            a = torch.multinomial(p, 1, generator=gen and torch.Generator().manual_seed(seed))[:, 0]
+            torch.manual_seed(seed)
+            b = draw(p, gen)
+            assert torch.equal(a, b)

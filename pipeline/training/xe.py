@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from models.base import Captioner, index_state
+from models.decoding import draw
 from pipeline.training.losses import label_smoothed_nll
 from pipeline.core.vocab import PAD
 
@@ -35,7 +36,7 @@ def scheduled_sampling_log_probs(model: Captioner, batch: dict[str, Any], inputs
             use = torch.rand(tokens.shape[0], device=tokens.device) < prob
             if bool(use.any()):
                 with torch.no_grad():
-                    sampled = torch.multinomial(outs[-1].detach().float().exp(), 1)[:, 0]
+                    sampled = draw(outs[-1].detach().float().exp())  # = multinomial(p, 1) without its read-back
                 tokens = torch.where(use & (tokens != PAD), sampled, tokens)
         logp, state = model.step(tokens, enc, state)
         outs.append(logp)
