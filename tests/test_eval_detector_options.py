@@ -124,8 +124,10 @@ def test_cli_options_reach_the_evaluation(trained):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--batch-size", "0"], "eval.batch_size must be an integer >= 1, not 0"),
-    (["--num-workers", "-1"], "eval.num_workers must be an integer >= 0, not -1"),
+    (["--batch-size", "0"], "--batch-size must be 1 or more, not 0"),
+    (["--set", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, not 0"),
+    (["--num-workers", "-1"], "--num-workers must be 0 (load in this process) or more, not -1"),
+    (["--set", "eval.num_workers=-1"], "eval.num_workers must be an integer >= 0, not -1"),
     (["--precision", "fp16"], "--precision must be one of fp32, tf32, bf16, not 'fp16'"),
     (["--set", "eval.precision=fp64"], "eval.precision must be one of fp32, tf32, bf16, not 'fp64'"),
     (["--device", "tpu"], "unknown device 'tpu'"),

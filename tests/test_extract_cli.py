@@ -138,7 +138,7 @@ def _subset(tmp_path: Path, shared_data: Path, n: int) -> Path:
 def test_killed_extraction_resumes_without_duplicates_or_losses(tmp_path, shared_data):
     photos = _subset(tmp_path, shared_data, 6)
     store = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO / "cli.py"), "extract", str(photos), "--weights", "random", "--store", str(store),
+    cmd = [sys.executable, str(REPO / "cli.py"), "extract", "--device", "cpu", str(photos), "--weights", "random", "--store", str(store),
            *SMALL, "--batch-size", "1", "--set", "extract.commit_every=1", "-q"]
     env = dict(os.environ, BUTD_NO_PROGRESS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
