@@ -205,7 +205,10 @@ def test_torchrun_training_with_more_processes_than_gpus_is_one_line(tmp_path):
            str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"), "--out", str(tmp_path / "det"),
            "--set", "data.train_annotations=missing.json", "--set", "train.device=cuda"]
     proc = subprocess.run(cmd, env=ONE_GPU, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # torchrun itself prints a traceback of its own (ChildFailedError) whenever a rank exits non-zero: the claim is
+    # that no traceback runs through this project's code, and that each rank says its one line
+    ours = [ln for ln in proc.stderr.splitlines() if ln.strip().startswith("File ") and str(ROOT) in ln]
+    assert proc.returncode != 0 and not ours, proc.stderr[-3000:]
     assert "2 processes but 1 visible GPU: training needs one GPU per process" in proc.stderr
     assert "invalid device ordinal" not in proc.stderr and not (tmp_path / "det").exists()
 
