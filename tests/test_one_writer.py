@@ -19,7 +19,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.stages import MANIFEST, RUNNING, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def holder(code: str, ready: Path) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from models.checkpoints import read_training_checkpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 #: 4 batches per XE epoch, 3 per SCST epoch, last.pt every 2 steps; the rate halves at every epoch of both stages
 SETS = ["train.num_threads=1", "train.checkpoint_every=2", "train.validation.decoding={method: greedy}",
         "train.validation.batch_size=2", "train.validation.max_images=6", "train.batching=random",

@@ -187,7 +187,7 @@ def test_real_full_disk_and_read_only_disk(tmp_path):
     _write(tmp_path / "src", [f"k{i}" for i in range(40)])
     (tmp_path / "fill.py").write_text(FILL)
     py = sys.executable
-    env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     shell = (
         f"mount -t tmpfs -o size=300k tmpfs {mnt} || exit 9; "
         f"{py} {tmp_path}/fill.py {mnt}/s; {py} {REPO}/cli.py info --verify {mnt}/s; echo VERIFY=$?; "

@@ -58,7 +58,7 @@ def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProces
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
         return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout, preexec_fn=limit)
