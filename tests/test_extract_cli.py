@@ -159,11 +159,12 @@ def test_killed_extraction_resumes_without_duplicates_or_losses(tmp_path, shared
     assert proc.returncode == -signal.SIGKILL, "the extraction finished before it could be killed"
     partial = len(FeatureStore(store).keys())
     assert 2 <= partial < 6
-    res = _extract(str(photos), "--weights", "random", "--store", str(store), *SMALL)
+    # the resumed run and the clean one on the CPU as the killed one (a CUDA machine's auto would mix devices)
+    res = _extract(str(photos), "--weights", "random", "--store", str(store), *SMALL, "--device", "cpu")
     assert res.exit_code == 0, res.output
     assert f"skipped (already in store) {partial}" in res.output
     clean = tmp_path / "clean"
-    assert _extract(str(photos), "--weights", "random", "--store", str(clean), *SMALL).exit_code == 0
+    assert _extract(str(photos), "--weights", "random", "--store", str(clean), *SMALL, "--device", "cpu").exit_code == 0
     a, b = FeatureStore(store), FeatureStore(clean)
     assert sorted(a.keys()) == sorted(b.keys()) and len(a.keys()) == len(set(a.keys())) == 6
     for k in b.keys():
