@@ -296,3 +296,22 @@ def test_bench_serve_refuses_a_folder_without_photos(tmp_path: Path, capsys) -> 
 
     assert main(["--model", str(tmp_path / "none"), "--photos", str(tmp_path)]) == 2
     assert "no photos in" in capsys.readouterr().err
+
+
+def test_max_len_is_capped_at_the_position_table_and_a_longer_request_is_refused() -> None:
+    """``serve.max_len`` past the captioner's position table is capped up front (one log line), so a request's
+    ``max_len`` beyond the table is a refused option, never a failure of each image at decoding time."""
+    from models.decoding import DecodeOptions
+    from pipeline.serving.answers import BadOptions, request_options
+    from pipeline.serving.server import within_position_table
+    from pipeline.serving.settings import ServeSettings
+
+    served = ServeSettings(max_len=30)
+    assert within_position_table(served, None) is served and within_position_table(served, 54) is served
+    capped = within_position_table(served, 20)
+    assert capped.max_len == 20 and capped.max_beam_size == served.max_beam_size
+    base = DecodeOptions()
+    options, _, _ = request_options({"max_len": "20"}, base, capped)
+    assert options.max_len == 20
+    with pytest.raises(BadOptions, match="max_len must be between 1 and 20 on this server, not 25"):
+        request_options({"max_len": "25"}, base, capped)

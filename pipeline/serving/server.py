@@ -50,12 +50,25 @@ def load_service(model: Path, weights: str | None, cfg: Config, settings: ServeS
     ckpt_path = find_checkpoint(model, captioner)
     det_weights = find_detector(model, ckpt_path, weights)
     engine, classes, attributes, info = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
+    settings = within_position_table(settings, engine.model.max_caption_len())
     metrics = Metrics(settings.max_batch)
     batcher = Batcher(engine, settings.max_batch, settings.max_wait_ms / 1000.0, settings.queue_limit, metrics)
     about = {"version": __version__, "captioner": type(engine.model).__name__, "step": info.get("captioner_step"),
              "detector": (info.get("detector") or {}).get("name"), "device": str(engine.device),
              "beam_size": engine.options.beam_size, "max_batch": settings.max_batch}
     return Service(batcher, settings, classes, attributes, metrics, about), batcher
+
+
+def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSettings:
+    """``serve.max_len`` capped, up front and in one log line, at the captioner's position table (``limit`` tokens;
+    None: no table), so that a request's ``max_len`` is refused as an option (400) rather than failing each image."""
+    import dataclasses
+
+    if limit is None or settings.max_len <= limit:
+        return settings
+    log.warning("serve.max_len %d is longer than the %d positions this captioner's position table holds: requests may ask "
+                "for %d at most", settings.max_len, limit, limit)
+    return dataclasses.replace(settings, max_len=limit)
 
 
 def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket.socket) -> int:
