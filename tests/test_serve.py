@@ -315,3 +315,52 @@ def test_max_len_is_capped_at_the_position_table_and_a_longer_request_is_refused
     assert options.max_len == 20
     with pytest.raises(BadOptions, match="max_len must be between 1 and 20 on this server, not 25"):
         request_options({"max_len": "25"}, base, capped)
+
+
+def test_uploads_are_decoded_off_the_model_thread(env: dict, monkeypatch) -> None:
+    """The batcher in this process on `caption`'s engine: every upload is decoded (the pixel cap, the blob) in a
+    decoding thread, never in the model thread, and the answers are the engine's own `caption_paths` results
+    for the same files (captions, scores, the failure lines of a non-image and a too-large image)."""
+    import asyncio
+
+    import extractors.photos as photos_mod
+    from extractors.inputs import items_from_paths
+    from pipeline.captioning.run import build_engine
+    from pipeline.core.config import load_config
+    from pipeline.serving.batcher import Batcher
+    from pipeline.serving.metrics import Metrics
+    from pipeline.serving.uploads import UploadItem
+
+    cfg = load_config("caption", None, [s for s in SIZES if s != "--set"] + ["caption.max_pixels=200000"]).caption
+    engine = build_engine(env["ckpt"], str(env["weights"]), cfg)[0]
+    files = photos()[:3]
+    folder = env["root"] / "decoded"
+    folder.mkdir()
+    for p in files:
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "broken.jpg").write_bytes(env["odd"]["broken.jpg"])
+    big = Image.new("RGB", (600, 400), (90, 120, 30))  # 240 000 pixels > the 200 000 cap: too_large
+    big.save(folder / "zbig.png")
+    expected = {r.path.name: r for r in engine.caption_paths(items_from_paths([str(folder)]), 4)}
+    assert expected["zbig.png"].error.startswith("too_large") and expected["broken.jpg"].error.startswith("not_an_image")
+
+    threads: list[str] = []
+    real = photos_mod.load_rgb
+    monkeypatch.setattr(photos_mod, "load_rgb", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    batcher = Batcher(engine, max_batch=8, max_wait_s=0.2, queue_limit=8, metrics=Metrics(8), decode_threads=2)
+    uploads = [UploadItem(n, Path(n), (folder / n).read_bytes()) for n in sorted(expected)]
+
+    async def ask() -> list:
+        jobs = await batcher.submit(uploads, engine.options, False)
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    try:
+        results = asyncio.run(ask())
+    finally:
+        assert batcher.close(60)
+    assert len(threads) == len(uploads) and all(t.startswith("serve-decode") for t in threads), threads
+    for up, r in zip(uploads, results):
+        e = expected[up.key]
+        assert (r.caption, r.error) == (e.caption, e.error), up.key
+        if e.error is None:
+            assert r.score == pytest.approx(e.score, abs=1e-5)

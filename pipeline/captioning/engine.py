@@ -175,36 +175,52 @@ class PhotoCaptioner:
         items = list(items)
         cached = [it.problem is None and cache is not None and cache.has(it.key) for it in items]
         needs = [(Need.IMAGE if keep_images else Need.NOTHING) if c else Need.DETECT for c in cached]
-        dataset = PhotoDataset(items, self.rule.recipe, self.max_pixels, self.detector.spec.feature_stride, needs, keep_images)
+        dataset = self.photo_dataset(items, needs, keep_images)
         for decoded in photo_batches(dataset, batch_size, workers):
-            chunk = [items[d.index] for d in decoded]
-            results = [CaptionResult(it.key, it.path) for it in chunk]
-            records: list[dict[str, Any] | None] = [None] * len(chunk)
-            todo = []
-            for i, d in enumerate(decoded):
-                if cached[d.index]:
-                    try:
-                        records[i] = cache.get(chunk[i].key)  # features extracted by an earlier run
-                    except OSError as exc:
-                        results[i].error = f"unreadable: {exc}"
-                        continue
-                if d.failure is not None:  # found before reading, while decoding, building the blob, or too thin
-                    results[i].error = d.failure.line
-                elif not cached[d.index]:
-                    todo.append(i)
-            if todo:
-                self._detect_batch(chunk, todo, decoded, results, records, cache)
-            good = [i for i in range(len(chunk)) if records[i] is not None and results[i].error is None]
-            if good:
-                recs = {i: cap_boxes(dict(records[i]), self.max_boxes) for i in good}
-                self._check_dim(next(iter(recs.values())))
-                self._caption_guarded(recs, results, relevance)
-                for i, rec in recs.items():
-                    if results[i].error is None:
-                        results[i].regions = rec
-                        if keep_images:
-                            results[i].image = decoded[i].image.numpy()
-            yield results
+            yield self.caption_decoded(decoded, cache, [cached[d.index] for d in decoded], keep_images, relevance)
+
+    def photo_dataset(self, items: Sequence[ImageItem], needs: Sequence[Need] | None = None, keep_images: bool = False) -> PhotoDataset:
+        """The photos -> detector inputs step for this engine's detector recipe, pixel cap and thin-image check
+        (:class:`extractors.photos.PhotoDataset`; ``dataset[i]`` decodes photo ``i``, failures as values)."""
+        return PhotoDataset(items, self.rule.recipe, self.max_pixels, self.detector.spec.feature_stride, needs, keep_images)
+
+    def caption_decoded(self, decoded: Sequence[Photo], cache: Any = None, cached: Sequence[bool] | None = None,
+                        keep_images: bool = False, relevance: bool = False) -> list[CaptionResult]:
+        """Caption photos already decoded by :meth:`photo_dataset` (one batch; results in the given order).
+
+        :meth:`caption_batches` runs every batch through here; ``cli serve`` decodes uploads in its request
+        threads and calls this from its model thread, so both share detection, captioning and the per-image guard.
+        ``cached[i]``: photo ``i``'s features are in ``cache`` (default: none)."""
+        decoded = list(decoded)
+        cached = [False] * len(decoded) if cached is None else list(cached)
+        chunk = [d.item for d in decoded]
+        results = [CaptionResult(it.key, it.path) for it in chunk]
+        records: list[dict[str, Any] | None] = [None] * len(chunk)
+        todo = []
+        for i, d in enumerate(decoded):
+            if cached[i]:
+                try:
+                    records[i] = cache.get(chunk[i].key)  # features extracted by an earlier run
+                except OSError as exc:
+                    results[i].error = f"unreadable: {exc}"
+                    continue
+            if d.failure is not None:  # found before reading, while decoding, building the blob, or too thin
+                results[i].error = d.failure.line
+            elif not cached[i]:
+                todo.append(i)
+        if todo:
+            self._detect_batch(chunk, todo, decoded, results, records, cache)
+        good = [i for i in range(len(chunk)) if records[i] is not None and results[i].error is None]
+        if good:
+            recs = {i: cap_boxes(dict(records[i]), self.max_boxes) for i in good}
+            self._check_dim(next(iter(recs.values())))
+            self._caption_guarded(recs, results, relevance)
+            for i, rec in recs.items():
+                if results[i].error is None:
+                    results[i].regions = rec
+                    if keep_images:
+                        results[i].image = decoded[i].image.numpy()
+        return results
 
     def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[Photo], results: list[CaptionResult],
                       records: list[dict[str, Any] | None], cache: Any) -> None:

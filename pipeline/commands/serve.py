@@ -11,7 +11,7 @@ from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command
 
 DEFAULT_RUN = Path("runs/demo")
-#: --batch-size: images per detector/captioner batch across requests; photos are decoded by the model thread
+#: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
 SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision",
                           precision_choices=("fp32", "tf32", "bf16"))
 

@@ -139,7 +139,6 @@ async def _captions(service: Service, request: Request) -> Response:
         items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
         query = {k: v for k, v in request.query_params.items() if k != "name"}
         options, regions, timeout = request_options({**query, **fields}, service.batcher.engine.options, s)
-        jobs = service.batcher.submit(items, options, regions)
     except BodyTooLarge as exc:
         return _error(413, str(exc))
     except asyncio.TimeoutError:  # a body trickling in (slow client): the connection is not held for ever
@@ -148,12 +147,18 @@ async def _captions(service: Service, request: Request) -> Response:
         return _error(exc.status, str(exc))
     except BadOptions as exc:
         return _error(422, str(exc))
-    except (QueueFull, Closed) as exc:
-        return _error(503, str(exc), {"Retry-After": str(s.retry_after_s)})
     del body
     start = time.perf_counter()
+    jobs: list[Any] = []
+
+    async def answered() -> list[Any]:  # admitted, decoded in the decoding threads, queued, captioned
+        jobs.extend(await service.batcher.submit(items, options, regions))
+        return await asyncio.gather(*(j.future for j in jobs))
+
     try:
-        results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), timeout)
+        results = await asyncio.wait_for(answered(), timeout)
+    except (QueueFull, Closed) as exc:
+        return _error(503, str(exc), {"Retry-After": str(s.retry_after_s)})
     except asyncio.TimeoutError:
         service.batcher.drop(jobs)
         return _error(504, f"not answered within {timeout:g} s (the server is busy; try again later)")

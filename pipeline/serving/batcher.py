@@ -1,14 +1,17 @@
 """Dynamic batching: the images of concurrent requests share detector and captioner batches.
 
 One model thread owns the captioning engine (:class:`pipeline.captioning.engine.PhotoCaptioner`, the engine of
-``cli caption``). Requests put their images on one bounded queue (:meth:`Batcher.submit`); the thread takes
-the oldest image, waits at most ``max_wait`` for others to join it, and runs up to ``max_batch`` images with the
-same decoding options through :meth:`~pipeline.captioning.engine.PhotoCaptioner.caption_batches` as one batch:
-decoding, detection, captioning and the per-image guard (a bad image is an error entry, the others of its
-batch are captioned) are exactly ``caption``'s. Images with other options wait for a later batch, in order.
+``cli caption``). A request's images are first admitted, then decoded off the model thread by a small pool of
+``serve.decode_threads`` threads (:meth:`~pipeline.captioning.engine.PhotoCaptioner.photo_dataset`: ``caption``'s
+photo path, :mod:`extractors.photos`, with its pixel cap, thin-image check and failure reasons), then queued
+(:meth:`Batcher.submit`). The model thread takes the oldest image, waits at most ``max_wait`` for others to join
+it, and runs up to ``max_batch`` images with the same decoding options through
+:meth:`~pipeline.captioning.engine.PhotoCaptioner.caption_decoded` as one batch: detection, captioning and the
+per-image guard (a bad image is an error entry, the others of its batch are captioned) are exactly
+``caption``'s. Images with other options wait for a later batch, in order.
 
-Bounds: at most ``queue_limit`` images are admitted (waiting or in a batch); a request that does not fit is
-refused whole (:class:`QueueFull`, HTTP 503 with Retry-After) before any of its images is queued. Images of a
+Bounds: at most ``queue_limit`` images are admitted (being decoded, waiting or in a batch); a request that does
+not fit is refused whole (:class:`QueueFull`, HTTP 503 with Retry-After) before any of its images is decoded. Images of a
 request that gave up (timeout, client gone) are dropped when their turn comes. On SIGTERM :meth:`Batcher.flush`
 sends what waits at once; :meth:`Batcher.close` stops admitting and returns once everything admitted has been
 answered.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -42,9 +46,10 @@ class Closed(Exception):
 
 @dataclass
 class Job:
-    """One image waiting for a batch; its result (a ``CaptionResult``) is set on ``future`` in the event loop."""
+    """One decoded image waiting for a batch (an :class:`extractors.photos.Photo`); its result (a
+    ``CaptionResult``) is set on ``future`` in the event loop."""
 
-    item: Any
+    photo: Any
     group: tuple[Any, bool]  # (DecodeOptions, relevance): only images of one group share a batch
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -55,9 +60,11 @@ class Job:
 class Batcher:
     """The model thread and its bounded queue (see the module docstring)."""
 
-    def __init__(self, engine: Any, max_batch: int, max_wait_s: float, queue_limit: int, metrics: Metrics) -> None:
+    def __init__(self, engine: Any, max_batch: int, max_wait_s: float, queue_limit: int, metrics: Metrics,
+                 decode_threads: int = 2) -> None:
         self.engine, self.max_batch, self.max_wait_s, self.queue_limit = engine, int(max_batch), float(max_wait_s), int(queue_limit)
         self.metrics = metrics
+        self._decoders = ThreadPoolExecutor(max(1, int(decode_threads)), thread_name_prefix="serve-decode")
         self._cv = threading.Condition()
         self._queue: deque[Job] = deque()
         self._admitted = 0
@@ -67,17 +74,27 @@ class Batcher:
         self._thread.start()
 
     # -- the request side (event loop) ---------------------------------------------------------------
-    def submit(self, items: Sequence[Any], options: Any, relevance: bool) -> list[Job]:
-        """Queue ``items`` as one request; refused whole when the server drains or they do not fit."""
+    async def submit(self, items: Sequence[Any], options: Any, relevance: bool) -> list[Job]:
+        """Admit ``items`` as one request (refused whole when the server drains or they do not fit), decode them
+        in the decoding threads, and queue them for the model thread."""
         loop = asyncio.get_running_loop()
         with self._cv:
             if self._closing:
                 raise Closed("the server is shutting down")
             if self._admitted + len(items) > self.queue_limit:
                 raise QueueFull(f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of {self.queue_limit}")
-            jobs = [Job(it, (options, bool(relevance)), loop.create_future(), loop) for it in items]
+            self._admitted += len(items)
+        try:
+            dataset = self.engine.photo_dataset(items)
+            photos = await asyncio.gather(*(loop.run_in_executor(self._decoders, dataset.__getitem__, i) for i in range(len(items))))
+        except BaseException:  # cancelled (client gone, timeout) or an unexpected decoding error: give the places back
+            with self._cv:
+                self._admitted -= len(items)
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            jobs = [Job(p, (options, bool(relevance)), loop.create_future(), loop) for p in photos]
             self._queue.extend(jobs)
-            self._admitted += len(jobs)
             self.metrics.set_queue_depth(len(self._queue))
             self._cv.notify()
         return jobs
@@ -105,6 +122,7 @@ class Batcher:
             self._closing = True
             self._cv.notify_all()
         self._thread.join(timeout)
+        self._decoders.shutdown(wait=False, cancel_futures=True)
         return not self._thread.is_alive()
 
     # -- the model thread ------------------------------------------------------------------------------
@@ -112,7 +130,7 @@ class Batcher:
         """The next batch: the oldest image's group, up to ``max_batch``, after at most ``max_wait``."""
         with self._cv:
             while not self._queue:
-                if self._closing:
+                if self._closing and self._admitted == 0:  # nothing queued and nothing being decoded
                     return None
                 self._cv.wait()
             first = self._queue[0]
@@ -157,8 +175,7 @@ class Batcher:
         options, relevance = jobs[0].group
         try:
             engine = self._engine_for(options)
-            results = [r for b in engine.caption_batches([j.item for j in jobs], batch_size=len(jobs), relevance=relevance, workers=0)
-                       for r in b]
+            results = engine.caption_decoded([j.photo for j in jobs], relevance=relevance)
         except Exception as exc:  # noqa: BLE001 - a project error (e.g. feature size) fails these requests, not the server
             log.error("batch of %d images failed: %s", len(jobs), exception_line(exc))
             for j in jobs:

@@ -52,7 +52,8 @@ def load_service(model: Path, weights: str | None, cfg: Config, settings: ServeS
     engine, classes, attributes, info = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
     settings = within_position_table(settings, engine.model.max_caption_len())
     metrics = Metrics(settings.max_batch)
-    batcher = Batcher(engine, settings.max_batch, settings.max_wait_ms / 1000.0, settings.queue_limit, metrics)
+    batcher = Batcher(engine, settings.max_batch, settings.max_wait_ms / 1000.0, settings.queue_limit, metrics,
+                      settings.decode_threads)
     about = {"version": __version__, "captioner": type(engine.model).__name__, "step": info.get("captioner_step"),
              "detector": (info.get("detector") or {}).get("name"), "device": str(engine.device),
              "beam_size": engine.options.beam_size, "max_batch": settings.max_batch}

@@ -17,6 +17,7 @@ class ServeSettings:
     port: int = 8000
     max_batch: int = 8
     max_wait_ms: float = 20.0
+    decode_threads: int = 2
     queue_limit: int = 64
     retry_after_s: int = 1
     max_body_bytes: int = 20_000_000
@@ -34,7 +35,7 @@ class ServeSettings:
     token: str | None = None  # the bearer token (from --token or ``token_env``); never part of the config file
 
     def __post_init__(self) -> None:
-        positive = ("max_batch", "queue_limit", "max_body_bytes", "max_images", "max_beam_size", "max_n_best", "max_len",
+        positive = ("max_batch", "decode_threads", "queue_limit", "max_body_bytes", "max_images", "max_beam_size", "max_n_best", "max_len",
                     "request_timeout_s", "drain_timeout_s", "max_regions", "max_connections")
         bad = [f"serve.{name}={getattr(self, name)}" for name in positive if not getattr(self, name) > 0]
         bad += [f"serve.{name}={getattr(self, name)}" for name in ("max_wait_ms", "retry_after_s") if getattr(self, name) < 0]
