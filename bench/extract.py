@@ -23,7 +23,7 @@ import torch
 from extractors.preprocess import Frame, caffe_blob, load_rgb
 from extractors.recipes import recipe_from_config
 from extractors.selector import make_selector
-from extractors.photos import precision_context
+from pipeline.core.precision import autocast
 from extractors.spec import caffe_r101
 from extractors.random_weights import random_detector
 
@@ -49,7 +49,7 @@ def _selector(model, boxes: str):
 def bench_throughput(model, blobs, scales, sizes, dev, batch: int, precision: str, rule) -> tuple[float, float]:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    with precision_context(precision, dev):
+    with autocast(dev, precision):
         model.detect(blobs[:batch], scales[:batch], rule)  # warm-up
         _sync(dev)
         t0 = time.perf_counter()
@@ -64,9 +64,9 @@ def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, fl
     """bf16 vs fp32 features on the same (fp32-selected) boxes: min and mean cosine, and the share of images
     whose adaptive selection is identical."""
     rule = _selector(model, "adaptive")
-    with precision_context("fp32", dev):
+    with autocast(dev, "fp32"):
         ref = model.detect(blobs[:n], scales[:n], rule)
-    with precision_context("bf16", dev):
+    with autocast(dev, "bf16"):
         low = model.detect(blobs[:n], scales[:n], _selector(model, "given"), [r.boxes for r in ref])
         sel = model.detect(blobs[:n], scales[:n], rule)
     cos = []

@@ -56,7 +56,7 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     from extractors.preprocess import recipe_blob
     from extractors.recipes import apply_recipe, recipe_from_config
-    from extractors.photos import precision_context
+    from pipeline.core.precision import autocast
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
     from extractors.random_weights import random_detector
@@ -82,7 +82,7 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     def run(precision: str):
         def go() -> None:
             reset()
-            with precision_context(precision, dev):
+            with autocast(dev, precision):
                 for i in range(0, images, batch):
                     model.detect(blobs[i : i + batch], scales[i : i + batch], rule)
         return go

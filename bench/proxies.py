@@ -131,7 +131,7 @@ def extract_row(images: int = 4) -> dict[str, Any]:
     from extractors.preprocess import recipe_blob
     from extractors.random_weights import random_detector
     from extractors.recipes import apply_recipe, recipe_from_config
-    from extractors.photos import precision_context
+    from pipeline.core.precision import autocast
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
 
@@ -146,7 +146,7 @@ def extract_row(images: int = 4) -> dict[str, Any]:
     scales = [d[1] for d in decoded]
 
     def go() -> None:
-        with precision_context("fp32", torch.device("cpu")), torch.no_grad():
+        with autocast(torch.device("cpu"), "fp32"), torch.no_grad():
             model.detect(blobs, scales, rule)
 
     go()

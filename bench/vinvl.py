@@ -36,7 +36,7 @@ def _setup(spec, recipe_name: str, boxes: str | None, dev, overrides: dict):
 
 
 def _runner(model, selector, recipe, photos, dev):
-    from extractors.photos import precision_context
+    from pipeline.core.precision import autocast
     from extractors.preprocess import recipe_blob
 
     decoded = [recipe_blob(p, recipe) for p in photos]
@@ -44,7 +44,7 @@ def _runner(model, selector, recipe, photos, dev):
     frames = [f for _, f in decoded]
 
     def go():
-        with precision_context("fp32", dev):
+        with autocast(dev, "fp32"):
             return [model.detect([b], [f], selector)[0] for b, f in zip(blobs, frames)]
 
     return go

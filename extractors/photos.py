@@ -12,7 +12,7 @@
    decoded again in the main process, a dead or stuck worker hands the rest to the main process, each with
    one line of advice (``--ipc=host``, ``--shm-size``, ``--num-workers 0``).
 2. :func:`detect_guarded` runs the detector on a batch of decoded photos under the command's precision
-   (:func:`precision_context`); if the batch raises, each photo runs alone and the ones that still raise fail
+   (:func:`pipeline.core.precision.autocast`, a resolved precision); if the batch raises, each photo runs alone and the ones that still raise fail
    with ``detector_failed``, so one odd photo never costs the others.
 
 The reasons are those of :data:`pipeline.core.errors.FAILURE_REASONS` (one list, one spelling).
@@ -21,7 +21,6 @@ The reasons are those of :data:`pipeline.core.errors.FAILURE_REASONS` (one list,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -35,16 +34,11 @@ from extractors.inputs import ImageItem
 from extractors.preprocess import Frame, ImageLoadError, load_rgb, recipe_blob
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger
-from pipeline.core.errors import Failure, PipelineError, UsageError, exception_line
+from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.loaders import SHM_HINT, is_worker_failure, loader_timeout, share_in_worker, worker_failure_line
-from pipeline.core.training.precision import tf32
+from pipeline.core.precision import autocast
 
 log = get_logger("photos")
-
-#: the precisions of every command that runs the detector: fp32 (strict, TF32 off), tf32 (TF32 matmuls and
-#: convolutions on CUDA), bf16 (autocast)
-PRECISIONS = ("fp32", "tf32", "bf16")
-
 
 class Need(Enum):
     """What a command needs of one photo: ``DETECT`` (pixels and the detector's blob), ``IMAGE`` (pixels only:
@@ -188,25 +182,6 @@ def _bounded(loader: DataLoader, dataset: Dataset, batch_size: int) -> Iterator[
         yield batch
 
 
-def check_precision(precision: str, key: str = "precision") -> str:
-    """``precision`` if it is one of :data:`PRECISIONS`; a usage error naming ``key`` otherwise."""
-    if precision not in PRECISIONS:
-        raise UsageError(f"{key} must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    return precision
-
-
-@contextmanager
-def precision_context(precision: str, device: torch.device) -> Iterator[None]:
-    """fp32 (strict: TF32 off for matmuls and cuDNN), tf32 (TF32 on, the default), bf16 (autocast, TF32 on for the rest).
-
-    The TF32 rule is :func:`pipeline.core.training.precision.tf32`, the same in every command."""
-    check_precision(precision)
-    with tf32(precision != "fp32"):
-        ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-        with ctx:
-            yield
-
-
 def _clip_given(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     h, w = size
     b = np.asarray(boxes, dtype=np.float32).reshape(-1, 4).copy()
@@ -217,7 +192,7 @@ def _clip_given(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 def _detect(model: Any, photos: list[Photo], selector: Any, precision: str, dev: torch.device) -> list[Any]:
     given = [_clip_given(p.item.boxes, p.size) for p in photos] if selector.given else None
-    with precision_context(precision, dev):
+    with autocast(dev, precision):
         return model.detect([p.blob for p in photos], [p.frame for p in photos], selector, given)
 
 

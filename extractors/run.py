@@ -26,6 +26,7 @@ from extractors.selector import Selector
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import Failure, PipelineError
 from pipeline.core.keys import key_to_text
+from pipeline.core.precision import resolve_precision
 from pipeline.core.training.signals import StopOnSignal
 
 log = get_logger("extract")
@@ -79,6 +80,7 @@ def run_extraction(
     image loader applies."""
     spec = model.spec
     dev = next(model.parameters()).device
+    precision = resolve_precision(precision, dev, "extract.precision", fp16=False)
     summary = RunSummary(total=len(items))
     todo = [it for it in items if not writer.has(it.key)]
     summary.skipped = len(items) - len(todo)

@@ -90,7 +90,7 @@ def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool):
     return work
 
 
-def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config):
+def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config, decoding: dict[str, Any]):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.captioning.run import caption_photos
         from pipeline.caption_data.prepared import PreparedCaptions
@@ -100,7 +100,7 @@ def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path,
         photos = [str(world_dir / "images" / k) for k in keys]
         caption_photos(
             photos, checkpoint, str(weights), ccfg, output=stage_dir / "captions.jsonl", visualize=stage_dir / "pictures",
-            gallery=stage_dir / "gallery",
+            gallery=stage_dir / "gallery", decoding=decoding,
         )
         names = sorted(p.name for p in (stage_dir / "pictures").glob("*.png"))
         rows = [json.loads(line) for line in (stage_dir / "captions.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -294,8 +294,9 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
                          "train_seconds": _stage_seconds(trained)})
             if k == 0 and int(cfg.demo.pictures) > 0 and kind == "region":
                 pics = run_stage(
-                    out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict()}, train=trained),
-                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption), force=force,
+                    out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict(),
+                                                              "decoding": cfg.decoding.to_dict()}, train=trained),
+                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption, cfg.decoding.to_dict()), force=force,
                 )
                 report.stages.append(pics)
                 report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]

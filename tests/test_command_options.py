@@ -58,15 +58,25 @@ def test_train_options_map_onto_both_stages_and_the_precision_key():
     assert opts.resolve("train", show=False).train.xe.batch_size == 3
 
 
-def test_precision_is_checked_against_the_command_choices():
-    with pytest.raises(UsageError, match="--precision must be one of fp32, tf32, bf16"):
-        CommandOptions(precision="fp16", everyday=Everyday(precision="extract.precision",
-                                                           precision_choices=("fp32", "tf32", "bf16"))).everyday_overrides()
+def test_precision_is_one_vocabulary_with_one_line_refusals():
+    """Every command takes auto | fp32 | tf32 | bf16 | fp16 (pipeline/core/precision.py); a value that cannot apply
+    is refused in one line naming the key: fp16 where the detector runs, fp16 on a CPU."""
+    with pytest.raises(UsageError, match="--precision must be one of auto, fp32, tf32, bf16, fp16"):
+        CommandOptions(precision="fp64", everyday=Everyday(precision="extract.precision")).everyday_overrides()
     res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", "s", "--precision", "fp64"])
-    assert res.exit_code == 2 and "--precision must be one of fp32, tf32, bf16, not 'fp64'" in res.output
+    assert res.exit_code == 2 and "--precision must be one of auto, fp32, tf32, bf16, fp16, not 'fp64'" in res.output
     assert "Traceback" not in res.output
-    res = CliRunner().invoke(app, ["caption", "x.jpg", "--precision", "fp16"])
-    assert res.exit_code == 2 and "--precision must be one of fp32, tf32, bf16, not 'fp16'" in res.output
+    for command in (["caption", "x.jpg"], ["extract", "x.jpg", "--weights", "random", "--store", "s"],
+                    ["eval-detector", "w.pth", "-a", "a.json"]):
+        res = CliRunner().invoke(app, [*command, "--precision", "fp16"])
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert res.exit_code == 2 and len(errors) == 1 and "precision=fp16 cannot apply: the detector has no fp16 path" in errors[0], res.output
+        assert "Traceback" not in res.output
+    from pipeline.core.precision import resolve_precision
+
+    with pytest.raises(UsageError, match="train.precision=fp16 needs a CUDA device"):
+        resolve_precision("fp16", "cpu", "train.precision")
+    assert [resolve_precision(p, "cpu") for p in ("auto", "fp32", "tf32", "bf16")] == ["fp32", "fp32", "tf32", "bf16"]
 
 
 def test_command_flags_reach_the_config(tmp_path):

@@ -31,7 +31,7 @@ def test_auto_precision_does_not_pick_emulated_bf16(monkeypatch) -> None:
     """A V100/T4 reports bf16 'supported' only through emulation: ``auto`` must resolve to fp32 there."""
     import contextlib
 
-    from pipeline.core.training import precision
+    from pipeline.core import precision
 
     def emulated_only(including_emulation: bool = True) -> bool:
         return including_emulation  # what torch says on a GPU without native bf16
@@ -48,9 +48,9 @@ def test_auto_precision_does_not_pick_emulated_bf16(monkeypatch) -> None:
 def test_one_tf32_rule_fp32_is_strict_everywhere() -> None:
     """``fp32`` turns TF32 off for matmuls AND cuDNN in the trainers as in extraction (PyTorch's default leaves
     cuDNN TF32 on); ``tf32``/``bf16`` allow it; the flags come back after the block; extraction defaults to tf32."""
-    from extractors.photos import precision_context
+    
     from pipeline.core.config import load_config
-    from pipeline.core.training.precision import autocast
+    from pipeline.core.precision import autocast
 
     flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
     cpu = torch.device("cpu")
@@ -59,10 +59,10 @@ def test_one_tf32_rule_fp32_is_strict_everywhere() -> None:
     try:
         with autocast(cpu, "fp32"):
             assert flags() == (False, False)
-        with precision_context("fp32", cpu):
+        with autocast(cpu, "fp32"):
             assert flags() == (False, False)
         for name in ("tf32", "bf16"):
-            with precision_context(name, cpu):
+            with autocast(cpu, name):
                 assert flags() == (True, True)
         with autocast(cpu, "bf16"):
             assert flags() == (True, True) and torch.is_autocast_enabled("cpu")

@@ -37,7 +37,7 @@ def photo(path: Path) -> Path:
 @pytest.mark.parametrize("args,flag", [(["--length-penalty", "nan"], "--length-penalty"), (["--length-penalty", "inf"], "--length-penalty"),
                                        (["--beam-size", "2", "--n-best", "4"], "--n-best 4 cannot exceed --beam-size 2"),
                                        (["--max-len", "0"], "--max-len"), (["--set", "caption.conf_thresh=nan"], "caption.conf_thresh"),
-                                       (["--set", "caption.batch_size=0"], "caption.batch_size"), (["--n-best", "0"], "n_best"),
+                                       (["--set", "caption.batch_size=0"], "caption.batch_size"), (["--n-best", "0"], "--n-best"),
                                        (["--batch-size", "0"], "--batch-size"), (["--num-workers", "-1"], "--num-workers")])
 def test_caption_refuses_bad_numbers_before_any_work(tmp_path: Path, args: list[str], flag: str) -> None:
     """One line, exit 2, before the model is even looked for (the --model here does not exist)."""

@@ -28,7 +28,7 @@ def test_precision_is_one_setting_with_clear_errors():
     assert resolve_precision("auto", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
     with pytest.raises(UsageError, match="train.precision=fp16 needs a CUDA device"):
         resolve_precision("fp16", CPU, "train.precision")
-    with pytest.raises(UsageError, match="must be one of auto, fp32, bf16, fp16"):
+    with pytest.raises(UsageError, match="must be one of auto, fp32, tf32, bf16, fp16"):
         resolve_precision("none", CPU)
     with autocast(CPU, "bf16"):
         assert torch.ones(2, 2).matmul(torch.ones(2, 2)).dtype == torch.bfloat16

@@ -15,7 +15,7 @@ object, the selected box with the highest IoU (``+1`` pixel areas) is its match:
 The loop is ``cli extract``'s: DataLoader workers decode the images into the recipe's blobs
 (:class:`extractors.photos.PhotoDataset`, ``eval.num_workers``), ``eval.batch_size`` images go through the detector at
 once (same-shape blobs share one backbone pass) under ``eval.precision``
-(:func:`extractors.photos.precision_context`), and an image that cannot be decoded, is too thin for the network
+(:func:`pipeline.core.precision.autocast`), and an image that cannot be decoded, is too thin for the network
 or makes the model raise is counted in ``failed_images`` instead of stopping the run. Batching changes only the
 float rounding of a batched convolution, never which image is scored how.
 """
@@ -32,12 +32,13 @@ from extractors import box_coding
 from extractors.bottom_up import BottomUpDetector
 from extractors.preprocess import DEFAULT_MAX_PIXELS
 from extractors.inputs import ImageItem
-from extractors.photos import Photo, PhotoDataset, check_precision, detect_guarded, photo_batches, precision_context
+from extractors.photos import Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import Failure, UsageError
+from pipeline.core.precision import autocast, resolve_precision
 
 log = get_logger("eval-detector")
 
@@ -157,7 +158,7 @@ def _score_batch(model: BottomUpDetector, batch: list[Photo], records: list[Any]
         boxes.append(to_resized(matched[0], photo.frame, rule.recipe.rescale))
         found.append((rec, matched[1]))
     if blobs:
-        with precision_context(precision, dev):
+        with autocast(dev, precision):
             probs = attribute_probs(model, blobs, boxes)
         for (rec, rows), p in zip(found, probs):
             tally.attributes(rec, p, rows)
@@ -171,10 +172,10 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
 
     ``batch_size`` images go through the detector at once (same-shape images share the backbone pass, as in
     ``cli extract``); ``workers`` DataLoader processes decode the images and build the recipe's blobs
-    (:class:`extractors.photos.PhotoDataset`); ``precision`` is ``fp32 | tf32 | bf16``
-    (:func:`extractors.photos.precision_context`). None of them changes which image is scored how.
+    (:class:`extractors.photos.PhotoDataset`); ``precision`` is ``auto | fp32 | tf32 | bf16``
+    (:mod:`pipeline.core.precision`; no fp16 for the detector). None of them changes which image is scored how.
     """
-    check_precision(precision, "eval.precision")
+    precision = resolve_precision(precision, next(model.parameters()).device, "eval.precision", fp16=False)
     if int(batch_size) < 1 or int(workers) < 0:
         raise UsageError(f"eval.batch_size must be >= 1 and eval.num_workers >= 0, got {batch_size} and {workers}")
     if rule is None:

@@ -28,7 +28,7 @@ import torch
 
 from extractors.bottom_up import BottomUpDetector
 from extractors.inputs import ImageItem
-from extractors.photos import Need, Photo, PhotoDataset, check_precision, detect_guarded, photo_batches, precision_context
+from extractors.photos import Need, Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
 from models.base import Captioner
 from models.captions import caption_words
@@ -36,6 +36,7 @@ from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.keys import key_to_text
+from pipeline.core.precision import autocast, resolve_precision
 from pipeline.core.regions import RegionRecord
 from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
@@ -147,7 +148,7 @@ class PhotoCaptioner:
     ) -> None:
         self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
-        self.precision = check_precision(str(precision), "caption.precision")  # detector and captioner run under it
+        self.precision = resolve_precision(str(precision), device, "caption.precision", fp16=False)  # detector and captioner run under it
         self.store_settings = dict(store_settings or {})  # what a ``--cache`` store must agree on
 
     def caption_paths(
@@ -255,7 +256,7 @@ class PhotoCaptioner:
     def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
         """Caption ``recs`` together; if that raises, one by one (the failing image gets the error)."""
         try:
-            with precision_context(self.precision, self.device):
+            with autocast(self.device, self.precision):
                 self._caption(list(recs.values()), [results[i] for i in recs], relevance)
         except PipelineError:
             raise

@@ -56,15 +56,18 @@ def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]
 
 #: caption.KEY -> (least value, greatest value or None, may be null)
 _NUMBERS = {"batch_size": (1, None, False), "num_workers": (0, None, False), "max_pixels": (1, None, False),
-            "n_best": (1, None, False), "beam_size": (1, None, True), "max_boxes": (1, None, True),
+            "max_boxes": (1, None, True),
             "conf_thresh": (0.0, 1.0, True), "nms_thresh": (0.0, 1.0, True), "min_size": (1, None, True), "max_size": (1, None, True)}
 
 
 def check_numbers(cfg: Any) -> None:
     """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
-    here (the config refuses them). ``--n-best`` past a given ``--beam-size`` is refused, not silently widened."""
+    here (the config refuses them). The decoding settings are checked where they are layered (:func:`models.captions.layered_decoding`)."""
     if cfg is None:
         return
+    from pipeline.core.precision import check_precision
+
+    check_precision(cfg.precision, "caption.precision", fp16=False)  # the detector runs under it too
     for key, (low, high, nullable) in _NUMBERS.items():
         if key not in cfg:
             continue
@@ -74,24 +77,34 @@ def check_numbers(cfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high is not None and value > high):
             span = f"between {low} and {high}" if high is not None else f"{low} or more"
             raise UsageError(f"caption.{key} must be {span}, not {value!r}")
-    if "beam_size" in cfg and cfg["beam_size"] is not None and int(cfg.n_best) > int(cfg.beam_size):
-        raise UsageError(f"--n-best {cfg.n_best} cannot exceed --beam-size {cfg.beam_size} (a beam keeps that many hypotheses): "
-                         f"give --beam-size {cfg.n_best} or more, or a smaller --n-best")
+
+
+def _checked_decoding(decoding: dict[str, Any] | None) -> None:
+    """The command's ``decoding:`` keys and types, before any work (one line, exit 2)."""
+    from models.captions import command_decoding
+    from pipeline.core.errors import ConfigError
+
+    try:
+        command_decoding(decoding)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[str, Any] | None = None,
                  vocab: Path | None = None) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
-    ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
+    ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.captions.layered_decoding`);
+    ``vocab`` is a released model's vocabulary file. ``caption.precision`` is resolved as ``evaluate`` resolves
+    its own (:func:`models.captions.decoding_for`).
     """
     from extractors.factory import configure_recipe, load_for_inference
     from pipeline.core.distributed import resolve_device
     from extractors.names import detector_names
     from extractors.run import record_settings
-    from models.captions import merge_decoding
+    from models.captions import decoding_for
     from models.checkpoints import load_captioner
-    from models.decoding import DecodeOptions, check_max_len
+    from models.decoding import check_max_len
     from pipeline.core.errors import ConfigError
     from pipeline.captioning.engine import PhotoCaptioner
     from pipeline.core.vocab import Vocab
@@ -99,20 +112,9 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     device = resolve_device(str(cfg.device))
     captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
     cfg = _release_features(cfg, ckpt.get("release"))
-    overrides = dict(decoding or {})
     vocab = Vocab(tuple(ckpt["vocab"]))
-    decoding = dict(ckpt.get("decoding") or {})
-    if cfg.beam_size is not None:
-        overrides.update(method="beam", beam_size=int(cfg.beam_size))
-    if overrides.get("method", decoding.get("method", "beam")) == "beam":
-        overrides["n_best"] = int(cfg.n_best)
-    elif int(cfg.n_best) != 1:
-        raise UsageError(f"--n-best {cfg.n_best} needs beam search; this model decodes with {overrides.get('method', decoding.get('method'))}")
-    if "beam_size" in overrides and int(cfg.n_best) > int(overrides["beam_size"]):
-        raise UsageError(f"--n-best {cfg.n_best} cannot exceed --beam-size {overrides['beam_size']} (a beam keeps that many "
-                         f"hypotheses): give --beam-size {cfg.n_best} or more, or a smaller --n-best")
     try:
-        options = DecodeOptions.from_mapping(merge_decoding(decoding, overrides))
+        options, precision = decoding_for(ckpt, decoding, str(cfg.precision), device, "caption.precision", fp16=False)
         check_max_len(options, captioner, "--max-len")
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
@@ -129,7 +131,7 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels),
-                            precision=str(cfg.precision), store_settings=record_settings(identity, rule, str(cfg.precision)))
+                            precision=precision, store_settings=record_settings(identity, rule, precision))
     settings = {
         "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.get("global_step"),
         "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,
@@ -145,11 +147,13 @@ def caption_photos(
 ) -> CaptionSummary:
     """Caption ``photos`` (and ``file_list``) with streaming, resumable output; returns the counts.
 
-    ``decoding`` overrides the checkpoint's decoding options; ``vocab`` is a released model's vocabulary file.
+    ``decoding``: the command's ``decoding:`` section (``configs/decoding.yaml`` keys over the checkpoint's own);
+    ``vocab`` is a released model's vocabulary file.
     """
     if output is None and fmt is not None:
         raise UsageError("--format needs --output FILE")
     check_numbers(cfg)
+    _checked_decoding(decoding)
     plan = plan_output(output, fmt) if output is not None else None
     items = collect_items(photos, file_list)
     ids = coco_ids(items, load_id_map(image_ids) if image_ids else None) if plan is not None and plan.fmt == "coco" else None
@@ -182,7 +186,7 @@ def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPl
                     det_weights: str, cfg: Config, visualize: Path | None, cache: Path | None, gallery: Path | None, force: bool,
                     decoding: dict[str, Any] | None, vocab: Path | None) -> CaptionSummary:
     engine, classes, attributes, settings = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
-    n_best = int(cfg.n_best)
+    n_best = int(engine.options.n_best)
     results_journal = _open_results(plan, settings, n_best, force, locks.get("output"))
     gallery_sink = None
     if gallery is not None:
@@ -254,7 +258,7 @@ def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSumm
 
     from pipeline.captioning.pictures import write_pictures
 
-    n_best = int(cfg.n_best)
+    n_best = int(engine.options.n_best)
     want_images = visualize is not None or gallery is not None
     with make_progress() as progress, torch.inference_mode(False):
         task = progress.add_task("caption", total=len(todo))

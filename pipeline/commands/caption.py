@@ -7,13 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 DEFAULT_RUN = Path("runs/demo")
-#: --num-workers: photo-decoding processes (extractors/photos.py); --precision as in `extract`, applied by the engine
+#: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by the engine
 CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
-                            num_workers="caption.num_workers", precision_choices=("fp32", "tf32", "bf16"))
+                            num_workers="caption.num_workers")
 
 
 def register(app: typer.Typer) -> None:
@@ -60,11 +59,9 @@ def register(app: typer.Typer) -> None:
 
             butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
         """
-        flags = dict(opts.decoding)  # --n-best / --beam-size are keys of the caption section, the rest decoding overrides
-        extra = [f"caption.{key}={flags.pop(key)}" for key in ("n_best", "beam_size") if key in flags]
-        cfg = opts.resolve("caption", extra).caption
+        root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
         from pipeline.captioning.run import caption_photos
 
-        decoding = decoding_overrides(**flags)
+        cfg, decoding = root.caption, root.decoding.to_dict()
         caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
                        file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)

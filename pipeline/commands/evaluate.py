@@ -18,7 +18,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
@@ -79,7 +78,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
             if store is None or data is None:
                 raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
-            decoding = decoding_overrides(**opts.decoding)
+            decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
             _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
         if retrieval is None and (store is not None or data is not None):

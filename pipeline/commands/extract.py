@@ -56,9 +56,9 @@ def merge_shard_stores(store: Path) -> None:
     stdout_console().print(f"merged {n} shards ({total} images) into {store}", markup=False, highlight=False)
 
 
-#: extraction autocasts to bf16 or uses TF32 matmuls; fp16 is not offered (see extractors.photos.precision_context)
+#: --precision: pipeline/core/precision.py (the detector refuses fp16)
 EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_size", precision="extract.precision",
-                            num_workers="extract.num_workers", precision_choices=("fp32", "tf32", "bf16"))
+                            num_workers="extract.num_workers")
 
 
 def register(app: typer.Typer) -> None:
@@ -96,6 +96,9 @@ def register(app: typer.Typer) -> None:
         # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
         extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset), ("recipe", recipe)) if val is not None]
         cfg = opts.resolve("extract", extra).extract
+        from pipeline.core.precision import check_precision
+
+        check_precision(cfg.precision, "extract.precision", fp16=False)
         if store is None:
             raise UsageError("--store is required")
         if merge_shards:

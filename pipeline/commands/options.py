@@ -34,8 +34,8 @@ from pipeline.commands.common import guarded, init, resolve_config
 from pipeline.core import threads as thread_policy
 from pipeline.core.config import Config
 from pipeline.core.errors import UsageError
+from pipeline.core.precision import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 ConfigOpt = Annotated[
     Optional[Path],
@@ -90,14 +90,14 @@ def _keys(value: Keys | None) -> tuple[str, ...]:
 class Everyday:
     """Which dotted config keys the everyday options set for one command (a tuple sets several keys).
 
-    ``precision_choices`` are the values ``--precision`` accepts.
+    ``--precision`` takes the one vocabulary of :mod:`pipeline.core.precision` in every command; a value that
+    cannot apply (fp16 where the detector runs, fp16 on a CPU) is refused where it is resolved, in one line.
     """
 
     device: Keys | None = None
     batch_size: Keys | None = None
     precision: Keys | None = None
     num_workers: Keys | None = None
-    precision_choices: tuple[str, ...] = PRECISIONS
     direct: tuple[str, ...] = ()  # everyday options the command reads from ``opts`` itself (no config key)
 
     def offered(self) -> tuple[str, ...]:
@@ -126,8 +126,8 @@ class CommandOptions:
     def everyday_overrides(self) -> list[str]:
         """``KEY=VALUE`` overrides for the everyday options that were given (strings as JSON = YAML strings)."""
         out: list[str] = []
-        if self.precision is not None and self.precision not in self.everyday.precision_choices:
-            raise UsageError(f"--precision must be one of {', '.join(self.everyday.precision_choices)}, not {self.precision!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"--batch-size must be 1 or more, not {self.batch_size}")
         if self.num_workers is not None and self.num_workers < 0:
@@ -140,10 +140,19 @@ class CommandOptions:
                 out.append(f"{key}={json.dumps(value)}")
         return out
 
+    def decoding_overrides(self) -> list[str]:
+        """``decoding.KEY=VALUE`` for the decoding flags given (``--beam-size 5`` -> ``decoding.beam_size=5``): the
+        last layer of :func:`models.captions.layered_decoding`, the same in every command that decodes."""
+        if not self.decoding:
+            return []
+        from pipeline.commands.decoding_opts import decoding_overrides
+
+        return [f"decoding.{key}={json.dumps(value)}" for key, value in decoding_overrides(**self.decoding).items()]
+
     def resolve(self, stage: str, extra: Sequence[str] = (), first: Sequence[str] = (), show: bool = True) -> Config:
-        """``configs/<stage>.yaml`` (or ``--config``) with ``first``, ``--set``, ``extra`` and the everyday options
-        applied in that order (later wins)."""
-        overrides = [*first, *self.overrides, *extra, *self.everyday_overrides()]
+        """``configs/<stage>.yaml`` (or ``--config``) with ``first``, ``--set``, ``extra``, the everyday options and
+        the decoding flags applied in that order (later wins)."""
+        overrides = [*first, *self.overrides, *extra, *self.everyday_overrides(), *self.decoding_overrides()]
         return resolve_config(stage, self.config, overrides, show=show)
 
 
@@ -205,7 +214,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
                for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "opts"]
         taken = {p.name for p in own}
         common = (_decoding_params() if decoding else []) + [
-            _OPTIONS[f] if f != "precision" else ("precision", precision_option(ev.precision_choices), None) for f in fields]
+            _OPTIONS[f] for f in fields]
         clash = taken & {param for param, _, _ in common}
         if clash:
             raise TypeError(f"command {name}: {', '.join(sorted(clash))} is a common option; drop it from the function")

@@ -7,13 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.options import CommandOptions, Everyday, command
 
 DEFAULT_RUN = Path("runs/demo")
 #: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
-SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision",
-                          precision_choices=("fp32", "tf32", "bf16"))
+SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision")
 
 
 def register(app: typer.Typer) -> None:
@@ -47,14 +45,12 @@ def register(app: typer.Typer) -> None:
 
             butd-caption serve --model best.pt --weights bua.pth --host 0.0.0.0 --token "$TOKEN" --device cuda --batch-size 16
         """
-        flags = dict(opts.decoding)
-        extra = [f"caption.{key}={flags.pop(key)}" for key in ("n_best", "beam_size") if key in flags]
-        cfg = opts.resolve("serve", extra)
+        cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
         from pipeline.serving.server import bind, load_service, run_server
         from pipeline.serving.settings import settings_from
 
         settings = settings_from(cfg.serve, token, host=host, port=port)
-        decoding = decoding_overrides(**flags)
+        decoding = cfg.decoding.to_dict()
         sock = bind(settings.host, settings.port)  # a port in use fails before the models load
         try:
             service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)

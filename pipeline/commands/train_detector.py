@@ -18,8 +18,7 @@ DETECTOR_EVERYDAY = Everyday(device="train.device", batch_size="train.images_per
 
 
 #: eval-detector runs as `extract` does: eval.batch_size images per forward, decoded in eval.num_workers processes
-EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers",
-                         precision_choices=("fp32", "tf32", "bf16"))
+EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers")
 
 
 def register(app: typer.Typer) -> None:
@@ -101,6 +100,9 @@ def register(app: typer.Typer) -> None:
         from pipeline.core.console import stdout_console
 
         cfg = opts.resolve("train_detector", show=False)
+        from pipeline.core.precision import check_precision
+
+        check_precision(cfg.eval.precision, "eval.precision", fp16=False)
         result = evaluate_detector(weights, annotations, images, cfg)
         con = stdout_console()
         con.print(json.dumps(result, indent=1) if json_out else summary_line(result), highlight=False)

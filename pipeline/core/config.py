@@ -32,8 +32,13 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
 # keys that were renamed: old name -> (new name, what it takes); an old key is refused with one line naming the new one
 RENAMED_KEYS = {
-    "amp": ("precision", "auto | fp32 | bf16 | fp16"),
+    "amp": ("precision", "auto | fp32 | tf32 | bf16 | fp16, pipeline/core/precision.py"),
     "workers": ("num_workers", "DataLoader processes, as in every section"),
+}
+# keys that moved to another section: old dotted path -> (new dotted path, why); refused in one line like RENAMED_KEYS
+MOVED_KEYS = {
+    "caption.beam_size": ("decoding.beam_size", "one home for decoding settings, as in evaluate and serve"),
+    "caption.n_best": ("decoding.n_best", "one home for decoding settings, as in evaluate and serve"),
 }
 
 
@@ -207,6 +212,9 @@ def validate_against(
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         _check_finite(value, dotted, source)
+        if key not in schema and dotted in MOVED_KEYS:
+            new, why = MOVED_KEYS[dotted]
+            raise ConfigError(f"{source}: '{dotted}' was renamed: use '{new}' ({why})")
         if key not in schema and key in RENAMED_KEYS and RENAMED_KEYS[key][0] in schema:
             new, values = RENAMED_KEYS[key]
             raise ConfigError(f"{source}: '{dotted}' was renamed: use '{prefix}{new}' ({values})")

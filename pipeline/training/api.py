@@ -101,7 +101,7 @@ def evaluate_checkpoint(
     device: str = "auto",
     batch_size: int = 50,
     fast_only: bool = False,
-    precision: str = "auto",
+    precision: str = "tf32",
     companion: str | Path | None = None,
     num_workers: int = 0,
 ) -> dict[str, Any]:
@@ -112,9 +112,12 @@ def evaluate_checkpoint(
         store, data: the feature store and the prepared captions folder (its vocabulary must match).
         out_dir: where ``predictions_<split>.json`` and ``metrics_<split>.json`` go (default: next to the checkpoint).
         eval_section: the ``evaluate:`` config section (metrics, tokenizer, Java); default configs/evaluate.yaml.
-        decoding: overrides of the checkpoint's decoding options (e.g. ``{"beam_size": 1}``).
+        decoding: the command's ``decoding:`` section over the checkpoint's (e.g. ``{"beam_size": 1}``;
+            :func:`models.captions.layered_decoding`).
         fast_only: only the fast CIDEr-D (no Java), e.g. for tests.
-        precision: decoding autocast: ``auto`` (bf16 on a CUDA device that supports it, else fp32) | fp32 | bf16 | fp16.
+        precision: decoding precision, :mod:`pipeline.core.precision` (default ``tf32``, as ``caption``'s; ``auto``:
+            bf16 on a CUDA device with native bf16, else fp32, and fp32 for a released model), resolved as ``caption``
+            resolves it (:func:`models.captions.decoding_for`).
         companion: a released model's vocabulary file (M2 ``vocab.pkl``, AoANet ``infos_*.pkl``) when
             ``checkpoint`` is a released weights file (``models.released``); such a model decodes with its own
             vocabulary and its captions are scored as text against the split's references.
@@ -124,8 +127,8 @@ def evaluate_checkpoint(
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
-    from models.captions import merge_decoding
-    from models.decoding import DecodeOptions, check_max_len
+    from models.captions import decoding_for
+    from models.decoding import check_max_len
     from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.core.config import load_config
     from pipeline.data import CaptionDataset
@@ -134,7 +137,6 @@ def evaluate_checkpoint(
     from pipeline.store import FeatureStore
     from models.checkpoints import load_captioner
     from pipeline.core.distributed import DistContext, resolve_device
-    from pipeline.core.training import resolve_precision
     from pipeline.core.vocab import Vocab
     from pipeline.training.validation import decode_split, score_split
 
@@ -150,12 +152,10 @@ def evaluate_checkpoint(
         hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.get("release") else ""
         raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
     dataset = CaptionDataset(features, prepared, split)
-    options = DecodeOptions.from_mapping(merge_decoding(ckpt.get("decoding"), decoding))
+    options, resolved = decoding_for(ckpt, decoding, precision, dev, "evaluate.precision")  # as caption decodes it
     check_max_len(options, model, "--max-len")
     source = _decoding_source(dataset, dev, num_workers)
     ctx = DistContext(device=dev)
-    # released models decode in fp32, as published, unless a precision is asked for
-    resolved = "fp32" if precision == "auto" and ckpt.get("release") else resolve_precision(precision, dev, "--precision")
     preds = decode_split(model, source, vocab, options, ctx, batch_size, resolved, description=f"decoding {split}")
     references = prepared.references()
     scores = score_split(preds, references, full=not fast_only, options=EvalOptions.from_config(section))

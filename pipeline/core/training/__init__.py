@@ -3,7 +3,7 @@ encoder ``pipeline/embedding/train.py`` and the detector ``extractors/training/l
 
 Each trainer keeps only its batches, its loss and its validation; everything else comes from here:
 
-* :mod:`.precision`  one ``precision`` setting (``auto | fp32 | bf16 | fp16``): autocast and gradient scaler;
+* :mod:`pipeline.core.precision` (re-exported) the one ``precision`` vocabulary: resolver, autocast, gradient scaler;
 * :mod:`.seeding`    :func:`seed_everything` (Python, NumPy, torch CPU and CUDA generators);
 * :mod:`.signals`    :class:`StopOnSignal` (SIGTERM/SIGINT: save at the next step, then stop with
   :class:`TrainingInterrupted`, exit code 130);
@@ -15,7 +15,7 @@ The device and the distributed context (:class:`~pipeline.core.distributed.DistC
 :mod:`pipeline.core.distributed`.
 """
 
-from pipeline.core.training.precision import PRECISIONS, autocast, make_scaler, resolve_precision
+from pipeline.core.precision import PRECISIONS, autocast, make_scaler, resolve_precision
 from pipeline.core.training.resume import gather_rng_states, restore_rng_states, restore_training_state, training_state
 from pipeline.core.training.seeding import seed_everything
 from pipeline.core.training.signals import StopOnSignal, TrainingInterrupted
