@@ -59,23 +59,38 @@ def multipart(files: Sequence[tuple[str, bytes]], fields: dict[str, Any]) -> tup
     return b"".join(out), f"multipart/form-data; boundary={boundary}"
 
 
-@contextmanager
-def running_server(*args: str, env: dict[str, str] | None = None, start_timeout: float = 180) -> Iterator[Server]:
-    """``cli.py serve --port 0 ARGS`` until the block ends (then SIGTERM, and SIGKILL by pid if it hangs)."""
+def start_server(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``cli.py serve --port 0 ARGS`` started (not yet waited for: several servers may boot at once)."""
     penv = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="200", **(env or {}))
-    proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args], cwd=REPO, env=penv,
+    return subprocess.Popen([sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args], cwd=REPO, env=penv,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextmanager
+def serving(proc: subprocess.Popen, start_timeout: float = 180) -> Iterator[Server]:
+    """A started server once it answers, until the block ends (then SIGTERM, and SIGKILL by pid if it hangs)."""
     try:
         port = _wait_for_port(proc, start_timeout)
         yield Server(proc, port)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None, start_timeout: float = 180) -> Iterator[Server]:
+    """``cli.py serve --port 0 ARGS`` until the block ends."""
+    with serving(start_server(*args, env=env), start_timeout) as server:
+        yield server
 
 
 def _wait_for_port(proc: subprocess.Popen, timeout: float) -> int:

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
 from cli import app
-from serve_helpers import Chromium, running_server
+from serve_helpers import Chromium, serving, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -46,16 +46,33 @@ def env(tmp_path_factory, shared_data: Path) -> dict:
     return {"root": root, "ckpt": run / "train-a" / "best.pt", "weights": tiny_detector(root / "tiny.pth"), "odd": odd}
 
 
+#: the server of test_bounds_token_and_sigterm: a token, small bounds (it is stopped by the test's SIGTERM)
+BOUNDS = ["--set", "serve.queue_limit=2", "--set", "serve.max_batch=4", "--set", "serve.max_wait_ms=1500",
+          "--set", "serve.max_body_bytes=200000", "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3",
+          "--set", "serve.request_timeout_s=4"]
+
+
 @pytest.fixture(scope="module")
-def server(env: dict):
-    """The server with the default bounds, batches of up to 16 images that wait up to 1 s for company; its
-    temporary folder is an empty one of ours (nothing may appear in it)."""
+def servers(env: dict):
+    """Both servers of this module, booted at once (each boot is mostly imports and model loading):
+    ``main``, the default bounds with batches of up to 16 images that wait up to 1 s for company, its temporary
+    folder an empty one of ours (nothing may appear in it); ``bounds``, started (the bounds test waits for it)."""
     tmp = env["root"] / "server-tmp"
     tmp.mkdir()
-    with running_server("--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.max_batch=16",
-                        "--set", "serve.max_wait_ms=1000", "--set", "serve.max_images=8", env={"TMPDIR": str(tmp)}) as srv:
-        srv.tmp = tmp
-        yield srv
+    model = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES]
+    bounds = start_server(*model, *BOUNDS, env={"BUTD_SERVE_TOKEN": "s3cret"})
+    try:
+        with serving(start_server(*model, "--set", "serve.max_batch=16", "--set", "serve.max_wait_ms=1000",
+                                  "--set", "serve.max_images=8", env={"TMPDIR": str(tmp)})) as srv:
+            srv.tmp = tmp
+            yield {"main": srv, "bounds": bounds}
+    finally:
+        stop_server(bounds)
+
+
+@pytest.fixture(scope="module")
+def server(servers: dict):
+    return servers["main"]
 
 
 def metric(text: str, name: str) -> float:
@@ -168,13 +185,10 @@ def test_regions_and_raw_body(server) -> None:
     assert "/v1/captions" in server.request("GET", "/docs")[2].decode()
 
 
-def test_bounds_token_and_sigterm(env: dict) -> None:
+def test_bounds_token_and_sigterm(env: dict, servers: dict) -> None:
     good = photos()[0].read_bytes()
     token = {"Authorization": "Bearer s3cret"}
-    args = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES, "--set", "serve.queue_limit=2",
-            "--set", "serve.max_batch=4", "--set", "serve.max_wait_ms=1500", "--set", "serve.max_body_bytes=200000",
-            "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3", "--set", "serve.request_timeout_s=4"]
-    with running_server(*args, env={"BUTD_SERVE_TOKEN": "s3cret"}) as server:
+    with serving(servers["bounds"]) as server:  # BOUNDS, the token from the environment
         status, head, body = server.post_images([("a.jpg", good)])
         assert status == 401 and head["www-authenticate"].startswith("Bearer") and "Bearer" in body["error"]
         assert server.post_images([("a.jpg", good)], headers={"Authorization": "Bearer nope"})[0] == 401
