@@ -83,11 +83,13 @@ def test_a_planted_unknown_key_is_found():
     assert sorted(k for k in keys if not key_exists(k, trees)) == ["extract.workers", "train.no_such_key"]
 
 
-@pytest.mark.parametrize("old,new", [("extract.workers", "extract.num_workers"), ("world.workers", "world.num_workers"),
-                                     ("train.amp", "train.precision")])
-def test_an_old_key_is_refused_naming_the_new_one(old, new, tmp_path):
+@pytest.mark.parametrize("old,new,where", [("extract.workers", "extract.num_workers", "extract"), ("world.workers", "world.num_workers", "demo"),
+                                           ("train.amp", "train.precision", "train"), ("train.num_threads", "--threads", "train"),
+                                           ("train.threads", "--threads", "train-detector")])
+def test_an_old_key_is_refused_naming_the_new_one(old, new, where, tmp_path):
     command = {"extract": ["extract", str(tmp_path), "--weights", "random", "--store", str(tmp_path / "s")],
-               "world": ["demo", "--out", str(tmp_path / "run")], "train": ["train", "--out", str(tmp_path / "run")]}[old.split(".")[0]]
+               "demo": ["demo", "--out", str(tmp_path / "run")], "train": ["train", "--out", str(tmp_path / "run")],
+               "train-detector": ["train-detector", "--out", str(tmp_path / "det")]}[where]
     res = CliRunner().invoke(app, [*command, "--set", f"{old}=1"])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1, res.output

@@ -75,7 +75,7 @@ def test_the_option_is_in_both_schemas(stage):
     assert load_config(stage, None, ["train.deterministic=true"]).train.deterministic is True
 
 
-def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path):
+def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path, monkeypatch):
     from extractors.training.loop import train
     from extractors.training.stage import load_detector_config
     from pipeline.world.generate import generate_world
@@ -84,7 +84,8 @@ def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path):
     generate_world(world, load_config("world", None, ["world.num_images=6", "world.image_size=[64, 96]", "world.max_objects=3",
                                                       "world.num_workers=1"]).world)
     sets = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
-            "train.max_iter=3", "train.steps=[2]", "train.device=cpu", "train.threads=1"]
+            "train.max_iter=3", "train.steps=[2]", "train.device=cpu"]
+    monkeypatch.setenv("BUTD_THREADS", "1")  # the one thread policy (--threads from the CLI)
     tiny = load_detector_config(os.path.join(os.path.dirname(__file__), "..", "configs", "detector", "tiny.yaml"), sets)
     plain = train(tmp_path / "a", tiny)
     det = train(tmp_path / "b", tiny.with_overrides(["train.deterministic=true"]))

@@ -22,7 +22,7 @@ from train_helpers import make_world_run, train_overrides
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 #: 4 batches per XE epoch, 3 per SCST epoch, last.pt every 2 steps; the rate halves at every epoch of both stages
-SETS = ["train.num_threads=1", "train.checkpoint_every=2", "train.validation.decoding={method: greedy}",
+SETS = ["train.checkpoint_every=2", "train.validation.decoding={method: greedy}",
         "train.validation.batch_size=2", "train.validation.max_images=6", "train.batching=random",
         "train.model_overrides={d_model: 32, num_heads: 2, d_ff: 64, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
         "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0, decay_start_epoch: 1, decay_every_epochs: 1, decay_rate: 0.5}",
@@ -36,7 +36,7 @@ def run(tmp_path_factory):
 
 def train(run: Path, out: Path, kill: str | None = None) -> subprocess.CompletedProcess:
     sets = train_overrides(run, "san", *SETS)
-    args = [a for s in sets for a in ("--set", s)]
+    args = [*(a for s in sets for a in ("--set", s)), "--threads", "1"]
     if kill is None:
         cmd = [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), *args]
         env = ENV

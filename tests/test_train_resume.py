@@ -27,11 +27,11 @@ def run(tmp_path_factory):
 
 
 def command(run: Path, out: Path, model: str = "san") -> list[str]:
-    sets = train_overrides(run, model, "train.num_threads=1", "train.checkpoint_every=3", "train.validation.decoding={method: greedy}",
+    sets = train_overrides(run, model, "train.checkpoint_every=3", "train.validation.decoding={method: greedy}",
                            "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
                            "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
                            "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}")
-    return [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    return [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), "--threads", "1", *[a for s in sets for a in ("--set", s)]]
 
 
 def steps_logged(stage_dir: Path, stage: str) -> int:

@@ -118,7 +118,7 @@ def loss_config(cfg: Config) -> LossConfig:
 def _training_identity(cfg: Config) -> dict[str, Any]:
     """The config parts a checkpoint must agree with to be resumed (not logging/checkpoint cadence)."""
     d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "log_every", "device", "threads")}
+    d["train"] = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "log_every", "device")}
     d["data"] = {k: v for k, v in d["data"].items() if k not in ("num_workers", "eval_annotations", "eval_images")}
     d.pop("eval", None)
     return d
@@ -139,9 +139,7 @@ class TrainResult:
 
 def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     """Train per ``cfg`` (the ``train_detector`` stage config) in ``stage_dir``; resumes from its checkpoint."""
-    threads = torch.get_num_threads()
-    if int(cfg.train.threads) > 0:
-        torch.set_num_threads(int(cfg.train.threads))
+    threads = torch.get_num_threads()  # torch's threads follow the one policy (--threads / BUTD_THREADS); put back after
     try:
         with deterministic_mode(bool(cfg.train.deterministic), "train.deterministic"):
             return DetectorTrainer(Path(stage_dir), cfg).run()
@@ -244,7 +242,7 @@ class DetectorTrainer:
             self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) if ctx.distributed else self.model
         max_iter, log_every, every = int(tc.max_iter), int(tc.log_every), int(tc.checkpoint_every)
         loader = DataLoader(self.batches, batch_size=1, sampler=range(start, max_iter), collate_fn=collate_one,
-                            num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers), int(tc.threads) or None),
+                            num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers)),
                             generator=torch.Generator().manual_seed(int(tc.seed)),
                             persistent_workers=False)
         running: dict[str, float] = {}

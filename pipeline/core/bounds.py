@@ -19,7 +19,7 @@ INT_MIN = {
     "batch_size": 1, "num_workers": 0, "commit_every": 0, "max_pixels": 1, "min_size": 1,
     "max_size": 1, "beam_size": 1, "n_best": 1, "epochs": 0, "default_epochs": 0, "roi_chunk": 0, "min_boxes": 1,
     "max_boxes": 1, "rpn_batch_size": 1, "roi_batch_size": 1, "every_epochs": 1, "num_images": 1, "max_len": 1,
-    "max_length": 1, "num_threads": 1, "threads": 0, "grad_accum": 1, "accumulate": 1, "log_every": 1,
+    "max_length": 1, "grad_accum": 1, "accumulate": 1, "log_every": 1,
 }
 # Settings that are probabilities or IoU thresholds: a number in [0, 1].
 UNIT_INTERVAL = frozenset({"conf_thresh", "nms_thresh"})

@@ -39,6 +39,8 @@ RENAMED_KEYS = {
 MOVED_KEYS = {
     "caption.beam_size": ("decoding.beam_size", "one home for decoding settings, as in evaluate and serve"),
     "caption.n_best": ("decoding.n_best", "one home for decoding settings, as in evaluate and serve"),
+    "train.num_threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
+    "train.threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
 }
 
 

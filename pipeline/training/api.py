@@ -46,11 +46,7 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     from pipeline.core.training.determinism import deterministic_mode
     from pipeline.training.engine import Trainer
 
-    import torch
-
-    section = resolve_paths(run_dir, cfg)
-    if section.num_threads:
-        torch.set_num_threads(int(section.num_threads))
+    section = resolve_paths(run_dir, cfg)  # torch's threads: the one policy (--threads / BUTD_THREADS, pipeline.core.threads)
     ctx = distributed.setup(str(section.device), "train.device")
     name = stage_name or f"train-{section.model}"
 
