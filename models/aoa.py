@@ -25,6 +25,7 @@ import copy
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 from models import register_captioner
 from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, multi_head_attend
 from models.transformer import FeedForward
@@ -43,9 +44,9 @@ class AoARefinerLayer(nn.Module):
         self.q = nn.Linear(d_model, d_model)
         self.k = nn.Linear(d_model, d_model)
         self.v = nn.Linear(d_model, d_model)
-        self.attn_dropout = nn.Dropout(attn_dropout)
+        self.attn_dropout = Dropout(attn_dropout)
         self.aoa = AttentionOnAttention(d_model, dropout_aoa)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         if use_ff:
             self.ff_norm = BesselLayerNorm(d_model)
             self.ff = FeedForward(d_model, d_ff, dropout)  # only with use_ff (the paper's refiner has none)
@@ -85,7 +86,7 @@ class AoANet(Captioner):
         if d_model % num_heads:
             raise ConfigError(f"model aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
         self.feat_dim, self.d_model, self.num_heads = feat_dim, d_model, num_heads
-        self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
+        self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), Dropout(drop_prob_lm))
         layers = [AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)
                   for _ in range(1 if identical_refiner_init else num_layers)][:num_layers]
         if identical_refiner_init:  # the official layers are deep copies of one layer (docs/models.md#aoa-choices)
@@ -94,14 +95,14 @@ class AoANet(Captioner):
         # num_layers = 0 is the official "without refining" variant (no final LN either; docs/models.md#aoa-choices)
         self.refiner_norm = BesselLayerNorm(d_model) if num_layers > 0 else nn.Identity()
         self.ctx2att = nn.Linear(d_model, 2 * d_model)
-        self.embed = nn.Sequential(nn.Embedding(vocab_size, d_model), nn.ReLU(), nn.Dropout(drop_prob_lm))
+        self.embed = nn.Sequential(nn.Embedding(vocab_size, d_model), nn.ReLU(), Dropout(drop_prob_lm))
         self.lstm = nn.LSTMCell(2 * d_model, d_model)
         self.query_norm = BesselLayerNorm(d_model)
         self.query_proj = nn.Linear(d_model, d_model)
-        self.decoder_attn_dropout = nn.Dropout(attn_dropout)
+        self.decoder_attn_dropout = Dropout(attn_dropout)
         self.att2ctx = AttentionOnAttention(d_model)  # decoder AoA: no dropout on its input
-        self.ctx_dropout = nn.Dropout(drop_prob_lm) if ctx_drop else nn.Identity()
-        self.output_dropout = nn.Dropout(drop_prob_lm)
+        self.ctx_dropout = Dropout(drop_prob_lm) if ctx_drop else nn.Identity()
+        self.output_dropout = Dropout(drop_prob_lm)
         self.logit = nn.Linear(d_model, vocab_size)
 
     # ----------------------------------------------------------------------------------------- encoder

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.normalization import QueryNorm
+from models.row_dropout import dropout as row_dropout, rows_limited
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
@@ -28,7 +29,7 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     probs = scores.softmax(-1)
     if dropout > 0:
-        probs = F.dropout(probs, dropout)
+        probs = row_dropout(probs, dropout)  # F.dropout, or on the leading rows only (models.row_dropout)
     return probs @ v
 
 
@@ -103,7 +104,7 @@ class MultiHeadAttention(nn.Module):
                 attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
             causal = False
         p = self.dropout if self.training else 0.0
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and not (p > 0 and rows_limited()):  # the fused kernel would drop every row
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
         else:
             out = _math_attention(q, k, v, attn_mask, p)

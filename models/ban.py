@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 from models import register_captioner
 from models.base import Captioner, State
 from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
@@ -85,13 +86,13 @@ class BANCaptioner(Captioner):
         self.feat_dim, self.d_model, self.glimpses = feat_dim, d_model, glimpses
         self.use_mean_feat, self.readout = use_mean_feat, readout
         self.embed = nn.Embedding(vocab_size, word_dim)
-        self.word_dropout = nn.Dropout(dropout_word)
+        self.word_dropout = Dropout(dropout_word)
         self.gru = nn.GRU(word_dim + (feat_dim if use_mean_feat else 0), d_model, num_layers, batch_first=True)
         self.attention = BilinearAttentionMap(feat_dim, d_model, d_model, glimpses, k, dropout, dropout_v)
         self.pools = nn.ModuleList(BilinearPooling(feat_dim, d_model, d_model, dropout) for _ in range(glimpses))
         self.q_prj = nn.ModuleList(FCLayer(d_model, d_model, dropout, relu=False) for _ in range(glimpses))
         self.classifier = nn.Sequential(
-            WNLinear(d_model, d_ff), nn.ReLU(), nn.Dropout(dropout_cls), WNLinear(d_ff, vocab_size)
+            WNLinear(d_model, d_ff), nn.ReLU(), Dropout(dropout_cls), WNLinear(d_ff, vocab_size)
         )
 
     # ----------------------------------------------------------------------------------------- encoder

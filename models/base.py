@@ -43,6 +43,42 @@ def index_state(state: State, index: torch.Tensor) -> State:
     return state
 
 
+def cat_states(first: State, second: State) -> State:
+    """Concatenate two nested states of the same structure along dim 0 (the rows of ``first``, then ``second``'s)."""
+    if torch.is_tensor(first):
+        return torch.cat([first, second])
+    if isinstance(first, dict):
+        return {k: cat_states(v, second[k]) for k, v in first.items()}
+    if isinstance(first, (tuple, list)):
+        return type(first)(cat_states(a, b) for a, b in zip(first, second, strict=True))
+    return first
+
+
+def first_tensor(state: State) -> torch.Tensor:
+    """The first tensor of a nested state (depth first), or None."""
+    if torch.is_tensor(state):
+        return state
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for v in values:
+        found = first_tensor(v)
+        if found is not None:
+            return found
+    return None  # type: ignore[return-value]
+
+
+def state_rows(enc: State) -> int:
+    """Rows of a nested state (dim 0 of its first tensor)."""
+    t = first_tensor(enc)
+    if t is None:
+        raise ValueError("encoder state holds no tensor")
+    return int(t.shape[0])
+
+
+def state_device(enc: State) -> torch.device:
+    """Device of a nested state's first tensor."""
+    return first_tensor(enc).device
+
+
 class Captioner(nn.Module, ABC):
     """Base class of all captioners (see the module docstring for the tensor contract)."""
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from models.base import Captioner, State, index_state
-from models.decoding import (NEG_INF, DecodeOptions, Generated, _device, _first_rows, _rows, banned_tokens, constrain,
+from models.base import Captioner, State, index_state, state_device, state_rows
+from models.decoding import (NEG_INF, DecodeOptions, Generated, _first_rows, banned_tokens, constrain,
                              length_penalty, reachable_bound)
 from pipeline.core.vocab import BOS, EOS, PAD
 
@@ -24,8 +24,8 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     ends at step ``t``), ranked by a stable sort, so the stop rule and the bookkeeping need no host sync: the
     step's one sync is the number of images that stop (the batch shape depends on it)."""
     k, n_best, max_len = options.beam_size, options.n_best, options.max_len
-    num_images = _rows(enc)
-    device = _device(enc)
+    num_images = state_rows(enc)
+    device = state_device(enc)
     beam_offsets = torch.arange(k, device=device)
     cur_enc = index_state(enc, torch.arange(num_images, device=device).repeat_interleave(k))
     state = model.init_state(cur_enc)

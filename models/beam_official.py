@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from models.base import Captioner, State, index_state
-from models.decoding import DecodeOptions, Generated, _device, _rows
+from models.base import Captioner, State, index_state, state_device, state_rows
+from models.decoding import DecodeOptions, Generated
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 M2_FROZEN = -999.0  # the score M2's search gives every other word of a finished slot
@@ -75,7 +75,7 @@ def _pack(tokens: torch.Tensor, logprob: torch.Tensor, scores: torch.Tensor) -> 
 def m2_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     """M2's beam search (see the module docstring); ``n_best`` slots per image, best first."""
     k, max_len = options.beam_size, options.max_len
-    num_images, device = _rows(enc), _device(enc)
+    num_images, device = state_rows(enc), state_device(enc)
     image_rows = torch.arange(num_images, device=device)
     state = model.init_state(enc)
     logp, state = model.step(torch.full((num_images,), BOS, dtype=torch.long, device=device), enc, state)
@@ -122,7 +122,7 @@ def _aoanet_penalty(length: int, score: torch.Tensor, options: DecodeOptions) ->
 def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     """AoANet's beam search (see the module docstring); ``n_best`` finished captions per image, best first."""
     k, max_len = options.beam_size, options.max_len
-    num_images, device = _rows(enc), _device(enc)
+    num_images, device = state_rows(enc), state_device(enc)
     image_rows = torch.arange(num_images, device=device)
     enc = index_state(enc, image_rows.repeat_interleave(k))
     state = model.init_state(enc)

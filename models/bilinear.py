@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 
 class WNLinear(nn.Module):
     """``y = (g / ||V||_F) V x + b``: weight normalisation with a single scalar gain (``dim=None``)."""
@@ -47,7 +48,7 @@ class FCLayer(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, dropout: float = 0.0, relu: bool = True) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.linear = WNLinear(in_features, out_features)
         self.relu = relu
 
@@ -68,7 +69,7 @@ class BilinearAttentionMap(nn.Module):
         super().__init__()
         rank = hidden * k
         self.v_net = FCLayer(v_dim, rank, dropout)
-        self.v_dropout = nn.Dropout(dropout_v)  # visual side only
+        self.v_dropout = Dropout(dropout_v)  # visual side only
         self.q_net = FCLayer(q_dim, rank, dropout)
         self.h_mat_v = nn.Parameter(torch.randn(glimpses, rank))
         self.h_mat_g = nn.Parameter(torch.linalg.norm(self.h_mat_v.detach()))

@@ -36,6 +36,7 @@ import math
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 from models import register_captioner
 from models.base import Captioner, State
 from models.m2_attention import PositionWiseFF, PostNormAttention
@@ -62,7 +63,7 @@ class MemoryAugmentedEncoder(nn.Module):
                  dropout: float, official_mask: bool) -> None:
         super().__init__()
         self.fc = nn.Linear(feat_dim, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm = nn.LayerNorm(d_model)
         self.attn = nn.ModuleList(PostNormAttention(d_model, num_heads, dropout, num_memory) for _ in range(num_layers))
         self.ff = nn.ModuleList(PositionWiseFF(d_model, d_ff, dropout) for _ in range(num_layers))

@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 from pipeline.core.errors import ConfigError
 
 
@@ -115,7 +116,7 @@ class PostNormAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dropout: float, num_memory: int = 0) -> None:
         super().__init__()
         self.attention = M2Attention(d_model, num_heads, num_memory)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,8 +134,8 @@ class PositionWiseFF(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.inner_dropout = nn.Dropout(dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.inner_dropout = Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.row_dropout import Dropout
 from models import register_captioner
 from models.attention import MultiHeadAttention
 from models.base import Captioner, State
@@ -108,7 +109,7 @@ class SelfAttentionCaptioner(Captioner):
         self.geometry_signed = geometry_signed
         self.box_plus_one = box_plus_one
         self.absolute_position = absolute_position
-        self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), nn.Dropout(embed_dropout))
+        self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), Dropout(embed_dropout))
 
         def make_norm(enabled: bool) -> QueryNorm | None:
             if norm_kind is None or not enabled:

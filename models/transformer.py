@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from models.row_dropout import Dropout
 from models.attention import MultiHeadAttention
 from models.geometry import GeometricBias
 from models.normalization import LayerNorm
@@ -33,7 +34,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(self.dropout(torch.relu(self.w_1(x))))
@@ -59,7 +60,7 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(d_model, d_ff, dropout)
         self.norm1 = LayerNorm(d_model)
         self.norm2 = LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rel: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm1(x)
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.norm1 = LayerNorm(d_model)
         self.norm2 = LayerNorm(d_model)
         self.norm3 = LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def _rest(self, x: torch.Tensor, memory_kv: KV, memory_mask: torch.Tensor) -> torch.Tensor:
         q = self.src_attn.project_query(self.norm2(x))
@@ -124,7 +125,7 @@ class Decoder(nn.Module):
         self.d_model = d_model
         self.embed = nn.Embedding(vocab_size, d_model)
         self.register_buffer("pe", sinusoidal_positions(max_positions, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.layers = nn.ModuleList(DecoderLayer(d_model, num_heads, d_ff, dropout) for _ in range(num_layers))
         self.norm = LayerNorm(d_model)
 

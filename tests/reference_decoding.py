@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 
 from models.base import Captioner, State, index_state
-from models.decoding import NEG_INF, DecodeOptions, Generated, _device, _rows, filter_logits, length_penalty, reachable_bound, trigram_block_mask
+from models.base import state_device as _device, state_rows as _rows
+from models.decoding import NEG_INF, DecodeOptions, Generated, filter_logits, length_penalty, reachable_bound, trigram_block_mask
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 

@@ -295,7 +295,8 @@ class Trainer:
                 kwargs: dict[str, Any] = {"smoothing": recipe.label_smoothing, "ss_prob": recipe.ss_prob(prog.epoch)}
             else:
                 scorer = self._scst_scorer()
-                base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if recipe.baseline == "greedy" else None
+                separate = recipe.baseline == "greedy" and recipe.baseline_loop == "separate"  # else scst_loss decodes it
+                base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if separate else None
                 kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
                           "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
                           "baseline_rewards": base}

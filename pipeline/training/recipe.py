@@ -43,7 +43,8 @@ _COMMON = {
     "plateau_factor", "plateau_patience", "warmup_epoch_factors", "grad_clip_value", "grad_clip_norm",
     "label_smoothing", "scheduled_sampling", "seed", "reward", "captions_per_image", "max_caption_len",
 }
-_SCST = {"sample_method", "num_samples", "sample_max_len", "baseline", "pg_normalize"}
+_SCST = {"sample_method", "num_samples", "sample_max_len", "baseline", "pg_normalize", "baseline_loop"}
+BASELINE_LOOPS = ("joint", "separate")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class StageRecipe:
     sample_max_len: int = 20
     baseline: str = "greedy"
     pg_normalize: str = "tokens"
+    baseline_loop: str = "joint"  # greedy baseline with multinomial samples: one decoding loop, or a loop of its own
     extra: dict[str, Any] = field(default_factory=dict)
 
     def ss_prob(self, epoch: int) -> float:
@@ -190,6 +192,7 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
         sample_max_len=int(r.get("sample_max_len", 20)),
         baseline=str(r.get("baseline", "greedy")),
         pg_normalize=str(r.get("pg_normalize", "steps" if r.get("sample_method") == "beam" else "tokens")),
+        baseline_loop=str(r.get("baseline_loop", "joint")),
         extra={"seed": r.get("seed")},
     )
     if recipe.epochs < 0 or recipe.batch_size < 1:
@@ -199,6 +202,8 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
             raise ConfigError(f"{w}.sample_method must be one of {SAMPLE_METHODS}, got {recipe.sample_method!r}")
         if recipe.baseline not in BASELINES:
             raise ConfigError(f"{w}.baseline must be one of {', '.join(BASELINES)}, got {recipe.baseline!r}")
+        if recipe.baseline_loop not in BASELINE_LOOPS:
+            raise ConfigError(f"{w}.baseline_loop must be one of {', '.join(BASELINE_LOOPS)}, got {recipe.baseline_loop!r}")
         if recipe.num_samples < 1 or (recipe.baseline != "greedy" and recipe.num_samples < 2):
             raise ConfigError(f"{w}.num_samples must be >= 1 (>= 2 for the {recipe.baseline} baseline)")
     return recipe

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from models.base import Captioner
-from models.decoding import DecodeOptions, beam_search, greedy, sample
+from models.decoding import DecodeOptions, beam_search, greedy, sample, sample_with_greedy
 from pipeline.metrics.cider import CiderD
 from pipeline.training.scst import advantages, policy_gradient_loss, sample_rewards
 from pipeline.core.vocab import Vocab
@@ -44,12 +44,23 @@ def token_words(tokens: torch.Tensor, vocab: Vocab) -> list[list[str]]:
     return [vocab.decode(row) for row in tokens.tolist()]
 
 
-def greedy_rewards(model: Captioner, batch: dict[str, Any], scorer: CiderD, vocab: Vocab, max_len: int) -> np.ndarray:
-    """CIDEr-D of the greedy decode of each image (eval mode, no gradient): the self-critical baseline."""
+def _eval_encode(model: Captioner, batch: dict[str, Any]) -> Any:
+    """The encoder state of the batch in eval mode, without gradient (the greedy baseline's)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
+    model.train(was_training)
+    return enc
+
+
+def greedy_rewards(model: Captioner, batch: dict[str, Any], scorer: CiderD, vocab: Vocab, max_len: int) -> np.ndarray:
+    """CIDEr-D of the greedy decode of each image (eval mode, no gradient): the self-critical baseline, in a loop
+    of its own (:func:`scst_loss` decodes it with the samples in one loop)."""
+    was_training = model.training
+    enc = _eval_encode(model, batch)
+    model.eval()
+    with torch.no_grad():
         g = greedy(model, enc, DecodeOptions(method="greedy", max_len=max_len))
     model.train(was_training)
     return scorer.scores(token_words(g.tokens[:, 0], vocab), batch["keys"])
@@ -68,12 +79,19 @@ def scst_loss(
     normalize: str,
     baseline_rewards: np.ndarray | None = None,
 ) -> ScstOutput:
-    """Policy-gradient loss of one batch (``baseline_rewards``: the greedy rewards, for ``greedy``)."""
+    """Policy-gradient loss of one batch (``baseline_rewards``: the greedy rewards, for ``greedy``; without them the
+    greedy baseline is decoded here, with multinomial samples in the samples' loop: :func:`~models.decoding.sample_with_greedy`)."""
     keys = batch["keys"]
     k = num_samples
+    if baseline == "greedy" and baseline_rewards is None and method == "beam":
+        baseline_rewards = greedy_rewards(model, batch, scorer, vocab, max_len)
+    greedy_enc = _eval_encode(model, batch) if baseline == "greedy" and baseline_rewards is None else None
     enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
     if method == "beam":
         g = beam_search(model, enc, DecodeOptions(method="beam", beam_size=k, n_best=k, max_len=max_len))
+    elif greedy_enc is not None:
+        g, base_g = sample_with_greedy(model, enc, greedy_enc, DecodeOptions(method="sample", max_len=max_len), n=k)
+        baseline_rewards = scorer.scores(token_words(base_g.tokens[:, 0], vocab), keys)
     else:
         g = sample(model, enc, DecodeOptions(method="sample", max_len=max_len), n=k)
     b, _, t = g.tokens.shape

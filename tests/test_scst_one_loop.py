@@ -1,0 +1,107 @@
+"""SCST's samples and greedy baseline in one decoding loop (models.decoding.sample_with_greedy, models.row_dropout)
+against the two loops the step ran before (``baseline_loop: separate``, kept as the reference path): same seed, dropout
+on, CPU fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.core.vocab import EOS
+from tests.test_scst_step import _batch, _scorer_and_vocab, _tiny
+
+
+def _tiny_any(name: str):
+    if name != "ban":
+        return _tiny(name)
+    import models
+
+    torch.manual_seed(0)
+    model = models.build_captioner("ban", 40, feat_dim=24, d_model=32, glimpses=2, word_dim=16, d_ff=48)
+    step, bias = model.step, torch.zeros(40)
+    bias[EOS] = 1.3
+
+    def eos_biased_step(tokens, enc, state):
+        logp, state = step(tokens, enc, state)
+        return torch.log_softmax(logp + bias, -1), state
+
+    model.step = eos_biased_step
+    return model
+
+
+def _scst(model, joint: bool, monkeypatch) -> dict:
+    from pipeline.training import scst_step
+
+    scorer, vocab = _scorer_and_vocab()
+    seen: dict = {"samples": [], "greedy": [], "steps": 0}
+    real_rewards, real_scores, real_step = scst_step.sample_rewards, scorer.scores, model.step
+    monkeypatch.setattr(scst_step, "sample_rewards", lambda sc, words, *a: seen["samples"].append(words) or real_rewards(sc, words, *a))
+    monkeypatch.setattr(scorer, "scores", lambda words, keys: seen["greedy"].append(words) or real_scores(words, keys))
+
+    def counted(*a):
+        seen["steps"] += 1
+        return real_step(*a)
+
+    model.step = counted
+    model.zero_grad(set_to_none=True)
+    model.train()
+    torch.manual_seed(11)
+    batch = _batch()
+    base = None if joint else scst_step.greedy_rewards(model, batch, scorer, vocab, 9)
+    out = scst_step.scst_loss(model, batch, scorer, vocab, method="sample", num_samples=3, max_len=9, baseline="greedy",
+                              normalize="tokens", baseline_rewards=base)
+    out.loss_sum.backward()
+    model.step = real_step
+    monkeypatch.undo()
+    seen.update(loss=out.loss_sum.detach(), numbers=(out.count, out.reward, out.baseline_reward), after=torch.rand(4),
+                grads=[p.grad.clone() for p in model.parameters() if p.grad is not None])
+    return seen
+
+
+@pytest.mark.parametrize("name", ["ngsan", "aoa", "ban"])
+def test_one_loop_equals_the_two_loops(name, monkeypatch) -> None:
+    """Sampled and greedy captions, rewards, baseline and loss bitwise equal; the random stream left where the two
+    loops leave it; gradients equal to float rounding (extra zero rows in the weight-gradient sums); fewer steps."""
+    model = _tiny_any(name)
+    joint, separate = _scst(model, True, monkeypatch), _scst(model, False, monkeypatch)
+    assert joint["samples"] == separate["samples"] and len(joint["samples"][0]) == 6 * 3
+    # every scorer call (greedy captions first, then the samples), in the same order
+    assert joint["greedy"] == separate["greedy"] and len(joint["greedy"][0]) == 6
+    lengths = {len(w) for w in joint["samples"][0] + joint["greedy"][0]}
+    assert len(lengths) > 2, lengths  # captions of varied lengths: rows leave the joint batch at different steps
+    assert torch.equal(joint["loss"], separate["loss"]) and joint["numbers"] == separate["numbers"]
+    assert torch.equal(joint["after"], separate["after"])
+    assert len(joint["grads"]) == len(separate["grads"]) > 0
+    for a, b in zip(joint["grads"], separate["grads"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert joint["steps"] < separate["steps"], (joint["steps"], separate["steps"])
+
+
+def test_row_dropout_drops_the_leading_rows_with_the_random_numbers_of_their_own_tensor() -> None:
+    from models.row_dropout import Dropout, dropout_rows
+
+    x = torch.rand(7, 3, 5) + 1
+    torch.manual_seed(4)
+    alone = F.dropout(x[:4], 0.3)
+    layer = Dropout(0.3).train()
+    torch.manual_seed(4)
+    with dropout_rows(4, 7):
+        split = layer(x)
+    assert torch.equal(split[:4], alone) and torch.equal(split[4:], x[4:]) and not torch.equal(alone, x[:4])
+    with dropout_rows(0, 7):
+        assert torch.equal(layer(x), x)
+    with dropout_rows(4, 7), pytest.raises(RuntimeError, match="dim 0 must be the batch"):
+        layer(x[:5])
+    assert (layer(x)[4:] == 0).any() and (layer.eval()(x) == x).all()  # outside the block: every row, as nn.Dropout
+
+
+def test_baseline_loop_is_a_recipe_key_joint_by_default() -> None:
+    from pipeline.core.errors import ConfigError
+    from pipeline.training.recipe import stage_recipe
+
+    base = {"lr": 1e-5, "lr_schedule": "constant"}
+    assert stage_recipe("scst", {}, base, 1, "t").baseline_loop == "joint"
+    assert stage_recipe("scst", {}, {**base, "baseline_loop": "separate"}, 1, "t").baseline_loop == "separate"
+    with pytest.raises(ConfigError, match="baseline_loop"):
+        stage_recipe("scst", {}, {**base, "baseline_loop": "both"}, 1, "t")
