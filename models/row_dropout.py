@@ -4,8 +4,10 @@ SCST's greedy baseline is decoded in eval mode (no dropout) and its samples in t
 decoding loop (:func:`models.decoding.sample_with_greedy`: each token step one forward for the samples' rows
 followed by the baseline's rows) every dropout of the captioners goes through :func:`dropout`, which, inside
 :func:`dropout_rows`, drops only the first ``rows`` rows of its input and passes the others through as eval mode
-does. The leading rows draw their masks with ``F.dropout`` on exactly the tensor they would have on their own,
-so on CPU their random numbers, and therefore the sampled captions, are those of two separate loops.
+does. The leading rows draw their noise on exactly the rows they would have on their own and apply it as
+``F.dropout`` does on CPU (``x * bernoulli(1 - p) / (1 - p)``), so on CPU their random numbers and values, and
+therefore the sampled captions, are those of two separate loops (``tests/test_scst_one_loop.py`` checks it against
+``F.dropout``).
 
 Outside :func:`dropout_rows` it is plain ``F.dropout`` / ``nn.Dropout``.
 """
@@ -59,7 +61,11 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         raise RuntimeError(f"dropout input of {x.shape[0]} rows inside a {_SCOPE.total}-row split: dim 0 must be the batch")
     if rows == 0:
         return x
-    return torch.cat([F.dropout(x[:rows], p, True), x[rows:]])
+    # F.dropout's own CPU computation (x * bernoulli(1 - p) / (1 - p)) with the noise drawn on the leading rows only
+    # (the same random numbers as F.dropout(x[:rows])) and 1 on the others: one multiply, forward and backward
+    noise = torch.ones_like(x)
+    noise[:rows].bernoulli_(1 - p).div_(1 - p)
+    return x * noise
 
 
 class Dropout(nn.Dropout):
