@@ -26,6 +26,7 @@ from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.rpn import RPN
 from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
+from extractors.to_host import records_to_host
 from pipeline.core.regions import RegionRecord
 
 
@@ -144,27 +145,19 @@ class BottomUpDetector(nn.Module):
         picked = selector([rois[i] for i in range(n)], [fg[per_image[i]] for i in range(n)],
                           [deltas[per_image[i]] for i in range(n)], frames)
         chosen = [p.keep for p in picked]
-        out_boxes = [p.boxes for p in picked]
-        results = []
+        # the kept rows of every image at once (rows of the batch's flat RoI tensors), then one copy to the host
+        rows = torch.cat([per_image[i].start + chosen[i].to(fg.device) for i in range(n)]) if n else torch.zeros(0, dtype=torch.long)
+        cs, ci = fg[rows].max(dim=1) if rows.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+        if attr is not None:
+            a_s, a_i = attr[rows].max(dim=1) if rows.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+        kept, start = feats[rows], 0
+        fields = []
         for i in range(n):
-            sl, keep = per_image[i], chosen[i]
-            cs, ci = fg[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
-            if attr is not None:
-                a_s, a_i = attr[sl][keep].max(dim=1) if keep.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long))
-            h, w = frames[i].height, frames[i].width
-            results.append(
-                RegionRecord(
-                    features=feats[sl][keep].cpu().numpy().astype(np.float32),
-                    boxes=out_boxes[i].float().cpu().numpy().astype(np.float32),
-                    image_w=int(w),
-                    image_h=int(h),
-                    class_ids=ci.cpu().numpy().astype(np.int64),
-                    class_scores=cs.cpu().numpy().astype(np.float32),
-                    attr_ids=a_i.cpu().numpy().astype(np.int64) if attr is not None else None,
-                    attr_scores=a_s.cpu().numpy().astype(np.float32) if attr is not None else None,
-                )
-            )
-        return results
+            k = slice(start, start + chosen[i].numel())
+            start = k.stop
+            fields.append({"features": kept[k], "boxes": picked[i].boxes, "class_ids": ci[k], "class_scores": cs[k],
+                           "attr_ids": a_i[k] if attr is not None else None, "attr_scores": a_s[k] if attr is not None else None})
+        return records_to_host(fields, [(frames[i].width, frames[i].height) for i in range(n)])
 
 
 # presets -------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from extractors.resnet_caffe import ResNetC4, fold_all, make_stage
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
+from extractors.to_host import records_to_host
 
 
 class AttributeHead(nn.Module):
@@ -149,7 +150,7 @@ class VinVLDetector(nn.Module):
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, b in enumerate(blobs):
             groups[tuple(b.shape[-2:])].append(i)
-        results: list[RegionRecord | None] = [None] * len(blobs)
+        fields: list[dict] = [{}] * len(blobs)
         for (h, w), idx in groups.items():
             feat = self.backbone(torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev))
             if selector.given:
@@ -173,8 +174,8 @@ class VinVLDetector(nn.Module):
                 picks[-1].rows = picks[-1].rows + sl.start
             attrs = self._attributes(feat, feats, picks, recipe, reuse=selector.given or bool(recipe.ignore_box_regression))
             for j, i in enumerate(idx):
-                results[i] = self._region(picks[j], feats, attrs[j], frames[i])
-        return results  # type: ignore[return-value]
+                fields[i] = self._fields(picks[j], feats, attrs[j], frames[i])
+        return records_to_host(fields, [(f.width, f.height) for f in frames])  # one copy for the batch
 
     def _attributes(self, feat, feats, picks, recipe, reuse: bool) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         head = self.roi_heads.attribute
@@ -189,18 +190,13 @@ class VinVLDetector(nn.Module):
             start += n
         return out
 
-    def _region(self, pick, feats, attr, frame: Frame) -> RegionRecord:
-        boxes = to_original(pick.boxes.float(), frame, "per-axis", "none")
-        return RegionRecord(
-            features=feats[pick.rows].cpu().numpy().astype(np.float32),
-            boxes=boxes.cpu().numpy().astype(np.float32),
-            image_w=int(frame.width), image_h=int(frame.height),
-            class_ids=(pick.labels - 1).cpu().numpy().astype(np.int64),
-            class_scores=pick.scores.float().cpu().numpy().astype(np.float32),
-            attr_ids=None if attr is None else (attr[0] - 1).cpu().numpy().astype(np.int64),
-            attr_scores=None if attr is None else attr[1].cpu().numpy().astype(np.float32),
-        )
-
+    def _fields(self, pick, feats, attr, frame: Frame) -> dict[str, torch.Tensor | None]:
+        """One image's region fields on the device (:func:`extractors.to_host.records_to_host` copies the batch)."""
+        return {
+            "features": feats[pick.rows], "boxes": to_original(pick.boxes.float(), frame, "per-axis", "none"),
+            "class_ids": pick.labels - 1, "class_scores": pick.scores,
+            "attr_ids": None if attr is None else attr[0] - 1, "attr_scores": None if attr is None else attr[1],
+        }
 
 
 @EXTRACTORS.register("vinvl-x152c4")
