@@ -64,7 +64,7 @@ def main() -> None:
         data = load_instances(ann, world / "images")
         model = training_model(cfg, data).to(device).train()
         spec = model.detector.spec
-        tc = cfg.train
+        tc = cfg.detector_train
         min_size, max_size = train_scales(cfg, spec)
         batches = TrainBatches(data.records, int(tc.images_per_batch), 0, min_size, max_size, spec.pixel_means)
         pre = [batches[i % batches.per_epoch] for i in range(args.warmup + args.iters)]

@@ -243,7 +243,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     if any(kind != "oracle" for kind in kinds):
         from extractors.training.stage import demo_detector_config, train_detector
 
-        det_cfg = demo_detector_config(world.directory, overrides=list(cfg.demo.detector_overrides))
+        det_cfg = demo_detector_config(world.directory, overrides={f"detector_train.{k}": v for k, v in cfg.detector_train.to_dict().items()})
         detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
         report.stages.append(detector)
         report.detector = dict(detector.summary.get("eval", {}))

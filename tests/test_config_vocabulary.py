@@ -85,7 +85,9 @@ def test_a_planted_unknown_key_is_found():
 
 @pytest.mark.parametrize("old,new,where", [("extract.workers", "extract.num_workers", "extract"), ("world.workers", "world.num_workers", "demo"),
                                            ("train.amp", "train.precision", "train"), ("train.num_threads", "--threads", "train"),
-                                           ("train.threads", "--threads", "train-detector")])
+                                           ("train.threads", "--threads", "train-detector"),
+                                           ("train.max_iter", "detector_train.max_iter", "train-detector"),
+                                           ("demo.detector_overrides", "detector_train", "demo")])
 def test_an_old_key_is_refused_naming_the_new_one(old, new, where, tmp_path):
     command = {"extract": ["extract", str(tmp_path), "--weights", "random", "--store", str(tmp_path / "s")],
                "demo": ["demo", "--out", str(tmp_path / "run")], "train": ["train", "--out", str(tmp_path / "run")],

@@ -54,7 +54,7 @@ def _tiny_cfg(world: Path, *extra: str):
 @pytest.fixture(scope="module")
 def tiny_trained(tiny_world, tmp_path_factory):
     stage = tmp_path_factory.mktemp("det")
-    outputs, summary = train_detector(stage, _tiny_cfg(tiny_world, "train.max_iter=16", "train.steps=[14]"))
+    outputs, summary = train_detector(stage, _tiny_cfg(tiny_world, "detector_train.max_iter=16", "detector_train.steps=[14]"))
     return stage, outputs, summary
 
 
@@ -112,8 +112,8 @@ def test_bad_files_fail_with_one_clear_message(tmp_path):
     res = CliRunner().invoke(app, ["train-detector", "-c", str(TINY), "--out", str(tmp_path / "o"),
                                    "--set", f"data.train_annotations={tmp_path / 'nope.json'}"])
     assert res.exit_code == 2 and "nope.json" in res.output and "Traceback" not in res.output
-    res = CliRunner().invoke(app, ["train-detector", "-c", str(TINY), "--set", "train.lr=1"])
-    assert res.exit_code == 2 and "train.lr" in res.output
+    res = CliRunner().invoke(app, ["train-detector", "-c", str(TINY), "--set", "detector_train.lr=1"])
+    assert res.exit_code == 2 and "detector_train.lr" in res.output
 
 
 def test_convert_box_follows_py_faster_rcnn():
@@ -220,10 +220,10 @@ def test_tiny_training_learns_and_exports_an_extractable_detector(tiny_world, ti
 
 
 def test_training_loss_decreases(tiny_world, tmp_path):
-    cfg = _tiny_cfg(tiny_world, "train.max_iter=30", "train.steps=[100]", "train.log_every=10", "data.eval_annotations=null")
+    cfg = _tiny_cfg(tiny_world, "detector_train.max_iter=30", "detector_train.steps=[100]", "detector_train.log_every=10", "data.eval_annotations=null")
     from extractors.training.loop import train
 
-    first = train(tmp_path / "a", cfg.with_overrides(["train.max_iter=10"]))
+    first = train(tmp_path / "a", cfg.with_overrides(["detector_train.max_iter=10"]))
     last = train(tmp_path / "b", cfg)
     assert sum(last.losses.values()) < 0.8 * sum(first.losses.values())
 
@@ -231,8 +231,8 @@ def test_training_loss_decreases(tiny_world, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 def _cli(out: Path, world: Path, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out), "-q",
-            "--set", "train.max_iter=24", "--set", "train.steps=[20]", "--set", "train.checkpoint_every=2",
-            "--set", "data.eval_annotations=null", "--set", "train.device=cpu", *extra]  # the CPU claim: bitwise on any machine
+            "--set", "detector_train.max_iter=24", "--set", "detector_train.steps=[20]", "--set", "detector_train.checkpoint_every=2",
+            "--set", "data.eval_annotations=null", "--set", "detector_train.device=cpu", *extra]  # the CPU claim: bitwise on any machine
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -268,7 +268,7 @@ def test_sigterm_saves_at_the_next_iteration_and_resumes_to_the_same_weights(tin
     exits 130 with one line, and the rerun ends with bitwise the same weights and optimizer state as an
     uninterrupted run (CPU, one thread)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
-    extra = ("--set", "train.max_iter=14", "--set", "train.steps=[12]", "--set", "train.checkpoint_every=1000", "--set", "train.log_every=1")
+    extra = ("--set", "detector_train.max_iter=14", "--set", "detector_train.steps=[12]", "--set", "detector_train.checkpoint_every=1000", "--set", "detector_train.log_every=1")
     subprocess.run(_cli(tmp_path / "ref", tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
     stopped = tmp_path / "stopped"
     ckpt = stopped / "checkpoints" / "last.pt"
@@ -301,9 +301,9 @@ def test_ddp_two_processes_gloo(tiny_world, tmp_path):
     """torchrun with 2 CPU processes (gloo): trains, rank 0 writes the stage, the checkpoint holds both RNG states."""
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "cli.py"), "train-detector",
-           "-c", str(TINY), "--world", str(tiny_world), "--out", str(out), "-q", "--set", "train.max_iter=6", "--set", "train.steps=[5]",
-           "--set", "train.images_per_batch=1", "--set", "data.eval_annotations=null",
-           "--set", "train.device=cpu"]  # gloo on CPU: two processes on any machine, whatever its GPUs
+           "-c", str(TINY), "--world", str(tiny_world), "--out", str(out), "-q", "--set", "detector_train.max_iter=6", "--set", "detector_train.steps=[5]",
+           "--set", "detector_train.images_per_batch=1", "--set", "data.eval_annotations=null",
+           "--set", "detector_train.device=cpu"]  # gloo on CPU: two processes on any machine, whatever its GPUs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

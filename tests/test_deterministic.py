@@ -69,10 +69,10 @@ def test_deterministic_roi_pool_equals_torchvision_forward_and_backward():
     assert (b.grad != 0).sum() < b.grad.numel()  # only argmax pixels receive gradient
 
 
-@pytest.mark.parametrize("stage", ["train", "train_detector"])
-def test_the_option_is_in_both_schemas(stage):
-    assert load_config(stage, None, []).train.deterministic is False
-    assert load_config(stage, None, ["train.deterministic=true"]).train.deterministic is True
+@pytest.mark.parametrize("stage,section", [("train", "train"), ("train_detector", "detector_train")])
+def test_the_option_is_in_both_schemas(stage, section):
+    assert load_config(stage, None, [])[section].deterministic is False
+    assert load_config(stage, None, [f"{section}.deterministic=true"])[section].deterministic is True
 
 
 def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path, monkeypatch):
@@ -84,11 +84,11 @@ def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path, monk
     generate_world(world, load_config("world", None, ["world.num_images=6", "world.image_size=[64, 96]", "world.max_objects=3",
                                                       "world.num_workers=1"]).world)
     sets = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
-            "train.max_iter=3", "train.steps=[2]", "train.device=cpu"]
+            "detector_train.max_iter=3", "detector_train.steps=[2]", "detector_train.device=cpu"]
     monkeypatch.setenv("BUTD_THREADS", "1")  # the one thread policy (--threads from the CLI)
     tiny = load_detector_config(os.path.join(os.path.dirname(__file__), "..", "configs", "detector", "tiny.yaml"), sets)
     plain = train(tmp_path / "a", tiny)
-    det = train(tmp_path / "b", tiny.with_overrides(["train.deterministic=true"]))
+    det = train(tmp_path / "b", tiny.with_overrides(["detector_train.deterministic=true"]))
     wa = torch.load(plain.weights, map_location="cpu", weights_only=True)["model"]
     wb = torch.load(det.weights, map_location="cpu", weights_only=True)["model"]
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

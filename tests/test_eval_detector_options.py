@@ -35,7 +35,7 @@ def trained(tmp_path_factory):
                                                       "world.num_workers=1"]).world)
     cfg = load_detector_config(TINY, [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
                                       f"data.train_images={world / 'images'}", "data.eval_annotations=null",
-                                      "train.max_iter=24", "train.steps=[20]"])
+                                      "detector_train.max_iter=24", "detector_train.steps=[20]"])
     stage = tmp_path_factory.mktemp("det")
     outputs, _ = train_detector(stage, cfg)
     return world, stage / outputs["weights"], cfg
@@ -128,8 +128,8 @@ def test_cli_options_reach_the_evaluation(trained):
     (["--set", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, not 0"),
     (["--num-workers", "-1"], "--num-workers must be 0 (load in this process) or more, not -1"),
     (["--set", "eval.num_workers=-1"], "eval.num_workers must be an integer >= 0, not -1"),
-    (["--precision", "fp16"], "--precision must be one of fp32, tf32, bf16, not 'fp16'"),
-    (["--set", "eval.precision=fp64"], "eval.precision must be one of fp32, tf32, bf16, not 'fp64'"),
+    (["--precision", "fp16"], "eval.precision=fp16 cannot apply: the detector has no fp16 path"),
+    (["--set", "eval.precision=fp64"], "eval.precision must be one of auto, fp32, tf32, bf16, fp16, not 'fp64'"),
     (["--device", "tpu"], "unknown device 'tpu'"),
 ])
 def test_bad_values_are_one_error_line(trained, extra, message):

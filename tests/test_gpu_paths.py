@@ -203,7 +203,7 @@ ONE_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "B
 def test_torchrun_training_with_more_processes_than_gpus_is_one_line(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"), "--out", str(tmp_path / "det"),
-           "--set", "data.train_annotations=missing.json", "--set", "train.device=cuda"]
+           "--set", "data.train_annotations=missing.json", "--set", "detector_train.device=cuda"]
     proc = subprocess.run(cmd, env=ONE_GPU, cwd=ROOT, capture_output=True, text=True, timeout=300)
     # torchrun itself prints a traceback of its own (ChildFailedError) whenever a rank exits non-zero: the claim is
     # that no traceback runs through this project's code, and that each rank says its one line

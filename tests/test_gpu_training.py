@@ -117,9 +117,9 @@ def det_world(tmp_path_factory) -> Path:
 
 def _detector_cli(out: Path, world: Path) -> list[str]:
     return [sys.executable, str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"),
-            "--world", str(world), "--out", str(out), "-q", "--set", "train.max_iter=40", "--set", "train.steps=[30]",
-            "--set", "train.checkpoint_every=2", "--set", "data.eval_annotations=null", "--set", "train.device=cuda",
-            "--set", "train.deterministic=true"]
+            "--world", str(world), "--out", str(out), "-q", "--set", "detector_train.max_iter=40", "--set", "detector_train.steps=[30]",
+            "--set", "detector_train.checkpoint_every=2", "--set", "data.eval_annotations=null", "--set", "detector_train.device=cuda",
+            "--set", "detector_train.deterministic=true"]
 
 
 def test_detector_deterministic_on_cuda_two_runs_and_sigkill_resume_bitwise(det_world, tmp_path):

@@ -73,12 +73,12 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(REPO / "configs" / "detector" / "tiny.yaml"),
-               "--world", str(world), "--out", str(out), "--set", "train.max_iter=2", "--set", "train.steps=[1]",
+               "--world", str(world), "--out", str(out), "--set", "detector_train.max_iter=2", "--set", "detector_train.steps=[1]",
                "--set", "data.eval_annotations=null", *extra]
         return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
-    bad = cli("--set", "train.precision=fp8")  # a config error inside the stage on every machine: no such precision
-    assert bad.returncode == 2 and "train.precision must be one of" in bad.stderr and "'fp8'" in bad.stderr
+    bad = cli("--set", "detector_train.precision=fp8")  # a config error inside the stage on every machine: no such precision
+    assert bad.returncode == 2 and "detector_train.precision must be one of" in bad.stderr and "'fp8'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert (out / RUNNING).exists() and not (out / MANIFEST).exists()
     (out / "checkpoints").mkdir()  # as if it had got further before failing: a new config alone is refused

@@ -330,7 +330,7 @@ class TrainBatches(Dataset):
     def __init__(self, records: list[ImageRecord], batch: int, seed: int, min_size: int, max_size: int, pixel_means,
                  flip: bool = True, rank: int = 0, world: int = 1) -> None:
         if batch < 1:
-            raise UsageError("train.images_per_batch must be >= 1")
+            raise UsageError("detector_train.images_per_batch must be >= 1")
         if len(records) < batch * world:
             raise UsageError(f"{len(records)} usable training images is fewer than one batch ({batch} x {world} processes)")
         self.records, self.batch, self.seed, self.flip = records, batch, seed, flip

@@ -61,7 +61,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         if det.spec.flavor != "caffe":
             raise UsageError(f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)")
         if bool(mcfg.reinit_heads):
-            det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.train.seed))
+            det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.detector_train.seed))
             log.info("initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
                      "%d classes / %d attributes", mcfg.init_weights, info["layout"], data.num_classes, data.num_attributes)
             return det
@@ -82,7 +82,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
                              f"{data.num_classes} / {data.num_attributes}")
         if spec.flavor != "caffe":
             raise UsageError("detector training implements the caffe flavor only (model.preset bottom-up-caffe-r101)")
-        seed_everything(int(cfg.train.seed))
+        seed_everything(int(cfg.detector_train.seed))
         det = BottomUpDetector(spec)
     return det
 
@@ -94,7 +94,7 @@ def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer
         return torch.optim.SGD(groups, lr=float(tc.base_lr), momentum=float(tc.momentum))
     if str(tc.optimizer) == "adamw":
         return torch.optim.AdamW(groups, lr=float(tc.base_lr), betas=(float(tc.momentum), 0.999))
-    raise UsageError(f"train.optimizer must be sgd or adamw, not {tc.optimizer!r}")
+    raise UsageError(f"detector_train.optimizer must be sgd or adamw, not {tc.optimizer!r}")
 
 
 def _sampling_kwargs(cfg: Config) -> dict[str, Any]:
@@ -118,7 +118,8 @@ def loss_config(cfg: Config) -> LossConfig:
 def _training_identity(cfg: Config) -> dict[str, Any]:
     """The config parts a checkpoint must agree with to be resumed (not logging/checkpoint cadence)."""
     d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "log_every", "device")}
+    # named "train" as before the section was detector_train, so a checkpoint written then still resumes
+    d["train"] = {k: v for k, v in d.pop("detector_train").items() if k not in ("checkpoint_every", "log_every", "device")}
     d["data"] = {k: v for k, v in d["data"].items() if k not in ("num_workers", "eval_annotations", "eval_images")}
     d.pop("eval", None)
     return d
@@ -141,7 +142,7 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     """Train per ``cfg`` (the ``train_detector`` stage config) in ``stage_dir``; resumes from its checkpoint."""
     threads = torch.get_num_threads()  # torch's threads follow the one policy (--threads / BUTD_THREADS); put back after
     try:
-        with deterministic_mode(bool(cfg.train.deterministic), "train.deterministic"):
+        with deterministic_mode(bool(cfg.detector_train.deterministic), "detector_train.deterministic"):
             return DetectorTrainer(Path(stage_dir), cfg).run()
     finally:
         torch.set_num_threads(threads)
@@ -150,13 +151,13 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
     """The detector of ``cfg`` (:func:`build_detector`) with ``train.freeze_at`` applied, wrapped with its losses."""
     det = build_detector(cfg, data)
-    set_trainable(det, int(cfg.train.freeze_at))
+    set_trainable(det, int(cfg.detector_train.freeze_at))
     return DetectorForTraining(det, sampling_config(cfg), loss_config(cfg))
 
 
 def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
     """Training scale (shortest side, longest-side cap): ``train.min_size``/``max_size`` or the spec's test scale."""
-    tc = cfg.train
+    tc = cfg.detector_train
     return (spec.min_size if tc.min_size is None else int(tc.min_size), spec.max_size if tc.max_size is None else int(tc.max_size))
 
 
@@ -164,9 +165,9 @@ class DetectorTrainer:
     """Trains the detector of ``cfg`` (a ``train_detector`` config) in ``stage_dir``, resuming its checkpoint."""
 
     def __init__(self, stage_dir: Path, cfg: Config) -> None:
-        self.dir, self.cfg, tc = Path(stage_dir), cfg, cfg.train
-        self.ctx = distributed.setup(str(tc.device), "train.device")
-        self.precision = resolve_precision(tc.precision, self.ctx.device, "train.precision")
+        self.dir, self.cfg, tc = Path(stage_dir), cfg, cfg.detector_train
+        self.ctx = distributed.setup(str(tc.device), "detector_train.device")
+        self.precision = resolve_precision(tc.precision, self.ctx.device, "detector_train.precision")
         if not cfg.data.train_annotations:
             raise UsageError("data.train_annotations is required (a COCO instances json)")
         data = load_instances(cfg.data.train_annotations, cfg.data.train_images, max_attributes=int(cfg.data.max_attributes))
@@ -190,7 +191,7 @@ class DetectorTrainer:
 
     def _resume(self) -> int:
         """Load the checkpoint (weights, optimizer, scaler, RNG states) -> the iteration to start at; or prepare a fresh run."""
-        tc = self.cfg.train
+        tc = self.cfg.detector_train
         if not self.checkpoint.exists():
             if bool(self.cfg.model.calibrate_bn) and not self.cfg.model.init_weights:
                 blob, rois = calibration_batch(self.batches, max(1, 8 // int(tc.images_per_batch)), int(tc.seed), self.ctx.device)
@@ -216,7 +217,7 @@ class DetectorTrainer:
 
     def _step(self, net: torch.nn.Module, batch: dict[str, Any], it: int) -> dict[str, float]:
         """One iteration: learning rate, forward under autocast, non-finite check, optimizer step -> the losses."""
-        tc = self.cfg.train
+        tc = self.cfg.detector_train
         self.lr = lr_at(it, float(tc.base_lr), int(tc.warmup_iters), float(tc.warmup_factor), self.steps, float(tc.gamma))
         apply_lr(self.optimizer, self.lr)
         if distributed.any_rank(not batch["images"], self.ctx):  # every rank skips together: one rank alone leaving would hang the
@@ -235,7 +236,7 @@ class DetectorTrainer:
 
     def run(self) -> TrainResult:
         """Train from the checkpoint's iteration to ``train.max_iter``, then export ``detector.pth`` (rank 0)."""
-        tc, ctx = self.cfg.train, self.ctx
+        tc, ctx = self.cfg.detector_train, self.ctx
         start = self._resume()
         # DDP broadcasts rank 0's parameters and buffers at construction: every process starts identical
         net = torch.nn.parallel.DistributedDataParallel(
@@ -276,7 +277,7 @@ class DetectorTrainer:
         return self._finish(start, seconds, running, images_seen, failures)
 
     def _finish(self, start: int, seconds: float, running: dict[str, float], images_seen: int, failures: int) -> TrainResult:
-        max_iter, data = int(self.cfg.train.max_iter), self.data
+        max_iter, data = int(self.cfg.detector_train.max_iter), self.data
         if start >= max_iter:
             log.info("training already finished (%d iterations)", max_iter)
         weights = self.dir / WEIGHTS

@@ -26,8 +26,9 @@ def load_detector_config(config_file: str | Path | None = None, overrides: list[
     return load_config(STAGE, config_file, overrides)
 
 
-def demo_detector_config(world_dir: str | Path, overrides: list[str] | None = None, eval_split: str = "test") -> Config:
-    """The demo preset pointed at a synthetic world written by ``cli demo --generate-only`` / the world stage."""
+def demo_detector_config(world_dir: str | Path, overrides: list[str] | dict[str, Any] | None = None, eval_split: str = "test") -> Config:
+    """The demo preset pointed at a synthetic world written by ``cli demo --generate-only`` / the world stage;
+    ``overrides``: ``KEY=VALUE`` strings or a mapping of dotted keys (the demo's ``detector_train:`` section)."""
     world = Path(world_dir)
     paths = [
         f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
@@ -35,7 +36,7 @@ def demo_detector_config(world_dir: str | Path, overrides: list[str] | None = No
         f"data.eval_annotations={world / 'annotations' / f'instances_{eval_split}.json'}",
         f"data.eval_images={world / 'images'}",
     ]
-    return load_detector_config(DEMO_PRESET, paths + list(overrides or []))
+    return load_detector_config(DEMO_PRESET, paths).with_overrides(overrides, source="detector overrides")
 
 
 def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:

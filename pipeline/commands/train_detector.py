@@ -13,7 +13,7 @@ from pipeline.core.errors import UsageError
 
 
 #: images per batch is the detector's batch size; ``--num-workers`` decodes images
-DETECTOR_EVERYDAY = Everyday(device="train.device", batch_size="train.images_per_batch", precision="train.precision",
+DETECTOR_EVERYDAY = Everyday(device="detector_train.device", batch_size="detector_train.images_per_batch", precision="detector_train.precision",
                              num_workers="data.num_workers")
 
 
@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
 
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
-        check_gpu_per_process(str(cfg.train.device), "train.device")  # torchrun: before any work, on every rank
+        check_gpu_per_process(str(cfg.detector_train.device), "detector_train.device")  # torchrun: before any work, on every rank
         if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
             out.mkdir(parents=True, exist_ok=True)
             train_detector(out, cfg)

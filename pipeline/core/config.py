@@ -27,23 +27,10 @@ from typing import Any
 import yaml
 
 from pipeline.core.errors import ConfigError, UsageError
+from pipeline.core.renamed import renamed_key_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
-# keys that were renamed: old name -> (new name, what it takes); an old key is refused with one line naming the new one
-RENAMED_KEYS = {
-    "amp": ("precision", "auto | fp32 | tf32 | bf16 | fp16, pipeline/core/precision.py"),
-    "workers": ("num_workers", "DataLoader processes, as in every section"),
-}
-# keys that moved to another section: old dotted path -> (new dotted path, why); refused in one line like RENAMED_KEYS
-MOVED_KEYS = {
-    "caption.beam_size": ("decoding.beam_size", "one home for decoding settings, as in evaluate and serve"),
-    "caption.n_best": ("decoding.n_best", "one home for decoding settings, as in evaluate and serve"),
-    "train.num_threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
-    "train.threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
-}
-
-
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-4`` / ``3E5`` as floats (plain YAML 1.1 reads them as strings)."""
 
@@ -214,12 +201,9 @@ def validate_against(
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         _check_finite(value, dotted, source)
-        if key not in schema and dotted in MOVED_KEYS:
-            new, why = MOVED_KEYS[dotted]
-            raise ConfigError(f"{source}: '{dotted}' was renamed: use '{new}' ({why})")
-        if key not in schema and key in RENAMED_KEYS and RENAMED_KEYS[key][0] in schema:
-            new, values = RENAMED_KEYS[key]
-            raise ConfigError(f"{source}: '{dotted}' was renamed: use '{prefix}{new}' ({values})")
+        renamed = renamed_key_line(key, value, schema, prefix) if key not in schema else None
+        if renamed is not None:
+            raise ConfigError(f"{source}: {renamed}")
         if key not in schema:
             known = ", ".join(sorted(str(k) for k in schema)) or "(none)"
             raise ConfigError(f"{source}: unknown config key '{dotted}' (known here: {known})")

@@ -1,0 +1,45 @@
+"""The config keys that were renamed or moved, each refused with one line naming its new home.
+
+:func:`renamed_key_line` is called by :func:`pipeline.core.config.validate_against` for a key its schema does not
+hold; an old key never silently maps to the new one (docs/architecture.md#configs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# keys that were renamed: old name -> (new name, what it takes); an old key is refused with one line naming the new one
+RENAMED_KEYS = {
+    "amp": ("precision", "auto | fp32 | tf32 | bf16 | fp16, pipeline/core/precision.py"),
+    "workers": ("num_workers", "DataLoader processes, as in every section"),
+}
+# keys that moved to another section: old dotted path -> (new dotted path, why); refused in one line like RENAMED_KEYS
+MOVED_KEYS = {
+    "caption.beam_size": ("decoding.beam_size", "one home for decoding settings, as in evaluate and serve"),
+    "caption.n_best": ("decoding.n_best", "one home for decoding settings, as in evaluate and serve"),
+    "train.num_threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
+    "train.threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
+    "demo.detector_overrides": ("detector_train", "the demo's detector training: --set detector_train.KEY=VALUE"),
+}
+# top-level sections that were renamed: old -> (new, why); 'train.max_iter' in train_detector.yaml -> 'detector_train.max_iter'
+RENAMED_SECTIONS = {"train": ("detector_train", "detector training has its own section, apart from captioner training's train:")}
+
+
+def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: str = "") -> str | None:
+    """``'old' was renamed: use 'new' (why)`` when ``key`` (at ``prefix``, holding ``value``) is a former name
+    whose new home this ``schema`` holds (or a command-line option); ``None`` for a plain unknown key."""
+    dotted = f"{prefix}{key}"
+    if not prefix and key in RENAMED_SECTIONS and RENAMED_SECTIONS[key][0] in schema:
+        section, why = RENAMED_SECTIONS[key]
+        inner = next(iter(value), None) if isinstance(value, Mapping) else None
+        old = f"{key}.{inner}" if inner is not None else key
+        new, why = MOVED_KEYS.get(old) or (f"{section}.{inner}" if inner is not None else section, why)
+        return f"'{old}' was renamed: use '{new}' ({why})"
+    if dotted in MOVED_KEYS:
+        new, why = MOVED_KEYS[dotted]
+        return f"'{dotted}' was renamed: use '{new}' ({why})"
+    if key in RENAMED_KEYS and RENAMED_KEYS[key][0] in schema:
+        new, values = RENAMED_KEYS[key]
+        return f"'{dotted}' was renamed: use '{prefix}{new}' ({values})"
+    return None
