@@ -48,8 +48,8 @@ def main() -> None:
     rows = []
     for name in args.only.split(","):
         t = time.time()
-        cfg = load_config("embed", None, [f"encoder.model_overrides={ENCODERS[name]}", f"encoder.epochs={args.epochs}",
-                                          f"encoder.device={args.device}", f"encoder.store={store}", f"encoder.data={data}"])
+        cfg = load_config("embed", None, [f"sentence_encoder.model_overrides={ENCODERS[name]}", f"sentence_encoder.epochs={args.epochs}",
+                                          f"sentence_encoder.device={args.device}", f"sentence_encoder.store={store}", f"sentence_encoder.data={data}"])
         sub = args.out / f"enc-{name}"
         res = train_encoder(sub, cfg)
         rep = evaluate_retrieval_files(sub / "encoder/best.pt", store, data, "test", args.device)

@@ -87,11 +87,13 @@ def test_a_planted_unknown_key_is_found():
                                            ("train.amp", "train.precision", "train"), ("train.num_threads", "--threads", "train"),
                                            ("train.threads", "--threads", "train-detector"),
                                            ("train.max_iter", "detector_train.max_iter", "train-detector"),
-                                           ("demo.detector_overrides", "detector_train", "demo")])
+                                           ("demo.detector_overrides", "detector_train", "demo"),
+                                           ("encoder.epochs", "sentence_encoder.epochs", "train-encoder")])
 def test_an_old_key_is_refused_naming_the_new_one(old, new, where, tmp_path):
     command = {"extract": ["extract", str(tmp_path), "--weights", "random", "--store", str(tmp_path / "s")],
                "demo": ["demo", "--out", str(tmp_path / "run")], "train": ["train", "--out", str(tmp_path / "run")],
-               "train-detector": ["train-detector", "--out", str(tmp_path / "det")]}[where]
+               "train-detector": ["train-detector", "--out", str(tmp_path / "det")],
+               "train-encoder": ["train-encoder", "--out", str(tmp_path / "run")]}[where]
     res = CliRunner().invoke(app, [*command, "--set", f"{old}=1"])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1, res.output

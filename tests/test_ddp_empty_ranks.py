@@ -40,7 +40,7 @@ def _detector_rank(rank: int, init: Path, out: Path) -> None:
     ctx = _join(rank, init)
     torch.manual_seed(0)
     net = torch.nn.parallel.DistributedDataParallel(_TinyDetector())
-    cfg = types.SimpleNamespace(train=types.SimpleNamespace(base_lr=0.1, warmup_iters=0, warmup_factor=1.0, gamma=0.1, clip_grad_norm=0.0))
+    cfg = types.SimpleNamespace(detector_train=types.SimpleNamespace(base_lr=0.1, warmup_iters=0, warmup_factor=1.0, gamma=0.1, clip_grad_norm=0.0))
     me = types.SimpleNamespace(cfg=cfg, ctx=ctx, precision="fp32", scaler=None, steps=[],
                                optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     image = lambda: types.SimpleNamespace(blob=torch.randn(3, 8, 8))  # noqa: E731 (a TrainImage's blob)
@@ -58,7 +58,7 @@ def _encoder_rank(rank: int, init: Path, out: Path, run: Path, extra: list[str])
     from tests.test_store_workers import _encoder_cfg
 
     ctx = _join(rank, init)
-    summary = EncoderTrainer(out / "enc", _encoder_cfg(run, *extra).encoder, ctx).run()
+    summary = EncoderTrainer(out / "enc", _encoder_cfg(run, *extra).sentence_encoder, ctx).run()
     (out / f"enc{rank}").write_text(str(summary["global_steps"]))
     dist.destroy_process_group()
 
@@ -76,8 +76,8 @@ def test_a_rank_with_nothing_to_train_on_takes_the_same_collectives(tmp_path) ->
     from tests.train_helpers import make_world_run
 
     run = make_world_run(tmp_path / "world", num_images=30)
-    n = len(EncoderTrainer(tmp_path / "probe", _encoder_cfg(run).encoder, DistContext()).train.positions)
-    extra = [f"encoder.batch_size={n - 1}", "encoder.validation.max_images=4"]  # the last batch has 1 row
+    n = len(EncoderTrainer(tmp_path / "probe", _encoder_cfg(run).sentence_encoder, DistContext()).train.positions)
+    extra = [f"sentence_encoder.batch_size={n - 1}", "sentence_encoder.validation.max_images=4"]  # the last batch has 1 row
     mp.spawn(_both, args=(tmp_path, run, extra), nprocs=2, join=True)
     # detector iteration 0: every rank skipped (one had no image); iteration 1: both trained
     assert (tmp_path / "det0").read_text() == (tmp_path / "det1").read_text() == "[[], ['loss_a']]"

@@ -68,9 +68,9 @@ TINY = "{objective: cap2img, word_dim: 32, hidden_size: 48, attn_hidden: 24, att
 
 
 def _cfg(run: Path, *extra: str):
-    return load_config("embed", None, [f"encoder.model_overrides={TINY}", f"encoder.store={run / 'features/store'}",
-                                       f"encoder.data={run / 'data'}", "encoder.device=cpu", "encoder.batch_size=32",
-                                       "encoder.lr=3.0e-3", *extra])
+    return load_config("embed", None, [f"sentence_encoder.model_overrides={TINY}", f"sentence_encoder.store={run / 'features/store'}",
+                                       f"sentence_encoder.data={run / 'data'}", "sentence_encoder.device=cpu", "sentence_encoder.batch_size=32",
+                                       "sentence_encoder.lr=3.0e-3", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("enc")
     run = make_world_run(root, num_images=200)
     torch.manual_seed(0)
-    res = train_encoder(root / "out", _cfg(run, "encoder.epochs=6"))
+    res = train_encoder(root / "out", _cfg(run, "sentence_encoder.epochs=6"))
     return run, root / "out" / "encoder", res
 
 
@@ -98,8 +98,8 @@ def test_cap2img_training_beats_chance_by_far(trained) -> None:
 def test_resume_is_exact(trained, tmp_path) -> None:
     """Two epochs in one go == one epoch, a new process-like trainer resuming last.pt, one more epoch."""
     run, _, _ = trained
-    two = _cfg(run, "encoder.epochs=2", "encoder.batch_size=64", "encoder.validation.split=null",
-               "encoder.model_overrides.image_head_dropout=0.3").encoder
+    two = _cfg(run, "sentence_encoder.epochs=2", "sentence_encoder.batch_size=64", "sentence_encoder.validation.split=null",
+               "sentence_encoder.model_overrides.image_head_dropout=0.3").sentence_encoder
     one = two.with_overrides({"epochs": 1})
     EncoderTrainer(tmp_path / "a", two, DistContext()).run()
     EncoderTrainer(tmp_path / "b", one, DistContext()).run()

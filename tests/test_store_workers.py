@@ -38,9 +38,9 @@ GRANTED = thread_policy.plan(workers=2).workers
 
 
 def _encoder_cfg(run: Path, *extra: str):
-    return load_config("embed", None, [f"encoder.model_overrides={ENC}", f"encoder.store={run / 'features/store'}",
-                                       f"encoder.data={run / 'data'}", "encoder.device=cpu", "encoder.batch_size=16",
-                                       "encoder.epochs=1", *extra])
+    return load_config("embed", None, [f"sentence_encoder.model_overrides={ENC}", f"sentence_encoder.store={run / 'features/store'}",
+                                       f"sentence_encoder.data={run / 'data'}", "sentence_encoder.device=cpu", "sentence_encoder.batch_size=16",
+                                       "sentence_encoder.epochs=1", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +88,10 @@ def test_everyday_options_reach_the_config_keys() -> None:
     ev = CommandOptions(everyday=EVALUATE_EVERYDAY, **opts).resolve("evaluate", show=False).evaluate
     assert (ev.device, ev.batch_size, ev.precision, ev.num_workers) == ("cpu", 5, "bf16", 2)
     cfg = CommandOptions(everyday=ENCODER_EVERYDAY, **opts).resolve("embed", show=False)
-    assert (cfg.encoder.device, cfg.encoder.batch_size, cfg.encoder.precision, cfg.encoder.num_workers) == ("cpu", 5, "bf16", 2)
+    assert (cfg.sentence_encoder.device, cfg.sentence_encoder.batch_size, cfg.sentence_encoder.precision, cfg.sentence_encoder.num_workers) == ("cpu", 5, "bf16", 2)
     cfg = CommandOptions(everyday=EMBED_EVERYDAY, **opts).resolve("embed", show=False)
     assert (cfg.embed.device, cfg.embed.batch_size, cfg.embed.precision, cfg.embed.num_workers) == ("cpu", 5, "bf16", 2)
-    assert cfg.encoder.num_workers == 0 and cfg.encoder.precision == "auto"  # embed's options leave the encoder alone
+    assert cfg.sentence_encoder.num_workers == 0 and cfg.sentence_encoder.precision == "auto"  # embed's options leave the encoder alone
 
 
 def test_image_table_is_identical_for_0_and_2_workers(world, tmp_path, monkeypatch) -> None:
@@ -121,10 +121,10 @@ def test_image_table_is_identical_for_0_and_2_workers(world, tmp_path, monkeypat
 
 def test_train_encoder_reads_its_image_table_in_workers(world, tmp_path, monkeypatch) -> None:
     run, _, _ = world
-    base = EncoderTrainer(tmp_path / "a", _encoder_cfg(run).encoder, DistContext())
+    base = EncoderTrainer(tmp_path / "a", _encoder_cfg(run).sentence_encoder, DistContext())
     log = tmp_path / "pids"
     _record_pids(monkeypatch, enc_data.ImageMeans, log)
-    workers = EncoderTrainer(tmp_path / "b", _encoder_cfg(run, "encoder.num_workers=2").encoder, DistContext())
+    workers = EncoderTrainer(tmp_path / "b", _encoder_cfg(run, "sentence_encoder.num_workers=2").sentence_encoder, DistContext())
     _assert_read_in_workers(log)
     assert torch.equal(base.train_images, workers.train_images) and base.train_images.shape[0] == len(base.train.keys)
     assert np.array_equal(base.val_images, workers.val_images)

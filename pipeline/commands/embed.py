@@ -12,8 +12,8 @@ from pipeline.commands.options import CommandOptions, Everyday, command, out_opt
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
 
-ENCODER_EVERYDAY = Everyday(device="encoder.device", batch_size="encoder.batch_size", precision="encoder.precision",
-                            num_workers="encoder.num_workers")
+ENCODER_EVERYDAY = Everyday(device="sentence_encoder.device", batch_size="sentence_encoder.batch_size",
+                            precision="sentence_encoder.precision", num_workers="sentence_encoder.num_workers")
 EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size", precision="embed.precision",
                           num_workers="embed.num_workers")
 
@@ -22,16 +22,16 @@ def register(app: typer.Typer) -> None:
     @command(app, "train-encoder", force=True, everyday=ENCODER_EVERYDAY)
     def train_encoder_command(
         opts: CommandOptions,
-        out: out_option("Run directory (encoder.store / encoder.data default to OUT/features/store and OUT/data).") = Path("runs/train"),
+        out: out_option("Run directory (sentence_encoder.store / sentence_encoder.data default to OUT/features/store and OUT/data).") = Path("runs/train"),
     ) -> None:
         """Train the self-attentive visually grounded sentence encoder (CAP2IMG, CAP2CAP or CAP2ALL) into
         OUT/encoder/ (best.pt by validation caption-to-image R@1, last.pt to resume, log.jsonl).
 
         Examples:
 
-            butd-caption train-encoder --out runs/w --set encoder.model_overrides.objective=cap2img
+            butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides.objective=cap2img
 
-            butd-caption train-encoder --out runs/w --set encoder.model_overrides={self_attention: false, hidden_size: 2048}
+            butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}
         """
         from pipeline.embedding.train import train_encoder
 

@@ -23,7 +23,10 @@ MOVED_KEYS = {
     "demo.detector_overrides": ("detector_train", "the demo's detector training: --set detector_train.KEY=VALUE"),
 }
 # top-level sections that were renamed: old -> (new, why); 'train.max_iter' in train_detector.yaml -> 'detector_train.max_iter'
-RENAMED_SECTIONS = {"train": ("detector_train", "detector training has its own section, apart from captioner training's train:")}
+RENAMED_SECTIONS = {
+    "train": ("detector_train", "detector training has its own section, apart from captioner training's train:"),
+    "encoder": ("sentence_encoder", "one name for the sentence encoder's keys, apart from a captioner's encoder"),
+}
 
 
 def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: str = "") -> str | None:

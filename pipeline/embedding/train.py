@@ -96,7 +96,7 @@ class EncoderTrainer:
         self.val_images = image_table(store, self.val.keys, cfg.max_boxes, workers) if self.val else None
         self.model_cfg = encoder_config(dict(cfg.model_overrides)).to_dict()
         self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(ctx.device)
-        self.precision = resolve_precision(cfg.precision, ctx.device, "encoder.precision")
+        self.precision = resolve_precision(cfg.precision, ctx.device, "sentence_encoder.precision")
         self.objective: nn.Module = _Objective(self.model, str(cfg.ranking_form))
         if ctx.distributed:
             self.objective = nn.parallel.DistributedDataParallel(
@@ -233,7 +233,7 @@ def rank_slice(batch: dict[str, torch.Tensor], ctx: distributed.DistContext) -> 
 
 
 def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
-    """``encoder.store`` / ``encoder.data`` default to RUN/features/store and RUN/data."""
+    """``sentence_encoder.store`` / ``sentence_encoder.data`` default to RUN/features/store and RUN/data."""
     sets = {}
     for key, default in (("store", Path(run_dir) / "features" / "store"), ("data", Path(run_dir) / "data")):
         if section[key] is None:
@@ -244,9 +244,9 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
 
 
 def train_encoder(run_dir: str | Path, cfg: Config, force: bool = False) -> StageResult:
-    """Train the encoder of ``cfg.encoder`` into ``run_dir/encoder`` (best.pt, last.pt, log.jsonl)."""
-    section = resolve_encoder_paths(run_dir, cfg.encoder if "encoder" in cfg else cfg)
-    ctx = distributed.setup(str(section.device), "encoder.device")
+    """Train the encoder of ``cfg.sentence_encoder`` into ``run_dir/encoder`` (best.pt, last.pt, log.jsonl)."""
+    section = resolve_encoder_paths(run_dir, cfg.sentence_encoder if "sentence_encoder" in cfg else cfg)
+    ctx = distributed.setup(str(section.device), "sentence_encoder.device")
 
     def work(stage_dir: Path, scfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         summary = EncoderTrainer(stage_dir, scfg, ctx).run()
