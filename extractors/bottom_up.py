@@ -26,7 +26,7 @@ from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.rpn import RPN
 from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
-from extractors.to_host import records_to_host
+from extractors.to_host import records_to_host, stack_to_device
 from pipeline.core.regions import RegionRecord
 
 
@@ -87,7 +87,7 @@ class BottomUpDetector(nn.Module):
         rois_per_image: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         pooled_parts: list[tuple[list[int], torch.Tensor, list[int]]] = []
         for (h, w), idx in groups.items():
-            batch = torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev, non_blocking=True)
+            batch = stack_to_device([blobs[i] for i in idx], dev)  # pinned blobs stay pinned
             feat = self.backbone(batch)
             if selector.given:
                 assert given_boxes is not None, "the given-boxes selector needs boxes"

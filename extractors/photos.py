@@ -63,6 +63,13 @@ class Photo:
     failure: Failure | None = None
     handover: str | None = None  # a worker could not put its tensors in shared memory: decoded again in the main process
 
+    def pin_memory(self) -> "Photo":
+        """The ``DataLoader(pin_memory=True)`` hook (it leaves objects without one unpinned): the blob in page-locked
+        memory, so that its copy to the GPU is asynchronous (:func:`extractors.to_host.stack_to_device`)."""
+        if self.blob is not None:
+            self.blob = self.blob.pin_memory()
+        return self
+
 
 def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_side: int) -> str | None:
     """Why an image is too thin for the network, or None.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from extractors.bottom_up import BottomUpDetector
+from extractors.bucketing import InOrder, ShapeBuckets
 from extractors.inputs import ImageItem
 from extractors.photos import Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
@@ -73,11 +74,14 @@ def run_extraction(
     max_pixels: int = 100_000_000,
     failures_path: Path | None = None,
     commit_every: int = 64,
+    bucket_window: int = 0,
 ) -> RunSummary:
     """Extract every item not yet in ``writer`` and add it; returns counts (bad images are listed, not raised).
 
     ``selector`` (:func:`extractors.selector.make_selector`) carries the resolved recipe whose preprocessing the
-    image loader applies."""
+    image loader applies. ``bucket_window`` > 0: photos are detected in batches of equal blob shape gathered across the
+    folder (up to that many batches of photos wait for partners, :mod:`extractors.bucketing`); 0: each loader batch as
+    it comes (its equal shapes share a pass). Either way the store and the failures list get them in input order."""
     spec = model.spec
     dev = next(model.parameters()).device
     precision = resolve_precision(precision, dev, "extract.precision", fp16=False)
@@ -101,20 +105,49 @@ def run_extraction(
             fail_fh.write(json.dumps(rec) + "\n")
             fail_fh.flush()
 
+    def apply(outcome: tuple[Photo, Any]) -> int:  # one photo's result, in input order (bucketing.InOrder)
+        photo, result = outcome
+        if isinstance(result, Failure):
+            fail(photo, result)
+            return 0
+        return _store(photo, result, writer, fail, summary)
+
+    buckets = ShapeBuckets(batch_size, bucket_window * max(1, batch_size)) if bucket_window > 0 else None
+    order = InOrder(list(range(len(todo))), apply)
+
+    def detect(groups: list[list[Photo]]) -> None:
+        for group in groups:
+            for photo, rec in detect_guarded(model, group, selector, precision, dev, lambda p, f: order.put(p.index, (p, f))):
+                order.put(photo.index, (photo, rec))
+
     try:
         with make_progress() as progress, StopOnSignal() as stop:
             task = progress.add_task("extract", total=len(todo))
             for batch in photo_batches(ds, batch_size, workers, pin_memory=dev.type == "cuda"):
-                since_commit += _extract_batch(batch, model, writer, selector, precision, dev, fail, summary)
+                good = []
+                for photo in batch:
+                    failure = _precheck(photo, selector)
+                    if failure is not None:
+                        order.put(photo.index, (photo, failure))
+                    elif buckets is None:
+                        good.append(photo)
+                    else:
+                        detect(buckets.add(photo))
+                detect([good] if good else [])
+                if stop.signum is not None and buckets is not None:  # SIGTERM / SIGINT: finish the decoded photos first
+                    detect(buckets.flush())
+                since_commit += order.release()
                 if commit_every and since_commit >= commit_every:
                     writer.commit()
                     since_commit = 0
                 progress.advance(task, len(batch))
-                if stop.signum is not None:  # SIGTERM / SIGINT: keep every finished image, then stop
+                if stop.signum is not None:
                     writer.commit()
                     raise ExtractionInterrupted(
                         f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, all committed "
                         f"to {writer.path}: run the same command again to resume")
+            detect(buckets.flush() if buckets is not None else [])
+            order.release()
         writer.commit()
     finally:
         if fail_fh is not None:
@@ -123,28 +156,25 @@ def run_extraction(
     return summary
 
 
-def _extract_batch(batch: list[Photo], model: BottomUpDetector, writer: Any, selector: Selector, precision: str,
-                   dev: torch.device, fail: Any, summary: RunSummary) -> int:
-    """Detect and add one loader batch (the per-image guard around the model and the store); returns images added."""
-    good = []
-    for photo in batch:
-        if photo.failure is not None:
-            fail(photo, photo.failure)
-        elif selector.given and (photo.item.boxes is None or len(photo.item.boxes) == 0):
-            fail(photo, Failure("no_boxes", "given-boxes mode and no box for this image"))
-        else:
-            good.append(photo)
-    added = 0
-    for photo, o in detect_guarded(model, good, selector, precision, dev, fail):
-        if o.boxes.shape[0] == 0:
-            fail(photo, Failure("no_regions", "the detector returned no region for this image"))
-            continue
-        try:
-            writer.add(photo.item.key, o)
-        except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
-            fail(photo, Failure("invalid_output", str(exc)))
-            continue
-        summary.extracted += 1
-        summary.boxes += int(o.boxes.shape[0])
-        added += 1
-    return added
+def _precheck(photo: Photo, selector: Selector) -> Failure | None:
+    """Why a decoded photo cannot be detected (its loader failure, no given box), or None."""
+    if photo.failure is not None:
+        return photo.failure
+    if selector.given and (photo.item.boxes is None or len(photo.item.boxes) == 0):
+        return Failure("no_boxes", "given-boxes mode and no box for this image")
+    return None
+
+
+def _store(photo: Photo, o: Any, writer: Any, fail: Any, summary: RunSummary) -> int:
+    """Add one photo's regions to the store (the per-image guard around the writer); returns 1 if added."""
+    if o.boxes.shape[0] == 0:
+        fail(photo, Failure("no_regions", "the detector returned no region for this image"))
+        return 0
+    try:
+        writer.add(photo.item.key, o)
+    except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
+        fail(photo, Failure("invalid_output", str(exc)))
+        return 0
+    summary.extracted += 1
+    summary.boxes += int(o.boxes.shape[0])
+    return 1

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import ConfigError, UsageError
 from pipeline.core.stages import MANIFEST, RUNNING, StageResult, read_manifest, run_stage
 
 log = get_logger("extract")
@@ -66,6 +66,21 @@ class ExtractJob:
         if self.shard_block == 1:  # the default is not recorded (earlier stage digests stay valid)
             data.pop("shard_block")
         return data
+
+
+def bucket_window(section: Any, dev: Any) -> int:
+    """``extract.bucket_window``: ``auto`` = 4 on CUDA (real folders batch at ~1 otherwise), 0 elsewhere (the loader's
+    batches as they come, so CPU outputs do not depend on which photos wait together)."""
+    value = section.bucket_window if "bucket_window" in section else "auto"
+    if str(value) == "auto":
+        return 4 if dev.type == "cuda" else 0
+    try:
+        window = int(value)
+    except (TypeError, ValueError):
+        window = -1
+    if window < 0 or isinstance(value, bool):
+        raise ConfigError(f"extract.bucket_window must be auto or an integer >= 0, got {value!r}")
+    return window
 
 
 def stage_config(section: Config, job: ExtractJob) -> Config:
@@ -163,7 +178,8 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
             summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.num_workers),
                                      precision=precision, max_pixels=int(section.max_pixels),
-                                     failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every))
+                                     failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every),
+                                     bucket_window=bucket_window(section, dev))
         reasons: dict[str, int] = {}
         for failure in summary.failures:
             reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1

@@ -4,7 +4,9 @@ Every per-region field of every image of a batch (features, boxes, class / attri
 into one float32 buffer on the device, copied once, and cut back into per-image :class:`RegionRecord` fields on
 the host (ids are small integers, exact in float32; the float fields are cast to float32 as the records store
 them). On a GPU this replaces six small ``.cpu()`` copies per image, each a host sync, by one per batch; on CPU it
-gives the same arrays.
+gives the same arrays. The other direction, :func:`stack_to_device`: the blobs of a batch stacked into pinned
+memory (the loader pins each blob; a plain ``torch.stack`` would put the batch back in pageable memory and make the
+``non_blocking`` copy synchronous).
 """
 
 from __future__ import annotations
@@ -49,3 +51,15 @@ def records_to_host(fields: Sequence[Mapping[str, torch.Tensor | None]], sizes: 
             rec[name] = part.astype(np.int64) if name in INT_FIELDS else part.astype(np.float32)
         out.append(RegionRecord(image_w=int(w), image_h=int(h), **rec))
     return out
+
+
+def stack_to_device(blobs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``torch.stack(blobs).to(device)``; for a CUDA device from pinned memory when the blobs are pinned."""
+    first = torch.as_tensor(blobs[0])
+    if device.type != "cuda" or not first.is_pinned():
+        return torch.stack([torch.as_tensor(b) for b in blobs]).to(device)
+    if len(blobs) == 1:
+        return first[None].to(device, non_blocking=True)
+    staged = torch.empty((len(blobs), *first.shape), dtype=first.dtype, pin_memory=True)
+    torch.stack(list(blobs), out=staged)
+    return staged.to(device, non_blocking=True)

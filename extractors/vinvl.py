@@ -37,7 +37,7 @@ from extractors.resnet_caffe import ResNetC4, fold_all, make_stage
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
-from extractors.to_host import records_to_host
+from extractors.to_host import records_to_host, stack_to_device
 
 
 class AttributeHead(nn.Module):
@@ -152,7 +152,7 @@ class VinVLDetector(nn.Module):
             groups[tuple(b.shape[-2:])].append(i)
         fields: list[dict] = [{}] * len(blobs)
         for (h, w), idx in groups.items():
-            feat = self.backbone(torch.stack([torch.as_tensor(blobs[i]) for i in idx]).to(dev))
+            feat = self.backbone(stack_to_device([blobs[i] for i in idx], dev))
             if selector.given:
                 props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], "per-axis") for i in idx]
             else:
