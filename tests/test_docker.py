@@ -242,3 +242,15 @@ def test_constraints_pin_what_the_image_installs_and_the_tests_run_on():
             if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
                 todo.append((req.name, set(req.extras)))
     assert len(seen) > 40  # torch's CUDA libraries, FastAPI's and Typer's dependencies were walked
+
+
+def test_image_check_builds_the_dockerfile_s_base_and_stays_out_of_ci() -> None:
+    """`.ci/image-check` (the real build, slow) stands in for the Dockerfile's own FROM image, runs the README's
+    commands as a non-root uid, and is not part of `.ci/run` (CI must stay fast)."""
+    script = (REPO / ".ci" / "image-check").read_text()
+    default = next(rest.split("=", 1)[1] for word, rest in instructions() if word == "ARG" and rest.startswith("PYTHON_IMAGE="))
+    assert f'FROM_IMAGE="${{FROM_IMAGE:-docker.io/library/{default}}}"' in script
+    py = re.search(r"python:(\d+\.\d+)-slim-(\w+)", default)
+    assert py and py.group(2) == "bookworm" and "debootstrap" in script and f"Python {py.group(1)}" in script
+    assert "--user 1000:1000" in script and "/work/runs" in script and "demo --quick" in script and " serve " in script
+    assert "image-check" not in (REPO / ".ci" / "run").read_text()
