@@ -102,3 +102,12 @@ def test_beam_size_flag_decodes_alike_under_caption_and_evaluate(tmp_path):
     assert caption_decoding == evaluate_decoding and caption_decoding["beam_size"] == 2 and caption_decoding["max_len"] == 7
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)["decoding"]
     assert asdict(layered_decoding(saved, {"beam_size": 2, "max_len": 7})) == caption_decoding
+
+
+@pytest.mark.parametrize("command", [["caption", "x.jpg", "--model", "none.pt"],
+                                     ["evaluate", "--model", "none.pt", "--store", "s", "--data", "d"]])
+def test_an_unknown_decoding_key_is_refused_before_any_work(command):
+    res = CliRunner().invoke(app, [*command, "--set", "decoding.beam=2"])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "unknown key 'decoding.beam'" in errors[0], res.output
+    assert "none.pt" not in errors[0]

@@ -79,6 +79,9 @@ def register(app: typer.Typer) -> None:
             if store is None or data is None:
                 raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
             decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
+            from models.captions import command_decoding
+
+            command_decoding(decoding)  # keys and types before any work, as caption checks them
             _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
         if retrieval is None and (store is not None or data is not None):
