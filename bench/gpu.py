@@ -54,6 +54,9 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 
 
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
+    from types import SimpleNamespace
+
+    from extractors.bucketing import ShapeBuckets
     from extractors.preprocess import recipe_blob
     from extractors.recipes import apply_recipe, recipe_from_config
     from pipeline.core.precision import autocast
@@ -79,18 +82,25 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     scales = [d[1] for d in decoded]
     reset, note = _peak(dev)
 
-    def run(precision: str):
+    in_order = [list(range(i, min(i + batch, images))) for i in range(0, images, batch)]
+    buckets = ShapeBuckets(batch, 4 * batch)  # what extract does with bucket_window 4 (its default on CUDA)
+    bucketed = [[p.index for p in g] for i, b in enumerate(blobs) for g in buckets.add(SimpleNamespace(index=i, blob=b))]
+    bucketed += [[p.index for p in g] for g in buckets.flush()]
+
+    def run(precision: str, groups: list[list[int]]):
         def go() -> None:
             reset()
             with autocast(dev, precision):
-                for i in range(0, images, batch):
-                    model.detect(blobs[i : i + batch], scales[i : i + batch], rule)
+                for g in groups:
+                    model.detect([blobs[i] for i in g], [scales[i] for i in g], rule)
         return go
 
     work = f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
     precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
-    return [Case("extract", f"bottom-up R101 {p}", None, work, run(p), sync=_syncer(dev), per_call=images, unit="s/img", after=note)
+    rows = [Case("extract", f"bottom-up R101 {p}", None, work, run(p, in_order), sync=_syncer(dev), per_call=images, unit="s/img", after=note)
             for p in precisions]
+    return rows + [Case("extract", f"bottom-up R101 {p}, equal sizes batched across the folder", None, work, run(p, bucketed), sync=_syncer(dev),
+                        per_call=images, unit="s/img", after=note) for p in precisions if p != "fp32" or dev.type != "cuda"]
 
 
 def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
@@ -105,17 +115,29 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
     scorer = reference_corpus(Vocab(words), 200 if size == "tiny" else 2000)
     out = []
     reset, note = _peak(dev)
-    for stage in ("xe", "scst"):
-        def epoch(stage: str = stage) -> float:
+    variants = [("xe", None, ""), ("scst", None, "")]
+    if _greedy_sampled(name):  # the samples and the greedy baseline in one loop (default) or two: side by side
+        variants.append(("scst", {"baseline_loop": "separate"}, ", baseline in its own loop"))
+    for stage, overrides, label in variants:
+        def epoch(stage: str = stage, overrides: dict | None = overrides) -> float:
             reset()
             batch, sec = bench_stage(name, stage, 2 if size == "tiny" else None, 1 if size == "tiny" else 5, dev, amp, scorer, vocab,
-                                     fit_steps=2 if size == "tiny" else 25)
+                                     fit_steps=2 if size == "tiny" else 25, overrides=overrides)
             return images / batch * sec
 
-        out.append(Case(f"train {stage}", f"{name} {stage} epoch (projected, {amp})", None,
+        out.append(Case(f"train {stage}", f"{name} {stage} epoch (projected, {amp}){label}", None,
                         f"{images} images at the paper batch size; the trainer's step timed x epoch length", epoch, unit="s",
                         reports="value", after=note))
     return out
+
+
+def _greedy_sampled(name: str) -> bool:
+    """Whether ``name``'s SCST recipe samples with a greedy baseline (where ``baseline_loop`` matters)."""
+    from models import model_card
+    from pipeline.training.recipe import stage_recipe
+
+    r = stage_recipe("scst", model_card(name).schedule.to_dict(), None, 30, name)
+    return r.baseline == "greedy" and r.sample_method == "sample"
 
 
 def _decode_case(name: str, size: str, dev: torch.device) -> Case:

@@ -104,11 +104,16 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
         if cached is not None:
             torch.save(model.state_dict(), cached)
     rows = []
-    for stage in ("scst", "xe"):
-        step = trainer_step(model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0)  # lr 0: the counted step sees the same weights
+    from bench.gpu import _greedy_sampled
+
+    variants = [("scst", None, ""), ("xe", None, "")]
+    if _greedy_sampled(name):  # beside it, the same step with the greedy baseline in a loop of its own (the old way)
+        variants.insert(1, ("scst", {"baseline_loop": "separate"}, ", baseline loop separate"))
+    for stage, overrides, label in variants:
+        step = trainer_step(model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0, overrides=overrides)  # lr 0: same weights
         step(batch)  # warm-up (the optimizer's lazy state)
         torch.manual_seed(1)
-        rows.append({"row": f"{name} {stage} step", "work": f"batch {batch_size}", **count(lambda: step(batch))})
+        rows.append({"row": f"{name} {stage} step{label}", "work": f"batch {batch_size}", **count(lambda: step(batch))})
     model.eval()
     opts = DecodeOptions(method="beam", beam_size=5, max_len=20)
     with torch.no_grad():

@@ -78,16 +78,17 @@ def sync(device: torch.device) -> None:
 
 
 def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                deterministic: bool = False, fit_steps: int = 25) -> tuple[int, float]:
+                deterministic: bool = False, fit_steps: int = 25, overrides: dict | None = None) -> tuple[int, float]:
     """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step, on a captioner fitted
     for ``fit_steps`` XE steps to trained-like caption lengths."""
     with deterministic_mode(deterministic, "--deterministic"):
-        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab, fit_steps)
+        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab, fit_steps, overrides)
 
 
 def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD,
-                 vocab: Vocab, fit_steps: int) -> tuple[int, float]:
-    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps)
+                 vocab: Vocab, fit_steps: int, overrides: dict | None = None) -> tuple[int, float]:
+    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps,
+                                            overrides=overrides)
     step(batches[0])  # warm-up
     sync(device)
     t0 = time.perf_counter()
@@ -131,16 +132,17 @@ def fitted_model(name: str, batch: dict, steps: int = 25, device: torch.device |
 
 
 def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                 lr: float = 1e-5) -> Callable[[dict], float]:
+                 lr: float = 1e-5, overrides: dict | None = None) -> Callable[[dict], float]:
     """``step(batch) -> loss``: :meth:`pipeline.training.engine.Trainer._step` (the trainer's own step) on what it
-    reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler)."""
+    reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler);
+    ``overrides``: recipe keys over the model card's (e.g. ``{"baseline_loop": "separate"}``)."""
     import types
     from pathlib import Path
 
     from pipeline.core.distributed import DistContext
     from pipeline.training.engine import Progress, Trainer, _Policy
 
-    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), None, 30, name)
+    recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), overrides, 30, name)
     me = types.SimpleNamespace(model=model, policy=_Policy(model), ctx=DistContext(device=device), precision=amp, vocab=vocab,
                                dir=Path("."), _scst_scorer=lambda: scorer)
     opt = build_optimizer(recipe, model.parameters())
@@ -151,7 +153,8 @@ def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.de
 
 
 def prepare_stage(name: str, stage: str, batch_size: int | None, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                  num_batches: int, seed: int = 0, fit_steps: int = 0) -> tuple[torch.nn.Module, Callable[[dict], float], list[dict], int]:
+                  num_batches: int, seed: int = 0, fit_steps: int = 0, overrides: dict | None = None
+                  ) -> tuple[torch.nn.Module, Callable[[dict], float], list[dict], int]:
     """A paper-size ``name`` captioner on ``device`` (fitted for ``fit_steps`` XE steps to the first batch's captions),
     ``num_batches`` synthetic batches and ``step(batch)``: one training step of ``stage`` (xe | scst) exactly as the
     trainer runs it under ``amp`` (:func:`trainer_step`, lr 1e-5), returning the loss.
@@ -161,7 +164,7 @@ def prepare_stage(name: str, stage: str, batch_size: int | None, device: torch.d
     rng = torch.Generator().manual_seed(seed)
     batches = [make_batch(b, VOCAB_SIZE, device, rng) for _ in range(num_batches)]
     model = fitted_model(name, batches[0], fit_steps, device, seed)
-    return model, trainer_step(model, name, stage, device, amp, scorer, vocab), batches, b
+    return model, trainer_step(model, name, stage, device, amp, scorer, vocab, overrides=overrides), batches, b
 
 
 def bench_vocab() -> Vocab:
