@@ -40,6 +40,7 @@ class BottomUpDetector(nn.Module):
         self.proposal_generator = RPN(spec, self.backbone.out_channels)
         self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
         self.roi_chunk = 0
+        self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
         self.eval()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -87,7 +88,7 @@ class BottomUpDetector(nn.Module):
         rois_per_image: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         pooled_parts: list[tuple[list[int], torch.Tensor, list[int]]] = []
         for (h, w), idx in groups.items():
-            batch = stack_to_device([blobs[i] for i in idx], dev)  # pinned blobs stay pinned
+            batch = stack_to_device([blobs[i] for i in idx], dev, self.channels_last)  # pinned blobs stay pinned
             feat = self.backbone(batch)
             if selector.given:
                 assert given_boxes is not None, "the given-boxes selector needs boxes"

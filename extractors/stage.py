@@ -161,6 +161,7 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from extractors.factory import configure_recipe, load_for_inference
         from extractors.run import record_settings, run_extraction
+        from extractors.to_host import use_channels_last
         from pipeline.core.precision import resolve_precision
         from pipeline.store import open_writer
 
@@ -172,6 +173,7 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
                                                     labelmap=section.labelmap if "labelmap" in section else None)
         recipe, selector = configure_recipe(model, identity, section)
         model.roi_chunk = int(section.roi_chunk)
+        use_channels_last(model, bool(section.channels_last) if "channels_last" in section else False)
         identity = record_settings(identity, selector, precision)  # the recipe next to the weights' SHA-256
         store = stage_dir / job.store
         log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity["name"], recipe.name, dev, precision, store)

@@ -53,13 +53,24 @@ def records_to_host(fields: Sequence[Mapping[str, torch.Tensor | None]], sizes: 
     return out
 
 
-def stack_to_device(blobs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``torch.stack(blobs).to(device)``; for a CUDA device from pinned memory when the blobs are pinned."""
+def stack_to_device(blobs: Sequence[torch.Tensor], device: torch.device, channels_last: bool = False) -> torch.Tensor:
+    """``torch.stack(blobs).to(device)``; for a CUDA device from pinned memory when the blobs are pinned; in the
+    channels-last layout with ``channels_last`` (``extract.channels_last``: the detector's weights are converted too)."""
     first = torch.as_tensor(blobs[0])
     if device.type != "cuda" or not first.is_pinned():
-        return torch.stack([torch.as_tensor(b) for b in blobs]).to(device)
-    if len(blobs) == 1:
-        return first[None].to(device, non_blocking=True)
-    staged = torch.empty((len(blobs), *first.shape), dtype=first.dtype, pin_memory=True)
-    torch.stack(list(blobs), out=staged)
-    return staged.to(device, non_blocking=True)
+        batch = torch.stack([torch.as_tensor(b) for b in blobs]).to(device)
+    elif len(blobs) == 1:
+        batch = first[None].to(device, non_blocking=True)
+    else:
+        staged = torch.empty((len(blobs), *first.shape), dtype=first.dtype, pin_memory=True)
+        torch.stack(list(blobs), out=staged)
+        batch = staged.to(device, non_blocking=True)
+    return batch.contiguous(memory_format=torch.channels_last) if channels_last else batch
+
+
+def use_channels_last(model: torch.nn.Module, on: bool) -> None:
+    """``extract.channels_last``: the detector's convolution weights and its input batches in the NHWC layout
+    (faster cuDNN convolutions under TF32/bf16 on recent GPUs; other kernels, so the numbers differ in rounding)."""
+    model.channels_last = bool(on)
+    if on:
+        model.to(memory_format=torch.channels_last)

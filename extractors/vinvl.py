@@ -90,6 +90,7 @@ class VinVLDetector(nn.Module):
         self.proposal_generator.rpn_head = RPNHead(self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False)
         self.roi_heads = VinVLHeads(spec, self.backbone.out_channels)
         self.roi_chunk = 0
+        self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
         self.eval()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -152,7 +153,7 @@ class VinVLDetector(nn.Module):
             groups[tuple(b.shape[-2:])].append(i)
         fields: list[dict] = [{}] * len(blobs)
         for (h, w), idx in groups.items():
-            feat = self.backbone(stack_to_device([blobs[i] for i in idx], dev))
+            feat = self.backbone(stack_to_device([blobs[i] for i in idx], dev, self.channels_last))
             if selector.given:
                 props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], "per-axis") for i in idx]
             else:

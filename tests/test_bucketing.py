@@ -109,3 +109,30 @@ def test_bucket_window_setting() -> None:
     for bad in (-1, "many", True):
         with pytest.raises(ConfigError, match="bucket_window"):
             bucket_window(Config({"bucket_window": bad}), cpu)
+
+
+def test_channels_last_switch_gives_the_same_regions_to_rounding(tmp_path) -> None:
+    """extract.channels_last: NHWC weights and inputs; on CPU the regions equal the default layout's to float rounding."""
+    from extractors.preprocess import recipe_blob
+    from extractors.random_weights import random_detector
+    from extractors.recipes import apply_recipe, recipe_from_config
+    from extractors.selector import make_selector
+    from extractors.spec import caffe_r101
+    from extractors.to_host import use_channels_last
+
+    spec = caffe_r101().with_(min_size=64, max_size=96, post_nms_topk=20, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
+                              stem_channels=8, rpn_channels=16)
+    model = random_detector(spec, seed=0).fold_batchnorm()
+    recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
+    rule = make_selector(recipe, model.spec)
+    rng = np.random.default_rng(1)
+    decoded = [recipe_blob(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8), recipe) for _ in range(2)]
+    blobs, frames = [torch.from_numpy(d[0]) for d in decoded], [d[1] for d in decoded]
+    plain = model.detect(blobs, frames, rule)
+    use_channels_last(model, True)
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs) and any(not w.is_contiguous() for w in convs)
+    nhwc = model.detect(blobs, frames, rule)
+    for a, b in zip(plain, nhwc):
+        assert a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1e-3)
+        assert np.allclose(a.features, b.features, rtol=1e-4, atol=1e-5)
