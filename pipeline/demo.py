@@ -224,6 +224,11 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     kinds = demo_feature_kinds(cfg, features)
     if int(cfg.demo.seeds) < 1:
         raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
+    detector_overrides = {f"detector_train.{k}": v for k, v in cfg.detector_train.to_dict().items()}
+    if any(kind != "oracle" for kind in kinds):  # the detector_train: keys checked before any stage runs
+        from extractors.training.stage import demo_detector_config
+
+        demo_detector_config(out / "world", overrides=detector_overrides)
     t0 = time.perf_counter()
     report = DemoReport(out=out)
     from pipeline.world.generate import generate_world, world_stage_config
@@ -243,7 +248,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
     if any(kind != "oracle" for kind in kinds):
         from extractors.training.stage import demo_detector_config, train_detector
 
-        det_cfg = demo_detector_config(world.directory, overrides={f"detector_train.{k}": v for k, v in cfg.detector_train.to_dict().items()})
+        det_cfg = demo_detector_config(world.directory, overrides=detector_overrides)
         detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
         report.stages.append(detector)
         report.detector = dict(detector.summary.get("eval", {}))

@@ -126,3 +126,10 @@ def test_without_the_configs_folder_every_command_fails_in_one_line(monkeypatch,
         cli.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "non-editable `pip install .` is not supported" in err[0]
+
+
+def test_the_demo_checks_its_detector_train_keys_before_any_stage(tmp_path):
+    res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "run"), "--set", "detector_train.max_iters=5"])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "unknown config key 'detector_train.max_iters'" in errors[0], res.output
+    assert not (tmp_path / "run" / "world").exists()  # refused before the world stage
