@@ -24,7 +24,7 @@ def _tiny_any(name: str):
 
     def eos_biased_step(tokens, enc, state):
         logp, state = step(tokens, enc, state)
-        return torch.log_softmax(logp + bias, -1), state
+        return torch.log_softmax(logp + bias.to(logp.device), -1), state
 
     model.step = eos_biased_step
     return model
@@ -105,3 +105,24 @@ def test_baseline_loop_is_a_recipe_key_joint_by_default() -> None:
     assert stage_recipe("scst", {}, {**base, "baseline_loop": "separate"}, 1, "t").baseline_loop == "separate"
     with pytest.raises(ConfigError, match="baseline_loop"):
         stage_recipe("scst", {}, {**base, "baseline_loop": "both"}, 1, "t")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["ngsan", "aoa", "ban"])
+def test_one_loop_on_cuda(name) -> None:
+    """On CUDA (other random numbers than CPU): the joint step runs (attention dropout leaves the fused kernel inside a
+    split), its greedy rows take no dropout, the loss and gradients are finite."""
+    from models.row_dropout import Dropout, dropout_rows
+    from pipeline.training import scst_step
+
+    x = torch.rand(7, 3, 5, device="cuda") + 1
+    with dropout_rows(4, 7):
+        y = Dropout(0.5).train()(x)
+    assert torch.equal(y[4:], x[4:]) and not torch.equal(y[:4], x[:4])
+    model = _tiny_any(name).cuda().train()
+    scorer, vocab = _scorer_and_vocab()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch().items()}
+    out = scst_step.scst_loss(model, batch, scorer, vocab, method="sample", num_samples=3, max_len=9, baseline="greedy", normalize="tokens")
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -59,7 +59,7 @@ def _tiny(name: str):
 
     def eos_biased_step(tokens, enc, state):
         logp, state = step(tokens, enc, state)
-        return torch.log_softmax(logp + bias, -1), state
+        return torch.log_softmax(logp + bias.to(logp.device), -1), state
 
     model.step = eos_biased_step
     return model
