@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.decoding import DecodeOptions
 from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases, validate_against
 from pipeline.core.console import get_logger
 from pipeline.core.errors import ConfigError
 from pipeline.core.vocab import EOS
+
+if TYPE_CHECKING:
+    from models.checkpoints import CaptionerCheckpoint
 
 log = get_logger("decoding")
 
@@ -66,7 +69,7 @@ def command_decoding(command: Mapping[str, Any] | None) -> dict[str, Any]:
     return over
 
 
-def decoding_for(ckpt: Mapping[str, Any], command: Mapping[str, Any] | None, precision: str, device: Any, key: str, *,
+def decoding_for(ckpt: CaptionerCheckpoint, command: Mapping[str, Any] | None, precision: str, device: Any, key: str, *,
                  fp16: bool = True) -> tuple[DecodeOptions, str]:
     """How a command decodes the captioner checkpoint ``ckpt``: :func:`layered_decoding` over the checkpoint's
     ``decoding`` and the resolved ``precision`` (:func:`pipeline.core.precision.resolve_precision`; a released
@@ -75,8 +78,8 @@ def decoding_for(ckpt: Mapping[str, Any], command: Mapping[str, Any] | None, pre
     where the detector runs under the same precision (``caption``, ``serve``)."""
     from pipeline.core.precision import resolve_precision
 
-    resolved = resolve_precision(precision, device, key, fp16=fp16, published=bool(ckpt.get("release")))
-    return layered_decoding(ckpt.get("decoding"), command), resolved
+    resolved = resolve_precision(precision, device, key, fp16=fp16, published=ckpt.release is not None)
+    return layered_decoding(ckpt.decoding, command), resolved
 
 
 def caption_words(vocab: Any, ids: list[int], options: DecodeOptions) -> list[str]:

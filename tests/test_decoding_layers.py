@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from models.captions import decoding_for, layered_decoding
+from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
 from pipeline.commands.caption import CAPTION_EVERYDAY
 from pipeline.commands.evaluate import EVALUATE_EVERYDAY
 from pipeline.commands.options import CommandOptions
@@ -23,6 +24,12 @@ from pipeline.core.errors import ConfigError
 TRAINED = {"decoding": {"method": "beam", "beam_size": 3, "max_len": 16, "n_best": 1, "length_penalty": 0.0}}
 RELEASED = {"release": "m2", "decoding": {"method": "beam", "beam_size": 5, "max_len": 20, "stop_rule": "official_m2",
                                           "collapse_repeats": True}}
+
+
+def as_checkpoint(ckpt: dict) -> CaptionerCheckpoint:
+    """The typed checkpoint (models/checkpoints.py) holding ``ckpt``'s decoding and, for a release, its record."""
+    release = ReleaseInfo("m2", "M2", "m2.pth", "vocab.pkl", {}, 1) if "release" in ckpt else None
+    return CaptionerCheckpoint(model_name="m2", model_config={}, vocab=(), weights={}, decoding=ckpt["decoding"], release=release)
 
 
 def _roots(**given):
@@ -43,8 +50,8 @@ def test_caption_and_evaluate_resolve_the_same_precision_and_decoding(given, dev
     cap, ev = _roots(**dict(given))
     assert cap.caption.precision == ev.evaluate.precision
     for ckpt in (TRAINED, RELEASED):
-        by_caption = decoding_for(ckpt, cap.decoding.to_dict(), cap.caption.precision, dev, "caption.precision", fp16=False)
-        by_evaluate = decoding_for(ckpt, ev.decoding.to_dict(), ev.evaluate.precision, dev, "evaluate.precision")
+        by_caption = decoding_for(as_checkpoint(ckpt), cap.decoding.to_dict(), cap.caption.precision, dev, "caption.precision", fp16=False)
+        by_evaluate = decoding_for(as_checkpoint(ckpt), ev.decoding.to_dict(), ev.evaluate.precision, dev, "evaluate.precision")
         assert by_caption == by_evaluate
         options, resolved = by_caption
         flags = given.get("decoding", {})

@@ -169,22 +169,22 @@ def _steps(stage_dir: Path) -> int:
 
 
 def test_captioner_deterministic_on_cuda_two_runs_and_sigkill_resume_bitwise(caption_run, tmp_path):
-    from models.checkpoints import read_training_checkpoint
+    from models.checkpoints import CaptionerCheckpoint
 
     for name in ("a", "b"):
         done = subprocess.run(_train_cli(caption_run, tmp_path / name), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-    wa = read_training_checkpoint(tmp_path / "a" / "train-san" / "last.pt")["weights"]
-    wb = read_training_checkpoint(tmp_path / "b" / "train-san" / "last.pt")["weights"]
+    wa = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "last.pt").weights
+    wb = CaptionerCheckpoint.load(tmp_path / "b" / "train-san" / "last.pt").weights
     assert _equal_tensors(wa, wb) == [], "two deterministic CUDA runs differ"
     stage_dir = tmp_path / "k" / "train-san"
     proc = subprocess.Popen(_train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(proc, lambda: _steps(stage_dir) >= 26)  # mid XE epoch 1 (20 batches per epoch, a checkpoint every 3 steps)
-    ck = read_training_checkpoint(stage_dir / "last.pt")
-    assert ck["stage"] == "xe" and not (stage_dir / "manifest.json").exists()
+    ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
+    assert ck.progress.stage == "xe" and not (stage_dir / "manifest.json").exists()
     done = subprocess.run(_train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("last.pt", "best.pt", "xe.pt"):
-        a = read_training_checkpoint(tmp_path / "a" / "train-san" / name)["weights"]
-        b = read_training_checkpoint(stage_dir / name)["weights"]
+        a = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / name).weights
+        b = CaptionerCheckpoint.load(stage_dir / name).weights
         assert _equal_tensors(a, b) == [], f"{name}: the resumed run differs from the uninterrupted one"

@@ -59,10 +59,10 @@ def test_m2_layout_has_the_release_keys(m2_files) -> None:
 def test_m2_conversion_maps_names_shapes_and_vocabulary_rows(m2_files) -> None:
     path, vocab, state = m2_files
     payload = convert_release(path, vocab)
-    assert payload["model"]["name"] == "m2" and payload["vocab"][:5] == ["<pad>", "<bos>", "<eos>", "<unk>", "a"]
-    cfg = payload["model"]["config"]
+    assert payload.model_name == "m2" and list(payload.vocab)[:5] == ["<pad>", "<bos>", "<eos>", "<unk>", "a"]
+    cfg = payload.model_config
     assert cfg["official_mask"] is True and cfg["fixed_regions"] == 50 and cfg["max_len"] == 10 and cfg["num_memory"] == 3
-    w = payload["weights"]
+    w = payload.weights
     emb, out = state["decoder.word_emb.weight"], state["decoder.fc.weight"]
     for ours, theirs in ((PAD, 1), (BOS, 2), (EOS, 3), (UNK, 0), (4, 4), (11, 11)):
         assert torch.equal(w["word_emb.weight"][ours], emb[theirs]) and torch.equal(w["out.weight"][ours], out[theirs])
@@ -70,9 +70,9 @@ def test_m2_conversion_maps_names_shapes_and_vocabulary_rows(m2_files) -> None:
     assert torch.equal(w["encoder.attn.2.attention.m_v"], state["encoder.layers.2.mhatt.attention.m_v"])
     assert torch.equal(w["encoder.ff.0.norm.bias"], state["encoder.layers.0.pwff.layer_norm.bias"])
     assert torch.equal(w["pos_emb.weight"], state["decoder.pos_emb.weight"])
-    assert payload["decoding"]["stop_rule"] == "official_m2" and payload["decoding"]["beam_size"] == 5
+    assert payload.decoding["stop_rule"] == "official_m2" and payload.decoding["beam_size"] == 5
     model, ckpt = load_captioner(path, companion=vocab)
-    assert ckpt["release"]["kind"] == "m2" and model.encoder.official_mask and model.fixed_regions == 50
+    assert ckpt.release.kind == "m2" and model.encoder.official_mask and model.fixed_regions == 50
 
 
 def test_m2_converted_model_runs_and_pads_to_fifty_regions(m2_files) -> None:
@@ -101,7 +101,7 @@ def test_cached_conversion_is_reused_and_native(m2_files, tmp_path, monkeypatch)
 
     monkeypatch.setattr(released, "load_release", never)
     model, ckpt = load_captioner(path, companion=vocab)  # later runs: hashes, then the native copy only
-    assert ckpt["release"]["kind"] == "m2"
+    assert ckpt.release.kind == "m2"
     data = torch.load(first, weights_only=True)  # the native file needs no allowlist
     assert data["format"] == "butd-caption-checkpoint" and data["release"]["vocab_file"] == "vocab.pkl"
 
@@ -112,10 +112,10 @@ def test_aoanet_layout_conversion_and_rows(aoa_files) -> None:
     assert "refiner.layers.0.sublayer.0.norm.b_2" in state and "core.attention.linears.0.weight" in state
     payload = convert_release(path, infos)
     v = len(WORDS) + 1  # release words 1..V, V = UNK
-    assert payload["model"]["name"] == "aoa" and payload["vocab"] == ["<pad>", "<bos>", "<eos>", "<unk>", *WORDS]
-    cfg = payload["model"]["config"]
+    assert payload.model_name == "aoa" and list(payload.vocab) == ["<pad>", "<bos>", "<eos>", "<unk>", *WORDS]
+    cfg = payload.model_config
     assert cfg["num_layers"] == 6 and not cfg["use_ff"] and cfg["d_model"] == 16 and cfg["ctx_drop"] is True
-    w = payload["weights"]
+    w = payload.weights
     emb, logit, bias = state["embed.0.weight"], state["logit.weight"], state["logit.bias"]
     for ours, theirs in ((PAD, 0), (BOS, 0), (EOS, 0), (UNK, v), (4, 1), (4 + len(WORDS) - 1, len(WORDS))):
         assert torch.equal(w["embed.0.weight"][ours], emb[theirs])
@@ -125,7 +125,7 @@ def test_aoanet_layout_conversion_and_rows(aoa_files) -> None:
     assert torch.equal(w["query_norm.a"], state["core.attention.norm.a_2"])
     model, ckpt = load_captioner(path, companion=infos)
     model.eval()
-    assert ckpt["decoding"]["stop_rule"] == "official_aoanet" and ckpt["decoding"]["beam_size"] == 2
+    assert ckpt.decoding["stop_rule"] == "official_aoanet" and ckpt.decoding["beam_size"] == 2
     with torch.no_grad():  # the log-softmax over the release's rows is unchanged by the two impossible rows
         enc = model.encode(torch.rand(1, 5, 12), torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 5, 4), torch.ones(1, 2))
         logp, _ = model.step(torch.tensor([BOS]), enc, model.init_state(enc))
@@ -135,7 +135,7 @@ def test_aoanet_layout_conversion_and_rows(aoa_files) -> None:
 def test_dataparallel_prefix_and_zip_format(tmp_path) -> None:
     state = write_aoanet(tmp_path, WORDS + ["UNK"], **SMALL_AOA)
     torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "model-best.pth")  # saved from DataParallel
-    assert convert_release(tmp_path / "model-best.pth")["model"]["name"] == "aoa"  # infos found next to it
+    assert convert_release(tmp_path / "model-best.pth").model_name == "aoa"  # infos found next to it
     write_m2_vocab(tmp_path / "vocab.pkl", WORDS)
     write_m2_checkpoint(tmp_path / "m2.pth", 4 + len(WORDS), **SMALL_M2)
     from models.released.unpickle import load_weights_file

@@ -229,7 +229,7 @@ def test_m2_captions_equal_the_release_forward_with_the_release_search(tmp_path)
     padded = torch.cat([feats, torch.zeros(n, 38, 12, dtype=torch.float64)], 1)
     release = _ReleaseStepper(lambda img, prefix: m2_release_logprobs(s, padded[img], prefix)[:, -1], n)
     to_ours = [3, 0, 1, 2] + list(range(4, 4 + len(WORDS)))
-    opts = DecodeOptions.from_mapping({**ckpt["decoding"], "beam_size": 3, "n_best": 3, "max_len": 8})
+    opts = DecodeOptions.from_mapping({**ckpt.decoding, "beam_size": 3, "n_best": 3, "max_len": 8})
     with torch.no_grad():
         out = beam_search(model, model.encode(feats, mask, torch.zeros(n, 12, 4), torch.ones(n, 2)), opts)
         for i in range(n):
@@ -265,7 +265,7 @@ def test_aoanet_captions_equal_the_release_forward_with_the_release_search(tmp_p
 
     v = len(words)
     to_ours = [2] + list(range(4, 4 + v - 1)) + [3]
-    opts = DecodeOptions.from_mapping({**ckpt["decoding"], "n_best": 2, "max_len": 8})
+    opts = DecodeOptions.from_mapping({**ckpt.decoding, "n_best": 2, "max_len": 8})
     with torch.no_grad():
         out = beam_search(model, model.encode(feats, mask.bool(), torch.zeros(n, 9, 4), torch.ones(n, 2)), opts)
         for i in range(n):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoints import read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,25 +67,25 @@ def test_kill_at_every_boundary_then_resume_is_bitwise_identical(run: Path, tmp_
     out = tmp_path / "b"
     last = out / "train-san" / "last.pt"
     checks = [
-        ("epoch_end:xe:0", lambda c: (c["stage"], c["epoch"], c["position"]) == ("xe", 1, 0)),  # the rate changes here
-        ("step:xe:8", lambda c: (c["stage"], c["epoch"], c["position"]) == ("xe", 1, 2)),  # step 7 is lost and redone
-        ("validation:xe:1", lambda c: (c["stage"], c["epoch"], c["position"]) == ("xe", 1, 4)),
-        ("epoch_end:scst:0", lambda c: (c["stage"], c["epoch"], c["position"]) == ("scst", 1, 0)),
-        ("step:scst:6", lambda c: (c["stage"], c["epoch"], c["position"]) == ("scst", 1, 1)),
+        ("epoch_end:xe:0", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 0)),  # the rate changes here
+        ("step:xe:8", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 2)),  # step 7 is lost and redone
+        ("validation:xe:1", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 4)),
+        ("epoch_end:scst:0", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("scst", 1, 0)),
+        ("step:scst:6", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("scst", 1, 1)),
     ]
     for kill, where in checks:
         res = train(run, out, kill)
         assert res.returncode == -signal.SIGKILL, f"{kill}: {res.stderr[-3000:]}"
-        ck = read_training_checkpoint(last)
-        assert where(ck), f"{kill}: last.pt at {ck['stage']} epoch {ck['epoch']} position {ck['position']}"
+        ck = CaptionerCheckpoint.load(last)
+        assert where(ck), f"{kill}: last.pt at {ck.progress.stage} epoch {ck.progress.epoch} position {ck.progress.position}"
     done = train(run, out)
     assert done.returncode == 0, done.stderr[-3000:]
     rates = [r["lr"] for r in map(json.loads, (tmp_path / "a" / "train-san" / "log.jsonl").read_text().splitlines())
              if r["event"] == "train" and r["stage"] == "xe"]
     assert rates == [1e-3] * 4 + [5e-4] * 4 + [2.5e-4] * 4  # every step of an epoch at that epoch's rate
-    a, b = read_training_checkpoint(tmp_path / "a" / "train-san" / "last.pt"), read_training_checkpoint(last)
+    a, b = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "last.pt").to_dict(), CaptionerCheckpoint.load(last).to_dict()
     assert a["stage"] == b["stage"] == "scst" and a["stage_done"] and b["stage_done"]
     for key in ("weights", "optimizer", "schedule", "global_step", "iteration", "epoch"):
         assert_bitwise_equal(a[key], b[key], key)
-    assert_bitwise_equal(read_training_checkpoint(tmp_path / "a" / "train-san" / "xe.pt")["weights"],
-                         read_training_checkpoint(out / "train-san" / "xe.pt")["weights"], "xe.pt weights")
+    assert_bitwise_equal(CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "xe.pt").weights,
+                         CaptionerCheckpoint.load(out / "train-san" / "xe.pt").weights, "xe.pt weights")

@@ -17,7 +17,7 @@ import torch
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.config import load_config
 from pipeline.training.api import evaluate_checkpoint, train_captioner
-from models.checkpoints import read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint
 from pipeline.training.validation import fast_cider
 from train_helpers import make_world_run, train_overrides
 
@@ -60,8 +60,8 @@ def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
     assert xe["metrics"]["CIDEr"] > base + 0.5 and xe["metrics"]["CIDEr"] > 2.5 * base
     assert scst["metrics"]["CIDEr"] > xe["metrics"]["CIDEr"] + 0.05
     # the checkpoints describe themselves; the log has train, epoch and val records of both stages
-    ck = read_training_checkpoint(d / "last.pt")
-    assert ck["model"]["name"] == model and ck["stage"] == "scst" and ck["stage_done"] and ck["model"]["config"]["d_model"] == 64
+    ck = CaptionerCheckpoint.load(d / "last.pt")
+    assert ck.model_name == model and ck.progress.stage == "scst" and ck.progress.stage_done and ck.model_config["d_model"] == 64
     records = [json.loads(line) for line in (d / "log.jsonl").read_text().splitlines()]
     assert {(r["event"], r["stage"]) for r in records if "stage" in r} >= {("train", "xe"), ("val", "xe"), ("train", "scst"), ("val", "scst")}
     # predictions file is in COCO results format with one caption per test image

@@ -20,7 +20,7 @@ from pipeline.core.config import load_config
 from pipeline.core.stages import run_stage
 from pipeline.store import FeatureStore, open_writer
 from pipeline.training.api import train_captioner
-from models.checkpoints import read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint
 from train_helpers import make_world_run, train_overrides
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed (the PTB tokenizer needs it)")
@@ -129,9 +129,9 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(traine
     res = invoke("train", "--out", str(tmp_path), *[a for s in sets for a in ("--set", s)])
     line = error_line(res)
     assert res.exit_code == 1 and "loss became nan" in line and "last good checkpoint is kept" in line
-    ck = read_training_checkpoint(tmp_path / "train-san" / "last.pt")
+    ck = CaptionerCheckpoint.load(tmp_path / "train-san" / "last.pt")
     failed_at = int(line.split("iteration ")[1].split(":")[0])
-    assert ck["iteration"] == failed_at - 1 and all(torch.isfinite(v).all() for v in ck["weights"].values() if v.is_floating_point())
+    assert ck.progress.iteration == failed_at - 1 and all(torch.isfinite(v).all() for v in ck.weights.values() if v.is_floating_point())
 
 
 def test_train_without_store_is_a_usage_error(tmp_path) -> None:

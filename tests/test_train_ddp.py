@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoints import read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,8 +58,8 @@ def test_two_process_gloo_epoch_matches_single_process(run, tmp_path) -> None:
     print(f"\nsingle: loss {one['epoch']['loss']:.5f} CIDEr {one['val']['CIDEr']:.4f}; DDP x2: loss {two['epoch']['loss']:.5f} CIDEr {two['val']['CIDEr']:.4f}")
     assert abs(one["epoch"]["loss"] - two["epoch"]["loss"]) < 0.02
     assert abs(one["val"]["CIDEr"] - two["val"]["CIDEr"]) < 0.02
-    wa = read_training_checkpoint(tmp_path / "one" / "train-san" / "last.pt")["weights"]
-    wb = read_training_checkpoint(tmp_path / "two" / "train-san" / "last.pt")["weights"]
+    wa = CaptionerCheckpoint.load(tmp_path / "one" / "train-san" / "last.pt").weights
+    wb = CaptionerCheckpoint.load(tmp_path / "two" / "train-san" / "last.pt").weights
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst < 1e-3, f"weights differ by up to {worst}"
     # only rank 0 wrote: one manifest, one log, no duplicated records

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoints import read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,28 +61,28 @@ def test_killed_and_resumed_run_gives_bitwise_identical_weights(run, tmp_path) -
     # 1) SIGKILL in the middle of XE epoch 1 (20 batches per epoch, checkpoints every 3 steps)
     killed = interrupt(command(run, b), stage_dir, "xe", 26, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    ck = read_training_checkpoint(stage_dir / "last.pt")
-    assert ck["stage"] == "xe" and ck["epoch"] == 1 and 0 < ck["position"] < 20
+    ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
+    assert ck.progress.stage == "xe" and ck.progress.epoch == 1 and 0 < ck.progress.position < 20
     assert not (stage_dir / "manifest.json").exists() and (stage_dir / "running.json").exists()
     # 2) SIGKILL at the first SCST step: the checkpoint of the finished XE stage (no SCST checkpoint before step 3)
     killed = interrupt(command(run, b), stage_dir, "scst", 1, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    ck = read_training_checkpoint(stage_dir / "last.pt")
-    assert (ck["stage"], ck["stage_done"]) == ("xe", True) or ck["iteration"] >= 3  # the latter only on a very slow kill
+    ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
+    assert (ck.progress.stage, ck.progress.stage_done) == ("xe", True) or ck.progress.iteration >= 3  # the latter only on a very slow kill
     # 3) SIGTERM during SCST: saves at the next step boundary and exits cleanly (130, one line, no traceback)
     stopped = interrupt(command(run, b), stage_dir, "scst", 4, signal.SIGTERM)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "run the same command again to resume" in stopped.stderr
-    ck = read_training_checkpoint(stage_dir / "last.pt")
-    assert ck["stage"] == "scst" and not ck["stage_done"] and 4 <= ck["iteration"] < 8
+    ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
+    assert ck.progress.stage == "scst" and not ck.progress.stage_done and 4 <= ck.progress.iteration < 8
     # 4) finish
     done = subprocess.run(command(run, b), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(x)["event"] for x in (stage_dir / "log.jsonl").read_text().splitlines()]
     assert events.count("resume") == 3
     for name in ("last.pt", "best.pt", "xe.pt"):
-        wa = read_training_checkpoint(tmp_path / "a" / "train-san" / name)["weights"]
-        wb = read_training_checkpoint(stage_dir / name)["weights"]
+        wa = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / name).weights
+        wb = CaptionerCheckpoint.load(stage_dir / name).weights
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{name}: {k} differs after resume"

@@ -27,10 +27,11 @@ def die() -> None:
 save, step = engine.Trainer._save, engine.Trainer._step
 
 
-def _save(self, name, payload):
-    save(self, name, payload)
-    if (kind == "epoch_end" and name == "last.pt" and payload.get("stage") == stage and payload.get("epoch") == at_n + 1
-            and payload.get("position") == 0 and not payload.get("stage_done")):
+def _save(self, name, ckpt):
+    save(self, name, ckpt)
+    prog = ckpt.progress
+    if (kind == "epoch_end" and name == "last.pt" and prog.stage == stage and prog.epoch == at_n + 1
+            and prog.position == 0 and not prog.stage_done):
         die()
 
 

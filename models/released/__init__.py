@@ -8,7 +8,7 @@ mapping and the parity switches it sets):
 * ``aoanet`` (:mod:`models.released.aoanet`): husthuaan/AoANet ``model-best.pth`` + ``infos_*.pkl``.
 
 A release is recognised from the content of its weights file (never from its name). :func:`convert_release`
-builds the native checkpoint payload (``models/checkpoints.py``: model name and constructor config, word list,
+builds the native checkpoint (:class:`models.checkpoints.CaptionerCheckpoint`: model name and constructor config, word list,
 weights, the paper's decoding settings and the features the release expects); :func:`ensure_native` writes it
 once into a cache keyed by the SHA-256 of both source files, so later runs read the safe native file only.
 Pickles are read with the restricted unpickler of :mod:`models.released.unpickle`.
@@ -19,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError, exception_line
 from pipeline.core.locks import acquire_lock
+
+if TYPE_CHECKING:
+    from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
 
 log = get_logger("released")
 
@@ -69,8 +72,10 @@ def find_companion(weights: Path, kind: str, companion: str | Path | None) -> Pa
     raise UsageError(f"{weights} is a released {kind} model: pass its {spec['companion']} with --vocab (none found {where})")
 
 
-def convert_release(weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None) -> dict[str, Any]:
-    """The native checkpoint payload for a released model (``kind: weights``, with ``release`` metadata)."""
+def convert_release(weights: str | Path, companion: str | Path | None = None,
+                    loaded: tuple[str | None, Any] | None = None) -> CaptionerCheckpoint:
+    """The native checkpoint of a released model (``kind: weights``, with its :class:`ReleaseInfo`)."""
+    from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
     from models.released import aoanet, m2
 
     weights = Path(weights)
@@ -85,17 +90,13 @@ def convert_release(weights: str | Path, companion: str | Path | None = None, lo
     except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as exc:  # a malformed release, never a traceback
         raise UsageError(f"{weights} (with {vocab_path.name}): not a convertible {RELEASES[kind]['title']} release "
                          f"({exception_line(exc)[:200]})") from None
-    features = conv["features"]
-    return {
-        "kind": "weights",
-        "model": {"name": conv["name"], "config": conv["config"], "vocab_size": len(conv["vocab"])},
-        "vocab": conv["vocab"],
-        "weights": conv["weights"],
-        "decoding": conv["decoding"],
-        "train_config": {"max_boxes": None},  # M2 keeps its first 50 regions itself (fixed_regions)
-        "release": {"kind": kind, "title": RELEASES[kind]["title"], "weights_file": weights.name,
-                    "vocab_file": vocab_path.name, "features": features, "converter_version": CONVERTER_VERSION},
-    }
+    return CaptionerCheckpoint(
+        model_name=conv["name"], model_config=conv["config"], vocab=tuple(conv["vocab"]), weights=conv["weights"],
+        decoding=conv["decoding"],
+        train_config={"max_boxes": None},  # M2 keeps its first 50 regions itself (fixed_regions)
+        release=ReleaseInfo(kind=kind, title=RELEASES[kind]["title"], weights_file=weights.name, vocab_file=vocab_path.name,
+                            features=conv["features"], converter_version=CONVERTER_VERSION),
+    )
 
 
 def _check_fits(conv: dict[str, Any], source: Path) -> None:
@@ -130,11 +131,9 @@ def cache_dir() -> Path:
     return Path(root) / "released" if root else Path.home() / ".cache" / "butd-caption" / "released"
 
 
-def write_native(payload: dict[str, Any], out: str | Path) -> Path:
-    """Write a converted payload as a native checkpoint (atomic)."""
-    from pipeline.core.checkpoint import save_checkpoint
-
-    return save_checkpoint(out, payload)
+def write_native(ckpt: CaptionerCheckpoint, out: str | Path) -> Path:
+    """Write a converted release as a native checkpoint (atomic; :meth:`CaptionerCheckpoint.save`)."""
+    return ckpt.save(out)
 
 
 def _cache_target(kind: str, weights: Path, weights_sha: str, vocab_path: Path) -> Path:
@@ -182,9 +181,9 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
     with lock:
         if target.is_file():  # another process converted it while this one hashed and unpickled
             return target
-        payload = convert_release(weights, vocab_path, (kind, obj))
+        converted = convert_release(weights, vocab_path, (kind, obj))
         try:
-            write_native(payload, target)
+            write_native(converted, target)
         except OSError as exc:
             raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
                              "or convert once with `cli convert-captioner`") from None
@@ -192,34 +191,34 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
     return target
 
 
-def features_line(release: dict[str, Any]) -> str:
+def features_line(release: ReleaseInfo) -> str:
     """One line saying which features a released model expects (``caption`` logs it)."""
-    feats = release.get("features") or {}
+    feats = release.features
     boxes = feats.get("boxes", "adaptive")
     limits = " 10-100" if boxes == "adaptive" else ""
     cap = f", the first {feats['max_boxes']} regions given to the model" if feats.get("max_boxes") else ""
-    return (f"{release.get('title', release.get('kind'))} expects the Caffe bottom-up features it was trained on: "
+    return (f"{release.title} expects the Caffe bottom-up features it was trained on: "
             f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} (other settings: --set caption.recipe=... / caption.boxes=...)")
 
 
 def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     """What a captioner file holds (a native checkpoint or a release), or None if it is neither (``cli info``)."""
-    from models.checkpoints import read_training_checkpoint
+    from models.checkpoints import CaptionerCheckpoint
     from pipeline.core.errors import PipelineError
 
     path = Path(path)
     if path.suffix == ".pkl":
         return _describe_vocabulary(path)
     try:
-        ckpt = read_training_checkpoint(path)
+        ckpt = CaptionerCheckpoint.load(path)
     except PipelineError:
         ckpt = None
     if ckpt is not None:
-        out = {"file": str(path), "format": f"butd-caption checkpoint ({ckpt['kind']})", "model": ckpt["model"]["name"],
-               "vocabulary": f"{len(ckpt['vocab']):,} words", "decoding": ckpt.get("decoding") or "the model's defaults"}
-        release = ckpt.get("release")
+        out = {"file": str(path), "format": f"butd-caption checkpoint ({ckpt.kind})", "model": ckpt.model_name,
+               "vocabulary": f"{len(ckpt.vocab):,} words", "decoding": ckpt.decoding or "the model's defaults"}
+        release = ckpt.release
         if release:
-            out["converted from"] = f"{release['title']}: {release['weights_file']} + {release['vocab_file']}"
+            out["converted from"] = f"{release.title}: {release.weights_file} + {release.vocab_file}"
             out["features"] = features_line(release)
         return out
     try:

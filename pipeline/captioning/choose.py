@@ -31,9 +31,10 @@ def validation_score(best: Path) -> dict[str, Any] | None:
     if manifest.is_file():
         record = (read_json(manifest, "train stage manifest").get("summary") or {}).get("best")
     if not record:
-        from models.checkpoints import read_training_checkpoint
+        from models.checkpoints import CaptionerCheckpoint
 
-        record = read_training_checkpoint(best).get("best")
+        progress = CaptionerCheckpoint.load(best).progress
+        record = progress.best if progress else None
     if isinstance(record, dict) and isinstance(record.get("value"), (int, float)) and record.get("metric"):
         return record
     return None

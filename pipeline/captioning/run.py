@@ -12,7 +12,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.captioning.choose import find_checkpoint, find_detector  # noqa: F401 - the public entry points
 from pipeline.captioning.journal import Journal
@@ -21,6 +21,9 @@ from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress, progress_enabled, stdout_console
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.keys import key_to_text, markup_escape
+
+if TYPE_CHECKING:
+    from models.checkpoints import ReleaseInfo
 
 log = get_logger("caption")
 
@@ -111,8 +114,8 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
 
     device = resolve_device(str(cfg.device))
     captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
-    cfg = _release_features(cfg, ckpt.get("release"))
-    vocab = Vocab(tuple(ckpt["vocab"]))
+    cfg = _release_features(cfg, ckpt.release)
+    vocab = Vocab(ckpt.vocab)
     try:
         options, precision = decoding_for(ckpt, decoding, str(cfg.precision), device, "caption.precision", fp16=False)
         check_max_len(options, captioner, "--max-len")
@@ -124,16 +127,16 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     recipe, rule = configure_recipe(detector, identity, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh"))
     if recipe.selector == "given":
         raise UsageError("caption.boxes given: photos have no boxes to give; use adaptive, 36 or null (the recipe's own)")
-    trained_with = ckpt.get("store_identity") or {}
+    trained_with = ckpt.store_identity or {}
     if trained_with.get("weights_sha256") and trained_with["weights_sha256"] != identity["weights_sha256"]:
         log.warning("the captioner was trained on features of another detector (%s); captions may be poor",
                     trained_with.get("name", "unknown"))
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
-    max_boxes = cfg.max_boxes if cfg.max_boxes is not None else (ckpt.get("train_config") or {}).get("max_boxes")
+    max_boxes = cfg.max_boxes if cfg.max_boxes is not None else ckpt.max_boxes
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels),
                             precision=precision, store_settings=record_settings(identity, rule, precision))
     settings = {
-        "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.get("global_step"),
+        "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.progress.global_step if ckpt.progress else None,
         "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,
     }
     return engine, list(classes), list(attributes), settings
@@ -227,14 +230,14 @@ def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPl
     return summary
 
 
-def _release_features(cfg: Config, release: dict[str, Any] | None) -> Config:
+def _release_features(cfg: Config, release: ReleaseInfo | None) -> Config:
     """A released model expects the Caffe bottom-up features it was trained on: its recipe and box limits
     unless the config names others (models.released); says so in one line."""
     if not release:
         return cfg
     from models.released import features_line
 
-    feats = release.get("features") or {}
+    feats = release.features
     changes: dict[str, Any] = {}
     if "recipe" in cfg and cfg.recipe in (None, "auto"):
         changes["recipe"] = feats.get("recipe", "caffe")

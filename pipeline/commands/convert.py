@@ -32,11 +32,10 @@ def register(app: typer.Typer) -> None:
         """
         from models.released import convert_release, write_native
 
-        payload = convert_release(source, vocab)
-        write_native(payload, out)
-        model = payload["model"]
-        n = sum(int(w.numel()) for w in payload["weights"].values())
+        ckpt = convert_release(source, vocab)
+        write_native(ckpt, out)
+        n = sum(int(w.numel()) for w in ckpt.weights.values())
         con = stdout_console()
-        con.print(f"{out}: {payload['release']['title']} -> '{model['name']}' ({n:,} weights, {model['vocab_size']:,} words)",
-                  highlight=False, markup=False)
-        con.print(f"decoding: {payload['decoding']}", highlight=False, markup=False)
+        title = ckpt.release.title if ckpt.release else source.name
+        con.print(f"{out}: {title} -> '{ckpt.model_name}' ({n:,} weights, {len(ckpt.vocab):,} words)", highlight=False, markup=False)
+        con.print(f"decoding: {ckpt.decoding}", highlight=False, markup=False)

@@ -140,12 +140,12 @@ def evaluate_checkpoint(
     prepared = PreparedCaptions.load(data)
     dev = resolve_device(device)
     model, ckpt = load_captioner(checkpoint, dev, prepared.vocab, companion=companion)
-    vocab = Vocab(tuple(ckpt["vocab"])) if ckpt.get("release") else prepared.vocab
+    vocab = Vocab(ckpt.vocab) if ckpt.release else prepared.vocab
     section = eval_section if eval_section is not None else load_config("evaluate", None, []).evaluate
     features = FeatureStore(store)
     want = getattr(model, "feat_dim", None)
     if want is not None and features.feature_dim is not None and features.feature_dim != want:
-        hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.get("release") else ""
+        hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.release else ""
         raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
     dataset = CaptionDataset(features, prepared, split)
     options, resolved = decoding_for(ckpt, decoding, precision, dev, "evaluate.precision")  # as caption decodes it
@@ -161,7 +161,7 @@ def evaluate_checkpoint(
     pred_path = atomic_write_json(out / f"predictions_{split}.json", results, indent=None)
     metrics = {k: v for k, v in scores.items() if isinstance(v, float)}
     payload = {
-        "checkpoint": str(checkpoint), "model": ckpt["model"]["name"], "split": split, "num_images": len(preds),
+        "checkpoint": str(checkpoint), "model": ckpt.model_name, "split": split, "num_images": len(preds),
         "decoding": asdict(options), "metrics": metrics, "skipped": scores.get("skipped", {}), "notes": scores.get("notes", []),
         "tokenizer": scores.get("tokenizer", "words"),
     }

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from torch import nn
 from models import build_captioner, model_card, model_config
 from models.decoding import DecodeOptions, decoding_options
 from pipeline.caption_data.prepared import PreparedCaptions
-from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.data import CaptionDataset
@@ -43,7 +42,7 @@ from pipeline.core.fileio import atomic_write_bytes
 from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
-from models.checkpoints import check_compatible, read_training_checkpoint
+from models.checkpoints import CaptionerCheckpoint, Progress, TrainingState
 from pipeline.core.distributed import DistContext, all_sums, broadcast_object
 from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, make_scaler, optimizer_step,
                                     resolve_precision, restore_rng_states, restore_training_state, seed_everything,
@@ -59,21 +58,6 @@ log = get_logger("train")
 STAGES = ("xe", "scst")
 STAGE_SEED_OFFSET = {"xe": 0, "scst": 7919}
 __all__ = ["Progress", "Trainer", "TrainingInterrupted", "build_optimizer"]
-
-
-@dataclass
-class Progress:
-    """Counters saved in every checkpoint."""
-
-    stage: str = "xe"
-    stage_done: bool = False
-    epoch: int = 0
-    position: int = 0
-    iteration: int = 0
-    global_step: int = 0
-    bad_epochs: int = 0
-    best: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _plain(value: Any) -> dict[str, Any]:
@@ -173,24 +157,21 @@ class Trainer:
                 if isinstance(v, (int, float)) and k not in ("time", "global_step", "epoch", "iteration"):
                     self._tb.add_scalar(f"{record.get('event')}/{record.get('stage')}/{k}", v, step)
 
-    def _payload(self, kind: str, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "kind": kind,
-            "model": {"name": self.cfg.model, "config": self.model_cfg, "vocab_size": len(self.vocab)},
-            "vocab": list(self.vocab.words),
-            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "decoding": asdict(self.decoding),
-            **asdict(prog),
-            "train_config": self.cfg.to_dict(),
-            "store_identity": dict(self.train_set.store.identity),  # which extractor made the features
-        }
-        if kind == "train":  # every rank takes part (the RNG states are gathered)
-            payload.update(schedule=schedule.state_dict(), **training_state(optimizer, scaler, self.ctx))
-        return payload
+    def _checkpoint(self, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None) -> CaptionerCheckpoint:
+        """The checkpoint of now: weights only, or (given the optimizer, schedule and scaler) everything to resume."""
+        state = None
+        if optimizer is not None:  # every rank takes part (the RNG states are gathered)
+            state = TrainingState(schedule=schedule.state_dict(), **training_state(optimizer, scaler, self.ctx))
+        return CaptionerCheckpoint(
+            model_name=str(self.cfg.model), model_config=self.model_cfg, vocab=tuple(self.vocab.words),
+            weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()}, decoding=asdict(self.decoding),
+            progress=prog, state=state, train_config=self.cfg.to_dict(),
+            store_identity=dict(self.train_set.store.identity),  # which extractor made the features
+        )
 
-    def _save(self, name: str, payload: dict[str, Any]) -> None:
+    def _save(self, name: str, ckpt: CaptionerCheckpoint) -> None:
         if self.ctx.main:
-            save_checkpoint(self.dir / name, payload)
+            ckpt.save(self.dir / name)
 
     # -- setup --------------------------------------------------------------------------------------------
     def _new_stage(self, stage: str) -> tuple[Any, Any, Any]:
@@ -200,10 +181,10 @@ class Trainer:
         apply_lr(optimizer, schedule.lr())
         return optimizer, schedule, make_scaler(self.precision, self.ctx.device)
 
-    def _load_weights(self, path: Path) -> dict[str, Any]:
-        ckpt = read_training_checkpoint(path)
-        check_compatible(ckpt, path, self.cfg.model, self.model_cfg, self.vocab)
-        self.model.load_state_dict(ckpt["weights"])
+    def _load_weights(self, path: Path) -> CaptionerCheckpoint:
+        ckpt = CaptionerCheckpoint.load(path)
+        ckpt.check_compatible(path, self.cfg.model, self.model_cfg, self.vocab)
+        self.model.load_state_dict(ckpt.weights)
         return ckpt
 
     def _resume(self) -> tuple[Progress, tuple[Any, Any, Any] | None]:
@@ -214,21 +195,21 @@ class Trainer:
                 log.info("initialised the weights from %s", self.cfg.init_from)
             return Progress(stage=self.stages[0]), None
         ckpt = self._load_weights(last)
-        if ckpt["kind"] != "train":
-            raise PipelineError(f"{last} is not a training checkpoint (kind {ckpt['kind']!r})")
-        prog = Progress(**{k: ckpt[k] for k in Progress.__dataclass_fields__})
+        if ckpt.state is None or ckpt.progress is None:
+            raise PipelineError(f"{last} is not a training checkpoint (kind {ckpt.kind!r})")
+        prog = ckpt.progress
         if prog.stage not in self.stages:
             raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
         fallback_seed = int(self.cfg.seed) + prog.global_step
         if prog.stage_done:
-            restore_rng_states(ckpt["rng"], self.ctx, fallback_seed)
+            restore_rng_states(ckpt.state.rng, self.ctx, fallback_seed)
             log.info("resuming from %s: stage %s finished, moving on", last, prog.stage)
             self._log({"event": "resume", "stage": prog.stage, "stage_done": True, "global_step": prog.global_step})
             return prog, None
         state = self._new_stage(prog.stage)
         optimizer, schedule, scaler = state
-        restore_training_state(ckpt, optimizer, scaler, self.ctx, fallback_seed)
-        schedule.load_state_dict(ckpt["schedule"])
+        restore_training_state(vars(ckpt.state), optimizer, scaler, self.ctx, fallback_seed)
+        schedule.load_state_dict(ckpt.state.schedule)
         apply_lr(optimizer, schedule.lr())
         log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
         self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
@@ -331,12 +312,12 @@ class Trainer:
             if not prog.best or value > prog.best["value"]:
                 prog.best = {"metric": self.metric, "value": value, "stage": prog.stage, "epoch": prog.epoch}
                 prog.bad_epochs = 0
-                self._save("best.pt", self._payload("weights", prog))
+                self._save("best.pt", self._checkpoint(prog))
             else:
                 prog.bad_epochs += 1
                 stop = recipe.patience is not None and prog.bad_epochs >= recipe.patience
         elif self.val_source is None:
-            self._save("best.pt", self._payload("weights", prog))
+            self._save("best.pt", self._checkpoint(prog))
         if schedule.name == "plateau":
             schedule.epoch_end(scores[self.metric] if scores is not None else None)
         else:
@@ -369,8 +350,8 @@ class Trainer:
                     self._log({"event": "train", "stage": stage, "epoch": prog.epoch, "iteration": prog.iteration,
                                "global_step": prog.global_step, "lr": optimizer.param_groups[0]["lr"], "images_per_s": rate * self.ctx.world, **stats})
                 if every and prog.iteration % every == 0:
-                    self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
-                self.stop.check(self.ctx, lambda: self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler)),
+                    self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
+                self.stop.check(self.ctx, lambda: self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler)),
                                 f"{stage} epoch {prog.epoch}, batch {prog.position}", self.dir / "last.pt")
             seconds = time.perf_counter() - t0
             self._log({"event": "epoch", "stage": stage, "epoch": prog.epoch, "global_step": prog.global_step,
@@ -379,7 +360,7 @@ class Trainer:
             stop_early = self._end_epoch(prog, recipe, schedule)
             prog.epoch += 1
             prog.position = 0
-            self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+            self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
         if stop_early:
             log.info("stage %s: no %s gain for %d epochs, stopping it", stage, self.metric, recipe.patience)
         prog.stage_done = True
@@ -387,6 +368,6 @@ class Trainer:
             if (self.dir / "best.pt").exists():  # the best XE weights: SCST starts from them (scst_init: best)
                 atomic_write_bytes(self.dir / "xe.pt", (self.dir / "best.pt").read_bytes())
             else:
-                self._save("xe.pt", self._payload("weights", prog))
-        self._save("last.pt", self._payload("train", prog, optimizer, schedule, scaler))
+                self._save("xe.pt", self._checkpoint(prog))
+        self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
         return prog
