@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from extractors.random_weights import random_detector
 from pipeline.core.console import get_logger
 from pipeline.core.distributed import resolve_device  # noqa: F401  (the one resolver; imported from here by older callers)
 from pipeline.core.errors import UsageError
+from pipeline.core.identity import FeatureIdentity
 
 log = get_logger("extract")
 
@@ -41,11 +43,12 @@ def read_labelmap(path: str) -> tuple[list[str], list[str]]:
 
 
 def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any], seed: int, device: torch.device,
-                       labelmap: str | None = None):
-    """-> (detector, store identity, loader info incl. class/attribute names when the file has them).
+                       labelmap: str | None = None) -> tuple[Any, FeatureIdentity, dict[str, Any]]:
+    """-> (detector, its :class:`FeatureIdentity`, loader info incl. class/attribute names when the file has them).
 
-    The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe.
-    ``labelmap``: a VinVL labelmap json naming the classes and attributes (its SHA-256 goes in the identity).
+    The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe and
+    :func:`record_settings` records it in the identity. ``labelmap``: a VinVL labelmap json naming the classes and
+    attributes (its SHA-256 goes in the identity).
     """
     known = available_extractors()  # imports the preset modules so that the registry is filled
     if preset != "auto" and preset not in known:
@@ -69,7 +72,7 @@ def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any]
     if model.spec.flavor == "vinvl" and weights == "random":
         name = "vinvl-random"
     model = model.to(device).fold_batchnorm()
-    identity = {"name": name, "weights_sha256": info["weights_sha256"], "layout": info["layout"], "config": {"spec": model.spec.to_dict()}}
+    labelmap_sha256 = None
     if labelmap:
         from extractors.weights import sha256_file
 
@@ -78,22 +81,32 @@ def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any]
         if len(info["classes"]) != n_cls or (info["attributes"] and len(info["attributes"]) != n_att):
             raise UsageError(f"labelmap {labelmap} names {len(info['classes'])} classes / {len(info['attributes'])} attributes; "
                              f"the detector has {n_cls} / {n_att}")
-        identity["config"]["labelmap_sha256"] = sha256_file(labelmap)
+        labelmap_sha256 = sha256_file(labelmap)
+    identity = FeatureIdentity(name=name, weights_sha256=info["weights_sha256"], layout=info["layout"], spec=model.spec.to_dict(),
+                               labelmap_sha256=labelmap_sha256)
     return model, identity, info
 
 
-def configure_recipe(model, identity: dict[str, Any], section: Any, where: str = "extract", shorthands: tuple[str, ...] | None = None):
-    """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`), applied to
-    ``model`` (input scale, proposal settings) and recorded in ``identity`` next to the weights' SHA-256
-    (``identity["config"]["recipe"]``: its name and every value). Returns (resolved recipe, selector)."""
+def configure_recipe(model, layout: str, section: Any, where: str = "extract", shorthands: tuple[str, ...] | None = None):
+    """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`) for weights of
+    ``layout``, applied to ``model`` (input scale, proposal settings). Returns (resolved recipe, selector);
+    :func:`record_settings` records them in the feature identity."""
     from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
     from extractors.selector import make_selector
 
-    recipe = apply_recipe(model, recipe_from_config(section, identity.get("layout", "random"), model.spec.flavor, where,
+    recipe = apply_recipe(model, recipe_from_config(section, layout or "random", model.spec.flavor, where,
                                                     SHORTHANDS if shorthands is None else shorthands))
-    if identity.get("layout") == "grid-feats" and recipe.selector != "grid":
+    if layout == "grid-feats" and recipe.selector != "grid":
         raise UsageError(f"grid-feats weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid")
-    identity["config"]["recipe"] = recipe.to_dict()
-    identity["config"]["spec"] = model.spec.to_dict()
     log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))
     return recipe, make_selector(recipe, model.spec)
+
+
+def record_settings(identity: FeatureIdentity, model, selector, precision: str) -> FeatureIdentity:
+    """``identity`` with the settings that determine the features: the detector's spec after the recipe was applied
+    (``config.spec``), the resolved test-time recipe (``config.recipe``: its name and every value), its box selection
+    in short (``config.boxes``) and the precision. What ``extract`` and ``caption --cache`` store next to the
+    weights' SHA-256, and what :meth:`FeatureIdentity.settings_diff` compares."""
+    r = selector.recipe
+    return replace(identity, spec=model.spec.to_dict(), recipe=r.to_dict(), precision=str(precision),
+                   boxes={"mode": r.selector, "min": r.min_boxes, "max": r.max_boxes, "conf": r.conf_thresh, "nms": r.nms_thresh})

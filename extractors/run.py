@@ -33,18 +33,6 @@ from pipeline.core.training.signals import StopOnSignal
 log = get_logger("extract")
 
 
-def record_settings(identity: dict[str, Any], selector: Selector, precision: str) -> dict[str, Any]:
-    """``identity`` with the resolved test-time recipe (``config.recipe``: its name and every value), its box
-    selection in short (``config.boxes``) and the precision: what ``extract`` and ``caption --cache`` store next
-    to the weights' SHA-256, and what :func:`pipeline.store.format.feature_settings_diff` compares."""
-    r = selector.recipe
-    config = dict(identity.get("config") or {})
-    config["precision"] = str(precision)
-    config["recipe"] = r.to_dict()
-    config["boxes"] = {"mode": r.selector, "min": r.min_boxes, "max": r.max_boxes, "conf": r.conf_thresh, "nms": r.nms_thresh}
-    return dict(identity, config=config)
-
-
 class ExtractionInterrupted(PipelineError):
     """Stopped by SIGTERM/SIGINT after committing every finished image; rerunning the command resumes."""
 

@@ -159,8 +159,8 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
     """
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from extractors.factory import configure_recipe, load_for_inference
-        from extractors.run import record_settings, run_extraction
+        from extractors.factory import configure_recipe, load_for_inference, record_settings
+        from extractors.run import run_extraction
         from extractors.to_host import use_channels_last
         from pipeline.core.precision import resolve_precision
         from pipeline.store import open_writer
@@ -171,12 +171,12 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
         spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
         model, identity, _info = load_for_inference(job.weights, str(section.preset), spec, int(section.random_seed), dev,
                                                     labelmap=section.labelmap if "labelmap" in section else None)
-        recipe, selector = configure_recipe(model, identity, section)
+        recipe, selector = configure_recipe(model, identity.layout, section)
         model.roi_chunk = int(section.roi_chunk)
         use_channels_last(model, bool(section.channels_last) if "channels_last" in section else False)
-        identity = record_settings(identity, selector, precision)  # the recipe next to the weights' SHA-256
+        identity = record_settings(identity, model, selector, precision)  # the recipe next to the weights' SHA-256
         store = stage_dir / job.store
-        log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity["name"], recipe.name, dev, precision, store)
+        log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity.name, recipe.name, dev, precision, store)
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
             summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.num_workers),
                                      precision=precision, max_pixels=int(section.max_pixels),

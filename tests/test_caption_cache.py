@@ -14,13 +14,17 @@ from typer.testing import CliRunner
 from cli import app
 from pipeline.core.errors import UsageError
 from pipeline.store import FeatureStore, open_writer
-from pipeline.store.format import feature_settings_diff
+from pipeline.core.identity import FeatureIdentity
 
 EXTRACTED = {
     "name": "bottom-up-random", "weights_sha256": "abc", "layout": "random",
     "config": {"spec": {"min_size": 160}, "precision": "fp32",
                "boxes": {"mode": "adaptive", "min": 10, "max": 100, "conf": 0.2, "nms": 0.3}},
 }
+
+
+def feature_settings_diff(stored: dict, given: dict) -> list[str]:
+    return FeatureIdentity.from_dict(stored).settings_diff(FeatureIdentity.from_dict(given))
 
 
 def test_feature_settings_diff_names_the_field() -> None:

@@ -21,7 +21,7 @@ def test_bf16_captions_with_float32_relevance(shared_data):
     torch.manual_seed(0)
     det = random_detector(tiny_spec(), 0).eval()
     section = load_config("caption", None, ["caption.min_size=160", "caption.max_size=256"]).caption
-    _, selector = configure_recipe(det, {"name": "tiny", "layout": "random", "config": {}}, section, where="caption")
+    _, selector = configure_recipe(det, "random", section, where="caption")
     vocab = Vocab(("<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "blue", "circle", "square", "left"))
     cap = models.build_captioner("san", len(vocab), feat_dim=det.spec.feature_dim,
                                  d_model=32, num_heads=4, d_ff=64, num_layers=1).eval()

@@ -105,3 +105,81 @@ def test_a_planted_bad_field_is_refused_naming_the_file(tmp_path: Path, plant, m
     with pytest.raises(PipelineError, match=message) as err:
         CaptionerCheckpoint.load(path)
     assert str(path) in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+# -- FeatureIdentity ------------------------------------------------------------------------------------------
+
+#: a store identity exactly as ``extract`` wrote it before the contract (extractors/factory.py built the dict,
+#: configure_recipe changed it in place, extractors/run.py's record_settings extended it)
+OLD_EXTRACT_IDENTITY = {
+    "name": "bottom-up-caffe", "weights_sha256": "c" * 64, "layout": "caffe",
+    "config": {"spec": {"min_size": 600, "max_size": 1000, "num_classes": 1601}, "labelmap_sha256": "d" * 64,
+               "recipe": {"name": "caffe", "rescale": "caffe", "conf_thresh": 0.2}, "precision": "tf32",
+               "boxes": {"mode": "adaptive", "min": 10, "max": 100, "conf": 0.2, "nms": 0.3}},
+}
+OTHER_PRODUCERS = [
+    {"name": "imported:m2", "config": {"format": "m2"}, "release": {"recipe": "m2", "source": "x"}},
+    {"name": "oracle", "source": "synthetic-world ground truth", "noise": 0.1, "extra_dims": 0, "seed": 3, "box_features": False},
+    {"name": "test-extractor", "weights_sha256": "0" * 64, "config": {"boxes": [10, 30]}},
+    {"name": "odd", "config": {}, "layout": None, "recipe": {"rescale": "d2"}},
+]
+
+
+@pytest.mark.parametrize("record", [OLD_EXTRACT_IDENTITY, *OTHER_PRODUCERS], ids=["extract", "import", "oracle", "helper", "odd"])
+def test_every_stored_identity_reads_back_to_the_same_record(record: dict) -> None:
+    from pipeline.core.identity import FeatureIdentity
+
+    assert FeatureIdentity.from_dict(record).to_dict() == record
+
+
+def test_the_builder_gives_the_record_the_old_code_wrote_and_the_same_store_bytes(tmp_path: Path) -> None:
+    import h5py
+
+    from extractors.factory import record_settings
+    from pipeline.core.identity import FeatureIdentity
+    from pipeline.store import FeatureStore, open_writer
+    from store_helpers import add_image, synthetic_image
+
+    class Spec:
+        def to_dict(self):
+            return dict(OLD_EXTRACT_IDENTITY["config"]["spec"])
+
+    class Recipe:
+        selector, min_boxes, max_boxes, conf_thresh, nms_thresh = "adaptive", 10, 100, 0.2, 0.3
+
+        def to_dict(self):
+            return dict(OLD_EXTRACT_IDENTITY["config"]["recipe"])
+
+    model, selector = type("M", (), {"spec": Spec()})(), type("S", (), {"recipe": Recipe()})()
+    base = FeatureIdentity(name="bottom-up-caffe", weights_sha256="c" * 64, layout="caffe", spec={"min_size": 1},
+                           labelmap_sha256="d" * 64)
+    built = record_settings(base, model, selector, "tf32")
+    assert built.to_dict() == OLD_EXTRACT_IDENTITY
+    for name, identity in (("old", OLD_EXTRACT_IDENTITY), ("new", built)):
+        with open_writer(tmp_path / name, identity, "float32") as w:
+            add_image(w, synthetic_image(0))
+    assert (tmp_path / "old" / "store.json").read_bytes() == (tmp_path / "new" / "store.json").read_bytes()
+    with h5py.File(tmp_path / "old" / "seg-000000.h5", "r") as a, h5py.File(tmp_path / "new" / "seg-000000.h5", "r") as b:
+        assert a.attrs["identity"] == b.attrs["identity"]
+    assert FeatureIdentity.from_dict(FeatureStore(tmp_path / "old").identity) == built
+    # a cache opened with the typed identity accepts the store the old code wrote (match on the feature settings)
+    open_writer(tmp_path / "old", built, match="features").close()
+
+
+def test_the_typed_comparison_names_the_differing_field(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from pipeline.core.errors import UsageError
+    from pipeline.core.identity import FeatureIdentity
+    from pipeline.store import open_writer
+
+    stored = FeatureIdentity.from_dict(OLD_EXTRACT_IDENTITY)
+    assert stored.settings_diff(replace(stored, name="renamed", layout="other", labelmap_sha256=None)) == []
+    assert stored.settings_diff(replace(stored, precision="bf16")) == ['config.precision (stored "tf32", given "bf16")']
+    assert stored.settings_diff(replace(stored, boxes={**stored.boxes, "max": 36})) == ["config.boxes.max (stored 100, given 36)"]
+    assert stored.settings_diff(replace(stored, weights_sha256=None)) == [f'weights_sha256 (stored "{"c" * 64}", given (not recorded))']
+    assert stored.settings_diff(replace(stored, recipe=None, boxes=None)) == []  # recorded by one side only: agree
+    with open_writer(tmp_path / "s", OLD_EXTRACT_IDENTITY, "float32"):
+        pass
+    with pytest.raises(UsageError, match=r"other settings: config.spec.min_size \(stored 600, given 800\)"):
+        open_writer(tmp_path / "s", replace(stored, spec={**stored.spec, "min_size": 800}), match="features")

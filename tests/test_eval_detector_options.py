@@ -69,7 +69,7 @@ def test_batch_size_and_workers_leave_the_scores_unchanged(trained, four_cores):
 def test_batched_detection_and_attribute_head_match_one_by_one(trained):
     world, weights, cfg = trained
     model = load_detector(weights)[0].fold_batchnorm()
-    _, rule = configure_recipe(model, {"layout": "butd", "config": {}}, cfg.eval, "eval")
+    _, rule = configure_recipe(model, "butd", cfg.eval, "eval")
     blobs, frames = [], []
     for path in sorted((world / "images").glob("*.jpg"))[:8]:
         blob, frame = recipe_blob(load_rgb(path), rule.recipe)
@@ -92,7 +92,7 @@ def test_bf16_autocasts_the_network_and_scores_in_range(trained):
     model = load_detector(weights)[0].fold_batchnorm()
     seen: set[torch.dtype] = set()
     model.backbone.register_forward_hook(lambda _m, _i, out: seen.add(out.dtype))
-    _, rule = configure_recipe(model, {"layout": "butd", "config": {}}, cfg.eval, "eval")
+    _, rule = configure_recipe(model, "butd", cfg.eval, "eval")
     ann = world / "annotations" / "instances_train.json"
     ev = evaluate_model(model, ann, world / "images", *_names(weights), rule=rule, batch_size=3, precision="bf16")
     assert seen == {torch.bfloat16}
@@ -157,7 +157,7 @@ def test_batches_reach_the_detector_and_workers_decode(trained, tmp_path, monkey
         return decode(path, *args)
 
     monkeypatch.setattr(run, "load_rgb", load_and_sign)
-    _, rule = configure_recipe(model, {"layout": "butd", "config": {}}, cfg.eval, "eval")
+    _, rule = configure_recipe(model, "butd", cfg.eval, "eval")
     evaluate_model(model, world / "annotations" / "instances_train.json", world / "images", *_names(weights), rule=rule,
                    batch_size=3, workers=2)
     assert sizes == [3, 3, 3, 3, 3, 1]

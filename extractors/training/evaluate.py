@@ -181,7 +181,7 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
     if rule is None:
         from extractors.factory import configure_recipe
 
-        _recipe, rule = configure_recipe(model, {"layout": "butd", "config": {}}, None, "eval")
+        _recipe, rule = configure_recipe(model, "butd", None, "eval")
     data = load_instances(ann_file, image_root, class_names=classes, keep_empty=True)
     if attributes is not None and data.attribute_names != list(attributes):
         raise UsageError(f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}...")
@@ -232,7 +232,7 @@ def evaluate_weights(weights: str | Path, ann_file: str | Path, image_root: str 
     if info["layout"] != "butd":
         raise UsageError(f"{weights}: evaluation needs a butd detector file (it names its classes); got the {info['layout']} layout")
     model = model.to(device).fold_batchnorm()
-    _recipe, rule = configure_recipe(model, {"layout": info["layout"], "config": {}}, section, "eval")
+    _recipe, rule = configure_recipe(model, info["layout"], section, "eval")
     return evaluate_model(model, ann_file, image_root, info["classes"], info["attributes"], rule=rule, iou=iou,
                           attribute_group=attribute_group, limit=limit, batch_size=batch_size, workers=workers, precision=precision)
 

@@ -35,6 +35,7 @@ from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import key_to_text
 from pipeline.core.precision import autocast, resolve_precision
 from pipeline.core.regions import RegionRecord
@@ -105,7 +106,7 @@ class FeatureCache:
     store's dtype. A new cache stores float32 (the detector's numbers as they are: the captions equal those of
     a run without ``--cache``); an existing store (e.g. a float16 one made by ``extract``) keeps its dtype."""
 
-    def __init__(self, path: Path, identity: dict[str, Any]) -> None:
+    def __init__(self, path: Path, identity: FeatureIdentity) -> None:
         from pipeline.store import FeatureStore, open_writer
 
         # any store whose settings agree on what determines the features will do (e.g. one made by `extract`)
@@ -144,12 +145,12 @@ class PhotoCaptioner:
         max_boxes: int | None = None,
         max_pixels: int = 100_000_000,
         precision: str = "tf32",
-        store_settings: dict[str, Any] | None = None,
+        store_settings: FeatureIdentity | None = None,
     ) -> None:
         self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
         self.precision = resolve_precision(str(precision), device, "caption.precision", fp16=False)  # detector and captioner run under it
-        self.store_settings = dict(store_settings or {})  # what a ``--cache`` store must agree on
+        self.store_settings = store_settings  # the feature identity a ``--cache`` store must agree with
 
     def caption_paths(
         self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,

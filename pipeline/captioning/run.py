@@ -101,14 +101,14 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     ``vocab`` is a released model's vocabulary file. ``caption.precision`` is resolved as ``evaluate`` resolves
     its own (:func:`models.captions.decoding_for`).
     """
-    from extractors.factory import configure_recipe, load_for_inference
+    from extractors.factory import configure_recipe, load_for_inference, record_settings
     from pipeline.core.distributed import resolve_device
     from extractors.names import detector_names
-    from extractors.run import record_settings
     from models.captions import decoding_for
     from models.checkpoints import load_captioner
     from models.decoding import check_max_len
     from pipeline.core.errors import ConfigError
+    from pipeline.core.identity import FeatureIdentity
     from pipeline.captioning.engine import PhotoCaptioner
     from pipeline.core.vocab import Vocab
 
@@ -124,20 +124,19 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
 
     detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device)
     # caption.max_boxes is what the captioner gets, not a recipe field
-    recipe, rule = configure_recipe(detector, identity, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh"))
+    recipe, rule = configure_recipe(detector, identity.layout, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh"))
     if recipe.selector == "given":
         raise UsageError("caption.boxes given: photos have no boxes to give; use adaptive, 36 or null (the recipe's own)")
-    trained_with = ckpt.store_identity or {}
-    if trained_with.get("weights_sha256") and trained_with["weights_sha256"] != identity["weights_sha256"]:
-        log.warning("the captioner was trained on features of another detector (%s); captions may be poor",
-                    trained_with.get("name", "unknown"))
+    trained_with = FeatureIdentity.from_dict(ckpt.store_identity, f"{ckpt_path}: store_identity") if ckpt.store_identity else None
+    if trained_with is not None and trained_with.weights_sha256 and trained_with.weights_sha256 != identity.weights_sha256:
+        log.warning("the captioner was trained on features of another detector (%s); captions may be poor", trained_with.name)
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else ckpt.max_boxes
     engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels),
-                            precision=precision, store_settings=record_settings(identity, rule, precision))
+                            precision=precision, store_settings=record_settings(identity, detector, rule, precision))
     settings = {
         "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.progress.global_step if ckpt.progress else None,
-        "detector": engine.store_settings, "decoding": asdict(options), "max_boxes": max_boxes,
+        "detector": engine.store_settings.to_dict() if engine.store_settings else {}, "decoding": asdict(options), "max_boxes": max_boxes,
     }
     return engine, list(classes), list(attributes), settings
 

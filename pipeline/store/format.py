@@ -98,51 +98,6 @@ def identity_mismatch(store: str, stored: dict[str, Any], given: dict[str, Any])
     )
 
 
-# What determines the features a detector gives an image (see ``feature_settings_diff``): the weights, the
-# architecture and test-time resize (``config.spec``), the test-time recipe, the box selection limits and the
-# compute precision. Everything else an identity records (its name, the weights file layout, ...) does not.
-FEATURE_SETTINGS = ("weights_sha256", "config.spec", "config.recipe", "recipe", "config.boxes", "config.precision")
-_DEFAULTS = {"config.precision": "fp32"}
-
-
-def _dotted(identity: dict[str, Any], path: str) -> Any:
-    value: Any = identity
-    for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return _DEFAULTS.get(path, ...)
-        value = value[part]
-    return value
-
-
-def _first_difference(path: str, a: Any, b: Any) -> str | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            d = _first_difference(f"{path}.{k}", a.get(k, ...), b.get(k, ...))
-            if d:
-                return d
-        return None
-    if a == b:
-        return None
-    show = lambda v: "(not recorded)" if v is ... else json.dumps(v, sort_keys=True)  # noqa: E731
-    return f"{path} (stored {show(a)}, given {show(b)})"
-
-
-def feature_settings_diff(stored: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    """The feature-determining settings (:data:`FEATURE_SETTINGS`) on which two identities disagree, each as
-    ``"field (stored X, given Y)"`` naming the innermost differing field. A setting recorded by only one side
-    counts as agreeing (an older record that does not carry it), except the weights digest and the spec.
-    """
-    out = []
-    for path in FEATURE_SETTINGS:
-        a, b = _dotted(stored, path), _dotted(given, path)
-        if (a is ... or b is ...) and path not in ("weights_sha256", "config.spec"):
-            continue
-        d = _first_difference(path, a, b)
-        if d:
-            out.append(d)
-    return out
-
-
 def new_manifest(identity: dict[str, Any], feature_dtype: str, feature_dim: int | None) -> dict[str, Any]:
     return {
         "format": FORMAT,

@@ -33,6 +33,7 @@ from pipeline.core.locks import WriterLock, acquire_lock
 from pipeline.core.regions import RegionRecord
 from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
 from pipeline.core.stages import STAGE_LOCK
 from pipeline.store.format import (
@@ -42,7 +43,6 @@ from pipeline.store.format import (
     OPTIONAL_FIELDS,
     SEGMENT_GLOB,
     canonical_identity,
-    feature_settings_diff,
     identity_mismatch,
     new_manifest,
     read_manifest,
@@ -256,7 +256,7 @@ def _check_resumable(path: Path, manifest: dict[str, Any], identity: dict[str, A
     """Refuse to resume a store written under another identity (``match="identity"``) or, for a cache
     (``match="features"``), with other feature settings; a cache adopts the store's identity and dtype."""
     if match == "features":
-        differ = feature_settings_diff(manifest["identity"], identity)
+        differ = FeatureIdentity.from_dict(manifest["identity"], f"{path / MANIFEST}: identity").settings_diff(identity)
         if differ:
             raise UsageError(f"feature store {path} holds features made with other settings: {'; '.join(differ)}; "
                              "use another store path")
@@ -269,7 +269,7 @@ def _check_resumable(path: Path, manifest: dict[str, Any], identity: dict[str, A
 
 def open_writer(
     path: str | Path,
-    extractor: dict[str, Any],
+    extractor: FeatureIdentity | dict[str, Any],
     feature_dtype: str = "float16",
     *,
     commit_every: int = 0,
@@ -283,8 +283,9 @@ def open_writer(
 
     Args:
         path: the store directory (created if missing).
-        extractor: identity of what produced the features, e.g. ``{"name", "weights_sha256", "config"}``;
-            resuming a store written under another identity (or dtype) fails naming both.
+        extractor: identity of what produced the features: a detector's
+            :class:`~pipeline.core.identity.FeatureIdentity` (stored as :meth:`FeatureIdentity.to_dict`), or any
+            other producer's record with a ``name`` (importers, the oracle, an ``--identity`` file); resuming a store written under another identity (or dtype) fails naming both.
         feature_dtype: ``float16`` (default) or ``float32``.
         commit_every: also commit automatically every this many images (0: only by size/explicitly).
         commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
@@ -293,11 +294,11 @@ def open_writer(
         fsync: fsync each segment before publishing it (default). ``False`` is faster and still safe against
             a killed process (publication order holds in the page cache), but not against power loss.
         match: ``identity`` (an existing store must have exactly this identity) or ``features`` (it must agree
-            on what determines the features, :func:`pipeline.store.format.feature_settings_diff`; the store
+            on what determines the features, :meth:`FeatureIdentity.settings_diff`; the store
             keeps its own identity and dtype, as a cache does).
     """
     path = Path(path)
-    identity = canonical_identity(extractor)
+    identity = canonical_identity(extractor.to_dict() if isinstance(extractor, FeatureIdentity) else extractor)
     if feature_dtype not in FEATURE_DTYPES:
         raise UsageError(f"feature_dtype must be one of {sorted(FEATURE_DTYPES)}, not {feature_dtype!r}")
     if match not in ("identity", "features"):
