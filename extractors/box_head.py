@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from extractors.resnet_caffe import make_stage
+from extractors.resnet_caffe import make_res5
 from extractors.roi_pool import roi_pool
 from extractors.spec import BottomUpSpec
 
@@ -57,10 +57,7 @@ class Res5ROIHeads(nn.Module):
     def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
         super().__init__()
         self.spec = spec
-        bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
-        out = bottleneck * spec.expansion
-        first_stride = 1 if spec.res5_dilation > 1 else 2
-        self.res5 = make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps)
+        self.res5, out = make_res5(spec, in_channels)  # the Caffe R-101 backbone: no groups, stride on the 1x1
         self.out_channels = out
         self.box_predictor = BoxPredictor(spec, out)
         self.spatial_scale = 1.0 / spec.feature_stride

@@ -134,6 +134,18 @@ def make_stage(num_blocks: int, cin: int, bottleneck: int, cout: int, first_stri
     return nn.Sequential(*blocks)
 
 
+def make_res5(spec, in_channels: int, groups: int = 1, stride_in_1x1: bool = True) -> tuple[nn.Sequential, int]:
+    """The res5 RoI head of a C4 detector (``spec``: an :class:`extractors.spec.BottomUpSpec`) and its output width:
+    ``spec.res5_blocks`` bottlenecks of width ``res2_bottleneck * 2**len(stage_blocks)``; the first strides 2, or 1
+    when res5 is dilated (Caffe test.prototxt ``res5*_branch2b``: dilation = pad = 2, a 14x14 RoI stays 14x14).
+    ``groups``/``stride_in_1x1`` as the backbone the head sits on (ResNeXt: the spec's; Caffe R-101: 1, True)."""
+    bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
+    out = bottleneck * spec.expansion
+    first_stride = 1 if spec.res5_dilation > 1 else 2
+    return make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps,
+                      groups=groups, stride_in_1x1=stride_in_1x1), out
+
+
 class ResNetC4(nn.Module):
     """Stem + stages res2..res{k+1} (``stage_blocks`` = blocks per stage; R-101: 3, 4, 23 -> res4 at stride 16)."""
 

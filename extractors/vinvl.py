@@ -33,7 +33,7 @@ from torchvision.ops import roi_align
 from extractors import EXTRACTORS, box_coding, vinvl_select
 from pipeline.core.regions import RegionRecord
 from extractors.preprocess import Frame
-from extractors.resnet_caffe import ResNetC4, fold_all, make_stage
+from extractors.resnet_caffe import ResNetC4, fold_all, make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
@@ -60,11 +60,7 @@ class VinVLHeads(nn.Module):
     def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
         super().__init__()
         self.spec = spec
-        bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
-        out = bottleneck * spec.expansion
-        first_stride = 1 if spec.res5_dilation > 1 else 2
-        self.res5 = make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps,
-                               groups=spec.groups, stride_in_1x1=spec.stride_in_1x1)
+        self.res5, out = make_res5(spec, in_channels, spec.groups, spec.stride_in_1x1)  # ``layer4`` of the ResNeXt
         self.out_channels = out
         self.cls_score = nn.Linear(out, spec.num_classes)
         self.bbox_pred = nn.Linear(out, spec.num_classes * 4)
