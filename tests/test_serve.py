@@ -378,3 +378,23 @@ def test_uploads_are_decoded_off_the_model_thread(env: dict, monkeypatch) -> Non
         assert (r.caption, r.error) == (e.caption, e.error), up.key
         if e.error is None:
             assert r.score == pytest.approx(e.score, abs=1e-5)
+
+    # no waiting for company (max_wait 0), yet a request admitted first whose decoding is slow still shares the
+    # batch of one admitted after it and decoded at once: two requests arriving together make one batch of 2
+    slow = uploads[0].data
+    monkeypatch.setattr(photos_mod, "load_rgb", lambda data, *a, **k: (time.sleep(0.5) if data == slow else None) or real(data, *a, **k))
+    metrics = Metrics(8)
+    batcher = Batcher(engine, max_batch=8, max_wait_s=0.0, queue_limit=8, metrics=metrics, decode_threads=2)
+
+    async def together() -> list:
+        first = asyncio.ensure_future(batcher.submit(uploads[:1], engine.options, False))
+        await asyncio.sleep(0.05)  # admitted, decoding for 0.5 s
+        jobs = [*await batcher.submit(uploads[1:2], engine.options, False), *await first]
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    try:
+        pair = asyncio.run(together())
+    finally:
+        assert batcher.close(60)
+    assert [r.caption for r in pair] == [expected[uploads[1].key].caption, expected[uploads[0].key].caption]
+    assert (metrics.batch.count, metrics.batch.sum) == (1, 2.0), metrics.text()

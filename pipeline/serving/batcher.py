@@ -68,6 +68,8 @@ class Batcher:
         self._cv = threading.Condition()
         self._queue: deque[Job] = deque()
         self._admitted = 0
+        self._decoding: dict[int, tuple[float, Any]] = {}  # requests being decoded: (admitted at, group)
+        self._requests = 0
         self._closing = self._flushing = False
         self._engines: dict[Any, Any] = {}
         self._thread = threading.Thread(target=self._run, name="serve-batcher", daemon=True)
@@ -84,15 +86,20 @@ class Batcher:
             if self._admitted + len(items) > self.queue_limit:
                 raise QueueFull(f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of {self.queue_limit}")
             self._admitted += len(items)
+            self._requests += 1
+            ticket = self._requests
+            self._decoding[ticket] = (time.monotonic(), (options, bool(relevance)))
         try:
             dataset = self.engine.photo_dataset(items)
             photos = await asyncio.gather(*(loop.run_in_executor(self._decoders, dataset.__getitem__, i) for i in range(len(items))))
         except BaseException:  # cancelled (client gone, timeout) or an unexpected decoding error: give the places back
             with self._cv:
                 self._admitted -= len(items)
+                del self._decoding[ticket]
                 self._cv.notify_all()
             raise
         with self._cv:
+            del self._decoding[ticket]
             jobs = [Job(p, (options, bool(relevance)), loop.create_future(), loop) for p in photos]
             self._queue.extend(jobs)
             self.metrics.set_queue_depth(len(self._queue))
@@ -127,7 +134,9 @@ class Batcher:
 
     # -- the model thread ------------------------------------------------------------------------------
     def _take(self) -> list[Job] | None:
-        """The next batch: the oldest image's group, up to ``max_batch``, after at most ``max_wait``."""
+        """The next batch: the oldest image's group, up to ``max_batch``, after at most ``max_wait``; images of
+        that group admitted before the oldest one was queued and still being decoded are waited for (their
+        decoding is short and bounded: the batch they belong to is not split by decoding times)."""
         with self._cv:
             while not self._queue:
                 if self._closing and self._admitted == 0:  # nothing queued and nothing being decoded
@@ -137,9 +146,10 @@ class Batcher:
             deadline = first.queued_at + self.max_wait_s
             while not (self._closing or self._flushing) and sum(j.group == first.group for j in self._queue) < self.max_batch:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                older = any(g == first.group and t <= first.queued_at for t, g in self._decoding.values())
+                if left <= 0 and not older:
                     break
-                self._cv.wait(left)
+                self._cv.wait(left if left > 0 else 0.05)  # woken when an image is queued
             batch, rest = [], deque()
             for j in self._queue:
                 (batch if j.group == first.group and len(batch) < self.max_batch else rest).append(j)
