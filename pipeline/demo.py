@@ -75,11 +75,15 @@ def _with_inputs(cfg: Config | dict[str, Any], **upstream: StageResult) -> Confi
     return Config(data)
 
 
-def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool):
+def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool, decoding: dict[str, Any]):
+    """The test-split evaluation, decoded as the pictures stage decodes: the checkpoint's decoding under the demo's
+    ``decoding:`` section (the one layering of docs/architecture.md#decoding)."""
+
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.training.api import evaluate_checkpoint
 
-        rep = evaluate_checkpoint(checkpoint, store, data, split=str(cfg.split), out_dir=stage_dir, fast_only=fast_only)
+        rep = evaluate_checkpoint(checkpoint, store, data, split=str(cfg.split), out_dir=stage_dir, fast_only=fast_only,
+                                  decoding=decoding or None)
         metrics = {k: float(v) for k, v in rep["metrics"].items() if isinstance(v, (int, float))}
         return {"predictions": Path(rep["predictions"]).name, "metrics": Path(rep["metrics_file"]).name}, {
             "metrics": metrics,
@@ -277,6 +281,7 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
     seeds = int(cfg.demo.seeds)
+    decoding = cfg.decoding.to_dict()  # over each checkpoint's own, for the eval and pictures stages alike
     for kind, (features, store), name, model in [(k, stores[k], n, m) for k in kinds for n, m in captioners.items()]:
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
         if kind == "grid":
@@ -291,8 +296,9 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
             best = trained.directory / trained.outputs["best"]
             ev = run_stage(
                 out, f"eval-{name}{suffix}",
-                _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only)}, train=trained, features=features),
-                _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only)), force=force,
+                _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only),
+                              **({"decoding": decoding} if decoding else {})}, train=trained, features=features),
+                _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only), decoding), force=force,
             )
             report.stages.append(ev)
             runs.append({"seed": seed, "metrics": dict(ev.summary.get("metrics", {})), "grounding": _grounding(test_scenes, ev),
@@ -300,8 +306,8 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
             if k == 0 and int(cfg.demo.pictures) > 0 and kind == "region":
                 pics = run_stage(
                     out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict(),
-                                                              "decoding": cfg.decoding.to_dict()}, train=trained),
-                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption, cfg.decoding.to_dict()), force=force,
+                                                              "decoding": decoding}, train=trained),
+                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption, decoding), force=force,
                 )
                 report.stages.append(pics)
                 report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]

@@ -61,3 +61,25 @@ def test_a_variant_trains_into_its_own_stage_folder(tmp_path: Path) -> None:
 
     assert geometry_inputs(signed) == [6] and geometry_inputs(plain) == [4]  # Eq. 9's FC sees the two directions
     assert torch.load(signed.directory / "best.pt", weights_only=True)["model"]["config"]["geometry_signed"] is True
+
+
+def test_the_eval_stage_decodes_under_the_demos_decoding_section(tmp_path: Path) -> None:
+    """The demo's ``decoding:`` section reaches its test-split evaluation (as it reaches its pictures stage)."""
+    import json
+
+    from pipeline.demo import _eval_work
+
+    torch.set_num_threads(1)
+    run = make_world_run(tmp_path, num_images=60)
+    sets = train_overrides(run, "san", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}")
+    best = train_captioner(run, load_config("train", None, sets)).directory / "best.pt"
+    cfg = load_config("evaluate").evaluate.with_overrides({"split": "test"}, source="test")
+
+    def words(decoding: dict, name: str) -> list[int]:
+        out = tmp_path / name
+        out.mkdir()
+        files, _ = _eval_work(best, run / "features/store", run / "data", True, decoding)(out, cfg)
+        return [len(p["caption"].split()) for p in json.loads((out / files["predictions"]).read_text())]
+
+    assert max(words({}, "own")) > 1  # the checkpoint's own decoding writes longer captions than the cap below
+    assert max(words({"max_len": 1}, "capped")) <= 1
