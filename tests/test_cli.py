@@ -113,3 +113,19 @@ def test_info_shows_environment_and_run_dirs(tmp_path: Path) -> None:
     assert res.returncode == 0 and "world" in res.stdout and "done" in res.stdout
     missing = cli("info", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "no such file" in one_error_line(missing)
+
+
+def test_info_describes_a_sentence_encoder_checkpoint(tmp_path: Path) -> None:
+    """`cli info RUN/encoder/best.pt` names the sentence encoder (its checkpoint is not a captioner's: its progress
+    counters are the encoder trainer's, which the captioner reader refuses)."""
+    import torch
+
+    from pipeline.core.checkpoint import save_checkpoint
+
+    path = tmp_path / "best.pt"  # the layout of pipeline/embedding/train.py's _payload
+    save_checkpoint(path, {"kind": "weights", "model": {"name": "sentence_encoder", "config": {}, "vocab_size": 3, "image_dim": 8},
+                           "vocab": ["<pad>", "a", "b"], "weights": {"w": torch.zeros(2)}, "epoch": 1, "position": 0,
+                           "global_step": 5, "best": {}, "history": [], "train_config": {}})
+    res = cli("info", str(path))
+    assert res.returncode == 0, res.stderr
+    assert "model: sentence_encoder" in res.stdout and "vocabulary: 3 words" in res.stdout

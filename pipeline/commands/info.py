@@ -56,6 +56,8 @@ def register(app: typer.Typer) -> None:
             _run_dir(target)
         elif target.suffix in (".pt", ".pth", ".pkl") and _captioner_info(target):
             pass
+        elif target.suffix == ".pt" and _encoder_info(target):
+            pass
         elif target.suffix in (".pth", ".pkl", ".bin"):
             _weights_info(target, list(opts.overrides))
         else:
@@ -161,6 +163,22 @@ def _captioner_info(path: Path) -> bool:
         return False
     con = stdout_console()
     for key, value in described.items():
+        con.print(f"{key}: {value}", highlight=False, markup=False)
+    return True
+
+
+def _encoder_info(path: Path) -> bool:
+    """A sentence-encoder checkpoint (``cli train-encoder``: RUN/encoder/*.pt); False if it is not one."""
+    from pipeline.core.errors import PipelineError
+    from pipeline.embedding.checkpoint import read_encoder_checkpoint
+
+    try:
+        ckpt = read_encoder_checkpoint(path)
+    except (PipelineError, UsageError):
+        return False
+    con = stdout_console()
+    for key, value in (("file", str(path)), ("format", f"butd-caption checkpoint ({ckpt['kind']})"),
+                       ("model", "sentence_encoder"), ("vocabulary", f"{len(ckpt['vocab']):,} words")):
         con.print(f"{key}: {value}", highlight=False, markup=False)
     return True
 
