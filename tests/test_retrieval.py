@@ -242,3 +242,16 @@ def _cap2cap_weights(vocab_size: int, config: dict) -> dict:
 
     m = SentenceEncoder(vocab_size, 22, **{**config, "objective": "cap2cap"})
     return {k: v for k, v in m.state_dict().items() if k.startswith("decoder")}
+
+
+def test_a_missing_store_names_the_sentence_encoder_key(tmp_path: Path) -> None:
+    """The advice of the one-line error is a key the config accepts (sentence_encoder.*, not the refused encoder.*)."""
+    from pipeline.core.errors import UsageError
+    from pipeline.embedding.train import resolve_encoder_paths
+
+    cfg = load_config("embed")
+    with pytest.raises(UsageError) as err:
+        resolve_encoder_paths(tmp_path, cfg.sentence_encoder)
+    line = str(err.value)
+    assert "--set sentence_encoder.store=PATH" in line and line.startswith("sentence_encoder.store is not set")
+    cfg.with_overrides(["sentence_encoder.store=/x"])  # the advised key is accepted

@@ -238,7 +238,7 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
     for key, default in (("store", Path(run_dir) / "features" / "store"), ("data", Path(run_dir) / "data")):
         if section[key] is None:
             if not default.exists():
-                raise UsageError(f"encoder.{key} is not set and {default} does not exist; pass --set encoder.{key}=PATH")
+                raise UsageError(f"sentence_encoder.{key} is not set and {default} does not exist; pass --set sentence_encoder.{key}=PATH")
             sets[key] = str(default)
     return section.with_overrides(sets) if sets else section
 
