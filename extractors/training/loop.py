@@ -88,7 +88,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
 
 
 def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer:
-    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``train.optimizer: adamw``; see the demo preset)."""
+    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo preset)."""
     groups = param_groups(model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor))
     if str(tc.optimizer) == "sgd":
         return torch.optim.SGD(groups, lr=float(tc.base_lr), momentum=float(tc.momentum))
@@ -149,14 +149,14 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
 
 
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
-    """The detector of ``cfg`` (:func:`build_detector`) with ``train.freeze_at`` applied, wrapped with its losses."""
+    """The detector of ``cfg`` (:func:`build_detector`) with ``detector_train.freeze_at`` applied, wrapped with its losses."""
     det = build_detector(cfg, data)
     set_trainable(det, int(cfg.detector_train.freeze_at))
     return DetectorForTraining(det, sampling_config(cfg), loss_config(cfg))
 
 
 def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
-    """Training scale (shortest side, longest-side cap): ``train.min_size``/``max_size`` or the spec's test scale."""
+    """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test scale."""
     tc = cfg.detector_train
     return (spec.min_size if tc.min_size is None else int(tc.min_size), spec.max_size if tc.max_size is None else int(tc.max_size))
 
@@ -230,12 +230,12 @@ class DetectorTrainer:
         total = sum(losses.values())
         values = {k: float(v.detach()) for k, v in losses.items()}
         check_finite(float(total.detach()), self.ctx, f"detector training diverged at iteration {it} ("
-                     + ", ".join(f"{k}={v:.4g}" for k, v in values.items()) + "); lower train.base_lr or set train.clip_grad_norm")
+                     + ", ".join(f"{k}={v:.4g}" for k, v in values.items()) + "); lower detector_train.base_lr or set detector_train.clip_grad_norm")
         optimizer_step(total, self.optimizer, self.scaler, clip_norm=float(tc.clip_grad_norm))
         return values
 
     def run(self) -> TrainResult:
-        """Train from the checkpoint's iteration to ``train.max_iter``, then export ``detector.pth`` (rank 0)."""
+        """Train from the checkpoint's iteration to ``detector_train.max_iter``, then export ``detector.pth`` (rank 0)."""
         tc, ctx = self.cfg.detector_train, self.ctx
         start = self._resume()
         # DDP broadcasts rank 0's parameters and buffers at construction: every process starts identical
