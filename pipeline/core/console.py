@@ -40,14 +40,30 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
+PIPE_WIDTH = 200  # columns of a console whose stream is a file or pipe (docker logs, CI, `> log`) unless COLUMNS says
+
+
+def console_width(stream) -> int | None:
+    """The width to lay out for ``stream``: rich's own choice for a terminal or when ``COLUMNS`` is set, else
+    :data:`PIPE_WIDTH` (rich falls back to 80 columns off a terminal, which folds every log line, path and table cell
+    of a container's or a CI job's log)."""
+    if os.environ.get("COLUMNS"):
+        return None
+    try:
+        interactive = stream.isatty()
+    except (AttributeError, ValueError):
+        interactive = False
+    return None if interactive else PIPE_WIDTH
+
+
 def stderr_console() -> Console:
     """A rich console on stderr (logs, progress, errors)."""
-    return Console(stderr=True, soft_wrap=True)
+    return Console(stderr=True, soft_wrap=True, width=console_width(sys.stderr))
 
 
 def stdout_console() -> Console:
     """A rich console on stdout (results only)."""
-    return Console(soft_wrap=True)
+    return Console(soft_wrap=True, width=console_width(sys.stdout))
 
 
 def setup_logging(verbose: bool = False, quiet: bool = False) -> logging.Logger:
