@@ -194,6 +194,10 @@ class CaptionerCheckpoint:
             rel = data["release"]
             if not isinstance(rel, dict) or set(rel) != set(RELEASE_KEYS):
                 raise bad(f"malformed release record (needs exactly {', '.join(RELEASE_KEYS)})")
+            if (not all(isinstance(rel[k], str) for k in ("kind", "title", "weights_file", "vocab_file"))
+                    or not isinstance(rel["features"], dict) or not isinstance(rel["converter_version"], int)):
+                raise bad("malformed release record (kind, title and file names are strings, features a mapping, "
+                          "converter_version an integer)")
             release = ReleaseInfo(**rel)
         return cls(model_name=model["name"], model_config=dict(model["config"]), vocab=tuple(vocab), weights=weights,
                    decoding=dict(data.get("decoding", {})), progress=progress, state=state,

@@ -96,6 +96,8 @@ def test_round_trip_equals(tmp_path: Path) -> None:
     (lambda d: d.update(vocab=["a", 3]), "vocabulary"),
     (lambda d: d.update(weights={"w": [1.0]}), "weights are not"),
     (lambda d: d.update(release={"kind": "m2"}), "malformed release"),
+    (lambda d: d.update(release={**old_release_payload()["release"], "features": None}), "malformed release"),
+    (lambda d: d.update(release={**old_release_payload()["release"], "title": ["M2"]}), "malformed release"),
     (lambda d: d.update(decoding=[1]), "decoding is not a mapping"),
 ])
 def test_a_planted_bad_field_is_refused_naming_the_file(tmp_path: Path, plant, message: str) -> None:
