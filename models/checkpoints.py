@@ -182,6 +182,12 @@ class CaptionerCheckpoint:
         if present:
             if len(present) != len(PROGRESS_KEYS):
                 raise PipelineError(f"checkpoint {path} lacks {', '.join(k for k in PROGRESS_KEYS if k not in data)}")
+            counts = ("epoch", "position", "iteration", "global_step", "bad_epochs")
+            if (not isinstance(data["stage"], str) or not isinstance(data["stage_done"], bool)
+                    or not all(isinstance(data[k], int) and not isinstance(data[k], bool) and data[k] >= 0 for k in counts)
+                    or not isinstance(data["best"], dict) or not isinstance(data["history"], list)):
+                raise bad("malformed progress counters (stage a string, stage_done a bool, counts integers >= 0, "
+                          "best a mapping, history a list)")
             progress = Progress(**{k: data[k] for k in PROGRESS_KEYS})
         state = None
         if data["kind"] == "train":

@@ -99,6 +99,9 @@ def test_round_trip_equals(tmp_path: Path) -> None:
     (lambda d: d.update(release={**old_release_payload()["release"], "features": None}), "malformed release"),
     (lambda d: d.update(release={**old_release_payload()["release"], "title": ["M2"]}), "malformed release"),
     (lambda d: d.update(decoding=[1]), "decoding is not a mapping"),
+    (lambda d: d.update(epoch="2"), "malformed progress"),
+    (lambda d: d.update(stage_done=1), "malformed progress"),
+    (lambda d: d.update(best=[0.5]), "malformed progress"),
 ])
 def test_a_planted_bad_field_is_refused_naming_the_file(tmp_path: Path, plant, message: str) -> None:
     data = old_training_payload()
