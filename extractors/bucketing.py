@@ -1,6 +1,7 @@
 """Batches of equal input shape across a folder, written back in input order.
 
-The backbone batches only blobs of the same size (no padding: a batched image gives the numbers it gives alone,
+The backbone batches only blobs of the same size (no padding: a batched image gives the numbers it gives alone up to
+float rounding, since a convolution over another batch sums in another order; ``tests/test_bucketing.py``,
 :mod:`extractors.bottom_up`). Photos of a real folder come in many sizes, so loader batches in file order run at
 batch ~1. :class:`ShapeBuckets` regroups the photos as they are decoded into per-shape buckets and hands out a
 bucket when it holds ``batch_size`` photos, or, when more than ``window`` photos wait, the bucket holding the
