@@ -12,7 +12,10 @@ by ``scale = min_size / min(h, w)`` (``max_size / max(h, w)`` if ``round(scale *
 from __future__ import annotations
 
 import io
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,43 @@ def _to_rgb_uint8(im: Image.Image) -> np.ndarray:
     return np.asarray(im)
 
 
+_BOMB_LOCK = threading.Lock()
+_BOMB_USERS = 0
+_BOMB_FILTER = ("error", None, Image.DecompressionBombWarning, None, 0)
+
+
+@contextmanager
+def _bomb_warning_is_an_error() -> Iterator[None]:
+    """Pillow's ``DecompressionBombWarning`` raises inside the block, in every thread decoding at the time.
+
+    ``warnings.catch_warnings`` is not thread-safe (a thread leaving it restores the filters it saw on entry,
+    dropping the filter of a thread still decoding, or leaving its own behind), and ``cli serve`` decodes uploads
+    in several threads: the filter is put in place by the first decoder in and taken out by the last one out."""
+    global _BOMB_USERS
+    with _BOMB_LOCK:
+        if _BOMB_USERS == 0:
+            warnings.filters.insert(0, _BOMB_FILTER)
+            _filters_changed()
+        _BOMB_USERS += 1
+    try:
+        yield
+    finally:
+        with _BOMB_LOCK:
+            _BOMB_USERS -= 1
+            if _BOMB_USERS == 0:
+                if _BOMB_FILTER in warnings.filters:
+                    warnings.filters.remove(_BOMB_FILTER)
+                _filters_changed()
+
+
+def _filters_changed() -> None:
+    """Tell the warnings module its filters changed (what ``warnings.filterwarnings`` does), so that no warning
+    registry keeps an earlier decision."""
+    mutated = getattr(warnings, "_filters_mutated", None)
+    if mutated is not None:
+        mutated()
+
+
 def load_rgb(path: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decode ``path`` (a file, or the bytes of one, e.g. an upload to ``cli serve``, decoded in memory) into an
     (H, W, 3) RGB uint8 array in its EXIF-corrected orientation.
@@ -80,8 +120,7 @@ def load_rgb(path: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
     if size == 0:
         raise ImageLoadError("empty", "zero-byte file")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with _bomb_warning_is_an_error():
             with Image.open(source, formats=ALLOWED_FORMATS) as im:
                 w, h = im.size
                 if w * h > max_pixels:
