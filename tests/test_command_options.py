@@ -22,7 +22,7 @@ OFFERED = {
     "caption": EVERYDAY,
     "embed": EVERYDAY,
     "eval-detector": EVERYDAY,
-    "serve": EVERYDAY - {"--num-workers"},  # uploads are decoded by the model thread
+    "serve": EVERYDAY - {"--num-workers"},  # uploads are decoded by serve.decode_threads threads
 }
 
 

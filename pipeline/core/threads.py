@@ -150,8 +150,8 @@ def prepare_process(threads: int | None = None) -> None:
 def apply(workers: int = 0, threads: int | None = None) -> ThreadPlan:
     """Resolve :func:`plan` and set torch's intra-op thread count to it; returns the plan.
 
-    Without an explicit count the threads only ever go down: a lower count set earlier (a config's
-    ``num_threads``) is kept, and the workers are still capped by the budget."""
+    Without an explicit count the threads only ever go down: a lower count set earlier (a caller's
+    ``torch.set_num_threads``, e.g. a bench script's ``--threads``) is kept, and the workers are still capped by the budget."""
     import torch
 
     resolved = plan(workers=workers, threads=threads)
