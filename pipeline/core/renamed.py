@@ -46,3 +46,36 @@ def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: st
         new, values = RENAMED_KEYS[key]
         return f"'{dotted}' was renamed: use '{prefix}{new}' ({values})"
     return None
+
+
+#: keys added with a default that gives the numbers of before (a stage config recorded without them is the same config)
+ADDED_DEFAULTS = {"extract": {"bucket_window": "auto", "channels_last": False}}
+
+
+def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
+    """A stage config recorded before the renames above, as it reads now (:func:`pipeline.core.stages.run_stage`
+    compares its digest, so a stage finished or interrupted then is not refused for a new spelling alone):
+    the detector's ``train:`` -> ``detector_train:`` and the thread settings ``train.num_threads`` /
+    ``train.threads`` dropped (``--threads`` now; they never changed what a stage produces), and an ``extract``
+    section (or a bare one, as the demo records it) without the keys of :data:`ADDED_DEFAULTS` given them; a
+    ``caption`` section with the default ``beam_size``/``n_best`` (now ``decoding:`` keys) as an empty ``decoding:``."""
+    out = dict(recorded)
+    if "train" in out and "detector_train" not in out and "sampling" in out:  # a detector training config
+        out["detector_train"] = out.pop("train")
+    for name in ("train", "detector_train"):
+        if isinstance(out.get(name), Mapping):
+            out[name] = {k: v for k, v in out[name].items() if k not in ("num_threads", "threads")}
+    if "num_threads" in out and "model" in out and "stages" in out:  # a bare captioner train section
+        out.pop("num_threads")
+    caption = out.get("caption")
+    if isinstance(caption, Mapping) and "decoding" not in out and caption.get("beam_size", None) is None \
+            and caption.get("n_best", 1) == 1 and {"beam_size", "n_best"} & set(caption):
+        # their defaults (the checkpoint's beam, one caption) are what an empty decoding: section gives
+        out["caption"] = {k: v for k, v in caption.items() if k not in ("beam_size", "n_best")}
+        out["decoding"] = {}
+    added = ADDED_DEFAULTS["extract"]
+    if isinstance(out.get("extract"), Mapping):
+        out["extract"] = {**added, **out["extract"]}
+    elif "feature_dtype" in out and "roi_chunk" in out:  # a bare extract section
+        out = {**added, **out}
+    return out

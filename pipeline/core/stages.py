@@ -78,10 +78,24 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _same_config(record: Mapping[str, Any], digest: str) -> bool:
+    """The recorded stage (a manifest or a running marker) ran under this config: the same digest, or its recorded
+    config reads as this one under the current key names (:func:`pipeline.core.renamed.upgrade_recorded_config`)."""
+    if record.get("config_digest") == digest:
+        return True
+    recorded = record.get("config")
+    if not isinstance(recorded, Mapping):
+        return False
+    from pipeline.core.config import Config
+    from pipeline.core.renamed import upgrade_recorded_config
+
+    return Config(upgrade_recorded_config(recorded)).digest() == digest
+
+
 def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
     """An interrupted stage: resume under the same config; restart when it wrote nothing; else refuse, naming ``--force``."""
     previous = read_json(stage_dir / RUNNING, what="stage marker")
-    if previous.get("config_digest") in (None, digest):
+    if previous.get("config_digest") is None or _same_config(previous, digest):
         log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
         return
     if all(p.name in (RUNNING, STAGE_LOCK) for p in stage_dir.iterdir()):
@@ -142,7 +156,7 @@ def _clear(stage_dir: Path) -> None:
 def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Callable[..., Any], force: bool) -> StageResult:
     manifest = read_manifest(stage_dir)
     if manifest is not None and not force:
-        if manifest["config_digest"] == digest:
+        if _same_config(manifest, digest):
             log.info("stage %s: already done in %s (config %s), skipping", name, stage_dir, digest[:12])
             return StageResult(
                 name, stage_dir, dict(manifest["outputs"]), 0.0, True, dict(manifest.get("summary", {}))
