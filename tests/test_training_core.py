@@ -37,15 +37,16 @@ def test_precision_is_one_setting_with_clear_errors():
     assert make_scaler("fp32", CPU) is None and make_scaler("bf16", CPU) is None
 
 
-@pytest.mark.parametrize("stage,key", [("train", "train"), ("embed", "encoder")])
-def test_the_old_amp_key_is_refused_naming_precision(stage, key, tmp_path):
-    with pytest.raises(ConfigError, match=rf"'{key}.amp' was renamed: use '{key}.precision'"):
+@pytest.mark.parametrize("stage,key,today", [("train", "train", "train"), ("embed", "encoder", "sentence_encoder")])
+def test_the_old_amp_key_is_refused_naming_precision(stage, key, today, tmp_path):
+    """The message names today's key, also for a key renamed twice (``encoder.amp``: section and key)."""
+    with pytest.raises(ConfigError, match=rf"'{key}.amp' was renamed: use '{today}.precision'"):
         load_config(stage, None, [f"{key}.amp=bf16"])
     old = tmp_path / "old.yaml"
     old.write_text(f"{key}:\n  amp: none\n")
-    with pytest.raises(ConfigError, match=rf"{old}: '{key}.amp' was renamed"):
+    with pytest.raises(ConfigError, match=rf"{old}: '{key}.amp' was renamed: use '{today}.precision'"):
         load_config(stage, old)
-    assert load_config(stage, None, [f"{key}.precision=bf16"])[key].precision == "bf16"
+    assert load_config(stage, None, [f"{today}.precision=bf16"])[today].precision == "bf16"
 
 
 def test_cli_refuses_amp_with_one_line_and_exit_2(tmp_path):

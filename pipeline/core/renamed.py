@@ -37,6 +37,8 @@ def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: st
         section, why = RENAMED_SECTIONS[key]
         inner = next(iter(value), None) if isinstance(value, Mapping) else None
         old = f"{key}.{inner}" if inner is not None else key
+        if inner in RENAMED_KEYS:  # renamed twice ('encoder.amp'): name today's key, 'sentence_encoder.precision'
+            inner = RENAMED_KEYS[inner][0]
         new, why = MOVED_KEYS.get(old) or (f"{section}.{inner}" if inner is not None else section, why)
         return f"'{old}' was renamed: use '{new}' ({why})"
     if dotted in MOVED_KEYS:
