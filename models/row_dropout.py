@@ -63,9 +63,10 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     # F.dropout's own CPU computation (x * bernoulli(1 - p) / (1 - p)) with the noise drawn on the leading rows only
     # (the same random numbers as F.dropout(x[:rows])) and 1 on the others: one multiply, forward and backward
-    noise = torch.ones_like(x)
+    low = x.dtype in (torch.float16, torch.bfloat16)  # under autocast: F.dropout's kernels scale in float32, round once
+    noise = torch.ones_like(x, dtype=torch.float32 if low else x.dtype)
     noise[:rows].bernoulli_(1 - p).div_(1 - p)
-    return x * noise
+    return (x.float() * noise).to(x.dtype) if low else x * noise
 
 
 class Dropout(nn.Dropout):

@@ -96,6 +96,22 @@ def test_row_dropout_drops_the_leading_rows_with_the_random_numbers_of_their_own
     assert (layer(x)[4:] == 0).any() and (layer.eval()(x) == x).all()  # outside the block: every row, as nn.Dropout
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_dropout_in_half_types_scales_in_float32_and_rounds_once(dtype) -> None:
+    """Under autocast the kept activations are x / (1 - p) rounded once, as F.dropout's kernels give them (its
+    float32 scale), not x times a scale already rounded to the half type (1.109375 for p = 0.1 in bf16)."""
+    from models.row_dropout import dropout, dropout_rows
+
+    x = (torch.rand(6, 64) + 1).to(dtype)
+    with dropout_rows(4, 6):
+        y = dropout(x, 0.1)
+    kept = y[:4] != 0
+    want = (x.float() / 0.9).to(dtype)
+    assert y.dtype == dtype and kept.any() and torch.equal(y[:4][kept], want[:4][kept])
+    assert torch.equal(y[4:], x[4:])
+    assert not torch.equal((x * torch.tensor(1 / 0.9, dtype=dtype))[:4][kept], want[:4][kept])  # the rounded scale differs
+
+
 def test_baseline_loop_is_a_recipe_key_joint_by_default() -> None:
     from pipeline.core.errors import ConfigError
     from pipeline.training.recipe import stage_recipe
