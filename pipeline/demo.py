@@ -128,12 +128,16 @@ def _oracle_work(world_dir: Path):
 
 
 def _stage_seconds(result: StageResult) -> float:
-    """How long the stage took when it ran (also when this run skipped it: from its manifest)."""
+    """How long the stage took when it ran, read from its manifest whether this run ran it or skipped it.
+
+    Both paths read the manifest's value (rounded to 3 places there), so a rerun that skips the stage reports
+    the very number the first run did: rounding the unrounded timing to 1 place could differ at a boundary."""
     from pipeline.core.stages import read_manifest
 
-    if not result.skipped:
-        return round(result.seconds, 1)
-    return round(float((read_manifest(result.directory) or {}).get("seconds", 0.0)), 1)
+    recorded = (read_manifest(result.directory) or {}).get("seconds")
+    if recorded is None:
+        recorded = 0.0 if result.skipped else round(result.seconds, 3)
+    return round(float(recorded), 1)
 
 
 def mean_and_spread(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:

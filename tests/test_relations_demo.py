@@ -116,3 +116,19 @@ def test_the_default_world_keeps_its_stage_config_and_the_relations_world_record
     relations = world_stage_config(load_config("demo", CONFIG).world)
     assert relations.captions == "relations" and relations.digest() != world_stage_config(
         load_config("demo", CONFIG, ["world.captions=mixed"]).world).digest()
+
+
+def test_stage_seconds_are_the_same_number_whether_the_stage_ran_or_was_skipped(tmp_path: Path) -> None:
+    """A timing of 1.34951 s is 1.3 rounded once but 1.4 through the manifest's 1.350: both paths now read the
+    manifest, so a rerun's summary.json equals the first run's (the flake CI found in the comparison test)."""
+    from dataclasses import replace
+
+    from pipeline.core.config import Config
+    from pipeline.core.stages import run_stage
+    from pipeline.demo import _stage_seconds
+
+    ran = run_stage(tmp_path, "s", Config({"a": 1}), lambda d, c: {"x": 1})
+    manifest = json.loads((ran.directory / "manifest.json").read_text())
+    manifest["seconds"] = 1.35
+    (ran.directory / "manifest.json").write_text(json.dumps(manifest))
+    assert _stage_seconds(replace(ran, seconds=1.34951)) == _stage_seconds(replace(ran, skipped=True)) == round(1.35, 1)
