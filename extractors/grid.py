@@ -121,31 +121,50 @@ def cell_edges(n: int, k: int) -> list[tuple[int, int]]:
     return [((i * n) // k, -((-(i + 1) * n) // k)) for i in range(k)]
 
 
-def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
-    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (pooled to ``grid`` x ``grid`` when > 0)."""
+def grid_cells(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A (1, D, h, w) map -> its cells' features (N, D) on the map's device (pooled to ``grid`` x ``grid`` when
+    > 0) and their boxes (N, 4) float32 in original pixels, computed on the host (they depend on shapes only)."""
     _, d, h, w = fmap.shape
     pooled = F.adaptive_avg_pool2d(fmap, (grid, grid)) if grid > 0 else fmap
     feats = pooled[0].permute(1, 2, 0).reshape(-1, d)
     ys, xs = cell_edges(h, grid), cell_edges(w, grid)
     boxes = torch.tensor([[x0 * stride, y0 * stride, min(x1 * stride, frame.blob_w), min(y1 * stride, frame.blob_h)]
                           for (y0, y1) in ys for (x0, x1) in xs], dtype=torch.float32)
-    boxes = to_original(boxes, frame, "per-axis", "none")
-    return RegionRecord(features=feats.cpu().numpy().astype(np.float32), boxes=boxes.numpy().astype(np.float32), image_w=int(frame.width),
+    return feats, to_original(boxes, frame, "per-axis", "none").numpy().astype(np.float32)
+
+
+def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
+    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (one image; :class:`GridCells` copies a batch at once)."""
+    feats, boxes = grid_cells(fmap, stride, frame, grid)
+    return RegionRecord(features=feats.cpu().numpy().astype(np.float32), boxes=boxes, image_w=int(frame.width),
                         image_h=int(frame.height), class_ids=None, class_scores=None, attr_ids=None, attr_scores=None)
 
 
 class GridCells(Selector):
-    """``--boxes grid``: the model's res5 map of the whole image, cells as regions (no RPN, no heads)."""
+    """``--boxes grid``: the model's res5 map of the whole image, cells as regions (no RPN, no heads).
+
+    The images of a batch run one by one (their maps differ in size), their cell features stay on the device and
+    reach the host in one copy per batch, as the bottom-up path's (:mod:`extractors.to_host`)."""
 
     name = "grid"
     whole_image = True
 
     def detect(self, model: nn.Module, blobs, frames) -> list[RegionRecord]:
         r = self.recipe
-        out = []
+        cells = []
         for blob, frame in zip(blobs, frames):
             fmap, stride = grid_map(model, blob, r.res5_dilation)
-            out.append(grid_regions(fmap, stride, frame, r.grid))
+            cells.append(grid_cells(fmap, stride, frame, r.grid))
+        if not cells:
+            return []
+        flat = torch.cat([f.reshape(-1) for f, _ in cells]).cpu().numpy()  # the batch's one device-to-host copy
+        out, start = [], 0
+        for (f, boxes), frame in zip(cells, frames):
+            n = f.numel()
+            feats = flat[start : start + n].reshape(tuple(f.shape)).astype(np.float32)
+            start += n
+            out.append(RegionRecord(features=feats, boxes=boxes, image_w=int(frame.width), image_h=int(frame.height),
+                                    class_ids=None, class_scores=None, attr_ids=None, attr_scores=None))
         return out
 
 

@@ -211,3 +211,37 @@ def test_x152pp_deformable_res4_res5_equal_the_release(tmp_path, shared_data):
     np.testing.assert_allclose(st.get("132417")["features"], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
     res = CliRunner().invoke(app, ["info", str(tmp_path / "X-152pp.pth")])
     assert res.exit_code == 0 and "deformable: res4, res5" in res.output
+
+
+@pytest.mark.parametrize("k", [0, 7])
+def test_a_batch_of_grid_maps_reaches_the_host_in_one_copy_with_the_per_image_arrays(k):
+    """``GridCells.detect`` keeps each image's cells on the device and copies the batch once (the ``.cpu()`` and
+    its ``.numpy()``), giving exactly the arrays of :func:`grid_regions` image by image (a ``.cpu()`` and a
+    ``.numpy()`` each). The proxy also counts each image's ``.numpy()`` of its host-computed boxes (no device read)."""
+    from types import SimpleNamespace
+
+    from bench.proxies import count
+    from extractors.grid import GridCells, GridFeatsModel, grid_map, grid_regions
+    from extractors.preprocess import Frame
+
+    torch.manual_seed(0)
+    spec = grid_spec()
+    model = GridFeatsModel(spec).eval()
+    g = torch.Generator().manual_seed(1)
+    blobs = [torch.rand(3, 96, 160, generator=g) * 255 - 120, torch.rand(3, 128, 96, generator=g) * 255 - 120]
+    frames = [Frame(height=60, width=100, blob_h=96, blob_w=160, im_scale=1.6), Frame(height=200, width=150, blob_h=128, blob_w=96, im_scale=0.64)]
+    cells = GridCells(SimpleNamespace(res5_dilation=1, grid=k), spec)
+    got = cells.detect(model, blobs, frames)
+    assert len(got) == 2
+    for rec, blob, frame in zip(got, blobs, frames):
+        fmap, stride = grid_map(model, blob, 1)
+        want = grid_regions(fmap, stride, frame, k)
+        assert (rec.image_w, rec.image_h) == (frame.width, frame.height)
+        for name in ("features", "boxes"):
+            a, b = getattr(rec, name), getattr(want, name)
+            assert a.dtype == b.dtype == np.float32 and a.shape == b.shape and np.array_equal(a, b), name
+        assert rec.class_ids is None and rec.attr_ids is None
+    assert got[0].features.shape[0] == (49 if k else 3 * 5) and got[1].features.shape[0] == (49 if k else 4 * 3)
+    assert count(lambda: cells.detect(model, blobs, frames))["syncs"] == 2 + 2
+    assert count(lambda: [grid_regions(*grid_map(model, b, 1), f, k) for b, f in zip(blobs, frames)])["syncs"] == 2 * 3
+    assert cells.detect(model, [], []) == []
