@@ -42,9 +42,12 @@ _COMMON = {
     "noam_model_size", "extra_scheduler_step_per_epoch", "lr_decay_start", "lr_decay_every", "lr_decay_rate",
     "plateau_factor", "plateau_patience", "warmup_epoch_factors", "grad_clip_value", "grad_clip_norm",
     "label_smoothing", "scheduled_sampling", "seed", "reward", "captions_per_image", "max_caption_len",
+    "optimizer_impl",
 }
 _SCST = {"sample_method", "num_samples", "sample_max_len", "baseline", "pg_normalize", "baseline_loop"}
 BASELINE_LOOPS = ("joint", "separate")
+OPTIMIZER_IMPLS = ("foreach", "fused")  # PyTorch's multi-tensor kernels (the default) or its one fused kernel
+FUSED_OPTIMIZERS = ("adam", "adamw", "sgd")  # those PyTorch has a fused kernel for (not Adamax)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class StageRecipe:
     baseline: str = "greedy"
     pg_normalize: str = "tokens"
     baseline_loop: str = "joint"  # greedy baseline with multinomial samples: one decoding loop, or a loop of its own
+    optimizer_impl: str = "foreach"  # "fused": PyTorch's fused kernel (one operator per step; other float rounding)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def ss_prob(self, epoch: int) -> float:
@@ -193,10 +197,15 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
         baseline=str(r.get("baseline", "greedy")),
         pg_normalize=str(r.get("pg_normalize", "steps" if r.get("sample_method") == "beam" else "tokens")),
         baseline_loop=str(r.get("baseline_loop", "joint")),
+        optimizer_impl=str(r.get("optimizer_impl", "foreach")),
         extra={"seed": r.get("seed")},
     )
     if recipe.epochs < 0 or recipe.batch_size < 1:
         raise ConfigError(f"{w}: epochs must be >= 0 and batch_size >= 1")
+    if recipe.optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ConfigError(f"{w}.optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {recipe.optimizer_impl!r}")
+    if recipe.optimizer_impl == "fused" and opt not in FUSED_OPTIMIZERS:
+        raise ConfigError(f"{w}.optimizer_impl: fused: PyTorch has no fused {opt} (only {', '.join(FUSED_OPTIMIZERS)}); use foreach")
     if stage == "scst":
         if recipe.sample_method not in SAMPLE_METHODS:
             raise ConfigError(f"{w}.sample_method must be one of {SAMPLE_METHODS}, got {recipe.sample_method!r}")
