@@ -48,12 +48,12 @@ SETTINGS = [
 
 @pytest.mark.parametrize("model", ["san", "ngsan"])
 def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
-    cfg = load_config("train", None, train_overrides(run, model, *SETTINGS))
+    cfg = load_config("train", None, train_overrides(run, model, *SETTINGS))  # train.device=cpu; the margins below are CPU numbers
     result = train_captioner(run, cfg)
     d = result.directory
     assert {p.name for p in d.iterdir()} >= {"last.pt", "best.pt", "xe.pt", "log.jsonl", "manifest.json"}
-    xe = evaluate_checkpoint(d / "xe.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-xe", fast_only=True)
-    scst = evaluate_checkpoint(d / "last.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-scst", fast_only=True)
+    xe = evaluate_checkpoint(d / "xe.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-xe", fast_only=True, device="cpu")
+    scst = evaluate_checkpoint(d / "last.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-scst", fast_only=True, device="cpu")
     base = shuffled_baseline(run)
     print(f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, SCST {scst['metrics']['CIDEr']:.3f}")
     assert base < 0.5
