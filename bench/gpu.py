@@ -118,6 +118,8 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
     variants = [("xe", None, ""), ("scst", None, "")]
     if _greedy_sampled(name):  # the samples and the greedy baseline in one loop (default) or two: side by side
         variants.append(("scst", {"baseline_loop": "separate"}, ", baseline in its own loop"))
+    if _fusable(name):  # the opt-in fused optimizer beside the default foreach one
+        variants += [(stage, {"optimizer_impl": "fused"}, ", fused optimizer") for stage in ("xe", "scst")]
     for stage, overrides, label in variants:
         def epoch(stage: str = stage, overrides: dict | None = overrides) -> float:
             reset()
@@ -129,6 +131,15 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
                         f"{images} images at the paper batch size; the trainer's step timed x epoch length", epoch, unit="s",
                         reports="value", after=note))
     return out
+
+
+def _fusable(name: str) -> bool:
+    """Whether both of ``name``'s stages use an optimizer PyTorch has a fused kernel for (``optimizer_impl: fused``)."""
+    from models import model_card
+    from pipeline.training.recipe import FUSED_OPTIMIZERS, stage_recipe
+
+    schedule = model_card(name).schedule.to_dict()
+    return all(stage_recipe(st, schedule, None, 30, name).optimizer in FUSED_OPTIMIZERS for st in ("xe", "scst"))
 
 
 def _greedy_sampled(name: str) -> bool:

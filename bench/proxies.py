@@ -88,8 +88,6 @@ def _has_aten_parent(event: Any) -> bool:
 def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | None = None) -> list[dict[str, Any]]:
     from bench.train import VOCAB_SIZE, fitted_model, make_batch, reference_corpus, trainer_step
     from models.decoding import DecodeOptions, beam_search
-    from models import model_card
-    from pipeline.training.recipe import FUSED_OPTIMIZERS
     from pipeline.core.vocab import Vocab
 
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -107,10 +105,10 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
             os.makedirs(fit_cache, exist_ok=True)
             torch.save(model.state_dict(), cached)
     rows = []
-    from bench.gpu import _greedy_sampled
+    from bench.gpu import _fusable, _greedy_sampled
 
     variants = [("scst", None, ""), ("xe", None, "")]
-    if model_card(name).schedule.to_dict().get("xe", {}).get("optimizer", "adam") in FUSED_OPTIMIZERS:
+    if _fusable(name):
         variants += [("scst", {"optimizer_impl": "fused"}, ", fused optimizer"), ("xe", {"optimizer_impl": "fused"}, ", fused optimizer")]
     if _greedy_sampled(name):  # beside it, the same step with the greedy baseline in a loop of its own (the old way)
         variants.insert(1, ("scst", {"baseline_loop": "separate"}, ", baseline loop separate"))

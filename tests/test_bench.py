@@ -119,8 +119,10 @@ def test_the_cuda_table_code_runs_on_cpu_at_tiny_size():
         for case in gpu.cases(name, "tiny", ["ngsan"], device="cpu"):
             if case.name != "train scst":  # the same bench.train.bench_stage as XE, at 3x the cost
                 rows.append(harness.measure(case, repeats=1, warmup=0))
-    # bf16 extraction only on CUDA; the second extract row batches equal sizes across the folder (extract.bucket_window)
-    assert [r.name for r in rows] == ["extract", "extract", "train xe", "decode"]
+    # bf16 extraction only on CUDA; the second extract row batches equal sizes across the folder (extract.bucket_window);
+    # the second XE row runs the opt-in fused optimizer (optimizer_impl: fused)
+    assert [r.name for r in rows] == ["extract", "extract", "train xe", "train xe", "decode"]
+    assert rows[3].project.endswith(", fused optimizer") and not rows[2].project.endswith("optimizer")
     for r in rows:
         assert r.project_min > 0 and r.baseline is None and r.speedup_min is None
 
