@@ -318,3 +318,36 @@ def test_ddp_two_processes_gloo(tiny_world, tmp_path):
 def test_commands_have_help_with_examples(cmd):
     res = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "Example" in res.output and "butd-caption" in res.output
+
+
+def _train_one_rank(rank: int, world: str, out: str, port: int, report: str) -> None:
+    """One torchrun-like process (spawned): join a 2-process gloo group through the environment, train, and
+    write whether the process group is still alive once ``train`` has returned."""
+    import torch.distributed as dist
+
+    from extractors.training.loop import train
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"})
+    torch.set_num_threads(1)
+    cfg = _tiny_cfg(Path(world), "detector_train.max_iter=2", "detector_train.steps=[1]", "detector_train.images_per_batch=1",
+                    "data.eval_annotations=null", "detector_train.device=cpu")
+    result = train(Path(out), cfg)
+    Path(report + f".{rank}").write_text(json.dumps({"iterations": result.iterations, "group_alive": dist.is_initialized()}))
+
+
+def test_every_rank_leaves_the_process_group_when_training_returns(tiny_world, tmp_path):
+    """The detector trainer destroys its gloo process group before returning, on every rank: a group left alive
+    until interpreter exit can abort a process whose run succeeded (SIGABRT, seen once in CI as a torchrun failure)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = str(tmp_path / "report")
+    mp.start_processes(_train_one_rank, args=(str(tiny_world), str(tmp_path / "ddp"), port, report), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        seen = json.loads(Path(f"{report}.{rank}").read_text())
+        assert seen == {"iterations": 2, "group_alive": False}, (rank, seen)

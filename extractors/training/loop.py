@@ -146,6 +146,9 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
             return DetectorTrainer(Path(stage_dir), cfg).run()
     finally:
         torch.set_num_threads(threads)
+        # Under torchrun, leave the process group before the interpreter exits: a gloo group still alive at
+        # finalization can abort the process (SIGABRT) after a run that succeeded (pytorch/pytorch PR 179291).
+        distributed.teardown(distributed.env_context())
 
 
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
