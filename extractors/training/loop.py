@@ -140,15 +140,17 @@ class TrainResult:
 
 def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     """Train per ``cfg`` (the ``train_detector`` stage config) in ``stage_dir``; resumes from its checkpoint."""
+    ctx = distributed.setup(str(cfg.detector_train.device), "detector_train.device")
     threads = torch.get_num_threads()  # torch's threads follow the one policy (--threads / BUTD_THREADS); put back after
     try:
         with deterministic_mode(bool(cfg.detector_train.deterministic), "detector_train.deterministic"):
-            return DetectorTrainer(Path(stage_dir), cfg).run()
+            return DetectorTrainer(Path(stage_dir), cfg, ctx).run()
     finally:
         torch.set_num_threads(threads)
-        # Under torchrun, leave the process group before the interpreter exits: a gloo group still alive at
-        # finalization can abort the process (SIGABRT) after a run that succeeded (pytorch/pytorch PR 179291).
-        distributed.teardown(distributed.env_context())
+        # Under torchrun, leave the process group before the interpreter exits (as captioner and encoder training
+        # do): a gloo group still alive at finalization can abort a process whose run succeeded (SIGABRT;
+        # pytorch/pytorch PR 179291).
+        distributed.teardown(ctx)
 
 
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
@@ -167,9 +169,10 @@ def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
 class DetectorTrainer:
     """Trains the detector of ``cfg`` (a ``train_detector`` config) in ``stage_dir``, resuming its checkpoint."""
 
-    def __init__(self, stage_dir: Path, cfg: Config) -> None:
+    def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
+        """``ctx``: this process's place in the process group, joined and left by :func:`train`."""
         self.dir, self.cfg, tc = Path(stage_dir), cfg, cfg.detector_train
-        self.ctx = distributed.setup(str(tc.device), "detector_train.device")
+        self.ctx = ctx
         self.precision = resolve_precision(tc.precision, self.ctx.device, "detector_train.precision")
         if not cfg.data.train_annotations:
             raise UsageError("data.train_annotations is required (a COCO instances json)")
