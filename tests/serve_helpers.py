@@ -45,6 +45,29 @@ class Server:
     def metrics(self, headers: dict[str, str] | None = None) -> str:
         return self.request("GET", "/metrics", headers=headers)[2].decode()
 
+    def new_log(self) -> str:
+        """What the server wrote to stderr since the last call (read without blocking)."""
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", "replace")
+
+    def log_until(self, done: Any, timeout: float = 20) -> str:
+        """The server's new stderr text, read until ``done(text)`` holds or ``timeout`` seconds pass."""
+        text, deadline = "", time.monotonic() + timeout
+        while not done(text) and time.monotonic() < deadline:
+            text += self.new_log()
+            time.sleep(0.05)
+        return text
+
 
 def multipart(files: Sequence[tuple[str, bytes]], fields: dict[str, Any]) -> tuple[bytes, str]:
     """A multipart/form-data body: ``files`` as ``files`` parts (name, bytes), ``fields`` as text parts."""

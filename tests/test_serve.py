@@ -4,13 +4,16 @@ Captions for the real photos equal `caption`'s for the same model and options, a
 share batches; a corrupt, an empty and a cut-off image beside good ones are error entries with `caption`'s own
 error rows; the HTTP bounds (401 without the token, 413 for a large body or too many images, 422 for options past
 the limits, 503 + Retry-After for a full queue, never a 500); SIGTERM while a request waits still answers it and
-the server exits 0."""
+the server exits 0. Hostile clients: one gone mid-upload is one log line, a malformed multipart body a 400, and
+connections that trickle their request headers are cut off by the header timeout without holding `/healthz` off."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import re
+import selectors
 import shutil
 import signal
 import socket
@@ -25,7 +28,7 @@ from typer.testing import CliRunner
 
 from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
 from cli import app
-from serve_helpers import Chromium, serving, start_server, stop_server
+from serve_helpers import Chromium, multipart, serving, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -52,6 +55,10 @@ BOUNDS = ["--set", "serve.queue_limit=2", "--set", "serve.max_batch=4", "--set",
           "--set", "serve.request_timeout_s=4"]
 
 
+#: serve.header_timeout_s of the main server: short, so that the slow-header test takes seconds
+HEADER_TIMEOUT = 2.0
+
+
 @pytest.fixture(scope="module")
 def servers(env: dict):
     """Both servers of this module, booted at once (each boot is mostly imports and model loading):
@@ -63,7 +70,8 @@ def servers(env: dict):
     bounds = start_server(*model, *BOUNDS, env={"BUTD_SERVE_TOKEN": "s3cret"})
     try:
         with serving(start_server(*model, "--set", "serve.max_batch=16", "--set", "serve.max_wait_ms=1000",
-                                  "--set", "serve.max_images=8", env={"TMPDIR": str(tmp)})) as srv:
+                                  "--set", "serve.max_images=8", "--set", f"serve.header_timeout_s={HEADER_TIMEOUT}",
+                                  env={"TMPDIR": str(tmp)})) as srv:
             srv.tmp = tmp
             yield {"main": srv, "bounds": bounds}
     finally:
@@ -183,6 +191,117 @@ def test_regions_and_raw_body(server) -> None:
     spec = json.loads(server.request("GET", "/openapi.json")[2])
     assert "/v1/captions" in spec["paths"] and "multipart/form-data" in json.dumps(spec["paths"]["/v1/captions"])
     assert "/v1/captions" in server.request("GET", "/docs")[2].decode()
+
+
+def test_a_client_gone_mid_upload_is_one_log_line(server) -> None:
+    """A client that sends half of a multipart upload and closes its socket: one line in the server's log (no
+    traceback), counted as 499 (client closed request), never as a 500; the next request is answered."""
+    photo = photos()[0].read_bytes()
+    body, ctype = multipart([("a.jpg", photo)], {})
+    server.new_log()
+    before = server.metrics()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        head = f"POST /v1/captions HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n"
+        raw.sendall(head.encode() + body[: len(body) // 2])
+    log = server.log_until(lambda text: "closed the connection" in text or "Traceback" in text)
+    status, _, answer = server.post_images([("b.jpg", photo)], {"regions": "false"})
+    assert status == 200 and answer["images"][0]["caption"]
+    log += server.new_log()
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert "Traceback" not in log and len(lines) == 1 and "closed the connection" in lines[0], log[-3000:]
+    assert re.search(rf"after \d+ of {len(body)} body bytes$", lines[0].rstrip()), lines[0]
+    after = server.metrics()
+    assert metric(after, 'butd_requests_total{status="499"}') - metric(before, 'butd_requests_total{status="499"}') == 1
+    assert 'status="500"' not in after
+
+
+def test_a_malformed_multipart_body_is_400(server) -> None:
+    """A multipart body the parser refuses is a 400 with a one-line JSON error, never a 500: boundaries beyond RFC
+    2046's 70 characters (120; 300, also beyond python-multipart's own 256) and a part header without a colon."""
+    server.new_log()
+    before = server.metrics()
+    bodies = {b: f'--{b}\r\nContent-Disposition: form-data; name="files"; filename="a.jpg"\r\n\r\nxx\r\n--{b}--\r\n'
+              for b in ("b" * 120, "c" * 300)}
+    bodies["short"] = "--short\r\nContent-Disposition form-data\r\n\r\nxx\r\n--short--\r\n"
+    errors = []
+    for boundary, body in bodies.items():
+        status, head, raw = server.request("POST", "/v1/captions", body.encode(),
+                                           {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert status == 400 and head["content-type"] == "application/json", (len(boundary), status, raw[:300])
+        errors.append(json.loads(raw)["error"])
+    assert all(e.startswith("malformed multipart body: ") and "\n" not in e for e in errors), errors
+    assert "120" in errors[0] and "70" in errors[0] and "300" in errors[1]
+    after = server.metrics()
+    assert metric(after, 'butd_requests_total{status="400"}') - metric(before, 'butd_requests_total{status="400"}') == 3
+    assert 'status="500"' not in after and "Traceback" not in server.new_log()
+
+
+def test_slow_headers_are_cut_off_and_health_answers(server) -> None:
+    """300 connections (beyond the 256 of serve.max_connections) that trickle their request headers, and one
+    kept-alive connection that trickles the head of its second request: /healthz answers 200 while they are
+    open, and the server closes each with a 408 once serve.header_timeout_s has passed since it connected (or
+    answered), within a margin, while the client is still sending header bytes."""
+    n, margin = 301, 4.0
+    socks: list[socket.socket] = []
+    opened: dict[socket.socket, float] = {}
+    sel = selectors.DefaultSelector()
+    try:
+        for i in range(n):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            opened[s] = time.monotonic()
+            if i == 0:  # kept alive: a whole first request and its answer, then a slow second head
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_answer(s).startswith(b"HTTP/1.1 200 ")
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            s.setblocking(False)
+            socks.append(s)
+            sel.register(s, selectors.EVENT_READ)
+        status, _, body = server.request("GET", "/healthz", timeout=10)
+        early = time.monotonic() - min(opened.values()) < HEADER_TIMEOUT
+        still_open = not sel.select(0)
+        closed: dict[socket.socket, tuple[float, bytes]] = {}
+        deadline = min(opened.values()) + HEADER_TIMEOUT + margin
+        while len(closed) < n and time.monotonic() < deadline:
+            for key, _ in sel.select(0.25):
+                try:
+                    reply = key.fileobj.recv(4096)
+                except OSError:
+                    reply = b""
+                closed[key.fileobj] = (time.monotonic(), reply)
+                sel.unregister(key.fileobj)
+            for s in socks:  # one more header byte on each connection still open
+                if s not in closed:
+                    try:
+                        s.send(b"x")
+                    except OSError:
+                        pass
+        assert len(closed) == n, f"{n - len(closed)} of {n} slow connections still open after {HEADER_TIMEOUT + margin} s"
+        waited = [t - opened[s] for s, (t, _) in closed.items()]
+        assert HEADER_TIMEOUT <= min(waited) and max(waited) <= HEADER_TIMEOUT + margin, (min(waited), max(waited))
+        replies = [reply for _, reply in closed.values()]
+        assert all(r.startswith(b"HTTP/1.1 408 ") or r == b"" for r in replies), {r[:40] for r in replies}
+        timed_out = [r for r in replies if r.startswith(b"HTTP/1.1 408 ")]
+        assert len(timed_out) >= n * 0.9, len(timed_out)  # the rest: a header byte crossed the close (a reset)
+        error = json.loads(timed_out[0].split(b"\r\n\r\n", 1)[1])["error"]
+        assert error == f"the request headers did not arrive within {HEADER_TIMEOUT:g} s", error
+        assert status == 200 and json.loads(body)["status"] == "ok", (status, body[:200])
+        assert early and still_open  # /healthz was answered while every slow connection was still open
+    finally:
+        for s in socks:
+            s.close()
+    assert server.request("GET", "/healthz")[0] == 200
+    assert "Traceback" not in server.new_log()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer with a Content-Length, read whole from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    return data
 
 
 def test_bounds_token_and_sigterm(env: dict, servers: dict) -> None:
@@ -398,3 +517,15 @@ def test_uploads_are_decoded_off_the_model_thread(env: dict, monkeypatch) -> Non
         assert batcher.close(60)
     assert [r.caption for r in pair] == [expected[uploads[1].key].caption, expected[uploads[0].key].caption]
     assert (metrics.batch.count, metrics.batch.sum) == (1, 2.0), metrics.text()
+
+
+def test_header_timeout_is_a_checked_setting() -> None:
+    """``serve.header_timeout_s`` comes from configs/serve.yaml (10 s) and must be positive (one line naming it)."""
+    from pipeline.core.config import load_config
+    from pipeline.core.errors import UsageError
+    from pipeline.serving.settings import ServeSettings, settings_from
+
+    assert settings_from(load_config("serve", None, []).serve).header_timeout_s == 10.0
+    assert settings_from(load_config("serve", None, ["serve.header_timeout_s=1.5"]).serve).header_timeout_s == 1.5
+    with pytest.raises(UsageError, match=r"^serve.header_timeout_s=0: must be positive$"):
+        ServeSettings(header_timeout_s=0)

@@ -32,10 +32,10 @@ def register(app: typer.Typer) -> None:
         `caption` writes for the same model and options.
 
         Bounded: serve.queue_limit images admitted (503 with Retry-After beyond), serve.max_body_bytes per request
-        (413), caption.max_pixels per image, serve.request_timeout_s per request (504). Binds 127.0.0.1 unless --host
-        says otherwise; --token (or $BUTD_SERVE_TOKEN) makes /v1/captions and /metrics need `Authorization: Bearer
-        TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C: stops accepting, answers what
-        is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and /openapi.json.
+        (413), caption.max_pixels per image, serve.request_timeout_s per request (504), serve.header_timeout_s for a
+        request's headers (408). Binds 127.0.0.1 unless --host says otherwise; --token (or $BUTD_SERVE_TOKEN) makes
+        /v1/captions and /metrics need `Authorization: Bearer TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C:
+        stops accepting, answers what is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and /openapi.json.
 
         Examples:
 

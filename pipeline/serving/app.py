@@ -10,7 +10,9 @@ Status codes of ``POST /v1/captions``: 200 (also when some images failed: their 
 (unreadable body), 401, 408 (the body did not arrive within ``serve.request_timeout_s``), 413 (body or image
 count beyond the limits), 415, 422 (options), 503 + Retry-After (queue full, or draining), 504 (not answered
 within ``serve.request_timeout_s`` or the request's ``timeout_s``). A failure of the model thread on a
-whole batch (a project error such as a feature-size mismatch) is a 500 naming it.
+whole batch (a project error such as a feature-size mismatch) is a 500 naming it. A client that closes its
+connection before its body is complete gets no answer: it is one log line and counted as 499 (nginx's "client
+closed request"), never a server error.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from pipeline.serving.batcher import Batcher, Closed, QueueFull
 from pipeline.serving.metrics import Metrics
 from pipeline.serving.page import docs_html, page_html
 from pipeline.serving.settings import ServeSettings
-from pipeline.serving.uploads import BadRequest, BodyTooLarge, images_and_fields, read_body
+from pipeline.serving.uploads import BadRequest, BodyTooLarge, ClientGone, images_and_fields, read_body
 
 log = get_logger("serve")
+
+#: the status counted for a request whose client closed its connection before its body was complete (never sent)
+CLIENT_CLOSED = 499
 
 _BODY_DOC = {
     "requestBody": {
@@ -101,7 +106,8 @@ def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
     async def captions(request: Request) -> Response:
         start = time.perf_counter()
         response = await _captions(service, request)
-        service.metrics.request(response.status_code, time.perf_counter() - start)
+        gone = response.status_code == CLIENT_CLOSED  # not a latency of an answer
+        service.metrics.request(response.status_code, None if gone else time.perf_counter() - start)
         return response
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -139,6 +145,10 @@ async def _captions(service: Service, request: Request) -> Response:
         items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
         query = {k: v for k, v in request.query_params.items() if k != "name"}
         options, regions, timeout = request_options({**query, **fields}, service.batcher.engine.options, s)
+    except ClientGone as exc:  # nobody to answer: one line, no traceback
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("POST /v1/captions from %s: %s", client, exc)
+        return _error(CLIENT_CLOSED, str(exc))
     except BodyTooLarge as exc:
         return _error(413, str(exc))
     except asyncio.TimeoutError:  # a body trickling in (slow client): the connection is not held for ever

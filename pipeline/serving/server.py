@@ -5,6 +5,8 @@ http://HOST:PORT`` on stdout names it once the models are loaded), so a port in 
 closes idle ones, lets every request in flight finish (at most ``serve.drain_timeout_s``), then the lifespan's
 end closes the batcher (which has answered everything it admitted) and the process exits 0; uvicorn's own
 re-raising of the signal after a graceful stop (which would make the exit status 143) is not wanted here.
+HTTP/1.1 is uvicorn's h11 protocol with a header timeout (:mod:`pipeline.serving.protocol`,
+``serve.header_timeout_s``), whichever HTTP parsers are installed.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket
     import uvicorn
 
     from pipeline.serving.app import create_app
+    from pipeline.serving.protocol import head_timeout_protocol
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM/SIGINT: draining starts now
@@ -95,7 +98,8 @@ def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_config=None, access_log=settings.log_requests, lifespan="on",
                             timeout_graceful_shutdown=int(settings.drain_timeout_s), timeout_keep_alive=5,
-                            limit_concurrency=settings.max_connections)
+                            limit_concurrency=settings.max_connections,
+                            http=head_timeout_protocol(settings.header_timeout_s))
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving on http://{shown}:{port}  (page /, API /v1/captions, docs /docs)", flush=True)

@@ -1,9 +1,11 @@
 """Request bodies: read under the size cap, then parsed in memory into images and option fields.
 
 Nothing touches the disk: the body is read chunk by chunk and refused (:class:`BodyTooLarge`, HTTP 413) as
-soon as it passes ``serve.max_body_bytes`` (the ``Content-Length`` is checked first); multipart bodies are
-parsed with python-multipart's streaming parser into byte strings (Starlette's own form parser would spool
-files over 1 MB to temporary files). A client's file name is a label only: each image is decoded from the
+soon as it passes ``serve.max_body_bytes`` (the ``Content-Length`` is checked first), and a client that closes
+its connection before the body is complete is :class:`ClientGone`; multipart bodies are parsed with
+python-multipart's streaming parser into byte strings (Starlette's own form parser would spool files over 1 MB
+to temporary files), and whatever the parser refuses (a boundary beyond RFC 2046's 70 characters included) is
+one :class:`BadRequest` (HTTP 400). A client's file name is a label only: each image is decoded from the
 bytes it carries (:attr:`UploadItem.data`), so no request can make the server open a path.
 """
 
@@ -16,14 +18,20 @@ from typing import Any
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect
 
 #: multipart fields that carry option values (everything else with a file name, or named like these, is an image)
 IMAGE_FIELDS = ("file", "files", "image", "images", "photo", "photos")
 MAX_NAME = 200
+MAX_BOUNDARY = 70  # RFC 2046, section 5.1.1: a boundary has 1 to 70 characters
 
 
 class BodyTooLarge(Exception):
     """The body passed the cap (HTTP 413)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its body was complete (no answer can reach it)."""
 
 
 class BadRequest(Exception):
@@ -54,6 +62,7 @@ def label(name: str | None, index: int) -> str:
 
 async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
     """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
+    declared = None
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -62,11 +71,15 @@ async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, li
         if declared > limit:
             raise BodyTooLarge(f"the body has {declared} bytes; the limit is {limit}")
     parts, size = [], 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"the body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"the body exceeds the limit of {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:
+        of = "" if declared is None else f" of {declared}"
+        raise ClientGone(f"the client closed the connection after {size}{of} body bytes") from None
     return b"".join(parts)
 
 
@@ -97,14 +110,16 @@ def parse_multipart(body: bytes, boundary: bytes) -> list[tuple[str, str | None,
         filename = params.get(b"filename")
         parts.append((name, filename.decode("utf-8", "replace") if filename is not None else None, b"".join(state["data"])))
 
-    parser = MultipartParser(boundary, {"on_part_begin": on_part_begin, "on_header_field": on_header_field,
-                                        "on_header_value": on_header_value, "on_header_end": on_header_end,
-                                        "on_part_data": on_part_data, "on_part_end": on_part_end})
-    try:
+    callbacks = {"on_part_begin": on_part_begin, "on_header_field": on_header_field, "on_header_value": on_header_value,
+                 "on_header_end": on_header_end, "on_part_data": on_part_data, "on_part_end": on_part_end}
+    try:  # every refusal of the parser, from its construction to its end, is the client's 400
+        if len(boundary) > MAX_BOUNDARY:
+            raise FormParserError(f"the boundary has {len(boundary)} characters (RFC 2046: at most {MAX_BOUNDARY})")
+        parser = MultipartParser(boundary, callbacks)
         parser.write(body)
         parser.finalize()
-    except FormParserError as exc:
-        raise BadRequest(f"malformed multipart body: {exc}") from None
+    except ValueError as exc:  # FormParserError and its subclasses are ValueErrors, as are the parser's other refusals
+        raise BadRequest(f"malformed multipart body: {' '.join(str(exc).split()) or type(exc).__name__}") from None
     return parts
 
 
