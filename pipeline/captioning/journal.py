@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
-from pipeline.core.fileio import atomic_write_json, read_json
+from pipeline.core.fileio import atomic_write_json, check_own_path, open_own_file, read_json
 from pipeline.core.locks import WriterLock, acquire_lock
 
 log = get_logger("caption")
@@ -75,13 +75,19 @@ class Journal:
         main = self.files[self.main]
         self.lock = lock or acquire_lock(main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output")
         try:
+            for path in [*self.files.values(), self._state_path()]:  # a link or a special file: refused, untouched
+                check_own_path(path, "caption journal file")
             self._open(settings, force)
         except BaseException:
             self.lock.release()
             raise
 
+    def _state_path(self) -> Path:
+        main = self.files[self.main]
+        return main.with_name(main.name + ".committed")
+
     def _open(self, settings: Mapping[str, Any], force: bool) -> None:
-        self.state_path = self.files[self.main].with_name(self.files[self.main].name + ".committed")
+        self.state_path = self._state_path()
         self.settings = json.loads(json.dumps(dict(settings)))  # plain JSON types, comparable with a re-read
         self.done: set[str] = set()
         self.rows = 0
@@ -91,10 +97,13 @@ class Journal:
         for role, path in self.files.items():
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = open_own_file(path, "caption journal file")
             except OSError as exc:
                 self.close()
                 raise annotate_os_error(exc, "open for appending", path) from None
+            except PipelineError:
+                self.close()
+                raise
             self._fds[role] = fd
             try:
                 os.ftruncate(fd, self.sizes[role])  # drop whatever a killed (or failed) run wrote after its last commit
@@ -111,9 +120,11 @@ class Journal:
         fresh = {"version": VERSION, "files": {}, "rows": 0, "settings": self.settings}
         main = self.files[self.main]
         if force or not self.state_path.exists():
-            if not force and main.exists() and main.stat().st_size > 0:
-                raise UsageError(f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
-                                 "pass --force to overwrite it, or choose another --output")
+            # no position file: a non-empty file at any of the journal's paths is someone else's, never cut
+            for path in self.files.values():
+                if not force and path.exists() and path.stat().st_size > 0:
+                    raise UsageError(f"{path} exists and was not written by `caption` (no {self.state_path.name} next to "
+                                     f"{main.name}): pass --force to overwrite it, or choose another --output")
             return fresh
         state = read_json(self.state_path, "caption position file")
         if state.get("version") != VERSION or not isinstance(state.get("files"), dict):
