@@ -191,20 +191,6 @@ def test_a_link_at_a_journal_file(tmp_path: Path, shared_data: Path, m2_release:
     assert target.read_bytes() == PRECIOUS and link.is_symlink()
 
 
-def test_a_file_of_someone_else_at_the_failures_manifest_is_not_cut(tmp_path: Path) -> None:
-    """No position file: a non-empty journal file is not one of ours (the results file and the failures manifest
-    alike); ``--force`` starts them over."""
-    from pipeline.captioning.journal import Journal
-
-    out, fail = tmp_path / "out.jsonl", tmp_path / "out.failures.jsonl"
-    fail.write_bytes(PRECIOUS)
-    with pytest.raises(UsageError, match="out.failures.jsonl exists and was not written by `caption`"):
-        Journal({"results": out, "failures": fail}, {"model": "x"})
-    assert fail.read_bytes() == PRECIOUS and not out.exists()
-    Journal({"results": out, "failures": fail}, {"model": "x"}, force=True).close()
-    assert fail.read_bytes() == b""
-
-
 def test_a_link_at_a_segment_temporary_name_is_not_followed(tmp_path: Path) -> None:
     """A link planted at the name the next segment is written under (``seg-NNNNNN.h5.tmp``) while a writer holds
     the store: the commit fails naming it and the link's target keeps every byte."""

@@ -6,7 +6,9 @@ commit, the number of committed rows, and the settings the rows were made with).
 single ``write`` per file, the files are fsynced, then the position file is replaced atomically
 (:func:`pipeline.core.fileio.atomic_write_json`). Reopening truncates every file to its committed length, so
 a batch torn by a crash (or a full disk) is dropped and redone, and reads back the keys already committed so
-that a rerun only does the rest. Memory is one batch plus the set of committed keys.
+that a rerun only does the rest. Memory is one batch plus the set of committed keys. Every file of a journal (and
+its position file) is checked before anything is read or cut: a symbolic link, a folder, a fifo or a hard link at
+one of its paths is refused in one line, untouched (:func:`pipeline.core.fileio.open_own_file`).
 """
 
 from __future__ import annotations
@@ -120,11 +122,9 @@ class Journal:
         fresh = {"version": VERSION, "files": {}, "rows": 0, "settings": self.settings}
         main = self.files[self.main]
         if force or not self.state_path.exists():
-            # no position file: a non-empty file at any of the journal's paths is someone else's, never cut
-            for path in self.files.values():
-                if not force and path.exists() and path.stat().st_size > 0:
-                    raise UsageError(f"{path} exists and was not written by `caption` (no {self.state_path.name} next to "
-                                     f"{main.name}): pass --force to overwrite it, or choose another --output")
+            if not force and main.exists() and main.stat().st_size > 0:
+                raise UsageError(f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
+                                 "pass --force to overwrite it, or choose another --output")
             return fresh
         state = read_json(self.state_path, "caption position file")
         if state.get("version") != VERSION or not isinstance(state.get("files"), dict):
