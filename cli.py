@@ -48,9 +48,9 @@ def _global_options(
         Optional[str],
         typer.Option(
             "--threads", show_default=False, metavar="INT",
-            help="Torch CPU threads per process (default: BUTD_THREADS, else the cores this process may use, minus its "
-            "DataLoader workers, divided among torchrun processes; see pipeline/core/threads.py). Before the command or "
-            "after it: `butd-caption --threads 1 demo`.",
+            help="Torch CPU threads per process (default: BUTD_THREADS, else the cores this process may use, "
+            "minus its DataLoader workers, divided among torchrun processes; see pipeline/core/threads.py). Before "
+            "the command or after it: `butd-caption --threads 1 demo`.",
         ),
     ] = None,
 ) -> None:

@@ -38,8 +38,8 @@ def plant_link(at: Path, target: Path) -> Path:
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path) -> str:
@@ -63,7 +63,8 @@ def test_a_link_at_the_caption_output_lock(tmp_path: Path, photo: Path) -> None:
     target = precious(tmp_path)
     out = tmp_path / "out.jsonl"
     link = plant_link(tmp_path / "out.jsonl.lock", target)
-    line = refused_in_one_line(cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--output", str(out)), link)
+    res = cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--output", str(out))
+    line = refused_in_one_line(res, link)
     assert "symbolic link" in line
     assert target.read_bytes() == PRECIOUS and link.is_symlink() and not out.exists()
 
@@ -71,7 +72,8 @@ def test_a_link_at_the_caption_output_lock(tmp_path: Path, photo: Path) -> None:
 def test_a_link_at_the_gallery_lock(tmp_path: Path, photo: Path) -> None:
     target = precious(tmp_path)
     link = plant_link(tmp_path / "gallery" / ".lock", target)
-    refused_in_one_line(cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--gallery", str(tmp_path / "gallery")), link)
+    res = cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--gallery", str(tmp_path / "gallery"))
+    refused_in_one_line(res, link)
     assert target.read_bytes() == PRECIOUS and link.is_symlink()
 
 
@@ -119,7 +121,9 @@ def test_a_fifo_a_folder_or_a_file_of_someone_else_at_a_lock_path_is_refused(tmp
     notes.write_bytes(PRECIOUS)
     foreign_json = tmp_path / "json.lock"
     foreign_json.write_text(json.dumps({"pid": 1, "my": "settings"}))
-    for path, says in ((fifo, "not a regular file"), (folder, "folder"), (notes, "not a lock file"), (foreign_json, "not a lock file")):
+    cases = ((fifo, "not a regular file"), (folder, "folder"), (notes, "not a lock file"),
+             (foreign_json, "not a lock file"))
+    for path, says in cases:
         before = path.read_bytes() if path.is_file() else None
         with pytest.raises(UsageError, match=says) as info:
             acquire_lock(path, "x")
@@ -134,7 +138,8 @@ def test_a_lock_file_of_ours_is_taken_again(tmp_path: Path) -> None:
 
     empty, left = tmp_path / "empty.lock", tmp_path / "left.lock"
     empty.write_bytes(b"")
-    left.write_text(json.dumps({"pid": 999999, "host": "elsewhere", "since": "2026-01-01T00:00:00+00:00", "command": "cli.py caption"}) + "\n")
+    record = {"pid": 999999, "host": "elsewhere", "since": "2026-01-01T00:00:00+00:00", "command": "cli.py caption"}
+    left.write_text(json.dumps(record) + "\n")
     for path in (empty, left):
         with acquire_lock(path, "x"):
             assert read_holder(path)["pid"] == os.getpid()
@@ -184,8 +189,9 @@ def test_a_link_at_a_journal_file(tmp_path: Path, shared_data: Path, m2_release:
     shutil.copy(shared_data / "photos" / "000456.jpg", photos / "000456.jpg")
     target = precious(tmp_path)
     link = plant_link(tmp_path / planted, target)
-    res = cli("caption", str(photos), "--model", str(model), "--weights", str(bua), "--output", str(tmp_path / "out.jsonl"),
-              "--set", "caption.min_size=96", "--set", "caption.max_size=160", *(["--force"] if force else []))
+    res = cli("caption", str(photos), "--model", str(model), "--weights", str(bua), "--output",
+              str(tmp_path / "out.jsonl"), "--set", "caption.min_size=96", "--set", "caption.max_size=160",
+              *(["--force"] if force else []))
     line = refused_in_one_line(res, link)
     assert "symbolic link" in line
     assert target.read_bytes() == PRECIOUS and link.is_symlink()
@@ -241,6 +247,6 @@ def test_the_own_file_opener(tmp_path: Path) -> None:
     assert log.read_bytes() == b""
     target = precious(tmp_path)
     link = plant_link(tmp_path / "linked.jsonl", target)
-    with pytest.raises(UsageError, match=r"linked.jsonl is a symbolic link; the training log is never written through a link"):
+    with pytest.raises(UsageError, match=r"linked.jsonl is a symbolic link; the training log is never written through"):
         open_own_file(link, "training log", truncate=True)
     assert target.read_bytes() == PRECIOUS

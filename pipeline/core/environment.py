@@ -37,8 +37,10 @@ def _warn(name: str, raw: str, expected: str, instead: str) -> None:
         return
     _warned.add((name, raw))
     shown = raw if len(raw) <= 40 else raw[:40] + "..."
-    # the project logger ("butd", pipeline.core.console); before its handler exists Python prints the bare line to stderr
-    logging.getLogger("butd.environment").warning("environment variable %s=%r is not %s; %s", name, shown, expected, instead)
+    # a child of the project logger ("butd", pipeline.core.console); before its handler exists, Python prints the
+    # bare line to stderr
+    log = logging.getLogger("butd.environment")
+    log.warning("environment variable %s=%r is not %s; %s", name, shown, expected, instead)
 
 
 def setting_int(name: str, default: int | None, low: int, high: int, instead: str | None = None,
@@ -104,6 +106,7 @@ def launcher_int(name: str, default: int, low: int = 0) -> int:
 def drop_odd_terminal_size() -> None:
     """Remove ``COLUMNS`` / ``LINES`` from ``os.environ`` when they are not a size in :data:`TERMINAL_RANGE`
     (warning once), so that every console of the process uses the terminal's size or its own default."""
+    instead = "using the terminal's size (off a terminal, the default)"
     for name, (low, high) in TERMINAL_RANGE.items():
-        if name in os.environ and setting_int(name, None, low, high, "using the terminal's size (off a terminal, the default)") is None:
+        if name in os.environ and setting_int(name, None, low, high, instead) is None:
             del os.environ[name]

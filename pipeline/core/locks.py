@@ -175,7 +175,7 @@ def acquire_lock(lock_path: str | Path, what: str, hint: str = "wait for it to f
 
 
 def _check_content(fd: int, lock_path: Path, what: str) -> None:
-    """Under the held ``flock`` (no holder writes it now): refuse, untouched, a file that is not a lock file of ours."""
+    """Under the held ``flock`` (so no holder is writing it): refuse, untouched, a file not a lock file of ours."""
     try:
         data = os.pread(fd, RECORD_LIMIT + 1, 0)
     except OSError as exc:
@@ -183,8 +183,9 @@ def _check_content(fd: int, lock_path: Path, what: str) -> None:
         raise annotate_os_error(exc, f"read the lock file of {what}", lock_path)
     if not is_lock_content(data):
         _let_go(fd)
-        raise UsageError(f"{lock_path} is not a lock file of butd-caption (it holds other data); the lock file of {what} "
-                         "is never written over another file: nothing was changed; remove it or choose another path")
+        raise UsageError(f"{lock_path} is not a lock file of butd-caption (it holds other data); the lock file of "
+                         f"{what} is never written over another file: nothing was changed; remove it or choose another "
+                         "path")
 
 
 def _let_go(fd: int) -> None:

@@ -137,7 +137,8 @@ class EncoderTrainer:
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.ctx.main:
-            with os.fdopen(open_own_file(self.dir / "log.jsonl", "training log", append=True), "a", encoding="utf-8") as fh:
+            log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
+            with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
     def _resume(self) -> dict[str, Any]:

@@ -154,7 +154,8 @@ class Trainer:
         if not self.ctx.main:
             return
         record = {"time": round(time.time(), 3), **record}
-        with os.fdopen(open_own_file(self.dir / "log.jsonl", "training log", append=True), "a", encoding="utf-8") as fh:
+        log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
+        with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
         if self._tb is not None:
             step = record.get("global_step", 0)
