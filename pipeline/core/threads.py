@@ -144,7 +144,7 @@ def prepare_process(threads: int | None = None) -> None:
     child processes (DataLoader workers, torchrun ranks) inherit, and torch's thread count."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is None:
-        explicit_threads()  # validate the environment early: one clear line, not a failure mid-run
+        explicit_threads()  # an odd BUTD_THREADS or OMP_NUM_THREADS is warned about here, once, before the work
         return
     check_threads(threads)
     os.environ["BUTD_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(int(threads))  # torch reads the latter at import
