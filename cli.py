@@ -17,6 +17,15 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.core.environment import drop_odd_terminal_size
+from pipeline.core.threads import drop_odd_openmp_count
+
+# Every console of the process (ours, and the help and usage errors of the CLI framework) reads COLUMNS / LINES,
+# and OpenMP reads OMP_NUM_THREADS when torch loads: an odd value (COLUMNS=0 prints nothing at all) is dropped,
+# with one warning, before anything is printed or torch is imported.
+drop_odd_terminal_size()
+drop_odd_openmp_count()
+
 from pipeline.commands import COMMAND_MODULES, load_plugins
 
 app = typer.Typer(
@@ -38,10 +47,10 @@ def _global_options(
     threads: Annotated[
         Optional[str],
         typer.Option(
-            "--threads", envvar="BUTD_THREADS", show_default=False, metavar="INT",
-            help="Torch CPU threads per process (default: the cores this process may use, minus its DataLoader "
-            "workers, divided among torchrun processes; see pipeline/core/threads.py). Before the command or after it: "
-            "`butd-caption --threads 1 demo`.",
+            "--threads", show_default=False, metavar="INT",
+            help="Torch CPU threads per process (default: BUTD_THREADS, else the cores this process may use, "
+            "minus its DataLoader workers, divided among torchrun processes; see pipeline/core/threads.py). Before "
+            "the command or after it: `butd-caption --threads 1 demo`.",
         ),
     ] = None,
 ) -> None:
@@ -52,7 +61,8 @@ def _global_options(
 
     try:
         if threads is not None and not threads.strip().isdigit():
-            raise UsageError(f"--threads (or BUTD_THREADS) must be a whole number, got {threads!r}")
+            raise UsageError(f"--threads must be a whole number, got {threads!r}")
+        # BUTD_THREADS is read by the thread policy itself: an odd value there is warned about, not fatal
         thread_policy.prepare_process(None if threads is None else int(threads))
     except UsageError as exc:
         fail(str(exc))

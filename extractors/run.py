@@ -26,6 +26,7 @@ from extractors.photos import Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import Failure, PipelineError
+from pipeline.core.fileio import open_own_file
 from pipeline.core.keys import key_to_text
 from pipeline.core.precision import resolve_precision
 from pipeline.core.training.signals import StopOnSignal
@@ -78,7 +79,8 @@ def run_extraction(
     summary.skipped = len(items) - len(todo)
     if summary.skipped:
         log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
-    fail_fh = open(failures_path, "w", encoding="utf-8") if failures_path is not None else None
+    fail_fh = (os.fdopen(open_own_file(failures_path, "failures list", truncate=True), "w", encoding="utf-8")
+               if failures_path is not None else None)
     t0 = time.perf_counter()
     ds = PhotoDataset(todo, selector.recipe, max_pixels, spec.feature_stride)
     since_commit = 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
+from pipeline.core.environment import launcher_int
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.core.stages import MANIFEST, RUNNING, StageResult, read_manifest, run_stage
 
@@ -139,7 +140,7 @@ def _device(section: Config, job: ExtractJob) -> Any:
 
     name = str(section.device)
     if job.shard is not None and "LOCAL_RANK" in os.environ and (name == "cuda" or (name == "auto" and torch.cuda.is_available())):
-        local_rank = int(os.environ["LOCAL_RANK"] or 0)
+        local_rank = launcher_int("LOCAL_RANK", 0)
         dev = shared_gpu(local_rank)
         procs, gpus = local_processes(local_rank), visible_gpus()
         if procs > gpus:  # said by rank 0 (the other ranks log warnings only), for every rank

@@ -6,7 +6,9 @@ commit, the number of committed rows, and the settings the rows were made with).
 single ``write`` per file, the files are fsynced, then the position file is replaced atomically
 (:func:`pipeline.core.fileio.atomic_write_json`). Reopening truncates every file to its committed length, so
 a batch torn by a crash (or a full disk) is dropped and redone, and reads back the keys already committed so
-that a rerun only does the rest. Memory is one batch plus the set of committed keys.
+that a rerun only does the rest. Memory is one batch plus the set of committed keys. Every file of a journal (and
+its position file) is checked before anything is read or cut: a symbolic link, a folder, a fifo or a hard link at
+one of its paths is refused in one line, untouched (:func:`pipeline.core.fileio.open_own_file`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
-from pipeline.core.fileio import atomic_write_json, read_json
+from pipeline.core.fileio import atomic_write_json, check_own_path, open_own_file, read_json
 from pipeline.core.locks import WriterLock, acquire_lock
 
 log = get_logger("caption")
@@ -75,13 +77,19 @@ class Journal:
         main = self.files[self.main]
         self.lock = lock or acquire_lock(main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output")
         try:
+            for path in [*self.files.values(), self._state_path()]:  # a link or a special file: refused, untouched
+                check_own_path(path, "caption journal file")
             self._open(settings, force)
         except BaseException:
             self.lock.release()
             raise
 
+    def _state_path(self) -> Path:
+        main = self.files[self.main]
+        return main.with_name(main.name + ".committed")
+
     def _open(self, settings: Mapping[str, Any], force: bool) -> None:
-        self.state_path = self.files[self.main].with_name(self.files[self.main].name + ".committed")
+        self.state_path = self._state_path()
         self.settings = json.loads(json.dumps(dict(settings)))  # plain JSON types, comparable with a re-read
         self.done: set[str] = set()
         self.rows = 0
@@ -91,10 +99,13 @@ class Journal:
         for role, path in self.files.items():
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = open_own_file(path, "caption journal file")
             except OSError as exc:
                 self.close()
                 raise annotate_os_error(exc, "open for appending", path) from None
+            except PipelineError:
+                self.close()
+                raise
             self._fds[role] = fd
             try:
                 os.ftruncate(fd, self.sizes[role])  # drop whatever a killed (or failed) run wrote after its last commit

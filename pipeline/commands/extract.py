@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from pipeline.commands.options import CommandOptions, Everyday, command
+from pipeline.core.environment import launcher_int
 from pipeline.core.errors import PipelineError, UsageError
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
     if text is None:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world = launcher_int("WORLD_SIZE", 1, low=1)
         if world > 1:  # torchrun: one shard per rank
-            return int(os.environ.get("RANK", "0")), world
+            return launcher_int("RANK", 0), world
         return None
     try:
         i, n = (int(v) for v in text.split("/"))

@@ -22,6 +22,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from pipeline.core.environment import drop_odd_terminal_size, setting_flag, setting_int
+
 T = TypeVar("T")
 
 LOGGER_NAME = "butd"
@@ -29,10 +31,7 @@ LOGGER_NAME = "butd"
 
 def get_rank() -> int:
     """Process rank under torchrun (``RANK``), 0 otherwise."""
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    return setting_int("RANK", 0, 0, 1 << 20) or 0  # logging must come up: an odd value is warned, not fatal
 
 
 def is_main_process() -> bool:
@@ -46,7 +45,10 @@ PIPE_WIDTH = 200  # columns of a console whose stream is a file or pipe (docker 
 def console_width(stream) -> int | None:
     """The width to lay out for ``stream``: rich's own choice for a terminal or when ``COLUMNS`` is set, else
     :data:`PIPE_WIDTH` (rich falls back to 80 columns off a terminal, which folds every log line, path and table cell
-    of a container's or a CI job's log)."""
+    of a container's or a CI job's log). An odd ``COLUMNS`` or ``LINES`` (``0``, ``abc``, ``100000``) is dropped
+    with one warning first (:func:`pipeline.core.environment.drop_odd_terminal_size`): a console 0 columns wide
+    prints nothing, not even the error line."""
+    drop_odd_terminal_size()
     if os.environ.get("COLUMNS"):
         return None
     try:
@@ -90,8 +92,9 @@ def get_logger(name: str | None = None) -> logging.Logger:
 
 
 def progress_enabled() -> bool:
-    """Live bars only for an interactive stderr on rank 0, and never when ``CI`` or ``BUTD_NO_PROGRESS`` is set."""
-    if not is_main_process() or os.environ.get("BUTD_NO_PROGRESS") or os.environ.get("CI"):
+    """Live bars only for an interactive stderr on rank 0, and never when ``CI`` is set (any value) or
+    ``BUTD_NO_PROGRESS`` is on (:func:`pipeline.core.environment.setting_flag`: ``1``, ``true``, ...; ``0`` is off)."""
+    if not is_main_process() or setting_flag("BUTD_NO_PROGRESS") or os.environ.get("CI"):
         return False
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 

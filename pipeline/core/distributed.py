@@ -14,13 +14,13 @@ Evaluation shards the images ``rank::world`` (each image decoded once) and gathe
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeline.core.environment import launcher_int
 from pipeline.core.errors import UsageError
 
 
@@ -52,8 +52,8 @@ def visible_gpus() -> int:
 def local_processes(local_rank: int | None = None) -> int:
     """Processes of this job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (at least ``local_rank + 1``)."""
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0), local_rank + 1)
+        local_rank = launcher_int("LOCAL_RANK", 0)
+    return max(launcher_int("LOCAL_WORLD_SIZE", 0, low=1), local_rank + 1)
 
 
 def _gpus(count: int) -> str:
@@ -70,7 +70,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     processes than GPUs: see :func:`check_gpu_per_process` and :func:`shared_gpu`).
     """
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        local_rank = launcher_int("LOCAL_RANK", 0)
     name = str(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,7 +97,7 @@ def check_gpu_per_process(name: str, key: str = "device") -> None:
     local processes than visible GPUs (or every rank pinned to one ``cuda:N``) is refused here, in one line
     (:class:`UsageError`, exit 2), before any work. ``key`` is the config key named in the message. A CPU
     device (``gloo``) takes any number of processes; outside torchrun this checks nothing."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = launcher_int("WORLD_SIZE", 1, low=1)
     name = str(name)
     if world <= 1 or not (name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())):
         return
@@ -122,9 +122,9 @@ def shared_gpu(local_rank: int) -> torch.device:
 
 def env_context(device: torch.device | None = None) -> DistContext:
     """This process's rank, world size and local rank from the ``torchrun`` environment (no process group joined)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = int(os.environ.get("RANK", "0") or 0)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    world = launcher_int("WORLD_SIZE", 1, low=1)
+    rank = launcher_int("RANK", 0)
+    local_rank = launcher_int("LOCAL_RANK", 0)
     return DistContext(rank, world, local_rank, device if device is not None else torch.device("cpu"))
 
 

@@ -16,10 +16,10 @@ Three ways a worker can leave the loop waiting, and what each loop does about it
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+from pipeline.core.environment import setting_float
 from pipeline.core.errors import PipelineError
 
 T = TypeVar("T")
@@ -36,13 +36,9 @@ _SHM_SIGNS = ("no space left", "unable to write to file", "/dev/shm", "torch_shm
 
 
 def worker_wait() -> float:
-    """:data:`WORKER_WAIT`, or ``$BUTD_WORKER_WAIT`` seconds when set to a positive number."""
-    raw = os.environ.get("BUTD_WORKER_WAIT")
-    try:
-        value = float(raw) if raw else WORKER_WAIT
-    except ValueError:
-        return WORKER_WAIT
-    return value if value > 0 and value == value and value != float("inf") else WORKER_WAIT
+    """:data:`WORKER_WAIT`, or ``$BUTD_WORKER_WAIT`` seconds when set to a positive number (an odd value is warned
+    about once and the default used, :mod:`pipeline.core.environment`)."""
+    return setting_float("BUTD_WORKER_WAIT", WORKER_WAIT)
 
 
 def loader_timeout(num_workers: int) -> float:

@@ -11,6 +11,13 @@ Stale locks cannot block: ``flock`` belongs to the open file, and the kernel dro
 process still "holds" it is a child that inherited the descriptor (a DataLoader worker outliving its
 parent for a few seconds); a lock whose recorded holder on this host no longer runs is therefore retried
 for up to :data:`ORPHAN_WAIT` seconds before it is refused, and the refusal says the holder is gone.
+
+A lock file is never followed through a link and never written over a file that is not a lock file of ours: it
+is opened with :func:`pipeline.core.fileio.open_own_file` (a symbolic link, a folder, a fifo, a device or a hard
+link at the lock path is refused in one line naming it), and, once the ``flock`` is held (so no holder is writing
+it), its content must be empty or a holder record as :func:`acquire_lock` writes it (a JSON object of at most
+:data:`RECORD_LIMIT` bytes with an integer ``pid`` and no key but ``pid``, ``host``, ``since`` and ``command``);
+anything else is refused, the file left byte for byte as it was.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ from types import TracebackType
 from typing import Any
 
 from pipeline.core.errors import UsageError, annotate_os_error
+from pipeline.core.fileio import open_own_file
 
 #: seconds to wait for a lock whose recorded holder is dead (its inheriting children are ending)
 ORPHAN_WAIT = 10.0
+#: the largest lock file that can hold a holder record (the record itself is well under 1 KB)
+RECORD_LIMIT = 4096
+_RECORD_KEYS = frozenset({"pid", "host", "since", "command"})
 
 
 def _holder_record() -> dict[str, Any]:
@@ -44,6 +55,20 @@ def read_holder(lock_path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def is_lock_content(data: bytes) -> bool:
+    """Whether ``data`` is what a lock file of ours holds: nothing (blank) or one holder record."""
+    if not data.strip():
+        return True
+    if len(data) > RECORD_LIMIT:
+        return False
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return (isinstance(record, dict) and set(record) <= _RECORD_KEYS and isinstance(record.get("pid"), int)
+            and not isinstance(record.get("pid"), bool))
 
 
 def _alive(pid: Any) -> bool:
@@ -119,9 +144,9 @@ def acquire_lock(lock_path: str | Path, what: str, hint: str = "wait for it to f
     lock_path = Path(lock_path)
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise annotate_os_error(exc, f"create the lock file of {what}", lock_path)
+    fd = open_own_file(lock_path, f"lock file of {what}", mode=0o644)
     deadline = time.monotonic() + ORPHAN_WAIT
     while True:
         try:
@@ -140,9 +165,31 @@ def acquire_lock(lock_path: str | Path, what: str, hint: str = "wait for it to f
         except OSError as exc:
             os.close(fd)
             raise annotate_os_error(exc, f"lock {what}", lock_path)
+    _check_content(fd, lock_path, what)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(_holder_record()) + "\n").encode("utf-8"), 0)
     except OSError:
         pass  # the lock holds; only the holder's name for a refused process is missing
     return WriterLock(lock_path, fd, what)
+
+
+def _check_content(fd: int, lock_path: Path, what: str) -> None:
+    """Under the held ``flock`` (so no holder is writing it): refuse, untouched, a file not a lock file of ours."""
+    try:
+        data = os.pread(fd, RECORD_LIMIT + 1, 0)
+    except OSError as exc:
+        _let_go(fd)
+        raise annotate_os_error(exc, f"read the lock file of {what}", lock_path)
+    if not is_lock_content(data):
+        _let_go(fd)
+        raise UsageError(f"{lock_path} is not a lock file of butd-caption (it holds other data); the lock file of "
+                         f"{what} is never written over another file: nothing was changed; remove it or choose another "
+                         "path")
+
+
+def _let_go(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -13,7 +13,9 @@ quota such as ``docker run --cpus 2``):
 so ``processes x (threads + workers) <= cores`` whenever ``cores >= processes`` (one thread per process is
 the floor). An explicit thread count (``--threads N`` of the CLI, the ``BUTD_THREADS`` or ``OMP_NUM_THREADS``
 environment variable, or a config's own ``threads`` key) is used as given, and the workers shrink to what is
-left of the budget.
+left of the budget. It must be a whole number from 1 to :data:`MAX_THREADS`: ``--threads`` outside that is a
+usage error; an environment variable outside it (``BUTD_THREADS=abc``, ``0``, ``10**30``) is ignored with one
+warning (:mod:`pipeline.core.environment`), the policy's own count used instead.
 
 Over-subscription is what makes a CPU run collapse on a shared machine: OpenMP threads that busy-wait at
 every barrier while another process holds their core. :func:`prepare_process` therefore also asks OpenMP to
@@ -31,7 +33,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.core.console import get_logger
+from pipeline.core.environment import launcher_int, setting_int
 from pipeline.core.errors import UsageError
+
+#: the most torch threads one process may be given (more only exhausts memory: 100000 OpenMP threads crash it)
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -82,33 +88,35 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 def local_processes() -> int:
     """Processes of this job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (1 outside torchrun)."""
-    return _positive_env("LOCAL_WORLD_SIZE") or 1
+    return launcher_int("LOCAL_WORLD_SIZE", 1, low=1)
 
 
 def explicit_threads() -> int | None:
-    """The user's thread count: ``BUTD_THREADS`` (what ``--threads`` sets), else ``OMP_NUM_THREADS``, else None."""
-    return _positive_env("BUTD_THREADS") or _positive_env("OMP_NUM_THREADS", strict=False)
+    """The user's thread count: ``BUTD_THREADS`` (what ``--threads`` sets), else ``OMP_NUM_THREADS`` (its first
+    entry: OpenMP's list form "4,2" is 4), else None. An odd value of either is warned about once and ignored."""
+    mine = setting_int("BUTD_THREADS", None, 1, MAX_THREADS, "using the thread policy's own count")
+    return mine if mine is not None else explicit_openmp()
 
 
-def _positive_env(name: str, strict: bool = True) -> int | None:
-    """A positive integer from the environment; ``strict=False`` reads OpenMP's list form ("4,2": 4) and
-    ignores what it cannot read (the variable belongs to OpenMP, not to us)."""
-    raw = os.environ.get(name, "").strip()
-    if not strict:
-        raw = raw.split(",")[0].strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        if not strict:
-            return None
-        raise UsageError(f"environment variable {name}={raw!r} is not a whole number") from None
-    if value < 1 and not strict:
-        return None
-    if value < 1:
-        raise UsageError(f"environment variable {name}={raw!r} must be at least 1")
-    return value
+def drop_odd_openmp_count() -> None:
+    """Remove an odd ``OMP_NUM_THREADS`` from ``os.environ`` (warning once) before torch loads: OpenMP reads it then
+    and would complain again, or try to start that many threads."""
+    if "OMP_NUM_THREADS" in os.environ and explicit_openmp() is None:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def explicit_openmp() -> int | None:
+    """``OMP_NUM_THREADS`` (its first entry: OpenMP's list form "4,2" is 4) when from 1 to :data:`MAX_THREADS`."""
+    return setting_int("OMP_NUM_THREADS", None, 1, MAX_THREADS, "using the thread policy's own count", list_form=True)
+
+
+def check_threads(threads: int, name: str = "--threads") -> int:
+    """An explicit thread count given as an option: a whole number from 1 to :data:`MAX_THREADS`, else a usage error."""
+    if threads < 1:
+        raise UsageError(f"{name} must be at least 1, got {threads}")
+    if threads > MAX_THREADS:
+        raise UsageError(f"{name} must be at most {MAX_THREADS}, got {threads}")
+    return threads
 
 
 def plan(workers: int = 0, threads: int | None = None, processes: int | None = None, cores: int | None = None) -> ThreadPlan:
@@ -117,8 +125,8 @@ def plan(workers: int = 0, threads: int | None = None, processes: int | None = N
     ``cores`` default to :func:`local_processes` and :func:`available_cores`."""
     if workers < 0:
         raise UsageError(f"workers must be >= 0, got {workers}")
-    if threads is not None and threads < 1:
-        raise UsageError(f"threads must be >= 1, got {threads}")
+    if threads is not None:
+        check_threads(threads, "threads")
     cores = available_cores() if cores is None else max(1, int(cores))
     processes = local_processes() if processes is None else max(1, int(processes))
     budget = max(1, cores // processes)
@@ -136,10 +144,9 @@ def prepare_process(threads: int | None = None) -> None:
     child processes (DataLoader workers, torchrun ranks) inherit, and torch's thread count."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is None:
-        explicit_threads()  # validate the environment early: one clear line, not a failure mid-run
+        explicit_threads()  # an odd BUTD_THREADS or OMP_NUM_THREADS is warned about here, once, before the work
         return
-    if threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     os.environ["BUTD_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(int(threads))  # torch reads the latter at import
     if torch_loaded():
         import torch

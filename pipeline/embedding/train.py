@@ -20,6 +20,7 @@ keeps the best epoch.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.embedding.retrieval import split_similarity
 from pipeline.core.errors import UsageError
+from pipeline.core.fileio import open_own_file
 from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.core.stages import StageResult, run_stage
 from pipeline.store import FeatureStore
@@ -135,7 +137,8 @@ class EncoderTrainer:
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.ctx.main:
-            with open(self.dir / "log.jsonl", "a", encoding="utf-8") as fh:
+            log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
+            with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
     def _resume(self) -> dict[str, Any]:

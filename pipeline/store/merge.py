@@ -8,7 +8,6 @@ new segment through the same ``store.json`` commit as the writer, and only then 
 from __future__ import annotations
 
 import os
-import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ import numpy as np
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.core.fileio import fsync_dir
+from pipeline.core.fileio import fsync_dir, remove_entry
 from pipeline.store.format import identity_text, new_manifest, read_manifest, segment_name, write_manifest
 from pipeline.store.reader import FeatureStore, verify_block
 from pipeline.store.segment import Block, write_segment
@@ -110,8 +109,7 @@ def merge_stores(
     total = check_exactly_once(stores, expected_keys)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.merge.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+    remove_entry(tmp)  # a killed merge's leftover; a link there is removed, never followed
     try:
         if dst.suffix in (".h5", ".hdf5"):
             _write_one_segment(tmp, stores, chunk_rows, compression)
@@ -126,8 +124,7 @@ def merge_stores(
         os.replace(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:
-        if tmp.exists():
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        remove_entry(tmp)
         raise
     finally:
         for s in stores:

@@ -113,12 +113,18 @@ def write_segment(
 ) -> None:
     """Write a complete segment file at ``path`` (normally a ``*.tmp`` name), then close and fsync it.
 
+    ``path`` must not exist: it is created exclusively first (:func:`pipeline.core.fileio.create_new_file`), so
+    whatever is there (a link planted at the temporary name) is refused, untouched.
+
     ``blocks`` must together hold exactly ``num_images`` images and ``num_rows`` rows. ``chunk_rows`` 0 means
     contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows.
     """
     import h5py
 
+    from pipeline.core.fileio import create_new_file
+
     row_fields = row_fields_of(fields)
+    create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
         _write_segment_file(h5py, path, blocks, num_images, num_rows, identity, feature_dtype, feature_dim, fields,
                             row_fields, chunk_rows, compression)

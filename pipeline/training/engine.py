@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -38,7 +39,7 @@ from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.data import CaptionDataset
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.core.fileio import atomic_write_bytes
+from pipeline.core.fileio import atomic_write_bytes, open_own_file
 from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
@@ -153,7 +154,8 @@ class Trainer:
         if not self.ctx.main:
             return
         record = {"time": round(time.time(), 3), **record}
-        with open(self.dir / "log.jsonl", "a", encoding="utf-8") as fh:
+        log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
+        with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
         if self._tb is not None:
             step = record.get("global_step", 0)
