@@ -202,7 +202,7 @@ def test_info_refuses_a_file_that_declares_what_it_does_not_hold(tmp_path: Path,
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
-    assert path.stat().st_size < 4 << 20
+    assert path.stat().st_size < 16 << 20
     refused_in_one_line(bounded_cli(["info", str(path)]), path, what, reason)
     with pytest.raises(W.WeightsError, match=f"{path.name}.*'{what}'.*{reason}"):
         W.describe(path)
