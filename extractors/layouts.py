@@ -116,10 +116,13 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
         kw = {"num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, L)[0],
               "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, L)[1],
               "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, L)[0]}
-    return check_spec(vinvl_x152c4().with_(
-        stem_channels=stem, res2_bottleneck=bott, expansion=out2 // bott, groups=groups, stage_blocks=tuple(stages[s] for s in sorted(stages)),
-        res5_blocks=res5, rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, L)[0], anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
-        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0], has_attributes=has_attr, **kw), path, L, "architecture")
+    spec = vinvl_x152c4().with_(
+        stem_channels=stem, res2_bottleneck=bott, expansion=out2 // bott, groups=groups,
+        stage_blocks=tuple(stages[s] for s in sorted(stages)), res5_blocks=res5,
+        rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, L)[0],
+        anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
+        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0], has_attributes=has_attr, **kw)
+    return check_spec(spec, path, L, "architecture")
 
 
 def internal_table(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":

@@ -49,7 +49,8 @@ def check_keys(path: Any, layout: str, keys: Any) -> None:
     for key in keys:
         m = _BLOCK.search(key)
         if m and int(m.group(1)) >= MAX_BLOCKS:
-            raise _err(path, layout, f"key '{key}': block {m.group(1)} of a stage; a stage holds at most {MAX_BLOCKS} blocks")
+            raise _err(path, layout, f"key '{key}': block {m.group(1)} of a stage; a stage holds at most "
+                                     f"{MAX_BLOCKS} blocks")
 
 
 def dims(sd: Mapping[str, torch.Tensor], key: str, rank: int, path: Any, layout: str) -> tuple[int, ...]:
@@ -60,11 +61,12 @@ def dims(sd: Mapping[str, torch.Tensor], key: str, rank: int, path: Any, layout:
     role = {4: "conv weight", 2: "linear weight", 1: "vector"}.get(rank, "tensor")
     if len(shape) != rank:
         raise _err(path, layout, f"key '{key}' has shape {list(shape)}; a {rank}-d {role} is expected")
+    largest = max(MAX_WIDTH, MAX_OUTPUTS)
     for i, s in enumerate(shape):
         if s == 0:
             raise _err(path, layout, f"key '{key}' has shape {list(shape)}: width 0 in dimension {i}")
-        if s > max(MAX_WIDTH, MAX_OUTPUTS):
-            raise _err(path, layout, f"key '{key}' has shape {list(shape)}: more than {max(MAX_WIDTH, MAX_OUTPUTS):,} in dimension {i}")
+        if s > largest:
+            raise _err(path, layout, f"key '{key}' has shape {list(shape)}: more than {largest:,} in dimension {i}")
     return shape
 
 
@@ -72,21 +74,23 @@ def groups_of(sd: Mapping[str, torch.Tensor], key: str, path: Any, layout: str) 
     """(channels, groups) of the grouped 3x3 conv ``key`` (weight: channels x inputs per group x 3 x 3)."""
     channels, per_group = dims(sd, key, 4, path, layout)[:2]
     if channels % per_group:
-        raise _err(path, layout, f"key '{key}' has shape {list(sd[key].shape)}: {per_group} inputs per group do not divide "
-                                 f"its {channels} channels into a whole number of groups")
+        raise _err(path, layout, f"key '{key}' has shape {list(sd[key].shape)}: {per_group} inputs per group "
+                                 f"do not divide its {channels} channels into a whole number of groups")
     return channels, channels // per_group
 
 
 def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") -> BottomUpSpec:
-    """Refuse an architecture past the bounds above; ``key`` names where it came from (the file's keys or its ``spec``)."""
+    """Refuse an architecture past the bounds above; ``key`` names where it came from (keys or a stored ``spec``)."""
     def refuse(field: str, why: str):
         return _err(path, layout, f"{key} '{field}' = {getattr(spec, field)!r}: {why}")
 
     if len(spec.stage_blocks) > MAX_STAGES:
         raise refuse("stage_blocks", f"at most {MAX_STAGES} stages")
     if any(not isinstance(b, int) or b > MAX_BLOCKS for b in (*spec.stage_blocks, spec.res5_blocks)):
-        raise refuse("stage_blocks" if spec.res5_blocks <= MAX_BLOCKS else "res5_blocks", f"at most {MAX_BLOCKS} blocks per stage")
-    for field in ("stem_channels", "res2_bottleneck", "expansion", "rpn_channels", "attr_embed_dim", "attr_hidden", "groups"):
+        field = "stage_blocks" if spec.res5_blocks <= MAX_BLOCKS else "res5_blocks"
+        raise refuse(field, f"at most {MAX_BLOCKS} blocks per stage")
+    for field in ("stem_channels", "res2_bottleneck", "expansion", "rpn_channels", "attr_embed_dim", "attr_hidden",
+                  "groups"):
         value = getattr(spec, field)
         if not isinstance(value, int) or not 1 <= value <= MAX_WIDTH:
             raise refuse(field, f"a width from 1 to {MAX_WIDTH:,} is expected")
@@ -99,7 +103,8 @@ def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") ->
         if not isinstance(value, int) or not 2 <= value <= MAX_OUTPUTS:
             raise refuse(field, f"from 2 to {MAX_OUTPUTS:,} are expected")
     if not 1 <= spec.num_anchors <= 64:
-        raise refuse("anchor_sizes" if spec.flavor != "caffe" else "anchor_scales", "from 1 to 64 anchors per cell are expected")
+        field = "anchor_sizes" if spec.flavor != "caffe" else "anchor_scales"
+        raise refuse(field, "from 1 to 64 anchors per cell are expected")
     return spec
 
 
@@ -116,7 +121,8 @@ def check_meta(path: Any, meta: Mapping[str, Any]) -> None:
         nonlocal count
         count += 1
         if count > MAX_META_VALUES or depth > 20:
-            raise _err(path, "butd", f"key '{key}': the metadata holds more than {MAX_META_VALUES:,} values or 20 levels")
+            raise _err(path, "butd", f"key '{key}': the metadata holds more than {MAX_META_VALUES:,} values "
+                                     "or 20 levels")
         if isinstance(value, Mapping):
             for v in value.values():
                 walk(v, key, depth + 1)

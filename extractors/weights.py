@@ -88,14 +88,16 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 class _ArrayClass:
-    """Stands for ``numpy.ndarray``: only the class argument of :func:`_reconstruct` (called, it would allocate any shape)."""
+    """Stands for ``numpy.ndarray``: only the class argument of :func:`_reconstruct` (called, it would allocate
+    an array of any shape)."""
 
 
 def _reconstruct(cls: Any, shape: Any, typecode: Any) -> np.ndarray:
     """NumPy's ``_reconstruct(ndarray, (0,), b'b')``, the empty array pickle fills with its bytes (``__setstate__``
     checks that they match the shape); any other class or shape is refused before anything is allocated."""
     if cls is not _ArrayClass or tuple(shape) != (0,) or not isinstance(typecode, (bytes, str)) or len(typecode) > 2:
-        raise pickle.UnpicklingError("an array reconstructed with a declared shape (numpy pickles start from an empty one)")
+        raise pickle.UnpicklingError("an array reconstructed with a declared shape "
+                                     "(numpy pickles start from an empty one)")
     return np.ndarray.__new__(np.ndarray, (0,), np.dtype("b"))
 
 

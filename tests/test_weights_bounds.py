@@ -33,7 +33,7 @@ AS_LIMIT = 5 << 30  # importing torch maps ~3.6 GB of address space; a refusal m
 SUFFIX = {"milvlg": ".pth", "airsplay": ".pkl", "hf": ".bin", "butd": ".pth", "vinvl": ".pth", "grid-feats": ".pth"}
 STEM = {"vinvl": "backbone.body.stem.conv1.weight"}
 CONV2 = {"vinvl": "backbone.body.layer1.0.conv2.weight"}
-CONV1 = {"vinvl": "backbone.body.layer1.0.conv2.weight", "grid-feats": "backbone.res2.0.conv2.weight"}  # the width inferred
+CONV1 = {"vinvl": "backbone.body.layer1.0.conv2.weight", "grid-feats": "backbone.res2.0.conv2.weight"}  # width source
 FOUR_D = r"(a 4-d conv weight is expected|expected \[\d+, \d+, \d, \d\])"  # by the inference, or by the strict check
 STRAY = {"vinvl": "backbone.body.layer3.999999.conv1.weight"}
 CLS = {"vinvl": "roi_heads.box.predictor.cls_score.", "grid-feats": "roi_heads.box_predictor.cls_score."}
@@ -45,10 +45,10 @@ def _cache(tmp_path, monkeypatch):
 
 
 def grouped(flavor: str) -> BottomUpSpec:
-    base = vinvl_x152c4() if flavor == "vinvl" else BottomUpSpec(flavor="d2", expansion=2, res5_dilation=1, stride_in_1x1=False,
-                                                                  stem_pool="pad1", has_attributes=False)
-    return base.with_(stem_channels=8, res2_bottleneck=8, groups=2, stage_blocks=(1, 1, 1), res5_blocks=1, rpn_channels=16,
-                      num_classes=11, num_attributes=7)
+    base = vinvl_x152c4() if flavor == "vinvl" else BottomUpSpec(
+        flavor="d2", expansion=2, res5_dilation=1, stride_in_1x1=False, stem_pool="pad1", has_attributes=False)
+    return base.with_(stem_channels=8, res2_bottleneck=8, groups=2, stage_blocks=(1, 1, 1), res5_blocks=1,
+                      rpn_channels=16, num_classes=11, num_attributes=7)
 
 
 def state_of(layout: str, tmp_path: Path) -> OrderedDict:
@@ -151,9 +151,10 @@ def inflating_member(path: Path, gigabytes: float = 2.5) -> Path:
             method, body, size, c = 8, stream, n * chunk, crc
         else:
             method, body, size, c = 0, data, len(data), zlib.crc32(data)
-        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, c, len(body), size, len(name), 0, 0, 0, 0, 0,
-                               len(out)) + name
-        out += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, c, len(body), size, len(name), 0) + name + body
+        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, c, len(body), size, len(name),
+                               0, 0, 0, 0, 0, len(out)) + name
+        out += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, c, len(body), size, len(name), 0)
+        out += name + body
     end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), len(out), 0)
     path.write_bytes(bytes(out + central + end))
     return path
@@ -162,7 +163,8 @@ def inflating_member(path: Path, gigabytes: float = 2.5) -> Path:
 ATTACKS = {"stray_block": stray_block, "zero_stride": zero_stride, "conv_0d": conv_0d, "conv_1d": conv_1d,
            "zero_groups": zero_groups, "zero_width": zero_width}
 CASES = [(a, lay) for a in ATTACKS for lay in ("milvlg", "airsplay", "hf", "butd", "vinvl", "grid-feats")
-         if not (a == "zero_groups" and lay not in ("vinvl", "grid-feats")) and not (a in ("zero_stride", "zero_width") and lay == "airsplay")]
+         if not (a == "zero_groups" and lay not in ("vinvl", "grid-feats"))
+         and not (a in ("zero_stride", "zero_width") and lay == "airsplay")]
 # a pickle holds numpy arrays, rebuilt from their bytes: no strides; an empty array pickles through a global the
 # unpickler refuses (one line naming the file)
 
@@ -175,26 +177,29 @@ def bounded_cli(args: list[str], timeout: float = 180) -> subprocess.CompletedPr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=limit)
+        return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=limit)
     except subprocess.TimeoutExpired:
         pytest.fail(f"`{' '.join(args[:2])}` still ran after {timeout} s: the file was not bounded")
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path, what: str, reason: str) -> str:
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
-    assert res.returncode not in (0, -9) and len(lines) == 1 and "Traceback" not in res.stderr, (res.returncode, res.stderr[-3000:])
+    assert res.returncode not in (0, -9) and len(lines) == 1 and "Traceback" not in res.stderr, \
+        (res.returncode, res.stderr[-3000:])
     line = " ".join(lines[0].split())
     assert path.name in line and re.search(f"'{what}'.*{reason}", line), line
     assert "out of memory" not in line, line
     return line
 
 
-def photo(tmp_path: Path) -> Path:
+def extract_args(tmp_path: Path, weights: Path) -> list[str]:
+    """``extract`` of one real JPEG written here with ``weights`` into ``tmp_path/store``."""
     folder = tmp_path / "photos"
     folder.mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (240, 320, 3), dtype=np.uint8)).save(folder / "a.jpg")
-    return folder
+    return ["extract", str(folder), "--device", "cpu", "--weights", str(weights), "--store", str(tmp_path / "store"),
+            "--workers", "0"]
 
 
 @pytest.mark.parametrize("attack,layout", CASES)
@@ -208,14 +213,13 @@ def test_info_refuses_a_file_that_declares_what_it_does_not_hold(tmp_path: Path,
         W.describe(path)
 
 
-@pytest.mark.parametrize("attack,layout", [("stray_block", "milvlg"), ("zero_stride", "hf"), ("zero_stride", "vinvl"), ("zero_groups", "grid-feats"),
-                                           ("conv_0d", "airsplay"), ("conv_0d", "butd")])
+@pytest.mark.parametrize("attack,layout", [("stray_block", "milvlg"), ("zero_stride", "hf"), ("zero_stride", "vinvl"),
+                                           ("zero_groups", "grid-feats"), ("conv_0d", "airsplay"), ("conv_0d", "butd")])
 def test_extract_refuses_it_before_building_the_detector(tmp_path: Path, attack: str, layout: str) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
-    args = ["extract", str(photo(tmp_path)), "--device", "cpu", "--weights", str(path), "--store", str(tmp_path / "store"),
-            "--workers", "0"] + (["--boxes", "grid"] if layout == "grid-feats" else [])
+    args = extract_args(tmp_path, path) + (["--boxes", "grid"] if layout == "grid-feats" else [])
     refused_in_one_line(bounded_cli(args), path, what, reason)
     assert not (tmp_path / "store" / "store.json").exists()
 
@@ -229,7 +233,7 @@ def test_an_archive_member_inflating_to_gigabytes_is_refused_unread(tmp_path: Pa
         member = next(i for i in zf.infolist() if i.compress_type == zipfile.ZIP_DEFLATED)
     assert member.file_size > 2 << 30
     refused_in_one_line(bounded_cli(["info", str(path)]), path, re.escape(member.filename), "inflates")
-    args = ["extract", str(photo(tmp_path)), "--device", "cpu", "--weights", str(path), "--store", str(tmp_path / "store"), "--workers", "0"]
+    args = extract_args(tmp_path, path)
     refused_in_one_line(bounded_cli(args), path, re.escape(member.filename), "inflates")
 
 

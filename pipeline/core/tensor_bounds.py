@@ -1,4 +1,5 @@
-"""Bounds on tensor files read from disk, checked before their contents are allocated (docs/extractor.md#bounds-on-weights-files).
+"""Bounds on tensor files read from disk, checked before their contents are allocated
+(docs/extractor.md#bounds-on-weights-files).
 
 A small file can declare far more than it holds. A torch file is a zip archive whose members ``torch.load``
 inflates whole, so a deflated member of zeros a few megabytes long can stand for gigabytes, and central-directory
@@ -57,19 +58,20 @@ def check_archive(path: str | Path) -> None:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
         raise BoundsError(f"{path}: not a readable zip archive ({exc})") from None
     if len(members) > MAX_MEMBERS:
-        raise BoundsError(f"{path}: '{members[MAX_MEMBERS].filename}': the archive holds {len(members):,} members, more than "
-                          f"{MAX_MEMBERS:,}")
+        raise BoundsError(f"{path}: '{members[MAX_MEMBERS].filename}': the archive holds {len(members):,} members, "
+                          f"more than {MAX_MEMBERS:,}")
     limit, total = size + INFLATE_ALLOWANCE, 0
     for info in members:
         if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-            raise BoundsError(f"{path}: '{info.filename}': a stored member declares {info.file_size:,} bytes but stores "
-                              f"{info.compress_size:,}")
+            raise BoundsError(f"{path}: '{info.filename}': a stored member declares {info.file_size:,} bytes "
+                              f"but stores {info.compress_size:,}")
         total += info.file_size
         if total > limit:
-            how = (f"inflates to {info.file_size:,} bytes from {info.compress_size:,}" if info.compress_type != zipfile.ZIP_STORED
-                   else f"declares {info.file_size:,} bytes")
-            raise BoundsError(f"{path}: '{info.filename}': {how}; the members may expand to the archive's own {size:,} bytes "
-                              f"+ {INFLATE_ALLOWANCE >> 20} MiB at most")
+            stored = info.compress_type == zipfile.ZIP_STORED
+            how = (f"declares {info.file_size:,} bytes" if stored
+                   else f"inflates to {info.file_size:,} bytes from {info.compress_size:,}")
+            raise BoundsError(f"{path}: '{info.filename}': {how}; the members may expand to the archive's own "
+                              f"{size:,} bytes + {INFLATE_ALLOWANCE >> 20} MiB at most")
 
 
 def check_tensor(path: str | Path, key: str, tensor: torch.Tensor) -> int:
@@ -77,13 +79,13 @@ def check_tensor(path: str | Path, key: str, tensor: torch.Tensor) -> int:
     nbytes = tensor.numel() * tensor.element_size()
     held = tensor.untyped_storage().nbytes()
     if nbytes > held:
-        raise BoundsError(f"{path}: '{key}': declares shape {list(tensor.shape)} ({tensor.numel():,} elements) over a storage "
-                          f"of {held:,} bytes (zero or overlapping strides)")
+        raise BoundsError(f"{path}: '{key}': declares shape {list(tensor.shape)} ({tensor.numel():,} elements) "
+                          f"over a storage of {held:,} bytes (zero or overlapping strides)")
     return nbytes
 
 
 def check_tensors(path: str | Path, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """:func:`check_tensor` for each ``(key, tensor)``, and their total against the file's size and :data:`MAX_ELEMENTS`."""
+    """:func:`check_tensor` for each ``(key, tensor)``; their total against the file's size and :data:`MAX_ELEMENTS`."""
     path = Path(path)
     limit = VIEW_FACTOR * path.stat().st_size + INFLATE_ALLOWANCE
     nbytes = elements = 0
@@ -91,5 +93,6 @@ def check_tensors(path: str | Path, items: Iterable[tuple[str, torch.Tensor]]) -
         nbytes += check_tensor(path, key, tensor)
         elements += tensor.numel()
         if nbytes > limit or elements > MAX_ELEMENTS:
-            raise BoundsError(f"{path}: '{key}': the tensors up to this one declare {elements:,} elements ({nbytes:,} bytes), more "
-                              f"than {MAX_ELEMENTS:,} elements or {VIEW_FACTOR} x the file's size + {INFLATE_ALLOWANCE >> 20} MiB")
+            raise BoundsError(f"{path}: '{key}': the tensors up to this one declare {elements:,} elements "
+                              f"({nbytes:,} bytes), more than {MAX_ELEMENTS:,} elements or {VIEW_FACTOR} x the "
+                              f"file's size + {INFLATE_ALLOWANCE >> 20} MiB")
