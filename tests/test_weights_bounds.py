@@ -242,3 +242,27 @@ def test_honest_files_of_every_layout_are_well_within_the_bounds(tmp_path: Path)
         path = write(layout, state_of(layout, tmp_path), tmp_path / f"{layout}{SUFFIX[layout]}")
         facts = W.describe(path)
         assert facts["layout"] == layout and facts["keys"] > 10, facts
+
+
+def test_a_pickled_array_declaring_its_shape_up_front_is_refused_unread(tmp_path: Path) -> None:
+    """numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')`` filled from its bytes: one that declares 2**34
+    elements up front (which numpy would allocate) is refused before anything is allocated."""
+    sd = state_of("airsplay", tmp_path)
+    raw = pickle.dumps({"model": OrderedDict((k, v.numpy()) for k, v in sd.items())}, protocol=2)
+    declared = b"\x8a\x05\x00\x00\x00\x00\x04\x85"  # the tuple (2**34,)
+    huge, n = re.subn(rb"(ndarray\nq.)K\x00\x85", lambda m: m.group(1) + declared, raw, count=1, flags=re.S)
+    assert n == 1  # the first array's shape argument: (0,) -> (2**34,)
+    pkl = tmp_path / "detector.pkl"
+    pkl.write_bytes(huge)
+    res = bounded_cli(["info", str(pkl)])
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert res.returncode == 1 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "detector.pkl" in lines[0] and "declared shape" in lines[0], lines[0]
+
+
+def test_a_stored_spec_of_a_million_blocks_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    path = write("butd", state_of("butd", tmp_path), tmp_path / "detector.pth")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["spec"]["stage_blocks"] = [1, 1, 1_000_000]
+    torch.save(ckpt, path)
+    refused_in_one_line(bounded_cli(["info", str(path)]), path, "stage_blocks", "at most 128 blocks per stage")
