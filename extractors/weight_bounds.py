@@ -102,7 +102,11 @@ def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") ->
         value = getattr(spec, field)
         if not isinstance(value, int) or not 2 <= value <= MAX_OUTPUTS:
             raise refuse(field, f"from 2 to {MAX_OUTPUTS:,} are expected")
-    if not 1 <= spec.num_anchors <= 64:
+    try:
+        anchors = spec.num_anchors
+    except TypeError:
+        anchors = 0
+    if not 1 <= anchors <= 64:
         field = "anchor_sizes" if spec.flavor != "caffe" else "anchor_scales"
         raise refuse(field, "from 1 to 64 anchors per cell are expected")
     return spec
