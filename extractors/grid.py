@@ -171,23 +171,25 @@ class GridCells(Selector):
 # --------------------------------------------------------------------------------------------------------
 def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     """The architecture of a grid-feats-vqa state dict (depth, widths, groups; the X-101 pixel std)."""
-    from extractors.layouts import _err, _shape, _stage_blocks
+    from extractors.layouts import _err, _stage_blocks
+    from extractors.weight_bounds import check_spec, dims, groups_of
 
     L = "grid-feats"
     deform = tuple(sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)}))
     for k in sd:
         if k.endswith("conv2_offset.weight") and tuple(sd[k].shape[:1]) != (18,):
-            raise _err(path, L, f"key '{k}' has {sd[k].shape[0]} offset channels: only DCNv1 with one deformable group "
+            raise _err(path, L, f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one deformable group "
                                 "(18, the X-152++ model) is supported, not modulated or grouped offsets")
     stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:
         raise _err(path, L, "backbone.res2 .. backbone.res5 not found")
-    bott, per_group = _shape(sd, "backbone.res2.0.conv2.weight", path, L)[:2]
-    out2 = _shape(sd, "backbone.res2.0.conv3.weight", path, L)[0]
-    groups = bott // per_group
+    bott, groups = groups_of(sd, "backbone.res2.0.conv2.weight", path, L)
+    out2 = dims(sd, "backbone.res2.0.conv3.weight", 4, path, L)[0]
     blocks = tuple(stages[s] for s in (2, 3, 4))
     std = X101_PIXEL_STD if (groups > 1 and blocks == (3, 4, 23)) else (1.0, 1.0, 1.0)
-    return BottomUpSpec(flavor="d2", stem_channels=_shape(sd, "backbone.stem.conv1.weight", path, L)[0], res2_bottleneck=bott,
+    stem = dims(sd, "backbone.stem.conv1.weight", 4, path, L)[0]
+    spec = BottomUpSpec(flavor="d2", stem_channels=stem, res2_bottleneck=bott,
                         expansion=out2 // bott, stage_blocks=blocks, res5_blocks=stages[5], res5_dilation=1, groups=groups,
                         stride_in_1x1=groups == 1, stem_pool="pad1", has_attributes=False, pixel_means=VINVL_PIXEL_MEANS_BGR, pixel_std=std,
                         deform_stages=deform)
+    return check_spec(spec, path, L, "architecture")

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from extractors.spec import BottomUpSpec, vinvl_x152c4
+from extractors.weight_bounds import check_spec, dims, groups_of
 
 RELEASE_LAYOUTS = ("vinvl", "grid-feats")
 ANCHORS = "proposal_generator.anchor_generator.cell_anchors.0"
@@ -85,12 +86,6 @@ def normalise(sd: "OrderedDict[str, torch.Tensor]") -> "OrderedDict[str, torch.T
 
 
 # --------------------------------------------------------------------------------------------------------
-def _shape(sd, key, path, layout) -> tuple[int, ...]:
-    if key not in sd:
-        raise _err(path, layout, f"missing key '{key}'")
-    return tuple(sd[key].shape)
-
-
 def _stage_blocks(sd: Mapping[str, Any], pattern: str) -> dict[int, int]:
     rx = re.compile(pattern)
     out: dict[int, int] = {}
@@ -109,23 +104,25 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
     res5 = _stage_blocks(sd, r"^roi_heads\.box\.feature_extractor\.head\.layer(4)\.(\d+)\.conv1\.weight$").get(4, 0)
     if sorted(stages) != list(range(1, 1 + len(stages))) or not stages or not res5:
         raise _err(path, L, "backbone.body.layer1.. and roi_heads.box.feature_extractor.head.layer4 not found")
-    stem = _shape(sd, "backbone.body.stem.conv1.weight", path, L)[0]
-    bott, per_group = _shape(sd, "backbone.body.layer1.0.conv2.weight", path, L)[:2]
-    out2 = _shape(sd, "backbone.body.layer1.0.conv3.weight", path, L)[0]
-    groups = bott // per_group
-    a = _shape(sd, "rpn.head.cls_logits.weight", path, L)[0]
+    stem = dims(sd, "backbone.body.stem.conv1.weight", 4, path, L)[0]
+    bott, groups = groups_of(sd, "backbone.body.layer1.0.conv2.weight", path, L)
+    out2 = dims(sd, "backbone.body.layer1.0.conv3.weight", 4, path, L)[0]
+    a = dims(sd, "rpn.head.cls_logits.weight", 4, path, L)[0]
     if a % 3 or out2 % bott:
         raise _err(path, L, f"{a} anchors per cell or res2 widths {bott}/{out2} do not fit the VinVL architecture")
     kw: dict[str, Any] = {}
     has_attr = "attribute.predictor.attr_score.weight" in sd
     if has_attr:
-        kw = {"num_attributes": _shape(sd, "attribute.predictor.attr_score.weight", path, L)[0],
-              "attr_embed_dim": _shape(sd, "attribute.predictor.cls_embedding.weight", path, L)[1],
-              "attr_hidden": _shape(sd, "attribute.predictor.fc_attr.weight", path, L)[0]}
-    return vinvl_x152c4().with_(
-        stem_channels=stem, res2_bottleneck=bott, expansion=out2 // bott, groups=groups, stage_blocks=tuple(stages[s] for s in sorted(stages)),
-        res5_blocks=res5, rpn_channels=_shape(sd, "rpn.head.conv.weight", path, L)[0], anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
-        num_classes=_shape(sd, "roi_heads.box.predictor.cls_score.weight", path, L)[0], has_attributes=has_attr, **kw)
+        kw = {"num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, L)[0],
+              "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, L)[1],
+              "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, L)[0]}
+    spec = vinvl_x152c4().with_(
+        stem_channels=stem, res2_bottleneck=bott, expansion=out2 // bott, groups=groups,
+        stage_blocks=tuple(stages[s] for s in sorted(stages)), res5_blocks=res5,
+        rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, L)[0],
+        anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
+        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0], has_attributes=has_attr, **kw)
+    return check_spec(spec, path, L, "architecture")
 
 
 def internal_table(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":

@@ -20,7 +20,9 @@ Loading is strict: every key of the layout must be present with the expected sha
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
 files, whose exact contents their authors do not document); the first mismatch is reported in one line naming the file and the key. Pickles are read with
 :class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. What a file declares is bounded before it is allocated: the archive and its
+tensors against the file's bytes (:mod:`pipeline.core.tensor_bounds`), the architecture against limits
+(:mod:`extractors.weight_bounds`); docs/extractor.md#bounds-on-weights-files.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import numpy as np
 import torch
 
 from extractors.spec import BottomUpSpec
+from extractors.weight_bounds import check_keys, check_meta, check_spec, dims
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
 
 LAYOUTS = ("milvlg", "airsplay", "hf", "butd")  # plus vinvl / grid-feats (extractors.layouts)
 BUTD_FORMAT = "butd-caption-detector"
@@ -75,10 +79,28 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        if name == "ndarray":
+            return _ArrayClass
+        if name == "_reconstruct":
+            return _reconstruct
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("refused persistent id")
+
+
+class _ArrayClass:
+    """Stands for ``numpy.ndarray``: only the class argument of :func:`_reconstruct` (called, it would allocate
+    an array of any shape)."""
+
+
+def _reconstruct(cls: Any, shape: Any, typecode: Any) -> np.ndarray:
+    """NumPy's ``_reconstruct(ndarray, (0,), b'b')``, the empty array pickle fills with its bytes (``__setstate__``
+    checks that they match the shape); any other class or shape is refused before anything is allocated."""
+    if cls is not _ArrayClass or tuple(shape) != (0,) or not isinstance(typecode, (bytes, str)) or len(typecode) > 2:
+        raise pickle.UnpicklingError("an array reconstructed with a declared shape "
+                                     "(numpy pickles start from an empty one)")
+    return np.ndarray.__new__(np.ndarray, (0,), np.dtype("b"))
 
 
 def restricted_load(path: Path) -> Any:
@@ -86,7 +108,8 @@ def restricted_load(path: Path) -> Any:
     try:
         with open(path, "rb") as fh:
             return RestrictedUnpickler(fh, encoding="latin1").load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, ImportError) as exc:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, ImportError,
+            RecursionError, OverflowError, MemoryError) as exc:
         raise WeightsError(f"weights file {path} refused: not a plain pickle of numpy arrays ({exc})") from None
 
 
@@ -163,6 +186,10 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         container = "pickle"
     else:
         try:
+            check_archive(path)
+        except BoundsError as exc:
+            raise WeightsError(f"weights file {exc}") from None
+        try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for a non-torch / unsafe file
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -173,6 +200,7 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         if obj.get("version") != BUTD_VERSION or not isinstance(obj.get("spec"), Mapping):
             raise WeightsError(f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} or without 'spec'")
         meta = {k: v for k, v in obj.items() if k != "model"}
+        check_meta(path, meta)
         container = "butd"
     if isinstance(obj, Mapping) and "model" in obj and isinstance(obj["model"], Mapping):
         obj = obj["model"]
@@ -191,11 +219,18 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         if not isinstance(v, torch.Tensor):
             raise WeightsError(f"weights file {path}: key '{k}' is a {type(v).__name__}, not an array")
         sd[k] = v
+    try:
+        check_tensors(path, sd.items())
+    except BoundsError as exc:
+        raise WeightsError(f"weights file {exc}") from None
     from extractors import layouts  # the vinvl / grid-feats layouts (docs/extractor.md#weights-layouts)
 
     if container == "torch" and layouts.detect(sd) is not None:
-        return layouts.detect(sd), layouts.normalise(sd), meta
-    return _detect_layout(path, sd, container), sd, meta
+        layout, sd = layouts.detect(sd), layouts.normalise(sd)
+    else:
+        layout = _detect_layout(path, sd, container)
+    check_keys(path, layout, sd)
+    return layout, sd, meta
 
 
 def _detect_layout(path: Path, sd: Mapping[str, torch.Tensor], container: str) -> str:
@@ -227,11 +262,8 @@ _RES5 = re.compile(r"^roi_heads\.res5\.(\d+)\.conv1\.weight$")
 def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "?") -> BottomUpSpec:
     """The architecture a state dict describes (depth, widths, classes, attributes, flavor)."""
 
-    def shape(key: str) -> tuple[int, ...]:
-        k = to_layout_key(key, layout)
-        if k not in sd:
-            raise WeightsError(f"weights file {path} ({layout}): missing key '{k}'")
-        return tuple(sd[k].shape)
+    def shape(key: str, rank: int = 4) -> tuple[int, ...]:
+        return dims(sd, to_layout_key(key, layout), rank, path, layout)
 
     stages: dict[int, int] = {}
     res5 = 0
@@ -248,16 +280,16 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
     stem = shape("backbone.stem.conv1.weight")[0]
     bott = shape("backbone.res2.0.conv1.weight")[0]
     expansion = shape("backbone.res2.0.conv3.weight")[0] // bott
-    num_classes = shape("roi_heads.box_predictor.cls_score.weight")[0]
+    num_classes = shape("roi_heads.box_predictor.cls_score.weight", 2)[0]
     rpn_ch = shape("proposal_generator.rpn_head.conv.weight")[0]
     num_anchors = shape("proposal_generator.rpn_head.anchor_deltas.weight")[0] // 4
     flavor = "caffe" if layout == "milvlg" else "d2"
     has_attr = to_layout_key("roi_heads.box_predictor.attr_linear2.weight", layout) in sd
     kw: dict[str, Any] = {}
     if has_attr:
-        kw["num_attributes"] = shape("roi_heads.box_predictor.attr_linear2.weight")[0]
-        kw["attr_embed_dim"] = shape("roi_heads.box_predictor.cls_embed.weight")[1]
-        kw["attr_hidden"] = shape("roi_heads.box_predictor.attr_linear1.weight")[0]
+        kw["num_attributes"] = shape("roi_heads.box_predictor.attr_linear2.weight", 2)[0]
+        kw["attr_embed_dim"] = shape("roi_heads.box_predictor.cls_embed.weight", 2)[1]
+        kw["attr_hidden"] = shape("roi_heads.box_predictor.attr_linear1.weight", 2)[0]
     ratios = (0.5, 1.0, 2.0)
     if num_anchors % len(ratios):
         raise WeightsError(f"weights file {path} ({layout}): {num_anchors} anchors per cell is not a multiple of 3 ratios")
@@ -268,7 +300,7 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
         kw["anchor_sizes"] = tuple(float(64 * 2**i) for i in range(per))
         kw["rpn_min_size"] = 0.0
         kw["box_reg_weights"] = (10.0, 10.0, 5.0, 5.0)
-    return BottomUpSpec(
+    return check_spec(BottomUpSpec(
         flavor=flavor,
         stem_channels=stem,
         res2_bottleneck=bott,
@@ -279,7 +311,7 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
         num_classes=num_classes,
         has_attributes=has_attr,
         **kw,
-    )
+    ), path, layout, "architecture")
 
 
 def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpSpec:
@@ -290,9 +322,10 @@ def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpS
     if bad:
         raise WeightsError(f"weights file {path} (butd): unknown spec key '{bad[0]}'")
     try:
-        return BottomUpSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        spec = BottomUpSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
     except (TypeError, ValueError) as exc:
         raise WeightsError(f"weights file {path} (butd): invalid spec ({exc})") from None
+    return check_spec(spec, path, "butd")
 
 
 def check_strict(path: str | Path, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -> None:

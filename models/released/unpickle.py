@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import UsageError
+from pipeline.core.tensor_bounds import BoundsError, check_archive
 
 
 _LOADING: contextvars.ContextVar[Any] = contextvars.ContextVar("restricted_unpickle_budget", default=None)
@@ -319,6 +320,10 @@ def load_weights_file(path: str | Path, what: str) -> Any:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{what} not found: {path}")
+    try:
+        check_archive(path)
+    except BoundsError as exc:
+        raise UsageError(f"{exc} (nothing read from the {what})") from None
     try:
         with torch.serialization.safe_globals(_numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)

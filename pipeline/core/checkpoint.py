@@ -20,6 +20,7 @@ import torch
 
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write_bytes
+from pipeline.core.tensor_bounds import check_archive
 
 FORMAT = "butd-caption-checkpoint"
 VERSION = 1
@@ -75,6 +76,7 @@ def load_checkpoint(path: str | Path, required: Iterable[str] = (), map_location
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint not found: {path}")
+    check_archive(path)  # members that would inflate past the file's size: refused unread (pipeline.core.tensor_bounds)
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt or unsafe files
