@@ -150,6 +150,7 @@ def write_grids(path: Path, good: dict[str, np.ndarray], bad: bool) -> None:
         fh["8_grids"] = np.zeros(49, np.float32)
         fh["9_grids"] = np.zeros((0, 2048), np.float32)
         fh.create_dataset("11_grids", (49, 8), dtype=h5py.vlen_dtype(np.float32))
+        fh.create_dataset("12_grids", (1 << 15, 1 << 14), dtype="f4", chunks=(64, 64))  # 2 GiB, never written
 
 
 def test_grid_hdf5_bad_datasets_are_bad_rows_named_by_key(tmp_path):
@@ -163,9 +164,9 @@ def test_grid_hdf5_bad_datasets_are_bad_rows_named_by_key(tmp_path):
     assert res.exit_code == 0, res.output
     bad = bad_lines(res.output)
     named = sorted(int(re.search(r"grids\.hdf5:(\d+)_grids", line).group(1)) for line in bad)
-    assert named == [1, 2, 3, 4, 5, 6, 8, 9, 11], res.output
+    assert named == [1, 2, 3, 4, 5, 6, 8, 9, 11, 12], res.output
     text = "\n".join(bad)
-    for what in ("soft link", "external link", "a group", "not a numeric"):
+    for what in ("soft link", "external link", "a group", "not a numeric", "more than"):
         assert what in text, text
     write_grids(tmp_path / "clean.hdf5", good, bad=False)
     assert import_cli("grid-hdf5", tmp_path / "clean.hdf5", tmp_path / "c", sizes).exit_code == 0
@@ -234,6 +235,41 @@ def test_cocobu_bad_arrays_are_bad_rows_named_by_file(tmp_path):
     assert named == [1, 2, 3, 5], res.output
     assert import_cli("cocobu", write(tmp_path / "clean", False), tmp_path / "c", sizes).exit_code == 0
     assert_same_store(tmp_path / "s", tmp_path / "c")
+
+
+def test_npy_header_is_checked_before_its_data_is_read(tmp_path):
+    """A header claiming 16 TB (a file of a few hundred bytes) is a bad row, not an allocation."""
+    import io
+    import zipfile
+
+    sizes = write_sizes(tmp_path / "sizes.json")
+    att, box = tmp_path / "cocobu_att", tmp_path / "cocobu_box"
+    att.mkdir()
+    box.mkdir()
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**12, 4)})
+    with zipfile.ZipFile(att / "1.npz", "w") as zf:
+        zf.writestr("feat.npy", header.getvalue())
+    np.save(box / "1.npy", np.zeros((4, 4), np.float32))
+    np.savez(att / "2.npz", feat=np.ones((3, 16), np.float32))
+    (box / "2.npy").write_bytes(header.getvalue())
+    res = import_cli("cocobu", att, tmp_path / "s", sizes, "--skip-bad")
+    bad = bad_lines(res.output)
+    assert res.exit_code == 0 and len(bad) == 2, res.output
+    assert "1.npz" in bad[0] and "2.npy" in bad[1] and all("more than" in line for line in bad), bad
+
+
+def test_an_over_long_tsv_row_is_a_bad_row_and_the_next_row_is_read(shared_data, tmp_path, monkeypatch):
+    import pipeline.importers.tsv as tsv
+
+    monkeypatch.setattr(tsv, "MAX_ROW_BYTES", 1 << 20)  # the real bound is 64 MiB; a 400 KB row fits either
+    good = (shared_data / "butd/caffe_trainval36_150367.tsv").read_bytes()
+    src = tmp_path / "long.tsv"
+    src.write_bytes(good.replace(b"150367\t", b"150368\t", 1) + b"9\t" * (3 << 19) + b"\r\n" + good)
+    report = import_features("butd-tsv", [src], tmp_path / "s", skip_bad=True)
+    assert (report.seen, report.imported, len(report.bad)) == (3, 2, 1)
+    assert report.bad[0][0].endswith("long.tsv:2") and "longer than 1048576 bytes" in report.bad[0][1]
+    assert sorted(FeatureStore(tmp_path / "s").keys()) == ["150367", "150368"]
 
 
 # -- butd-tsv and image sizes ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``<dir>_att/<image_id>.npz`` holds key ``feat`` (or ``z``, as in ``cocotest_bu``): float32 [K, 2048];
 ``<dir>_box/<image_id>.npy``: float32 [K, 4] pixels. The files carry no image size, so sizes come from a
-COCO json (``--sizes``). Files are read one image at a time, never with pickle, each array checked from its .npy header first.
+COCO json (``--sizes``). Files are read one image at a time, never with pickle, each array checked from its
+.npy header first.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ def read_m2(
                     if key not in sizes:
                         raise PipelineError(f"{where}: image {key} has no size in the --sizes file")
                     feats = read_dataset(fh, f"{key}{SUFFIX}", where, ndim=2)
-                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": read_dataset(fh, f"{key}_boxes", where, ndim=2),
+                    boxes = read_dataset(fh, f"{key}_boxes", where, ndim=2)
+                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": boxes,
                                            "image_w": sizes[key][0], "image_h": sizes[key][1]}
                     if fh.id.links.exists(f"{key}_cls_prob".encode("utf-8", "surrogateescape")):
                         prob = read_dataset(fh, f"{key}_cls_prob", where, ndim=2).astype(np.float32)

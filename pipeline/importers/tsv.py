@@ -106,7 +106,8 @@ def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes] | None]]:
                 yield f"{path}:{lineno}", line.split(b"\t")
 
 
-def row_thunk(fields: list[bytes] | None, where: str, decode: Callable[[list[bytes], str], Record]) -> Callable[[], Record]:
+def row_thunk(fields: list[bytes] | None, where: str,
+              decode: Callable[[list[bytes], str], Record]) -> Callable[[], Record]:
     """The ``decode()`` a reader yields for one row of :func:`iter_lines` (an over-long row is a bad row)."""
     def thunk() -> Record:
         if fields is None:
@@ -152,7 +153,8 @@ def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Reco
     }
 
 
-def _decode_keys(decode: Callable[[list[bytes], str, str], Record], fields: list[bytes], where: str, keys: str) -> Record:
+def _decode_keys(decode: Callable[[list[bytes], str, str], Record], fields: list[bytes], where: str,
+                 keys: str) -> Record:
     return decode(fields, where, keys)
 
 

@@ -39,6 +39,7 @@ MAX_ARRAY_ELEMENTS = 1 << 28
 NUMERIC_KINDS = "fiu"  # float, signed and unsigned integer: what the store casts to its dtypes
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def _bounded_number(text: str, where: str) -> str:
@@ -59,10 +60,15 @@ def _refuse_constant(name: str, where: str) -> None:
 
 
 def json_depth(text: str) -> int:
-    """Deepest nesting of ``[``/``{`` in ``text``, brackets inside strings not counted (a linear scan)."""
-    bare = np.frombuffer(_STRING.sub('""', text).encode("utf-8", "surrogatepass"), dtype=np.uint8)
-    step = np.isin(bare, (ord("["), ord("{"))).astype(np.int64) - np.isin(bare, (ord("]"), ord("}")))
-    return int(np.cumsum(step).max(initial=0))
+    """Deepest nesting of ``[``/``{`` in ``text``, brackets inside strings not counted: a linear scan in bounded
+    memory (only the brackets are kept, then summed a block at a time)."""
+    brackets = _STRING.sub('""', text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for start in range(0, len(brackets), 1 << 20):
+        block = np.frombuffer(brackets, dtype=np.uint8, count=min(1 << 20, len(brackets) - start), offset=start)
+        level = depth + np.cumsum(1 - 2 * ((block >> 2) & 1).astype(np.int32))  # [ { open (+1), ] } close (-1)
+        deepest, depth = max(deepest, int(level.max())), int(level[-1])
+    return deepest
 
 
 def parse_json(data: bytes | str, where: str, what: str = "the JSON column") -> Any:
@@ -88,7 +94,7 @@ def numeric_array(arr: Any, where: str, what: str, ndim: int) -> np.ndarray:
     dtype = getattr(arr, "dtype", None)
     if dtype is None or dtype.kind not in NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise PipelineError(f"{where}: {what} is not a numeric array (dtype {dtype})")
-    shape = tuple(int(n) for n in arr.shape)
+    shape = tuple(int(n) for n in (arr.shape or ()))  # an HDF5 dataset with no dataspace has shape None
     if len(shape) != ndim:
         raise PipelineError(f"{where}: {what} has shape {shape}, expected {ndim} axes")
     if 0 in shape:

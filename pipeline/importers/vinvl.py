@@ -103,13 +103,16 @@ def decode_vinvl(fields: list[bytes], where: str, keys: str, sizes: dict[str, tu
     for i, obj in enumerate(objects):
         rect = obj.get("rect") if isinstance(obj, dict) else None
         feature = obj.get("feature") if isinstance(obj, dict) else None
-        if not (isinstance(rect, list) and len(rect) == 4 and all(_is_number(v) for v in rect)) or not isinstance(feature, str):
+        good_rect = isinstance(rect, list) and len(rect) == 4 and all(_is_number(v) for v in rect)
+        if not good_rect or not isinstance(feature, str):
             raise PipelineError(f"{where}: object {i} lacks a rect of 4 numbers and a base64 feature")
         rects.append(rect)
         feats.append(_b64_floats(feature, where, f"object {i} feature"))
     if len({f.size for f in feats}) != 1:
-        raise PipelineError(f"{where}: the objects' features differ in length ({sorted({f.size for f in feats})[:4]} floats)")
-    return {"key": key, "features": np.stack(feats), "boxes": np.asarray(rects, dtype=np.float32), "image_w": w, "image_h": h}
+        lengths = sorted({f.size for f in feats})[:4]
+        raise PipelineError(f"{where}: the objects' features differ in length ({lengths} floats)")
+    boxes = np.asarray(rects, dtype=np.float32)
+    return {"key": key, "features": np.stack(feats), "boxes": boxes, "image_w": w, "image_h": h}
 
 
 def _is_number(value: Any) -> bool:
