@@ -308,3 +308,19 @@ def test_an_out_of_range_size_given_to_the_api_is_a_bad_row(tmp_path):
     with pytest.raises(PipelineError, match=r"feat\.tsv:2\b.*3000000000x480"):
         import_features("vinvl-tsv", [tmp_path / "feat.tsv"], tmp_path / "s", sizes=sizes)
     assert FeatureStore(tmp_path / "s").keys() == ["7"] and verify_store(tmp_path / "s").ok
+
+
+def test_a_row_past_the_float16_range_does_not_shape_the_store(tmp_path):
+    """The first row is refused by the store itself (1e6 exceeds float16): the next row's width is the store's."""
+    from pipeline.importers.tsv import write_tsv
+
+    boxes = np.array([[1, 2, 30, 40]] * 3, np.float32)
+    rows = [{"key": "1", "image_w": 64, "image_h": 48, "features": np.full((3, 8), 1e6, np.float32), "boxes": boxes},
+            {"key": "2", "image_w": 64, "image_h": 48, "features": np.ones((3, 16), np.float32), "boxes": boxes}]
+    with (tmp_path / "wide.tsv").open("wb") as fh:
+        write_tsv(fh, iter(rows), "butd")
+    report = import_features("butd-tsv", [tmp_path / "wide.tsv"], tmp_path / "s", feature_dtype="float16", skip_bad=True)
+    assert (report.imported, len(report.bad)) == (1, 1) and "float16 range" in report.bad[0][1]
+    store = FeatureStore(tmp_path / "s")
+    assert store.keys() == ["2"] and store.feature_dim == 16 and verify_store(tmp_path / "s").ok
+    np.testing.assert_array_equal(store.get("2")["features"], np.ones((3, 16), np.float16))
