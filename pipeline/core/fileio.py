@@ -218,8 +218,8 @@ def read_json(path: str | Path, what: str = "JSON file", expect: type | None = d
     try:
         with path.open("r", encoding="utf-8-sig") as fh:  # a byte-order mark (Windows editors) is not an error
             obj = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PipelineError(f"{what} {path} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # a JSONDecodeError, a UnicodeDecodeError, or an integer past int's digit limit
+        raise PipelineError(f"{what} {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
     except RecursionError:
         raise PipelineError(f"{what} {path} is nested too deeply to be read") from None
     except OSError as exc:

@@ -22,8 +22,12 @@ from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.regions import RegionRecord
 from pipeline.importers import cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
+from pipeline.importers.untrusted import check_record, check_size
 
 log = get_logger("import")
+
+UNTRUSTED_ERRORS = (ValueError, TypeError, OverflowError, KeyError, IndexError, RecursionError)
+"""What decoding a malformed value can raise past the readers' own checks; such a row is reported as bad."""
 
 __all__ = ["FORMATS", "Format", "ImportReport", "export_tsv", "import_features", "read_sizes", "register_format"]
 
@@ -68,17 +72,21 @@ def default_identity(fmt: str, release: str | None = None) -> dict[str, Any]:
 
 
 def read_sizes(path: str | Path) -> dict[str, tuple[int, int]]:
-    """Image sizes from a COCO json (``images: [{id, width, height}]``), keyed by ``str(id)``."""
+    """Image sizes from a COCO json (``images: [{id, width, height}]``), keyed by ``str(id)``; every entry is
+    checked before any row is imported (integer id, integer width and height in 1..MAX_IMAGE_SIDE)."""
     data = read_json(path, what="image sizes file")
     images = data.get("images")
     if not isinstance(images, list):
         raise UsageError(f"{path}: no 'images' list (expected a COCO captions/instances json)")
     sizes: dict[str, tuple[int, int]] = {}
     for i, img in enumerate(images):
+        ident = img.get("id") if isinstance(img, dict) else None
+        if not (isinstance(ident, (int, str)) and not isinstance(ident, bool) and str(ident)):
+            raise UsageError(f"{path}: images[{i}] lacks an integer id")
         try:
-            sizes[str(img["id"])] = (int(img["width"]), int(img["height"]))
-        except (KeyError, TypeError, ValueError):
-            raise UsageError(f"{path}: images[{i}] lacks integer id/width/height") from None
+            sizes[str(ident)] = check_size(img.get("width"), img.get("height"), f"{path}: images[{i}] (id {ident})")
+        except PipelineError as exc:
+            raise UsageError(str(exc)) from None
     return sizes
 
 
@@ -114,7 +122,7 @@ def import_features(
             raise UsageError(f"input not found: {p}")
     if spec.needs_sizes and sizes is None:
         raise UsageError(f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
-    from pipeline.store import open_writer, validate_image
+    from pipeline.store import open_writer
 
     report = ImportReport()
     seen_keys: set[str] = set()
@@ -131,9 +139,12 @@ def import_features(
             progress.advance(task)
             try:
                 rec = decode()
+                check_record(rec, where)  # complete before the store sees it: a bad row never opens or shapes it
             except PipelineError as exc:
                 rec, bad = None, exc
-            if writer is None and rec is not None:  # opened at the first image: its features say the source's dtype
+            except UNTRUSTED_ERRORS as exc:  # a malformed value no reader check names: still a bad row, not a crash
+                rec, bad = None, PipelineError(f"{where}: unreadable row ({type(exc).__name__}: {str(exc)[:120]})")
+            if writer is None and rec is not None:  # opened at the first good image: it sets the dtype and the width
                 writer = stack.enter_context(open_writer(store, identity, store_dtype(store, feature_dtype, rec["features"]),
                                                          commit_every=commit_every))
             try:
@@ -146,10 +157,10 @@ def import_features(
                 if writer.has(key):
                     report.already_present += 1
                     continue
-                record = RegionRecord.from_mapping(rec)
-                validate_image(key, record.features, record.boxes, record.image_w, record.image_h,
-                               {k: v.reshape(-1) for k, v in record.optional().items()}, None, where)
-                writer.add(key, record)
+                try:
+                    writer.add(key, RegionRecord.from_mapping(rec))
+                except PipelineError as exc:  # the store's own rules (its feature width, dtype range): name the row
+                    raise PipelineError(f"{where}: {exc}") from None
                 report.imported += 1
             except PipelineError as exc:
                 if not skip_bad:

@@ -2,7 +2,8 @@
 
 ``<dir>_att/<image_id>.npz`` holds key ``feat`` (or ``z``, as in ``cocotest_bu``): float32 [K, 2048];
 ``<dir>_box/<image_id>.npy``: float32 [K, 4] pixels. The files carry no image size, so sizes come from a
-COCO json (``--sizes``). Files are read one image at a time, never with pickle.
+COCO json (``--sizes``). Files are read one image at a time, never with pickle, each array checked from its
+.npy header first.
 """
 
 from __future__ import annotations
@@ -16,25 +17,30 @@ import numpy as np
 
 from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.untrusted import read_npy
 
 
 def _load_npz(path: Path) -> np.ndarray:
     try:
-        with np.load(path, allow_pickle=False) as data:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
             for name in ("feat", "z"):
-                if name in data.files:
-                    return np.asarray(data[name])
-            raise PipelineError(f"{path}: npz has no 'feat' (or 'z') array, only {data.files}")
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise PipelineError(f"{path}: not a readable npz file ({exc})") from None
+                if f"{name}.npy" in names:
+                    with zf.open(f"{name}.npy") as fp:
+                        return read_npy(fp, str(path), f"array {name}", ndim=2)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+        raise PipelineError(f"{path}: not a readable npz file ({str(exc).splitlines()[0][:80]})") from None
+    files = [n[:-4] if n.endswith(".npy") else n for n in names]
+    raise PipelineError(f"{path}: npz has no 'feat' (or 'z') array, only {files}")
 
 
 def _load_npy(path: Path) -> np.ndarray:
     if not path.is_file():
         raise PipelineError(f"box file {path} is missing")
     try:
-        return np.asarray(np.load(path, allow_pickle=False))
-    except (OSError, ValueError, EOFError) as exc:
+        with path.open("rb") as fp:
+            return read_npy(fp, str(path), "the boxes", ndim=2)
+    except OSError as exc:
         raise PipelineError(f"{path}: not a readable npy file ({exc})") from None
 
 
@@ -67,11 +73,8 @@ def read_cocobu(
                 raise PipelineError(f"{path}: image {key} has no size in the --sizes file")
             feats = _load_npz(path)
             boxes = _load_npy(box_dir / f"{key}.npy")
-            if feats.ndim != 2:
-                raise PipelineError(f"{path}: features must be 2-D, got shape {feats.shape}")
             w, h = sizes[key]
-            return {"key": key, "features": feats, "boxes": boxes.reshape(-1, 4) if boxes.size % 4 == 0 else boxes,
-                    "image_w": w, "image_h": h}
+            return {"key": key, "features": feats, "boxes": boxes, "image_w": w, "image_h": h}
 
         yield str(path), decode
 

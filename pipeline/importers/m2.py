@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.untrusted import read_dataset
 
 SUFFIX = "_features"
 
@@ -43,16 +44,15 @@ def read_m2(
                 where = f"{path}:{key}"
 
                 def decode(key: str = key, where: str = where) -> dict[str, Any]:
-                    if f"{key}_boxes" not in fh:
-                        raise PipelineError(f"{where}: dataset {key}_boxes is missing")
                     if key not in sizes:
                         raise PipelineError(f"{where}: image {key} has no size in the --sizes file")
-                    feats = np.asarray(fh[f"{key}_features"][()])
-                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": np.asarray(fh[f"{key}_boxes"][()]),
+                    feats = read_dataset(fh, f"{key}{SUFFIX}", where, ndim=2)
+                    boxes = read_dataset(fh, f"{key}_boxes", where, ndim=2)
+                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": boxes,
                                            "image_w": sizes[key][0], "image_h": sizes[key][1]}
-                    if f"{key}_cls_prob" in fh:
-                        prob = np.asarray(fh[f"{key}_cls_prob"][()], dtype=np.float32)
-                        if prob.ndim != 2 or len(prob) != len(feats):
+                    if fh.id.links.exists(f"{key}_cls_prob".encode("utf-8", "surrogateescape")):
+                        prob = read_dataset(fh, f"{key}_cls_prob", where, ndim=2).astype(np.float32)
+                        if len(prob) != len(feats):
                             raise PipelineError(f"{where}: {key}_cls_prob has shape {prob.shape}, expected ({len(feats)}, C)")
                         if prob.shape[1] == 1601:
                             prob = prob[:, 1:]

@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError
 from pipeline.core.keys import key_from_text, key_to_text
+from pipeline.importers.untrusted import MAX_ROW_BYTES
 
 Record = dict[str, Any]
 
@@ -88,13 +89,32 @@ def _key_field(key: str) -> bytes:
     return key_to_text(key).encode("utf-8")
 
 
-def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes]]]:
-    """(``file:line``, tab-split fields) for every non-empty line, streaming."""
+def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes] | None]]:
+    """(``file:line``, tab-split fields) for every non-empty line, streaming; a line longer than
+    :data:`~pipeline.importers.untrusted.MAX_ROW_BYTES` is skipped unread and yields ``None`` for its fields."""
     with path.open("rb") as fh:
-        for lineno, line in enumerate(fh, 1):
+        lineno = 0
+        while line := fh.readline(MAX_ROW_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_ROW_BYTES:
+                while line and not line.endswith(b"\n"):  # the rest of the row, in bounded pieces
+                    line = fh.readline(1 << 20)
+                yield f"{path}:{lineno}", None
+                continue
             line = line.rstrip(b"\r\n")
             if line:
                 yield f"{path}:{lineno}", line.split(b"\t")
+
+
+def row_thunk(fields: list[bytes] | None, where: str,
+              decode: Callable[[list[bytes], str], Record]) -> Callable[[], Record]:
+    """The ``decode()`` a reader yields for one row of :func:`iter_lines` (an over-long row is a bad row)."""
+    def thunk() -> Record:
+        if fields is None:
+            raise PipelineError(f"{where}: the row is longer than {MAX_ROW_BYTES} bytes (not read)")
+        return decode(fields, where)
+
+    return thunk
 
 
 def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
@@ -133,6 +153,11 @@ def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Reco
     }
 
 
+def _decode_keys(decode: Callable[[list[bytes], str, str], Record], fields: list[bytes], where: str,
+                 keys: str) -> Record:
+    return decode(fields, where, keys)
+
+
 def tsv_reader(decode: Callable[[list[bytes], str, str], Record]) -> Callable[..., Iterator[tuple[str, Callable[[], Record]]]]:
     """A source reader yielding (where, decode-thunk) per row, so a bad row can be skipped and reported."""
 
@@ -141,7 +166,7 @@ def tsv_reader(decode: Callable[[list[bytes], str, str], Record]) -> Callable[..
             if not path.is_file():
                 raise PipelineError(f"TSV file not found: {path}")
             for where, fields in iter_lines(path):
-                yield where, (lambda f=fields, w=where: decode(f, w, keys))
+                yield where, row_thunk(fields, where, partial(_decode_keys, decode, keys=keys))
 
     return read
 

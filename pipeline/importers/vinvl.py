@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,7 +34,8 @@ import numpy as np
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.keys import key_to_text
 from pipeline.importers.formats import Format, register_format
-from pipeline.importers.tsv import coco_key, iter_lines
+from pipeline.importers.tsv import coco_key, iter_lines, row_thunk
+from pipeline.importers.untrusted import parse_json, read_dataset
 
 POSITION = 6
 Record = dict[str, Any]
@@ -92,15 +93,30 @@ def decode_vinvl(fields: list[bytes], where: str, keys: str, sizes: dict[str, tu
         return {"key": key, "features": feats.copy(), "boxes": boxes, "image_w": w, "image_h": h}
     if len(fields) != 2:
         raise PipelineError(f"{where}: expected 3 (key, num_boxes, features) or 2 (key, json) tab-separated columns, found {len(fields)}")
-    try:
-        objects = json.loads(fields[1])["objects"]
-        rects = np.asarray([o["rect"] for o in objects], dtype=np.float32).reshape(-1, 4)
-        feats = np.stack([_b64_floats(o["feature"], where, f"object {i} feature") for i, o in enumerate(objects)]) if objects else None
-    except (ValueError, KeyError, TypeError):
-        raise PipelineError(f"{where}: not a scene_graph_benchmark prediction row (json with objects' rect and feature)") from None
-    if feats is None:
+    row = parse_json(fields[1], where, "the predictions column")
+    objects = row.get("objects") if isinstance(row, dict) else None
+    if not isinstance(objects, list):
+        raise PipelineError(f"{where}: not a scene_graph_benchmark prediction row (json with an objects list)")
+    if not objects:
         raise PipelineError(f"{where}: no objects")
-    return {"key": key, "features": feats, "boxes": rects, "image_w": w, "image_h": h}
+    rects, feats = [], []
+    for i, obj in enumerate(objects):
+        rect = obj.get("rect") if isinstance(obj, dict) else None
+        feature = obj.get("feature") if isinstance(obj, dict) else None
+        good_rect = isinstance(rect, list) and len(rect) == 4 and all(_is_number(v) for v in rect)
+        if not good_rect or not isinstance(feature, str):
+            raise PipelineError(f"{where}: object {i} lacks a rect of 4 numbers and a base64 feature")
+        rects.append(rect)
+        feats.append(_b64_floats(feature, where, f"object {i} feature"))
+    if len({f.size for f in feats}) != 1:
+        lengths = sorted({f.size for f in feats})[:4]
+        raise PipelineError(f"{where}: the objects' features differ in length ({lengths} floats)")
+    boxes = np.asarray(rects, dtype=np.float32)
+    return {"key": key, "features": np.stack(feats), "boxes": boxes, "image_w": w, "image_h": h}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_vinvl(sources: list[Path], keys: str, sizes: dict[str, tuple[int, int]] | None = None, **_: Any) -> Iterator[tuple[str, Callable[[], Record]]]:
@@ -110,7 +126,7 @@ def read_vinvl(sources: list[Path], keys: str, sizes: dict[str, tuple[int, int]]
         if not path.is_file():
             raise UsageError(f"VinVL TSV file not found: {path}")
         for where, fields in iter_lines(path):
-            yield where, (lambda f=fields, wh=where: decode_vinvl(f, wh, keys, sizes))
+            yield where, row_thunk(fields, where, partial(decode_vinvl, keys=keys, sizes=sizes))
 
 
 def write_vinvl(out: BinaryIO, records: Iterator[Record]) -> int:
@@ -147,9 +163,7 @@ def read_grid_hdf5(sources: list[Path], keys: str = "raw", sizes: dict[str, tupl
                 where = f"{path}:{key}_grids"
 
                 def decode(key: str = key, where: str = where) -> Record:
-                    feats = np.asarray(fh[f"{key}_grids"][()])
-                    if feats.ndim != 2:
-                        raise PipelineError(f"{where}: shape {feats.shape}, expected (N, D)")
+                    feats = read_dataset(fh, f"{key}_grids", where, ndim=2)
                     k = math.isqrt(feats.shape[0])
                     if k * k != feats.shape[0]:
                         raise PipelineError(f"{where}: {feats.shape[0]} cells is not a square grid")

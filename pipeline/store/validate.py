@@ -8,6 +8,7 @@ from pipeline.core.errors import PipelineError
 from pipeline.core.keys import check_key
 
 BOX_TOLERANCE = 1.0  # pixels a box may reach past the image border (Caffe clips at W-1 in the scaled image)
+MAX_IMAGE_SIDE = 2**31 - 1  # the largest image width or height a segment's int32 ``image_size`` holds
 
 
 def validate_image(
@@ -25,8 +26,8 @@ def validate_image(
     if not isinstance(key, str) or not key:
         raise PipelineError(f"{where}: image id must be a non-empty string, got {key!r}")
     check_key(key, where)
-    if features.ndim != 2 or features.shape[0] < 1:
-        raise PipelineError(f"{where}: image {key}: features must be (N>=1, D), got shape {features.shape}")
+    if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
+        raise PipelineError(f"{where}: image {key}: features must be (N>=1, D>=1), got shape {features.shape}")
     if feature_dim is not None and features.shape[1] != feature_dim:
         raise PipelineError(f"{where}: image {key}: feature dimension {features.shape[1]} != store dimension {feature_dim}")
     n = features.shape[0]
@@ -36,8 +37,8 @@ def validate_image(
         raise PipelineError(f"{where}: image {key}: features contain NaN or infinity")
     if not np.isfinite(boxes).all():
         raise PipelineError(f"{where}: image {key}: boxes contain NaN or infinity")
-    if int(image_w) <= 0 or int(image_h) <= 0:
-        raise PipelineError(f"{where}: image {key}: image size {image_w}x{image_h} is not positive")
+    if not (0 < int(image_w) <= MAX_IMAGE_SIDE and 0 < int(image_h) <= MAX_IMAGE_SIDE):
+        raise PipelineError(f"{where}: image {key}: image size {image_w}x{image_h} is outside 1..{MAX_IMAGE_SIDE}")
     t = BOX_TOLERANCE
     x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
     bad = (x1 < -t) | (y1 < -t) | (x2 > image_w + t) | (y2 > image_h + t) | (x2 < x1) | (y2 < y1)

@@ -133,8 +133,8 @@ class FeatureStoreWriter:
         rows = {"features": feats, "boxes": box_arr, **given}
         for name, arr in rows.items():
             buf = self._buffers.get(name)
-            if buf is None:
-                width = arr.shape[1] if arr.ndim == 2 else None
+            width = arr.shape[1] if arr.ndim == 2 else None
+            if buf is None or (buf.rows == 0 and buf.width != width):  # shaped by the first image the store takes
                 buf = self._buffers[name] = _RowBuffer(dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width)
             buf.append(arr)  # the one copy, casting to the store dtype
         if not _all_finite(self._buffers["features"].view()[-len(feats):]):
