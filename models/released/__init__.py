@@ -127,8 +127,9 @@ def _sha256(path: Path) -> str:
 
 def cache_dir() -> Path:
     """Where converted releases are kept: ``$BUTD_CACHE/released`` or ``~/.cache/butd-caption/released``."""
-    root = os.environ.get("BUTD_CACHE")
-    return Path(root) / "released" if root else Path.home() / ".cache" / "butd-caption" / "released"
+    from pipeline.core.download import cache_root
+
+    return cache_root() / "released"
 
 
 def write_native(ckpt: CaptionerCheckpoint, out: str | Path) -> Path:
