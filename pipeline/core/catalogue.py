@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 from pipeline.core.errors import UsageError
 
+#: detector weights layouts (docs/extractor.md#weights-layouts): a download must have exactly this one
+DETECTOR_LAYOUTS = ("milvlg", "hf", "vinvl", "grid-feats")
 #: the kinds of file, each checked after a download by its strict reader (pipeline.hub.verify.VERIFIERS)
-KINDS = ("detector", "labelmap", "hf-config", "m2-weights", "m2-vocab", "aoanet", "hdf5", "zip")
+KINDS = DETECTOR_LAYOUTS + ("labelmap", "hf-config", "m2-weights", "m2-vocab", "aoanet", "hdf5", "zip")
 
 MILVLG = "MILVLG/bottom-up-attention.pytorch@4dbce86"
 ONEDRIVE = "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
@@ -64,21 +66,21 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
     CatalogueEntry(
         "bua-r101", _onedrive("EaXvCC3WjtlLvvEfLr3oa8UBLA21tcLh4L8YLbYXl6jgjg"),
         f"{MILVLG} README.md (Pre-trained models, R101 k10-100)", "milvlg", "bua-caffe-frcn-r101_with_attributes.pth",
-        "detector", "MILVLG/bottom-up-attention.pytorch LICENSE",
+        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE",
         "bottom-up R-101 detector (caffe mode, 10-100 boxes): extract, caption --weights"),
     CatalogueEntry(
         "bua-r101-fix36", _onedrive("EUKhQ3hSRv9JrrW64qpNLSIBGoOjEGCkF8zvgBP9gKax-w"),
         f"{MILVLG} README.md (Pre-trained models, R101 k36)", "milvlg", "bua-caffe-frcn-r101_with_attributes_fix36.pth",
-        "detector", "MILVLG/bottom-up-attention.pytorch LICENSE",
+        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE",
         "bottom-up R-101 detector (caffe mode, 36 boxes; use --boxes 36)"),
     CatalogueEntry(
         "bua-r152", _onedrive("ETDgy4bY0xpGgsu5tEMzgLcBQjAwpnkKkltNTtPVuMj4GQ"),
         f"{MILVLG} README.md (Pre-trained models, R152)", "milvlg", "bua-caffe-frcn-r152.pth",
-        "detector", "MILVLG/bottom-up-attention.pytorch LICENSE", "bottom-up R-152 detector (caffe mode)"),
+        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE", "bottom-up R-152 detector (caffe mode)"),
     CatalogueEntry(
         "frcnn-vg-finetuned", ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/pytorch_model.bin",),
         "huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py (hub id unc-nlp/frcnn-vg-finetuned)",
-        "hf-frcnn-vg-finetuned", "pytorch_model.bin", "detector", "the model card of unc-nlp/frcnn-vg-finetuned",
+        "hf-frcnn-vg-finetuned", "pytorch_model.bin", "hf", "the model card of unc-nlp/frcnn-vg-finetuned",
         "LXMERT's Visual Genome detector (hf layout; also hf:unc-nlp/frcnn-vg-finetuned)",
         companions=("frcnn-vg-finetuned-config",)),
     CatalogueEntry(
@@ -88,7 +90,7 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
         "the HF detector's config.yaml (its test-time values)"),
     CatalogueEntry(
         "vinvl-x152c4", (f"{VINVL_ZOO}vinvl_vg_x152c4.pth",), "microsoft/scene_graph_benchmark@8e14944 README.md",
-        "vinvl", "vinvl_vg_x152c4.pth", "detector", "microsoft/scene_graph_benchmark LICENSE",
+        "vinvl", "vinvl_vg_x152c4.pth", "vinvl", "microsoft/scene_graph_benchmark LICENSE",
         "VinVL ResNeXt-152 C4 detector (1594 classes, 524 attributes): extract --weights",
         companions=("vinvl-labelmap",)),
     CatalogueEntry(
@@ -97,7 +99,7 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
         "VinVL's class and attribute names (extract.labelmap)"),
     *(CatalogueEntry(
         f"grid-{arch.lower()}", (f"{GRID}{arch}/{arch}.pth",), "facebookresearch/grid-feats-vqa@2677387 README.md",
-        "grid-feats-vqa", f"{arch}.pth", "detector", "facebookresearch/grid-feats-vqa LICENSE",
+        "grid-feats-vqa", f"{arch}.pth", "grid-feats", "facebookresearch/grid-feats-vqa LICENSE",
         f"grid-feats-vqa {arch} backbone for grid features (extract --boxes grid)")
       for arch in ("R-50", "X-101", "X-152", "X-152pp")),
     CatalogueEntry(
@@ -165,3 +167,13 @@ def entry_with_companions(name: str) -> list[CatalogueEntry]:
             out.append(entry)
             todo += list(entry.companions)
     return out
+
+
+def catalogue_markdown() -> str:
+    """The catalogue as the Markdown table of docs/downloads.md (a test keeps the page in step)."""
+    rows = ["| name | file (cache folder) | kind | URL | read from | licence | for |", "|---|---|---|---|---|---|---|"]
+    for e in ENTRIES:
+        where = ", ".join(f"<{u}>" for u in e.urls) if e.urls else f"manual: {e.manual}"
+        rows.append(f"| `{e.name}` | `{e.folder}/{e.filename}` | {e.kind} | {where} | {e.source} | {e.licence} | "
+                    f"{e.purpose}{' (with ' + ', '.join(f'`{c}`' for c in e.companions) + ')' if e.companions else ''} |")
+    return "\n".join(rows) + "\n"

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import zipfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from pipeline.core.catalogue import DETECTOR_LAYOUTS
 from pipeline.core.errors import PipelineError
 
 
-def detector(path: Path) -> None:
+def detector(path: Path, layout: str | None = None) -> None:
+    """Any detector layout (``layout=None``) or exactly ``layout``."""
     from extractors.weights import describe
 
-    describe(path)  # reads the state dict and checks every key and shape of its layout
+    found = describe(path)["layout"]  # reads the state dict and checks every key and shape of its layout
+    if layout is not None and found != layout:
+        raise PipelineError(f"{path} holds detector weights in the {found} layout, not {layout}")
 
 
 def labelmap(path: Path) -> None:
@@ -81,7 +86,7 @@ def zip_archive(path: Path) -> None:
 
 #: catalogue kind (pipeline.core.catalogue.KINDS) -> its reader
 VERIFIERS: dict[str, Callable[[Path], None]] = {
-    "detector": detector, "labelmap": labelmap, "hf-config": hf_config, "m2-weights": m2_weights, "m2-vocab": m2_vocab,
+    **{layout: partial(detector, layout=layout) for layout in DETECTOR_LAYOUTS}, "detector": detector, "labelmap": labelmap, "hf-config": hf_config, "m2-weights": m2_weights, "m2-vocab": m2_vocab,
     "aoanet": aoanet, "hdf5": hdf5, "zip": zip_archive,
 }
 
