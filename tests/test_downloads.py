@@ -82,7 +82,8 @@ def photos(tmp_path: Path, shared_data: Path) -> Path:
 
 
 def extract(photos: Path, weights: str, store: Path):
-    return CliRunner().invoke(app, ["extract", "--device", "cpu", str(photos), "--weights", weights, "--store", str(store),
+    return CliRunner().invoke(app, ["extract", "--device", "cpu", str(photos), "--weights", weights,
+                                    "--store", str(store),
                                     "--workers", "0", "--set", "extract.min_size=160", "--set", "extract.max_size=256"])
 
 
@@ -103,7 +104,8 @@ def test_extract_by_catalogue_name_downloads_caches_and_runs_offline(tmp_path, s
     import hashlib
 
     assert record["sha256"] == hashlib.sha256(release_files["vinvl-x152c4"]).hexdigest()
-    assert cached_files(tmp_path) == ["vinvl/VG-SGG-dicts-vgoi6-clipped.json", "vinvl/VG-SGG-dicts-vgoi6-clipped.json.sha256",
+    assert cached_files(tmp_path) == ["vinvl/VG-SGG-dicts-vgoi6-clipped.json",
+                                      "vinvl/VG-SGG-dicts-vgoi6-clipped.json.sha256",
                                       "vinvl/vinvl_vg_x152c4.pth", "vinvl/vinvl_vg_x152c4.pth.sha256"]
     manifest = json.loads((tmp_path / "s1" / "manifest.json").read_text())
     assert manifest["config"]["job"]["weights"] == str(cached)
@@ -121,7 +123,8 @@ def test_caption_with_the_released_m2_and_milvlg_by_name(tmp_path, server, photo
     rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["caption"] for r in rows)
     assert cached_files(tmp_path) == ["m2/meshed_memory_transformer.pth", "m2/meshed_memory_transformer.pth.sha256",
-                                      "m2/vocab.pkl", "m2/vocab.pkl.sha256", "milvlg/bua-caffe-frcn-r101_with_attributes.pth",
+                                      "m2/vocab.pkl", "m2/vocab.pkl.sha256",
+                                      "milvlg/bua-caffe-frcn-r101_with_attributes.pth",
                                       "milvlg/bua-caffe-frcn-r101_with_attributes.pth.sha256"]
     n = len(server.requests)
     assert n == 3
@@ -224,7 +227,8 @@ def test_hub_ids_follow_hf_endpoint_and_hf_hub_offline(tmp_path, server, monkeyp
     res = CliRunner().invoke(app, ["fetch", "hf:someone/detector/weights.bin@v2"])
     assert res.exit_code == 0, res.output
     assert server.gets(other) == [None]
-    assert Path(res.stdout.strip()) == tmp_path / "cache" / "downloads" / "hf" / "someone--detector" / "v2" / "weights.bin"
+    hub_file = tmp_path / "cache" / "downloads" / "hf" / "someone--detector" / "v2" / "weights.bin"
+    assert Path(res.stdout.strip()) == hub_file
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert CliRunner().invoke(app, ["fetch", "hf:someone/detector/weights.bin@v2"]).exit_code == 0  # cached
     res = CliRunner().invoke(app, ["fetch", "hf:someone/other"])

@@ -25,6 +25,9 @@ ONEDRIVE = "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
 VINVL_ZOO = "https://penzhanwu2.blob.core.windows.net/sgg/sgg_benchmark/vinvl_model_zoo/"
 GRID = "https://dl.fbaipublicfiles.com/grid-feats-vqa/"
 UNIMORE = "https://ailb-web.ing.unimore.it/publicfiles/drive/"
+LXMERT = ("huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py "
+          "(hub id unc-nlp/frcnn-vg-finetuned)")
+SGB = "microsoft/scene_graph_benchmark@8e14944 README.md"
 M2_REPO = "aimagelab/meshed-memory-transformer@239100b"
 M2_LICENCE = "BSD-3-Clause (aimagelab/meshed-memory-transformer LICENSE)"
 COCO_LICENCE = "COCO terms of use: annotations CC BY 4.0, images under the Flickr terms of their owners"
@@ -79,22 +82,22 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
         "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE", "bottom-up R-152 detector (caffe mode)"),
     CatalogueEntry(
         "frcnn-vg-finetuned", ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/pytorch_model.bin",),
-        "huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py (hub id unc-nlp/frcnn-vg-finetuned)",
+        LXMERT,
         "hf-frcnn-vg-finetuned", "pytorch_model.bin", "hf", "the model card of unc-nlp/frcnn-vg-finetuned",
         "LXMERT's Visual Genome detector (hf layout; also hf:unc-nlp/frcnn-vg-finetuned)",
         companions=("frcnn-vg-finetuned-config",)),
     CatalogueEntry(
         "frcnn-vg-finetuned-config", ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/config.yaml",),
-        "huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py (hub id unc-nlp/frcnn-vg-finetuned)",
+        LXMERT,
         "hf-frcnn-vg-finetuned", "config.yaml", "hf-config", "the model card of unc-nlp/frcnn-vg-finetuned",
         "the HF detector's config.yaml (its test-time values)"),
     CatalogueEntry(
-        "vinvl-x152c4", (f"{VINVL_ZOO}vinvl_vg_x152c4.pth",), "microsoft/scene_graph_benchmark@8e14944 README.md",
+        "vinvl-x152c4", (f"{VINVL_ZOO}vinvl_vg_x152c4.pth",), SGB,
         "vinvl", "vinvl_vg_x152c4.pth", "vinvl", "microsoft/scene_graph_benchmark LICENSE",
         "VinVL ResNeXt-152 C4 detector (1594 classes, 524 attributes): extract --weights",
         companions=("vinvl-labelmap",)),
     CatalogueEntry(
-        "vinvl-labelmap", (f"{VINVL_ZOO}VG-SGG-dicts-vgoi6-clipped.json",), "microsoft/scene_graph_benchmark@8e14944 README.md",
+        "vinvl-labelmap", (f"{VINVL_ZOO}VG-SGG-dicts-vgoi6-clipped.json",), SGB,
         "vinvl", "VG-SGG-dicts-vgoi6-clipped.json", "labelmap", "microsoft/scene_graph_benchmark LICENSE",
         "VinVL's class and attribute names (extract.labelmap)"),
     *(CatalogueEntry(
@@ -103,7 +106,8 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
         f"grid-feats-vqa {arch} backbone for grid features (extract --boxes grid)")
       for arch in ("R-50", "X-101", "X-152", "X-152pp")),
     CatalogueEntry(
-        "m2-coco", (f"{UNIMORE}meshed-memory-transformer/meshed_memory_transformer.pth",), f"{M2_REPO} README.md (Evaluation)",
+        "m2-coco", (f"{UNIMORE}meshed-memory-transformer/meshed_memory_transformer.pth",),
+        f"{M2_REPO} README.md (Evaluation)",
         "m2", "meshed_memory_transformer.pth", "m2-weights", M2_LICENCE,
         "the released M2 captioner trained on COCO: caption --model", companions=("m2-vocab",)),
     CatalogueEntry(
@@ -111,10 +115,12 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
         f"{M2_REPO} vocab.pkl (repository root)", "m2", "vocab.pkl", "m2-vocab", M2_LICENCE,
         "M2's vocabulary (caption --vocab; fetched with m2-coco)"),
     CatalogueEntry(
-        "m2-coco-detections", (f"{UNIMORE}show-control-and-tell/coco_detections.hdf5",), f"{M2_REPO} README.md (Data preparation)",
+        "m2-coco-detections", (f"{UNIMORE}show-control-and-tell/coco_detections.hdf5",),
+        f"{M2_REPO} README.md (Data preparation)",
         "m2", "coco_detections.hdf5", "hdf5", M2_LICENCE, "M2's COCO region features (import-features)"),
     CatalogueEntry(
-        "m2-annotations", (f"{UNIMORE}meshed-memory-transformer/annotations.zip",), f"{M2_REPO} README.md (Data preparation)",
+        "m2-annotations", (f"{UNIMORE}meshed-memory-transformer/annotations.zip",),
+        f"{M2_REPO} README.md (Data preparation)",
         "m2", "annotations.zip", "zip", M2_LICENCE, "M2's COCO annotations and splits"),
     CatalogueEntry(
         "aoanet", (), "husthuaan/AoANet@94ffe17 README.md", "aoanet", "model-best.pth", "aoanet",
@@ -123,7 +129,8 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
                "https://drive.google.com/drive/folders/1ab0iPNyxdVm79ml-oozsIlH7H6t6dIVl (a browser download)"),
     CatalogueEntry(
         "karpathy-split", ("http://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip",),
-        "cs.stanford.edu/people/karpathy/deepimagesent (the page publishing the split)", "karpathy", "caption_datasets.zip", "zip", COCO_LICENCE,
+        "cs.stanford.edu/people/karpathy/deepimagesent (the page publishing the split)", "karpathy",
+        "caption_datasets.zip", "zip", COCO_LICENCE,
         "the Karpathy split of COCO (dataset_coco.json): prepare"),
     CatalogueEntry(
         "coco2014-train", ("http://images.cocodataset.org/zips/train2014.zip",), "cocodataset.org/#download",
@@ -174,6 +181,7 @@ def catalogue_markdown() -> str:
     rows = ["| name | file (cache folder) | kind | URL | read from | licence | for |", "|---|---|---|---|---|---|---|"]
     for e in ENTRIES:
         where = ", ".join(f"<{u}>" for u in e.urls) if e.urls else f"manual: {e.manual}"
+        companions = f" (with {', '.join(f'`{c}`' for c in e.companions)})" if e.companions else ""
         rows.append(f"| `{e.name}` | `{e.folder}/{e.filename}` | {e.kind} | {where} | {e.source} | {e.licence} | "
-                    f"{e.purpose}{' (with ' + ', '.join(f'`{c}`' for c in e.companions) + ')' if e.companions else ''} |")
+                    f"{e.purpose}{companions} |")
     return "\n".join(rows) + "\n"

@@ -102,7 +102,8 @@ class Download:
 
     @property
     def lock(self) -> Path:
-        rel = self.dest.relative_to(downloads_dir()) if self.dest.is_relative_to(downloads_dir()) else Path(self.dest.name)
+        root = downloads_dir()
+        rel = self.dest.relative_to(root) if self.dest.is_relative_to(root) else Path(self.dest.name)
         return cache_root() / "locks" / (str(rel).replace(os.sep, "--") + ".lock")
 
     def by_hand(self) -> str:
@@ -215,7 +216,8 @@ def _transfer_with_retries(item: Download, url: str) -> None:
             return
         except _Interrupted as exc:
             last = exc
-            log.info("download of %s broke off (%s); resuming (attempt %d of %d)", item.name, exc, attempt + 2, ATTEMPTS)
+            log.info("download of %s broke off (%s); resuming (attempt %d of %d)", item.name, exc, attempt + 2,
+                     ATTEMPTS)
     raise last  # type: ignore[misc]
 
 
