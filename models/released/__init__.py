@@ -17,7 +17,6 @@ Pickles are read with the restricted unpickler of :mod:`models.released.unpickle
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

@@ -126,10 +126,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def is_cached(item: Download) -> bool:
-    return item.dest.is_file()
-
-
 def fetch(item: Download, verify: Verify, offline: bool = False) -> Path:
     """The checked local copy of ``item``: from the cache, else downloaded, verified and recorded."""
     if item.dest.is_file():
