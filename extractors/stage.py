@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +170,13 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
         dev = _device(section, job)
         precision = resolve_precision(str(section.precision), dev, "extract.precision", fp16=False)  # auto -> fp32 | bf16
         spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
+        labelmap = section.labelmap if "labelmap" in section else None
+        if labelmap:
+            from pipeline.hub import resolve_file
+
+            labelmap = resolve_file(labelmap, "extract.labelmap file", "labelmap")
         model, identity, _info = load_for_inference(job.weights, str(section.preset), spec, int(section.random_seed), dev,
-                                                    labelmap=section.labelmap if "labelmap" in section else None)
+                                                    labelmap=labelmap)
         recipe, selector = configure_recipe(model, identity.layout, section)
         model.roi_chunk = int(section.roi_chunk)
         use_channels_last(model, bool(section.channels_last) if "channels_last" in section else False)
@@ -220,6 +225,10 @@ def extract_features(run_dir: str | Path, name: str, section: Config, job: Extra
     that accumulates (see the module docstring) instead of the strict stage rule. The selection settings, the
     inputs and the weights file are checked before the stage folder is touched.
     """
+    if job.weights != "random":  # a catalogue name or hf: id becomes its file in the cache (docs/downloads.md)
+        from pipeline.hub import resolve_file
+
+        job = replace(job, weights=resolve_file(job.weights, "weights file", "detector"))
     cfg = config if config is not None else stage_config(section, job)
     items = collect_items(job, selection_mode(section))
     if job.weights != "random" and not Path(job.weights).is_file():

@@ -24,6 +24,7 @@ LEVELS = {
     "pipeline/data": 3,
     "pipeline/importers": 3,
     "pipeline/world": 3,
+    "pipeline/hub": 3,
     "extractors/training": 3,
     "pipeline/training": 4,
     "pipeline/captioning": 4,

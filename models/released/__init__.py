@@ -17,7 +17,6 @@ Pickles are read with the restricted unpickler of :mod:`models.released.unpickle
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,8 +126,9 @@ def _sha256(path: Path) -> str:
 
 def cache_dir() -> Path:
     """Where converted releases are kept: ``$BUTD_CACHE/released`` or ``~/.cache/butd-caption/released``."""
-    root = os.environ.get("BUTD_CACHE")
-    return Path(root) / "released" if root else Path.home() / ".cache" / "butd-caption" / "released"
+    from pipeline.core.download import cache_root
+
+    return cache_root() / "released"
 
 
 def write_native(ckpt: CaptionerCheckpoint, out: str | Path) -> Path:

@@ -59,7 +59,11 @@ def _pick_best(model: Path, found: list[Path]) -> Path:
 
 
 def find_checkpoint(model: Path, captioner: str | None = None) -> Path:
-    """A checkpoint file, or the chosen captioner's ``best.pt`` in a run folder (by name, else by validation score)."""
+    """A checkpoint file, or the chosen captioner's ``best.pt`` in a run folder (by name, else by validation score).
+    A catalogue name or ``hf:`` id (docs/downloads.md) is fetched into the cache first, with its vocabulary."""
+    from pipeline.hub import resolve_file
+
+    model = Path(resolve_file(model, "captioner", "captioner"))
     if model.is_file():
         if captioner:
             raise UsageError("--captioner picks a captioner inside a run folder; --model names a checkpoint file already")
@@ -86,6 +90,10 @@ def find_checkpoint(model: Path, captioner: str | None = None) -> Path:
 def find_detector(model: Path, checkpoint: Path, weights: str | None) -> str:
     """``--weights`` if given, else the detector of the run directory the checkpoint belongs to."""
     if weights:
+        if weights != "random":
+            from pipeline.hub import resolve_file
+
+            weights = resolve_file(weights, "detector weights", "detector")
         if weights != "random" and not Path(weights).is_file():
             raise UsageError(f"detector weights not found: {weights}")
         return weights

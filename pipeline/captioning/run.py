@@ -113,6 +113,10 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
     from pipeline.core.vocab import Vocab
 
     device = resolve_device(str(cfg.device))
+    if vocab is not None:  # a file, or a catalogue name such as m2-vocab (docs/downloads.md)
+        from pipeline.hub import resolve_file
+
+        vocab = Path(resolve_file(vocab, "vocabulary file", "vocab"))
     captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
     cfg = _release_features(cfg, ckpt.release)
     vocab = Vocab(ckpt.vocab)

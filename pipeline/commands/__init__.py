@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "pipeline.commands.convert",
     "pipeline.commands.demo",
     "pipeline.commands.info",
+    "pipeline.commands.fetch",
 )
 
 #: environment variable naming extension modules (comma-separated) that the CLI imports before building its commands

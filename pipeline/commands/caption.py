@@ -20,9 +20,9 @@ def register(app: typer.Typer) -> None:
     def caption_command(
         opts: CommandOptions,
         photos: Annotated[Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")] = None,
-        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, or released M2/AoANet .pth.")] = DEFAULT_RUN,
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (default: found next to --model).")] = None,
-        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights file, or `random` (smoke tests).")] = None,
+        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
+        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (default: found next to --model).")] = None,
+        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
         output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
         fmt: Annotated[Optional[str], typer.Option("--format", help="Output format: jsonl | json | csv | coco (COCO results [{image_id, caption}]); default from the --output suffix.")] = None,
         image_ids: Annotated[Optional[Path], typer.Option("--image-ids", help="For --format coco: JSON {file name: id} or a COCO annotations file.")] = None,
@@ -54,6 +54,8 @@ def register(app: typer.Typer) -> None:
             butd-caption caption 'shots/*.jpg' --model best.pt --weights bua-caffe-frcn-r101_with_attributes.pth --n-best 3
 
             butd-caption caption photos/ --model meshed_memory_transformer.pth --vocab vocab.pkl --weights bua.pth
+
+            butd-caption caption photos/ --model m2-coco --weights bua-r101   (catalogue names: fetched on first use)
 
             butd-caption caption --file-list val.txt --model runs/coco --output results.json --format coco
 

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
     def extract_command(
         opts: CommandOptions,
         paths: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")] = None,
-        weights: Annotated[str, typer.Option("--weights", "-w", help="Detector weights (.pth MILVLG, .pkl airsplay, .bin HF) or 'random'.")] = "",
+        weights: Annotated[str, typer.Option("--weights", "-w", help="Detector weights: a file (.pth MILVLG, .pkl airsplay, .bin HF), a catalogue name (cli fetch --list) or hf:OWNER/NAME, or 'random'.")] = "",
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store directory (created or resumed).")] = None,
         boxes: Annotated[Optional[str], typer.Option("--boxes", help="adaptive (10-100) | 36 | given (needs --coco) | grid (res5 map cells; docs/recipes.md#grid).")] = None,
         coco: Annotated[Optional[Path], typer.Option("--coco", help="COCO annotations file: its images (keys = image ids) and, with --boxes given, its boxes.")] = None,
@@ -89,6 +89,8 @@ def register(app: typer.Typer) -> None:
 
             butd-caption extract --coco annotations/instances_val2014.json --image-root val2014 --boxes given --weights W --store S
 
+            butd-caption extract photos/ --weights vinvl-x152c4 --store runs/vinvl   (a catalogue name: fetched on first use)
+
             butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)
         """
         if limit is not None and limit < 0:
@@ -105,7 +107,7 @@ def register(app: typer.Typer) -> None:
             merge_shard_stores(store)
             return
         if not weights:
-            raise UsageError("--weights is required (a .pth/.pkl/.bin file, or 'random' for smoke tests)")
+            raise UsageError("--weights is required (a .pth/.pkl/.bin file, a catalogue name such as bua-r101, or 'random' for smoke tests)")
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
         from extractors.stage import ExtractJob, extract_features

@@ -18,9 +18,9 @@ def register(app: typer.Typer) -> None:
     @command(app, "serve", everyday=SERVE_EVERYDAY, decoding=True)
     def serve_command(
         opts: CommandOptions,
-        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, or released M2/AoANet .pth.")] = DEFAULT_RUN,
+        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary (as for `caption`).")] = None,
-        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights file, or `random` (smoke tests).")] = None,
+        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D).")] = None,
         host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only).")] = None,
         port: Annotated[Optional[int], typer.Option("--port", "-p", help="TCP port (default serve.port: 8000; 0 picks a free one).")] = None,

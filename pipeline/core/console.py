@@ -15,11 +15,13 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import (
     BarColumn,
+    DownloadColumn,
     MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 
 from pipeline.core.environment import drop_odd_terminal_size, setting_flag, setting_int
@@ -106,6 +108,21 @@ def make_progress() -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=stderr_console(),
+        disable=not progress_enabled(),
+        transient=False,
+    )
+
+
+def make_download_progress() -> Progress:
+    """A rich Progress for byte transfers (bytes done of total, speed, time left); the same rules as
+    :func:`make_progress`."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=stderr_console(),
         disable=not progress_enabled(),
