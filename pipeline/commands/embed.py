@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
             butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides.objective=cap2img
 
-            butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}
+            butd-caption train-encoder --out runs/w --set 'sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}'
         """
         from pipeline.embedding.train import train_encoder
 
