@@ -20,6 +20,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 #: multipart fields that carry option values (everything else with a file name, or named like these, is an image)
 IMAGE_FIELDS = ("file", "files", "image", "images", "photo", "photos")
 MAX_NAME = 200
+#: the longest text field of a multipart body (an option value); a longer part needs a file name (an image)
+MAX_FIELD_BYTES = 100
 
 
 class BodyTooLarge(Exception):
@@ -121,7 +123,7 @@ def images_and_fields(content_type: str | None, body: bytes, raw_name: str | Non
         for name, filename, data in parse_multipart(body, boundary):
             if filename is not None or name in IMAGE_FIELDS:
                 named.append((filename, data))
-            elif len(data) <= 100:
+            elif len(data) <= MAX_FIELD_BYTES:
                 fields[name] = data.decode("utf-8", "replace")
             else:
                 raise BadRequest(f"form field {name!r}: an option value of {len(data)} bytes (files need a file name)")
