@@ -88,13 +88,13 @@ def test_without_java_still_reports_the_other_metrics(files, tmp_path: Path) -> 
         ("duplicate", "have more than one caption"),
         ("unknown_image", "have no reference captions"),
         ("bad_references", "not in COCO captions format"),
-        ("no_args", "give --predictions RESULTS.json and --references CAPTIONS.json"),
-        ("model", "--model needs --store"),
+        ("no_args", "no captioner at runs/demo"),  # no option: the default run directory's best captioner
+        ("model", "--model CHECKPOINT needs --store"),
         ("bad_metric", "unknown metric(s) ['wer']"),
         ("bad_config_key", "unknown config key 'evaluate.tokeniser'"),
     ],
 )
-def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, message: str) -> None:
+def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, message: str, monkeypatch) -> None:
     pred_path, ref_path, _, preds = files
     p, r = str(pred_path), str(ref_path)
     extra: list[str] = []
@@ -121,9 +121,10 @@ def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, messa
     elif case == "bad_config_key":
         extra = ["--set", "evaluate.tokeniser=ptb"]
     if case == "no_args":
+        monkeypatch.chdir(tmp_path)  # no runs/demo here
         result = _run()
     elif case == "model":
-        result = _run("--model", str(tmp_path / "best.pt"), "--split", "test")
+        result = _run("--model", write("best.pt", ""), "--split", "test")
     else:
         result = _run("-p", p, "-r", r, *extra)
     assert result.exit_code == 2, result.output

@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         metrics: Annotated[
             Optional[str], typer.Option("--metrics", "-e", help=f"Comma-separated subset of {','.join(METRICS)} (evaluate.metrics).")
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", "-m", help="Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner; default the default run directory when no --predictions or --retrieval is given), or a released M2/AoANet .pth.")] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", "-m", help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D).")] = None,
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (with --model).")] = None,
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).")] = None,
