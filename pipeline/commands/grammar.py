@@ -51,7 +51,8 @@ MEANINGS: dict[str, Meaning] = {
     "--n-best": Meaning(None, "captions returned per image"),
     "--max-len": Meaning(None, "most generated tokens per caption"),
     "--length-penalty": Meaning(None, "alpha of the beam search length penalty"),
-    "--block-trigrams": Meaning(None, "forbid repeating a trigram within a caption", flag=True, aliases=("--no-block-trigrams",)),
+    "--block-trigrams": Meaning(None, "forbid repeating a trigram within a caption", flag=True,
+                                aliases=("--no-block-trigrams",)),
     "--stop-rule": Meaning(None, "when beam search stops"),
     # what the commands read and write
     "--model": Meaning("-m", "the captioner: a checkpoint, run directory or released file, or an architecture name "

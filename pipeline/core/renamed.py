@@ -38,7 +38,8 @@ RENAMED_OPTIONS: dict[str, dict[str, str]] = {
     "evaluate": {"-o": "--output (-o is --out, a run directory)"},
     "embed": {"-o": "--output (-o is --out, a run directory)"},
     "serve": {"-p": "--port/-P (-p is --predictions)"},
-    "convert-captioner": {"--out": "--output (the checkpoint file to write)", "-o": "--output (the checkpoint file to write)"},
+    "convert-captioner": {"--out": "--output (the checkpoint file to write)",
+                          "-o": "--output (the checkpoint file to write)"},
     "export-features": {"--out": "--output (the feature file to write)"},
     "merge-features": {"--out": "--store (the destination feature store)"},
 }
@@ -52,7 +53,10 @@ def renamed_option_line(command: str, args: list[str]) -> str | None:
         if arg == "--":
             break
         for old, new in renamed.items():
-            attached = arg.startswith(old + "=") if old.startswith("--") else (arg.startswith(old) and not arg.startswith("--"))
+            if old.startswith("--"):
+                attached = arg.startswith(old + "=")
+            else:
+                attached = arg.startswith(old) and not arg.startswith("--")
             if arg == old or attached:
                 return f"{command} {old} was renamed: use {new}"
     return None

@@ -56,8 +56,9 @@ def body_doc(s: ServeSettings) -> dict[str, Any]:
     body of at most ``serve.max_body_bytes`` bytes (413 beyond), option fields of at most
     :data:`MAX_FIELD_BYTES` bytes, no other fields."""
     options = option_schemas(s)
-    limits = (f"At most {s.max_images} images and {s.max_body_bytes} bytes per request (413 beyond); option fields of "
-              f"at most {MAX_FIELD_BYTES} bytes; an option given both as a query parameter and a field takes the field's value.")
+    limits = (f"At most {s.max_images} images and {s.max_body_bytes} bytes per request (413 beyond); option "
+              f"fields of at most {MAX_FIELD_BYTES} bytes; an option given both as a query parameter and a field "
+              "takes the field's value.")
     return {
         "requestBody": {
             "required": True,
@@ -68,12 +69,14 @@ def body_doc(s: ServeSettings) -> dict[str, Any]:
                     "type": "object", "required": ["files"], "additionalProperties": False,
                     "properties": {"files": {"type": "array", "minItems": 1, "maxItems": s.max_images,
                                              "items": {"type": "string", "format": "binary"}}, **options}}},
-                "image/*": {"schema": {"type": "string", "format": "binary", "minLength": 1, "maxLength": s.max_body_bytes}},
+                "image/*": {"schema": {"type": "string", "format": "binary", "minLength": 1,
+                                       "maxLength": s.max_body_bytes}},
             },
         },
-        "parameters": [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in options.items()]
-        + [{"name": "name", "in": "query", "required": False, "description": "file name of a raw image body (a label only)",
-            "schema": {"type": "string"}}],
+        "parameters": [{"name": name, "in": "query", "required": False, "schema": schema}
+                       for name, schema in options.items()]
+        + [{"name": "name", "in": "query", "required": False, "schema": {"type": "string"},
+            "description": "file name of a raw image body (a label only)"}],
     }
 
 
