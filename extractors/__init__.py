@@ -13,6 +13,10 @@ from pipeline.core.registry import Registry
 
 EXTRACTORS: Registry = Registry("extractor")
 
+#: the presets this package registers (importing the extractor modules to list them loads torchvision, which
+#: ``cli --help`` should not wait for); tests/test_cli_grammar.py keeps it equal to the registry's names
+BUILTIN_PRESETS = ("bottom-up-caffe-r101", "bottom-up-d2-r101", "vinvl-x152c4")
+
 _LOADED = False
 
 
@@ -30,4 +34,4 @@ def available_extractors() -> list[str]:
     return EXTRACTORS.names()
 
 
-__all__ = ["EXTRACTORS", "available_extractors"]
+__all__ = ["BUILTIN_PRESETS", "EXTRACTORS", "available_extractors"]

@@ -230,7 +230,8 @@ def test_training_loss_decreases(tiny_world, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------
 def _cli(out: Path, world: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out), "-q",
+    """train-detector writing the stage ``out`` (RUN/detector: --out is the run directory)."""
+    return [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out.parent), "-q",
             "--set", "detector_train.max_iter=24", "--set", "detector_train.steps=[20]", "--set", "detector_train.checkpoint_every=2",
             "--set", "data.eval_annotations=null", "--set", "detector_train.device=cpu", *extra]  # the CPU claim: bitwise on any machine
 
@@ -241,8 +242,8 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 def test_sigkill_resume_is_bitwise_identical(tiny_world, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}
-    subprocess.run(_cli(tmp_path / "ref", tiny_world), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
-    killed = tmp_path / "killed"
+    subprocess.run(_cli(tmp_path / "ref" / "detector", tiny_world), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    killed = tmp_path / "killed" / "detector"
     ckpt = killed / "checkpoints" / "last.pt"
     proc = subprocess.Popen(_cli(killed, tiny_world), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -255,10 +256,10 @@ def test_sigkill_resume_is_bitwise_identical(tiny_world, tmp_path):
     at = int(load_checkpoint(ckpt)["iteration"])
     assert 0 < at < 24 and not (killed / "detector.pth").exists() and (killed / "running.json").exists()
     subprocess.run(_cli(killed, tiny_world), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
-    a, b = _weights(tmp_path / "ref" / "detector.pth"), _weights(killed / "detector.pth")
+    a, b = _weights(tmp_path / "ref" / "detector" / "detector.pth"), _weights(killed / "detector.pth")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
-    ca, cb = load_checkpoint(tmp_path / "ref" / "checkpoints" / "last.pt"), load_checkpoint(ckpt)
+    ca, cb = load_checkpoint(tmp_path / "ref" / "detector" / "checkpoints" / "last.pt"), load_checkpoint(ckpt)
     sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])  # AdamW moments too
 
@@ -269,8 +270,8 @@ def test_sigterm_saves_at_the_next_iteration_and_resumes_to_the_same_weights(tin
     uninterrupted run (CPU, one thread)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
     extra = ("--set", "detector_train.max_iter=14", "--set", "detector_train.steps=[12]", "--set", "detector_train.checkpoint_every=1000", "--set", "detector_train.log_every=1")
-    subprocess.run(_cli(tmp_path / "ref", tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
-    stopped = tmp_path / "stopped"
+    subprocess.run(_cli(tmp_path / "ref" / "detector", tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
+    stopped = tmp_path / "stopped" / "detector"
     ckpt = stopped / "checkpoints" / "last.pt"
     cmd = [c for c in _cli(stopped, tiny_world, *extra) if c != "-q"]  # INFO logs on stderr: "iter N/14 ..."
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -291,17 +292,17 @@ def test_sigterm_saves_at_the_next_iteration_and_resumes_to_the_same_weights(tin
     assert not (stopped / "detector.pth").exists() and (stopped / "running.json").exists()
     subprocess.run(_cli(stopped, tiny_world, *extra), check=True, env=env, cwd=REPO, capture_output=True, timeout=300)
     assert json.loads((stopped / "manifest.json").read_text())["summary"]["resumed_from"] == at
-    a, b = _weights(tmp_path / "ref" / "detector.pth"), _weights(stopped / "detector.pth")
+    a, b = _weights(tmp_path / "ref" / "detector" / "detector.pth"), _weights(stopped / "detector.pth")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
-    sa, sb = (load_checkpoint(p)["optimizer"]["state"] for p in (tmp_path / "ref" / "checkpoints" / "last.pt", ckpt))
+    sa, sb = (load_checkpoint(p)["optimizer"]["state"] for p in (tmp_path / "ref" / "detector" / "checkpoints" / "last.pt", ckpt))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 def test_ddp_two_processes_gloo(tiny_world, tmp_path):
     """torchrun with 2 CPU processes (gloo): trains, rank 0 writes the stage, the checkpoint holds both RNG states."""
-    out = tmp_path / "ddp"
+    out = tmp_path / "ddp" / "detector"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "cli.py"), "train-detector",
-           "-c", str(TINY), "--world", str(tiny_world), "--out", str(out), "-q", "--set", "detector_train.max_iter=6", "--set", "detector_train.steps=[5]",
+           "-c", str(TINY), "--world", str(tiny_world), "--out", str(out.parent), "-q", "--set", "detector_train.max_iter=6", "--set", "detector_train.steps=[5]",
            "--set", "detector_train.images_per_batch=1", "--set", "data.eval_annotations=null",
            "--set", "detector_train.device=cpu"]  # gloo on CPU: two processes on any machine, whatever its GPUs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}

@@ -12,7 +12,7 @@ def test_empty_sentence_is_refused_and_listed(trained, tmp_path) -> None:  # noq
     _, enc, _ = trained
     jl = tmp_path / "s.jsonl"
     jl.write_text('{"text": "a red circle"}\n{"text": "   "}\n{"text": "two squares"}\n')
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(jl), "-o", str(tmp_path / "e.npy"))
+    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(jl), "--output", str(tmp_path / "e.npy"))
     assert r.exit_code == 0, r.output
     arr = np.load(tmp_path / "e.npy")
     assert arr.shape[0] == 3 and np.isfinite(arr[[0, 2]]).all() and np.isnan(arr[1]).all()
@@ -43,7 +43,7 @@ def test_a_sentence_on_which_the_encoder_raises_costs_only_itself(trained, tmp_p
     monkeypatch.setattr(embed, "load_encoder", faulty_load)
     txt = tmp_path / "s.txt"
     txt.write_text("a red circle\na blue square\ntwo green triangles\n")
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(txt), "-o", str(tmp_path / "e.jsonl"))
+    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(txt), "--output", str(tmp_path / "e.jsonl"))
     assert r.exit_code == 0, r.output
     rows = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [x["text"] for x in rows] == ["a red circle", "a blue square", "two green triangles"]

@@ -45,7 +45,7 @@ def _error_lines(result) -> list[str]:
 def test_scores_a_results_file_and_writes_json(files, tmp_path: Path) -> None:
     pred_path, ref_path, refs, preds = files
     out = tmp_path / "sub" / "metrics.json"
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "-o", str(out), *FAST)
+    result = _run("-p", str(pred_path), "-r", str(ref_path), "--output", str(out), *FAST)
     assert result.exit_code == 0, result.stderr
     assert "CIDEr" in result.stdout and "Bleu_4" in result.stdout and "20 images" in result.stdout
     payload = json.loads(out.read_text())
@@ -55,7 +55,7 @@ def test_scores_a_results_file_and_writes_json(files, tmp_path: Path) -> None:
     assert payload["predictions"] == str(pred_path) and "per_image" not in payload
     assert 0.2 < payload["metrics"]["Bleu_4"] < 1.0
     # per-image scores on request
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "-o", str(out), *FAST, "--set", "evaluate.per_image=true")
+    result = _run("-p", str(pred_path), "-r", str(ref_path), "--output", str(out), *FAST, "--set", "evaluate.per_image=true")
     assert result.exit_code == 0, result.stderr
     rows = json.loads(out.read_text())["per_image"]
     assert [r["image_id"] for r in rows] == list(preds) and rows[0]["ROUGE_L"] == pytest.approx(1.0)
@@ -65,7 +65,7 @@ def test_without_java_still_reports_the_other_metrics(files, tmp_path: Path) -> 
     pred_path, ref_path, _, _ = files
     out = tmp_path / "m.json"
     missing = str(tmp_path / "nowhere" / "java")
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "-o", str(out), "--metrics", "bleu,meteor,cider", "--set", f"evaluate.java={missing}")
+    result = _run("-p", str(pred_path), "-r", str(ref_path), "--output", str(out), "--metrics", "bleu,meteor,cider", "--set", f"evaluate.java={missing}")
     assert result.exit_code == 0, result.stderr
     payload = json.loads(out.read_text())
     assert payload["tokenizer"] == "simple" and set(payload["skipped"]) == {"meteor"}
@@ -88,13 +88,13 @@ def test_without_java_still_reports_the_other_metrics(files, tmp_path: Path) -> 
         ("duplicate", "have more than one caption"),
         ("unknown_image", "have no reference captions"),
         ("bad_references", "not in COCO captions format"),
-        ("no_args", "give --predictions RESULTS.json and --references CAPTIONS.json"),
-        ("model", "--model needs --store"),
+        ("no_args", "no captioner at runs/demo"),  # no option: the default run directory's best captioner
+        ("model", "--model CHECKPOINT needs --store"),
         ("bad_metric", "unknown metric(s) ['wer']"),
         ("bad_config_key", "unknown config key 'evaluate.tokeniser'"),
     ],
 )
-def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, message: str) -> None:
+def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, message: str, monkeypatch) -> None:
     pred_path, ref_path, _, preds = files
     p, r = str(pred_path), str(ref_path)
     extra: list[str] = []
@@ -121,9 +121,10 @@ def test_bad_inputs_exit_2_with_one_line(files, tmp_path: Path, case: str, messa
     elif case == "bad_config_key":
         extra = ["--set", "evaluate.tokeniser=ptb"]
     if case == "no_args":
+        monkeypatch.chdir(tmp_path)  # no runs/demo here
         result = _run()
     elif case == "model":
-        result = _run("--model", str(tmp_path / "best.pt"), "--split", "test")
+        result = _run("--model", write("best.pt", ""), "--split", "test")
     else:
         result = _run("-p", p, "-r", r, *extra)
     assert result.exit_code == 2, result.output

@@ -68,7 +68,7 @@ def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
         np.testing.assert_array_equal(st.get(key)["boxes"], boxes)
         assert st.image_size(key) == (60, 40)
     out = tmp_path / "toy.txt"
-    res = cli(plugin_env, "export-features", str(store), "--format", "toy-npz", "--out", str(out))
+    res = cli(plugin_env, "export-features", str(store), "--format", "toy-npz", "--output", str(out))
     assert res.returncode == 0 and "rows written: 3" in res.stdout, res.stderr
     assert sorted(out.read_text().splitlines()) == ["a\t3", "b\t1", "c\t5"]
     (src / "bad.npz").write_bytes(b"not a zip")  # the reader's PipelineError: one line, exit 2 (a bad input file)

@@ -116,8 +116,9 @@ def det_world(tmp_path_factory) -> Path:
 
 
 def _detector_cli(out: Path, world: Path) -> list[str]:
+    """train-detector writing the stage ``out`` (RUN/detector: --out is the run directory)."""
     return [sys.executable, str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"),
-            "--world", str(world), "--out", str(out), "-q", "--set", "detector_train.max_iter=40", "--set", "detector_train.steps=[30]",
+            "--world", str(world), "--out", str(out.parent), "-q", "--set", "detector_train.max_iter=40", "--set", "detector_train.steps=[30]",
             "--set", "detector_train.checkpoint_every=2", "--set", "data.eval_annotations=null", "--set", "detector_train.device=cuda",
             "--set", "detector_train.deterministic=true"]
 
@@ -126,11 +127,11 @@ def test_detector_deterministic_on_cuda_two_runs_and_sigkill_resume_bitwise(det_
     from pipeline.core.checkpoint import load_checkpoint
 
     for name in ("a", "b"):
-        done = subprocess.run(_detector_cli(tmp_path / name, det_world), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(_detector_cli(tmp_path / name / "detector", det_world), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-    weights = {n: torch.load(tmp_path / n / "detector.pth", map_location="cpu", weights_only=True)["model"] for n in ("a", "b")}
+    weights = {n: torch.load(tmp_path / n / "detector" / "detector.pth", map_location="cpu", weights_only=True)["model"] for n in ("a", "b")}
     assert _equal_tensors(weights["a"], weights["b"]) == [], "two deterministic CUDA runs differ"
-    killed = tmp_path / "killed"
+    killed = tmp_path / "killed" / "detector"
     ckpt = killed / "checkpoints" / "last.pt"
     proc = subprocess.Popen(_detector_cli(killed, det_world), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(proc, ckpt.exists)

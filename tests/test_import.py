@@ -79,7 +79,7 @@ def test_tsv_round_trip_is_byte_exact_via_cli(shared_data, tmp_path, fmt, name, 
     assert proc.returncode == 0, proc.stderr
     rows = 1 if fmt == "butd-tsv" else 10
     assert f"imported: {rows}" in proc.stdout and "bad rows: 0" in proc.stdout
-    proc = cli("export-features", str(tmp_path / "s"), "--format", fmt, "--out", str(tmp_path / "out.tsv"))
+    proc = cli("export-features", str(tmp_path / "s"), "--format", fmt, "--output", str(tmp_path / "out.tsv"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out.tsv").read_bytes() == src.read_bytes()
 

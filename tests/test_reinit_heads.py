@@ -70,8 +70,8 @@ def test_without_the_flag_the_label_mismatch_is_one_line(world, public_file, tmp
 
 
 def test_fine_tune_on_the_world_with_reinit_heads(world, public_file, tmp_path):
-    out = tmp_path / "det"
-    res = CliRunner().invoke(app, ["train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out), "--reinit-heads",
+    out = tmp_path / "run" / "detector"  # --out is the run directory, the stage is RUN/detector
+    res = CliRunner().invoke(app, ["train-detector", "-c", str(TINY), "--world", str(world), "--out", str(out.parent), "--reinit-heads",
                                    "--set", f"model.init_weights={public_file}", "--set", "detector_train.max_iter=6", "--set", "detector_train.steps=[5]",
                                    "--set", "data.eval_annotations=null"])
     assert res.exit_code == 0, res.output

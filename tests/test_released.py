@@ -185,7 +185,7 @@ def test_tampered_infos_refused_and_cli_prints_one_line(aoa_files) -> None:
     raw = infos.read_bytes()
     assert b"cargparse\nNamespace\n" in raw
     infos.write_bytes(raw.replace(b"cargparse\nNamespace\n", b"cposix\nsystem\n"))
-    result = CliRunner().invoke(cli.app, ["convert-captioner", str(path), "--vocab", str(infos), "--out", str(path.parent / "x.pt")])
+    result = CliRunner().invoke(cli.app, ["convert-captioner", str(path), "--vocab", str(infos), "--output", str(path.parent / "x.pt")])
     assert result.exit_code == 2
     lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "refused" in lines[0] and "posix.system" in lines[0] and "infos_aoanet-best.pkl" in lines[0]
@@ -209,7 +209,7 @@ def test_cli_convert_and_info(m2_files, tmp_path) -> None:
     path, vocab, _ = m2_files
     runner = CliRunner()
     out = tmp_path / "m2-native.pt"
-    res = runner.invoke(cli.app, ["convert-captioner", str(path), "--vocab", str(vocab), "--out", str(out)])
+    res = runner.invoke(cli.app, ["convert-captioner", str(path), "--vocab", str(vocab), "--output", str(out)])
     assert res.exit_code == 0, res.output
     assert out.is_file() and "m2" in res.output
     info = runner.invoke(cli.app, ["info", str(path)])

@@ -132,7 +132,7 @@ def test_embed_writes_npy_jsonl_and_heatmap(trained, tmp_path) -> None:
     _, enc, _ = trained
     sents = tmp_path / "s.txt"
     sents.write_text("a red circle above a blue square\n\na small green triangle\nwords nobody knows\n")
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(sents), "-o", str(tmp_path / "e.npy"), "--visualize", str(tmp_path / "a.png"))
+    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(sents), "--output", str(tmp_path / "e.npy"), "--visualize", str(tmp_path / "a.png"))
     assert r.exit_code == 0, r.output
     arr = np.load(tmp_path / "e.npy")
     assert arr.shape == (3, 96) and np.isfinite(arr).all() and not np.allclose(arr[0], arr[1])
@@ -142,14 +142,14 @@ def test_embed_writes_npy_jsonl_and_heatmap(trained, tmp_path) -> None:
     assert (pixels[..., 1] < 200).sum() > 1000  # shaded cells are drawn
     jl = tmp_path / "s.jsonl"
     jl.write_text('{"text": "a red circle"}\n{"caption": "two squares"}\n')
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(jl), "-o", str(tmp_path / "e.jsonl"), "--set", "embed.output=image")
+    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(jl), "--output", str(tmp_path / "e.jsonl"), "--set", "embed.output=image")
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [x["text"] for x in rows] == ["a red circle", "two squares"] and len(rows[0]["embedding"]) == 22  # the oracle feature size
 
 
 @pytest.mark.parametrize("case,message", [
-    ("no_args", "give --checkpoint"),
+    ("no_args", "Missing option '--checkpoint'"),
     ("missing_input", "input file not found"),
     ("bad_suffix", "--output must end in .npy or .jsonl"),
     ("bad_png", "--visualize must name a .png"),
@@ -161,7 +161,7 @@ def test_embed_bad_inputs_exit_2_with_one_line(trained, tmp_path, case: str, mes
     _, enc, _ = trained
     good = tmp_path / "s.txt"
     good.write_text("a red circle\n")
-    args = ["embed", "-k", str(enc / "best.pt"), "-i", str(good), "-o", str(tmp_path / "e.npy")]
+    args = ["embed", "-k", str(enc / "best.pt"), "-i", str(good), "--output", str(tmp_path / "e.npy")]
     if case == "no_args":
         args = ["embed"]
     elif case == "missing_input":
@@ -191,9 +191,9 @@ def test_evaluate_retrieval_ground_truth_and_generated(trained, tmp_path) -> Non
     results = tmp_path / "results.json"
     results.write_text(json.dumps([{"image_id": im["cocoid"], "caption": refs[im["key"]][0]} for im in test]))
     out = tmp_path / "m.json"
-    r = invoke("evaluate", "-p", str(results), "-r", str(run.parent / "world/annotations/captions_test.json"), "-m", "bleu",
+    r = invoke("evaluate", "-p", str(results), "-r", str(run.parent / "world/annotations/captions_test.json"), "-e", "bleu",
                "--set", "evaluate.tokenizer=simple", "--retrieval", str(enc / "best.pt"), "--store", str(run / "features/store"),
-               "--data", str(run / "data"), "-o", str(out))
+               "--data", str(run / "data"), "--output", str(out))
     assert r.exit_code == 0, r.output
     payload = json.loads(out.read_text())
     assert "Bleu_4" in payload["metrics"] and payload["retrieval"]["generated_captions"] == len(test)

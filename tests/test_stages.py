@@ -68,12 +68,12 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
     world = tmp_path / "world"
     generate_world(world, load_config("world", None, ["world.num_images=8", "world.image_size=[64, 96]", "world.max_objects=3",
                                                       "world.num_workers=1"]).world)
-    out = tmp_path / "det"
+    out = tmp_path / "run" / "detector"  # --out is the run directory, the stage is RUN/detector
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(REPO / "configs" / "detector" / "tiny.yaml"),
-               "--world", str(world), "--out", str(out), "--set", "detector_train.max_iter=2", "--set", "detector_train.steps=[1]",
+               "--world", str(world), "--out", str(out.parent), "--set", "detector_train.max_iter=2", "--set", "detector_train.steps=[1]",
                "--set", "data.eval_annotations=null", *extra]
         return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 

@@ -254,12 +254,12 @@ def test_merge_cli(tmp_path):
     ids = tmp_path / "ids.txt"
     ids.write_text("\n".join(f"img{i:05d}" for i in range(9)))
     proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
-                           "--out", str(tmp_path / "all"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+                           "--store", str(tmp_path / "all"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and "images: 9" in proc.stdout, proc.stderr
     assert FeatureStore(tmp_path / "all").keys() == [f"img{i:05d}" for i in range(9)]
     ids.write_text("\n".join(f"img{i:05d}" for i in range(10)))
     proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
-                           "--out", str(tmp_path / "all2"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+                           "--store", str(tmp_path / "all2"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "1 missing (e.g. ['img00009'])" in " ".join(proc.stderr.split())
 
 

@@ -191,8 +191,8 @@ def test_real_full_disk_and_read_only_disk(tmp_path):
     shell = (
         f"mount -t tmpfs -o size=300k tmpfs {mnt} || exit 9; "
         f"{py} {tmp_path}/fill.py {mnt}/s; {py} {REPO}/cli.py info --verify {mnt}/s; echo VERIFY=$?; "
-        f"{py} {REPO}/cli.py export-features {tmp_path}/src --out {mnt}/x.tsv; echo FULL=$?; "
-        f"mount -o remount,ro {mnt} && {py} {REPO}/cli.py export-features {tmp_path}/src --out {mnt}/y.tsv; echo RO=$?"
+        f"{py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/x.tsv; echo FULL=$?; "
+        f"mount -o remount,ro {mnt} && {py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/y.tsv; echo RO=$?"
     )
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     out = proc.stdout + proc.stderr
@@ -211,7 +211,7 @@ def test_export_import_round_trips_every_key(tmp_path, fmt):
     keys = ODD_KEYS + ["COCO_val2014_000000000042"]
     _write(store, keys)
     out = tmp_path / "x.tsv"
-    res = CliRunner().invoke(app, ["export-features", str(store), "--out", str(out), "--format", fmt])
+    res = CliRunner().invoke(app, ["export-features", str(store), "--output", str(out), "--format", fmt])
     assert res.exit_code == 0, res.output
     assert out.read_bytes().count(b"\n") == len(keys)
     out.read_bytes().decode("utf-8")  # the file is valid UTF-8
@@ -227,7 +227,7 @@ def test_import_of_a_malformed_key_escape_is_a_bad_row(tmp_path):
     store = tmp_path / "s"
     _write(store, ["a", "b"])
     out = tmp_path / "x.tsv"
-    assert CliRunner().invoke(app, ["export-features", str(store), "--out", str(out)]).exit_code == 0
+    assert CliRunner().invoke(app, ["export-features", str(store), "--output", str(out)]).exit_code == 0
     out.write_bytes(out.read_bytes().replace(b"b\t", b"b\\q\t", 1))
     res = CliRunner().invoke(app, ["import-features", str(out), "--format", "butd-tsv", "--store", str(tmp_path / "back"),
                                    "--skip-bad"])
@@ -242,7 +242,7 @@ def test_every_writing_command_on_a_read_only_disk_is_one_line(tmp_path, shared_
     import json as _json
 
     _write(tmp_path / "src", ["a", "b"])
-    assert CliRunner().invoke(app, ["export-features", str(tmp_path / "src"), "--out", str(tmp_path / "x.tsv")]).exit_code == 0
+    assert CliRunner().invoke(app, ["export-features", str(tmp_path / "src"), "--output", str(tmp_path / "x.tsv")]).exit_code == 0
     karpathy = tmp_path / "k.json"
     karpathy.write_text(_json.dumps({"images": [{"cocoid": 1, "filename": "1.jpg", "split": "train",
                                                  "sentences": [{"tokens": ["a", "dog"], "raw": "a dog"}]}]}))
@@ -253,8 +253,8 @@ def test_every_writing_command_on_a_read_only_disk_is_one_line(tmp_path, shared_
     commands = {
         "extract": f"extract {photo} --weights random --store {ro}/s --workers 0",
         "import": f"import-features {tmp_path}/x.tsv --format butd-tsv --store {ro}/s",
-        "export": f"export-features {tmp_path}/src --out {ro}/y.tsv",
-        "merge": f"merge-features {tmp_path}/src --out {ro}/m",
+        "export": f"export-features {tmp_path}/src --output {ro}/y.tsv",
+        "merge": f"merge-features {tmp_path}/src --store {ro}/m",
         "prepare": f"prepare --set prepare.karpathy_json={karpathy} --out {ro}/run",
         "demo": f"demo --out {ro}/demo --quick",
     }

@@ -185,7 +185,7 @@ def test_evaluate_retrieval_is_the_same_with_store_workers(world, tmp_path) -> N
 
 
 def _embed(encoder: Path, sentences: Path, out: Path, *extra: str):
-    res = invoke("embed", "-k", str(encoder), "-i", str(sentences), "-o", str(out), "--batch-size", "2", *extra)
+    res = invoke("embed", "-k", str(encoder), "-i", str(sentences), "--output", str(out), "--batch-size", "2", *extra)
     assert res.exit_code == 0, res.output
     return np.load(out) if out.suffix == ".npy" else out.read_text()
 
@@ -227,7 +227,7 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     rel = np.abs(fp32 - bf16).max(1) / np.abs(fp32).max(1)
     print(f"\nbf16 vs fp32: min cosine {cos.min():.6f}, max relative deviation {rel.max():.4f}")
     assert cos.min() > 0.999 and rel.max() < 0.02
-    res = invoke("embed", "-k", str(encoder), "-i", str(sents), "-o", str(tmp_path / "h.npy"), "--precision", "fp16", "--device", "cpu")
+    res = invoke("embed", "-k", str(encoder), "-i", str(sents), "--output", str(tmp_path / "h.npy"), "--precision", "fp16", "--device", "cpu")
     assert res.exit_code == 2 and "embed.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
 
 

@@ -95,7 +95,7 @@ def test_reference_bombs_are_refused_quickly_in_bounded_memory(tmp_path: Path) -
     weights = tmp_path / "meshed_memory_transformer.pth"
     write_m2_checkpoint(weights, 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=12, max_len=10)
     one_error_line(run_cli(["info", str(bomb)]), "vocab.pkl")
-    one_error_line(run_cli(["convert-captioner", str(weights), "--vocab", str(bomb), "--out", str(tmp_path / "x.pt")]), "vocab.pkl")
+    one_error_line(run_cli(["convert-captioner", str(weights), "--vocab", str(bomb), "--output", str(tmp_path / "x.pt")]), "vocab.pkl")
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -126,7 +126,7 @@ def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, 
     runner = CliRunner()
     one_error_line(runner.invoke(cli.app, ["info", str(infos)]), "infos_aoanet-best.pkl")
     one_error_line(runner.invoke(cli.app, ["convert-captioner", str(tmp_path / "model-best.pth"), "--vocab", str(infos),
-                                           "--out", str(tmp_path / "x.pt")]), "infos_aoanet-best.pkl")
+                                           "--output", str(tmp_path / "x.pt")]), "infos_aoanet-best.pkl")
 
 
 @pytest.mark.parametrize("kind,key", [("aoanet", "embed.0.weight"), ("aoanet", "logit.bias"), ("aoanet", "att_embed.0.weight"),
@@ -158,7 +158,7 @@ def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path
         one_error_line(info, weights.name)
     else:
         assert describe_captioner(weights) is not None
-    one_error_line(runner.invoke(cli.app, ["convert-captioner", str(weights), "--vocab", str(vocab), "--out", str(tmp_path / "x.pt")]),
+    one_error_line(runner.invoke(cli.app, ["convert-captioner", str(weights), "--vocab", str(vocab), "--output", str(tmp_path / "x.pt")]),
                    weights.name)
     with pytest.raises(UsageError, match=weights.name):  # what `caption --model W --vocab V` does first
         load_captioner(weights, torch.device("cpu"), companion=vocab)

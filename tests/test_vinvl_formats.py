@@ -56,7 +56,7 @@ def test_vinvl_tsv_import_export_round_trip(tmp_path):
     np.testing.assert_array_equal(b["boxes"], b12)
     assert st.identity["release"]["recipe"] == "vinvl"
     for name in ("feat", "pred"):
-        res = CliRunner().invoke(app, ["export-features", str(tmp_path / name), "--format", "vinvl-tsv", "--out", str(tmp_path / f"{name}.out")])
+        res = CliRunner().invoke(app, ["export-features", str(tmp_path / name), "--format", "vinvl-tsv", "--output", str(tmp_path / f"{name}.out")])
         assert res.exit_code == 0, res.output
     rows = dict(line.split("\t", 1) for n in ("feat", "pred") for line in (tmp_path / f"{n}.out").read_text().splitlines())
     assert rows["7"] == _released_row(7, f7, b7, 640, 480).split("\t", 1)[1].rstrip("\n")  # 2054-d rows written as they are
@@ -92,6 +92,6 @@ def test_export_appends_the_position_to_extracted_features(tmp_path):
     with open_writer(tmp_path / "s", {"name": "t"}, feature_dtype="float32") as w:
         w.add("5", RegionRecord(feats, boxes, 640, 480))
         w.commit()
-    res = CliRunner().invoke(app, ["export-features", str(tmp_path / "s"), "--format", "vinvl-tsv", "--out", str(tmp_path / "o.tsv")])
+    res = CliRunner().invoke(app, ["export-features", str(tmp_path / "s"), "--format", "vinvl-tsv", "--output", str(tmp_path / "o.tsv")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "o.tsv").read_text() == _released_row(5, feats, boxes, 640, 480)

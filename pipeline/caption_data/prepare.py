@@ -196,7 +196,7 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
         raise ConfigError("prepare.max_length must be >= 1 and prepare.word_count_threshold >= 0")
     coco_files = {split: str(f) for split, f in dict(cfg.coco_captions).items() if f}
     if bool(cfg.karpathy_json) == bool(coco_files):
-        raise UsageError("give exactly one caption source: --set prepare.karpathy_json=FILE or prepare.coco_captions.SPLIT=FILE")
+        raise UsageError("give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE")
     try:
         if cfg.karpathy_json:
             entries = read_karpathy(Path(cfg.karpathy_json), cfg.key, bool(cfg.use_given_tokens))

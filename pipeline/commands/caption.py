@@ -7,24 +7,25 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.captioning.output import FORMATS
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
-DEFAULT_RUN = Path("runs/demo")
 #: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by the engine
 CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
                             num_workers="caption.num_workers")
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True, decoding=True)
+    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True, decoding=True, help_fields={"run": str(DEFAULT_RUN)})
     def caption_command(
         opts: CommandOptions,
         photos: Annotated[Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")] = None,
-        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
+        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (default: found next to --model).")] = None,
         weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
         output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
-        fmt: Annotated[Optional[str], typer.Option("--format", help="Output format: jsonl | json | csv | coco (COCO results [{image_id, caption}]); default from the --output suffix.")] = None,
+        fmt: Annotated[Optional[str], typer.Option("--format", "-f", help=f"Output format: {' | '.join(FORMATS)} (coco: COCO results [{{image_id, caption}}]); default from the --output suffix.")] = None,
         image_ids: Annotated[Optional[Path], typer.Option("--image-ids", help="For --format coco: JSON {file name: id} or a COCO annotations file.")] = None,
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="A text file with one image path per line (relative to the current folder).")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D.")] = None,
@@ -35,7 +36,7 @@ def register(app: typer.Typer) -> None:
         """Caption raw photos: files, folders or globs in; the detector extracts regions on the fly and a trained
         captioner describes them. Bad images are reported per file and skipped.
 
-        --model takes a captioner checkpoint or a run directory (default runs/demo, made by `demo`), whose
+        --model takes a captioner checkpoint or a run directory (default {run}, where `demo` and `train` write), whose
         detector is used unless --weights names another (any supported checkpoint, or `random`); in a run folder
         with several captioners the one with the best validation CIDEr-D is used (--captioner NAME picks one). It also takes the
         released M2 (meshed_memory_transformer.pth with --vocab vocab.pkl) and AoANet (model-best.pth with --vocab

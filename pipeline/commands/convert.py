@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     def convert_command(
         opts: CommandOptions,
         source: Annotated[Path, typer.Argument(help="Released weights file (.pth).")],
-        out: Annotated[Path, typer.Option("--out", "-o", help="Native checkpoint to write (.pt).")],
+        output: Annotated[Path, typer.Option("--output", help="Native checkpoint to write (.pt).", show_default=False)],
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="M2 vocab.pkl or AoANet infos_*.pkl (default: found next to SOURCE).")] = None,
     ) -> None:
         """Convert a released captioner into a native checkpoint (safe to load; usable by caption, evaluate and info):
@@ -26,16 +26,16 @@ def register(app: typer.Typer) -> None:
 
         Examples:
 
-            butd-caption convert-captioner meshed_memory_transformer.pth --vocab vocab.pkl --out m2.pt
+            butd-caption convert-captioner meshed_memory_transformer.pth --vocab vocab.pkl --output m2.pt
 
-            butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --out aoanet.pt
+            butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --output aoanet.pt
         """
         from models.released import convert_release, write_native
 
         ckpt = convert_release(source, vocab)
-        write_native(ckpt, out)
+        write_native(ckpt, output)
         n = sum(int(w.numel()) for w in ckpt.weights.values())
         con = stdout_console()
         title = ckpt.release.title if ckpt.release else source.name
-        con.print(f"{out}: {title} -> '{ckpt.model_name}' ({n:,} weights, {len(ckpt.vocab):,} words)", highlight=False, markup=False)
+        con.print(f"{output}: {title} -> '{ckpt.model_name}' ({n:,} weights, {len(ckpt.vocab):,} words)", highlight=False, markup=False)
         con.print(f"decoding: {ckpt.decoding}", highlight=False, markup=False)

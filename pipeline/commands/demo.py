@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, command, out_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
@@ -22,7 +23,7 @@ def register(app: typer.Typer) -> None:
     @command(app, "demo", force=True)
     def demo_command(
         opts: CommandOptions,
-        out: out_option("Run directory (created if missing).") = Path("runs/demo"),
+        out: out_option("Run directory (created if missing); with --generate-only, the world folder.") = DEFAULT_RUN,
         models: Annotated[Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")] = None,
         generate_only: Annotated[bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")] = False,
         num_images: Annotated[Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")] = None,

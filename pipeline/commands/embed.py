@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.commands.common import print_stage_result
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option, output_option
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
@@ -22,7 +23,7 @@ def register(app: typer.Typer) -> None:
     @command(app, "train-encoder", force=True, everyday=ENCODER_EVERYDAY)
     def train_encoder_command(
         opts: CommandOptions,
-        out: out_option("Run directory (sentence_encoder.store / sentence_encoder.data default to OUT/features/store and OUT/data).") = Path("runs/train"),
+        out: out_option("Run directory (sentence_encoder.store / sentence_encoder.data default to OUT/features/store and OUT/data).") = DEFAULT_RUN,
     ) -> None:
         """Train the self-attentive visually grounded sentence encoder (CAP2IMG, CAP2CAP or CAP2ALL) into
         OUT/encoder/ (best.pt by validation caption-to-image R@1, last.pt to resume, log.jsonl).
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
             butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides.objective=cap2img
 
-            butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}
+            butd-caption train-encoder --out runs/w --set 'sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}'
         """
         from pipeline.embedding.train import train_encoder
 
@@ -42,9 +43,9 @@ def register(app: typer.Typer) -> None:
     @command(app, "embed", everyday=EMBED_EVERYDAY)
     def embed_command(
         opts: CommandOptions,
-        checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", "-k", help="Encoder checkpoint (train-encoder's best.pt).")] = None,
-        input_path: Annotated[Optional[Path], typer.Option("--input", "-i", help="Sentences: text (one per line) or .jsonl with 'text'.")] = None,
-        output: output_option("Embeddings file: .npy or .jsonl.") = None,
+        checkpoint: Annotated[Path, typer.Option("--checkpoint", "-k", help="Encoder checkpoint (train-encoder's best.pt).", show_default=False)],
+        input_path: Annotated[Path, typer.Option("--input", "-i", help="Sentences: text (one per line) or .jsonl with 'text'.", show_default=False)],
+        output: output_option("Embeddings file: .npy or .jsonl.", required=True),
         visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Also write a PNG heatmap of the attention rows over the words.")] = None,
     ) -> None:
         """Sentence embeddings from a trained encoder for a file of sentences (one per line, or JSON lines with
@@ -55,8 +56,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption embed --checkpoint runs/w/encoder/best.pt --input sents.txt --output emb.npy --visualize att.png
         """
-        if checkpoint is None or input_path is None or output is None:
-            raise UsageError("give --checkpoint ENCODER.pt, --input SENTENCES and --output EMBEDDINGS.npy|.jsonl")
         if visualize is not None and visualize.suffix.lower() != ".png":
             raise UsageError(f"--visualize must name a .png file, not {visualize.name!r}")
         from pipeline.embedding.embed import embed_file

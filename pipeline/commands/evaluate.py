@@ -5,7 +5,9 @@ Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
 * ``--predictions RESULTS.json --references CAPTIONS.json``: score an existing COCO results file (built).
 * ``--model CKPT --store STORE --data PREPARED [--split test]``: decode a split with a trained captioner
   (its checkpoint's decoding settings), score it, write ``predictions_<split>.json`` (COCO results) and
-  ``metrics_<split>.json`` next to the checkpoint (or into ``--output``'s folder), print the table.
+  ``metrics_<split>.json`` next to the checkpoint (or into ``--output``'s folder), print the table. ``--model``
+  may name a run directory (default: the default run directory, so ``evaluate`` alone scores what ``train``
+  wrote): its best captioner, with ``--store`` and ``--data`` defaulting to ``RUN/features/store`` and ``RUN/data``.
 * ``--retrieval ENCODER.pt --store FEATURES --data PREPARED [--split test]``: caption <-> image Recall@1/5/10 of
   the split's ground-truth captions with a trained sentence encoder (``cli train-encoder``); with
   ``--predictions`` or ``--model`` also of the generated captions (self-retrieval), printed next to the COCO metrics.
@@ -18,9 +20,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
+from pipeline.metrics.coco import METRICS
 
 log = get_logger("evaluate")
 
@@ -30,7 +34,7 @@ EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batc
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "evaluate", everyday=EVALUATE_EVERYDAY, decoding=True)
+    @command(app, "evaluate", everyday=EVALUATE_EVERYDAY, decoding=True, help_fields={"run": str(DEFAULT_RUN)})
     def evaluate_command(
         opts: CommandOptions,
         predictions: Annotated[
@@ -41,24 +45,32 @@ def register(app: typer.Typer) -> None:
         ] = None,
         output: output_option("Write the metrics as JSON here.") = None,
         metrics: Annotated[
-            Optional[str], typer.Option("--metrics", "-m", help="Comma-separated subset of bleu,meteor,rouge,cider,spice (evaluate.metrics).")
+            Optional[str], typer.Option("--metrics", "-e", help=f"Comma-separated subset of {','.join(METRICS)} (evaluate.metrics).")
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", help="Trained checkpoint (best.pt), or released M2/AoANet .pth, to decode a split with.")] = None,
+        model: Annotated[Optional[Path], typer.Option("--model", "-m", help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.")] = None,
+        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D).")] = None,
         vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (with --model).")] = None,
-        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval).")] = None,
-        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval).")] = None,
+        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).")] = None,
+        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).")] = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
         retrieval: Annotated[
             Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
         ] = None,
     ) -> None:
-        """Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present).
+        """Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present): a COCO results file
+        (--predictions, --references), or a captioner that decodes a split first (--model: a checkpoint or a run
+        directory; with no option at all, the best captioner of {run} on its test split, with its features and
+        prepared captions).
 
         Examples:
 
+            butd-caption evaluate
+
+            butd-caption evaluate --model runs/coco --split val
+
             butd-caption evaluate --predictions results.json --references captions_test.json
 
-            butd-caption evaluate -p results.json -r captions_test.json --output metrics.json --metrics bleu,cider
+            butd-caption evaluate -p results.json -r captions_test.json --output metrics.json -e bleu,cider
 
             butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --split test
 
@@ -73,11 +85,12 @@ def register(app: typer.Typer) -> None:
         if split is not None:
             extra.append(f"evaluate.split={split}")
         cfg = opts.resolve("evaluate", extra, show=opts.verbose)
+        if model is None and predictions is None and references is None and retrieval is None:
+            model = DEFAULT_RUN  # the stage chain: evaluate what `train` wrote into the default run directory
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
-            if store is None or data is None:
-                raise UsageError("--model needs --store STORE (features) and --data DIR (prepared captions)")
+            model, store, data = _run_inputs(model, captioner, store, data)
             decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
             from models.captions import command_decoding
 
@@ -92,6 +105,26 @@ def register(app: typer.Typer) -> None:
         if predictions is None or references is None:
             raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)")
         _score_files(predictions, references, output, cfg.evaluate, retrieval, store, data)
+
+
+def _run_inputs(model: Path, captioner: str | None, store: Path | None, data: Path | None) -> tuple[Path, Path, Path]:
+    """The checkpoint, store and prepared captions of ``--model``: a run directory gives its best captioner (or
+    ``--captioner``'s) and defaults ``--store``/``--data`` to ``RUN/features/store``/``RUN/data``."""
+    from pipeline.captioning.choose import find_checkpoint
+
+    if not model.exists() and all(name.strip() in METRICS for name in str(model).split(",")):
+        raise UsageError(f"-m is --model (the captioner), not a metric list: give the metrics with --metrics/-e {model}")
+    if model.is_dir():
+        store = store if store is not None else model / "features" / "store"
+        data = data if data is not None else model / "data"
+        for what, path, made_by in (("--store", store, "extract --store"), ("--data", data, "prepare --out")):
+            if not path.exists():
+                raise UsageError(f"{what} {path} not found (the run directory {model} has none; run `{made_by} {model}` "
+                                 f"or pass {what})")
+    checkpoint = find_checkpoint(model, captioner)
+    if store is None or data is None:
+        raise UsageError("--model CHECKPOINT needs --store STORE (features) and --data DIR (prepared captions)")
+    return checkpoint, store, data
 
 
 def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None) -> dict[str, Any]:

@@ -8,6 +8,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from extractors import BUILTIN_PRESETS
+from extractors.recipes import BOX_MODES, RECIPES
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
 from pipeline.core.environment import launcher_int
 from pipeline.core.errors import PipelineError, UsageError
@@ -62,30 +65,34 @@ EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_s
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "extract", everyday=EXTRACT_EVERYDAY)
+    @command(app, "extract", everyday=EXTRACT_EVERYDAY, help_fields={"store": str(DEFAULT_RUN / "features" / "store")})
     def extract_command(
         opts: CommandOptions,
         paths: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")] = None,
-        weights: Annotated[str, typer.Option("--weights", "-w", help="Detector weights: a file (.pth MILVLG, .pkl airsplay, .bin HF), a catalogue name (cli fetch --list) or hf:OWNER/NAME, or 'random'.")] = "",
-        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store directory (created or resumed).")] = None,
-        boxes: Annotated[Optional[str], typer.Option("--boxes", help="adaptive (10-100) | 36 | given (needs --coco) | grid (res5 map cells; docs/recipes.md#grid).")] = None,
+        weights: Annotated[str, typer.Option("--weights", "-w", show_default=False, help="Detector weights: a file (any layout of docs/extractor.md: MILVLG .pth, airsplay .pkl, HF .bin, VinVL, grid-feats), a catalogue name (cli fetch --list), hf:OWNER/NAME, or 'random'; required unless --merge-shards.")] = "",
+        store: Annotated[Path, typer.Option("--store", help="Feature store directory (created or resumed); `train` reads RUN/features/store.")] = DEFAULT_RUN / "features" / "store",
+        boxes: Annotated[Optional[str], typer.Option("--boxes", help=f"{' | '.join(BOX_MODES)}: adaptive 10-100 per image, 36, given (needs --coco), grid (res5 map cells; docs/recipes.md#grid).")] = None,
         coco: Annotated[Optional[Path], typer.Option("--coco", help="COCO annotations file: its images (keys = image ids) and, with --boxes given, its boxes.")] = None,
         image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")] = None,
         file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
-        preset: Annotated[Optional[str], typer.Option("--preset", help="auto | bottom-up-caffe-r101 | bottom-up-d2-r101")] = None,
-        recipe: Annotated[Optional[str], typer.Option("--recipe", help="Test-time recipe: auto (from the weights' layout) | caffe | hf | airsplay (docs/recipes.md).")] = None,
+        preset: Annotated[Optional[str], typer.Option("--preset", help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} (extract.preset).")] = None,
+        recipe: Annotated[Optional[str], typer.Option("--recipe", help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)} (docs/recipes.md).")] = None,
         shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.")] = None,
         limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
         strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file.")] = False,
         merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
     ) -> None:
         """Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a
-        feature store. Resumable: images already in the store are skipped. Bad images are listed in
-        STORE/failures.jsonl and the run continues.
+        feature store (default {store}, which `train` and `evaluate` read). Resumable: images already in the
+        store are skipped. Bad images are listed in STORE/failures.jsonl and the run continues.
 
         Examples:
 
-            butd-caption extract photos/ --weights bua-caffe-frcn-r101_with_attributes.pth --store runs/feats
+            butd-caption extract photos/ --weights bua-caffe-frcn-r101_with_attributes.pth
+
+            butd-caption extract photos/ --weights bua-caffe-frcn-r101_with_attributes.pth --store runs/coco/features/store
+
+            butd-caption extract photos/ --weights vinvl_vg_x152c4.pth --recipe vinvl --store runs/vinvl/features/store
 
             butd-caption extract --coco annotations/instances_val2014.json --image-root val2014 --boxes given --weights W --store S
 
@@ -101,8 +108,6 @@ def register(app: typer.Typer) -> None:
         from pipeline.core.precision import check_precision
 
         check_precision(cfg.precision, "extract.precision", fp16=False)
-        if store is None:
-            raise UsageError("--store is required")
         if merge_shards:
             merge_shard_stores(store)
             return

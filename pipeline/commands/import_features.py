@@ -10,8 +10,14 @@ import typer
 
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
-from pipeline.importers.formats import format_choices, sizes_formats
+from pipeline.importers import FORMAT_RELEASE, RELEASES
+from pipeline.importers.formats import KEY_RULES, format_choices, sizes_formats
 from pipeline.core.errors import PipelineError, UsageError
+
+
+def release_defaults() -> str:
+    """Which release each format's public files come from, for ``--release``'s help (``butd-tsv caffe, ...``)."""
+    return ", ".join(f"{fmt} {release}" for fmt, release in FORMAT_RELEASE.items())
 
 
 def _user_error(exc: PipelineError) -> UsageError:
@@ -30,8 +36,8 @@ def register(app: typer.Typer) -> None:
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
         dtype: Annotated[Optional[str], typer.Option("--dtype", help="Store dtype: float32 or float16 (half the disk; captions can change, see README). Default: the source's (float32 for the public files: an exact round trip).")] = None,
         identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
-        release: Annotated[Optional[str], typer.Option("--release", help="Release (test-time recipe) the features came from: caffe | hf | airsplay | vinvl | grid-feats (default: the format's public files: caffe, vinvl-tsv vinvl, grid-hdf5 grid-feats).")] = None,
-        keys: Annotated[Optional[str], typer.Option("--keys", help="raw (ids as in the file) or coco-id (COCO_train2014_000000123 -> 123).")] = None,
+        release: Annotated[Optional[str], typer.Option("--release", help=f"Release (test-time recipe) the features came from: {' | '.join(RELEASES)} (default: the format's public files: {release_defaults()}).")] = None,
+        keys: Annotated[Optional[str], typer.Option("--keys", help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids (coco-id: COCO_train2014_000000123 -> 123).")] = None,
         sizes: Annotated[Optional[Path], typer.Option("--sizes", help=f"COCO json with images[].id/width/height ({sizes_formats()}).")] = None,
         skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,
         commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
@@ -68,7 +74,7 @@ def register(app: typer.Typer) -> None:
     def export_features_command(
         opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
-        out: Annotated[Path, typer.Option("--out", help="File to write.")],
+        output: Annotated[Path, typer.Option("--output", help="Feature file to write.", show_default=False)],
         fmt: Annotated[str, typer.Option("--format", "-f", help=format_choices(export=True))] = "butd-tsv",
     ) -> None:
         """Write a store back to a feature file; a float32 store round-trips byte for byte.
@@ -77,21 +83,21 @@ def register(app: typer.Typer) -> None:
 
         Example:
 
-            butd-caption export-features feats --format butd-tsv --out feats.tsv
+            butd-caption export-features feats --format butd-tsv --output feats.tsv
         """
         from pipeline.importers import export_tsv
 
         try:
-            n = export_tsv(store, out, fmt)
+            n = export_tsv(store, output, fmt)
         except PipelineError as exc:
             raise _user_error(exc) from None
-        stdout_console().print(f"rows written: {n} -> {out}", highlight=False)
+        stdout_console().print(f"rows written: {n} -> {output}", highlight=False)
 
     @command(app, "merge-features", config=False, overrides=False)
     def merge_features_command(
         opts: CommandOptions,
         shards: Annotated[list[Path], typer.Argument(help="Shard store directories.")],
-        out: Annotated[Path, typer.Option("--out", help="Destination store (must not exist).")],
+        store: Annotated[Path, typer.Option("--store", help="Destination feature store (must not exist).", show_default=False)],
         expect: Annotated[Optional[Path], typer.Option("--expect", help="Text file of image ids that must be present, one per line.")] = None,
     ) -> None:
         """Merge store shards (one per GPU or machine) into one store, checking that each image appears exactly
@@ -99,7 +105,7 @@ def register(app: typer.Typer) -> None:
 
         Example:
 
-            butd-caption merge-features shard-0 shard-1 --out feats
+            butd-caption merge-features shard-0 shard-1 --store feats
         """
         from pipeline.store import merge_stores
 
@@ -112,7 +118,7 @@ def register(app: typer.Typer) -> None:
             text = expect.read_bytes().decode("utf-8", "surrogateescape")  # ids in the text form of pipeline.core.keys
             expected = [key_from_text(line.strip()) for line in text.splitlines() if line.strip()]
         try:
-            n = merge_stores(shards, out, expected_keys=expected)
+            n = merge_stores(shards, store, expected_keys=expected)
         except PipelineError as exc:
             raise _user_error(exc) from None
-        stdout_console().print(f"images: {n} -> {out}", highlight=False)
+        stdout_console().print(f"images: {n} -> {store}", highlight=False)

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+import models
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import UsageError
@@ -20,11 +21,11 @@ def register(app: typer.Typer) -> None:
     def info_command(
         opts: CommandOptions,
         target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file.")] = None,
-        model: Annotated[Optional[str], typer.Option("--model", help="Build captioner NAME and print its parameter count.")] = None,
+        model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.")] = None,
         verify: Annotated[bool, typer.Option("--verify", help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).")] = False,
     ) -> None:
         """Show the environment (versions, devices, Java), or inspect TARGET: a run directory (stages and their
-        status), a config file, or (later issues) a feature store, checkpoint or detector weights.
+        status), a feature store, a captioner or sentence-encoder checkpoint, or detector weights.
 
         Examples:
 
@@ -61,7 +62,7 @@ def register(app: typer.Typer) -> None:
         elif target.suffix in (".pth", ".pkl", ".bin"):
             _weights_info(target, list(opts.overrides))
         else:
-            raise UsageError(f"cannot inspect {target}: not a run directory (store/checkpoint/weights inspection comes with their issues)")
+            raise UsageError(f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)")
 
 
 def _is_feature_store(target: Path) -> bool:

@@ -5,7 +5,7 @@ with the root app, adds the common options it asks for and hands them over as on
 
     @command(app, "train", help="...", force=True,
              everyday=Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size")))
-    def train_command(opts: CommandOptions, out: OutDir = Path("runs/train")) -> None:
+    def train_command(opts: CommandOptions, out: out_option("Run directory.") = DEFAULT_RUN) -> None:
         cfg = opts.resolve("train")            # configs/train.yaml + --config + --set + the everyday options
 
 Common options (all commands): ``--config/-c``, ``--set/-s`` (repeatable), ``--verbose/-v``, ``--quiet/-q``,
@@ -31,6 +31,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pipeline.commands.common import guarded, init, resolve_config
+from pipeline.commands.grammar import GrammarCommand
 from pipeline.core import threads as thread_policy
 from pipeline.core.config import Config
 from pipeline.core.errors import UsageError
@@ -66,15 +67,16 @@ def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
 NumWorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", "--workers", help="Data-loading processes (0: in the main process).")]
 
 
-def out_option(help_text: str, short: bool = True) -> Any:
-    """An ``--out`` option (``-o`` too unless ``short`` is False) with the command's own help."""
-    names = ("--out", "-o") if short else ("--out",)
-    return Annotated[Path, typer.Option(*names, help=help_text)]
+def out_option(help_text: str) -> Any:
+    """The ``--out/-o`` option: the run directory the command writes into (docs/cli.md), with the command's help."""
+    return Annotated[Path, typer.Option("--out", "-o", help=help_text)]
 
 
-def output_option(help_text: str) -> Any:
-    """An optional ``--output/-o`` file option with the command's own help."""
-    return Annotated[Optional[Path], typer.Option("--output", "-o", help=help_text)]
+def output_option(help_text: str, required: bool = False) -> Any:
+    """The ``--output`` option: the file the command writes its results to (no short flag: ``-o`` is ``--out``)."""
+    if required:
+        return Annotated[Path, typer.Option("--output", help=help_text, show_default=False)]
+    return Annotated[Optional[Path], typer.Option("--output", help=help_text)]
 
 
 Keys = str | Sequence[str]
@@ -234,7 +236,7 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
         body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
         body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         body.__annotations__ = {p.name: p.annotation for p in params}
-        app.command(name, help=help if help is not None else help_from_doc(fn, help_fields))(guarded(body))
+        app.command(name, cls=GrammarCommand, help=help if help is not None else help_from_doc(fn, help_fields))(guarded(body))
         return fn
 
     return decorate

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
 
-DEFAULT_RUN = Path("runs/demo")
 #: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
 SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision")
 
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D).")] = None,
         host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only).")] = None,
-        port: Annotated[Optional[int], typer.Option("--port", "-p", help="TCP port (default serve.port: 8000; 0 picks a free one).")] = None,
+        port: Annotated[Optional[int], typer.Option("--port", "-P", help="TCP port (default serve.port: 8000; 0 picks a free one).")] = None,
         token: Annotated[Optional[str], typer.Option("--token", help="Bearer token clients must send (default: $BUTD_SERVE_TOKEN, else none).")] = None,
     ) -> None:
         """Serve captions over HTTP: POST images to /v1/captions, or open / in a browser to drop photos and see their

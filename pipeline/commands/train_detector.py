@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
 from pipeline.core.errors import UsageError
 
@@ -21,24 +22,29 @@ DETECTOR_EVERYDAY = Everyday(device="detector_train.device", batch_size="detecto
 EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers")
 
 
+#: the stage folder inside the run directory, where the demo keeps its detector too (`caption` looks there)
+DETECTOR_STAGE = "detector"
+
+
 def register(app: typer.Typer) -> None:
-    @command(app, "train-detector", force=True, everyday=DETECTOR_EVERYDAY)
+    @command(app, "train-detector", force=True, everyday=DETECTOR_EVERYDAY, help_fields={"run": str(DEFAULT_RUN)})
     def train_detector_command(
         opts: CommandOptions,
-        out: out_option("Stage directory (checkpoints, detector.pth, manifest.json).") = Path("runs/detector"),
+        out: out_option("Run directory; the stage writes OUT/detector (checkpoints, detector.pth, manifest.json).") = DEFAULT_RUN,
         world: Annotated[Optional[Path], typer.Option("--world", help="A synthetic world folder: train on its train split, evaluate on its test split.")] = None,
         reinit_heads: Annotated[bool, typer.Option("--reinit-heads", help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.")] = False,
     ) -> None:
         """Train or fine-tune the bottom-up Faster R-CNN on COCO-format instances with attribute ids (RPN, box
-        and attribute losses; SGD with warm-up and steps). Resumable: a killed run continues from
-        OUT/checkpoints/last.pt. Writes OUT/detector.pth, which `extract --weights` loads like a public
-        checkpoint. Multi-GPU/CPU: torchrun.
+        and attribute losses; SGD with warm-up and steps) into OUT/detector (OUT defaults to {run}). Resumable: a
+        killed run continues from OUT/detector/checkpoints/last.pt. Writes OUT/detector/detector.pth, which
+        `extract --weights` loads like a public checkpoint and `caption --model OUT` finds by itself.
+        Multi-GPU/CPU: torchrun.
 
         Examples:
 
             butd-caption demo --generate-only --out world --num-images 2000
 
-            butd-caption train-detector --config configs/detector/demo.yaml --world world --out runs/detector
+            butd-caption train-detector --config configs/detector/demo.yaml --world world --out runs/world
 
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=vg/train.json --set data.train_images=vg/images --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --out runs/vg
 
@@ -62,10 +68,10 @@ def register(app: typer.Typer) -> None:
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
         check_gpu_per_process(str(cfg.detector_train.device), "detector_train.device")  # torchrun: before any work, on every rank
         if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
-            out.mkdir(parents=True, exist_ok=True)
-            train_detector(out, cfg)
+            (out / DETECTOR_STAGE).mkdir(parents=True, exist_ok=True)
+            train_detector(out / DETECTOR_STAGE, cfg)
             return
-        result = run_stage(out.parent if out.name else out, out.name, cfg, train_detector, force=opts.force)
+        result = run_stage(out, DETECTOR_STAGE, cfg, train_detector, force=opts.force)
         con = stdout_console()
         s = result.summary
         con.print(f"detector weights: {result.directory / result.outputs['weights']}", highlight=False)

@@ -1,7 +1,10 @@
-"""The config keys that were renamed or moved, each refused with one line naming its new home.
+"""The config keys and command-line options that were renamed or moved, each refused with one line naming its new
+home.
 
 :func:`renamed_key_line` is called by :func:`pipeline.core.config.validate_against` for a key its schema does not
-hold; an old key never silently maps to the new one (docs/architecture.md#configs).
+hold; an old key never silently maps to the new one (docs/architecture.md#configs). :func:`renamed_option_line` is
+called by every command before its options are parsed (:class:`pipeline.commands.grammar.GrammarCommand`), so an
+old spelling fails in one line instead of meaning something else (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,36 @@ RENAMED_SECTIONS = {
     "train": ("detector_train", "detector training has its own section, apart from captioner training's train:"),
     "encoder": ("sentence_encoder", "one name for the sentence encoder's keys, apart from a captioner's encoder"),
 }
+
+
+# command-line spellings that were renamed, per command: old spelling -> the spelling to use
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    "caption": {"-o": "--output (-o is --out, a run directory)"},
+    "evaluate": {"-o": "--output (-o is --out, a run directory)"},
+    "embed": {"-o": "--output (-o is --out, a run directory)"},
+    "serve": {"-p": "--port/-P (-p is --predictions)"},
+    "convert-captioner": {"--out": "--output (the checkpoint file to write)",
+                          "-o": "--output (the checkpoint file to write)"},
+    "export-features": {"--out": "--output (the feature file to write)"},
+    "merge-features": {"--out": "--store (the destination feature store)"},
+}
+
+
+def renamed_option_line(command: str, args: list[str]) -> str | None:
+    """``'-o' was renamed: use '--output' (...)`` for the first old spelling of ``command`` among ``args`` (up to a
+    ``--``), ``None`` when there is none. ``--out=X`` and ``-oX`` count as the old spelling too."""
+    renamed = RENAMED_OPTIONS.get(command, {})
+    for arg in args:
+        if arg == "--":
+            break
+        for old, new in renamed.items():
+            if old.startswith("--"):
+                attached = arg.startswith(old + "=")
+            else:
+                attached = arg.startswith(old) and not arg.startswith("--")
+            if arg == old or attached:
+                return f"{command} {old} was renamed: use {new}"
+    return None
 
 
 def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: str = "") -> str | None:

@@ -33,29 +33,59 @@ from pipeline.serving.batcher import Batcher, Closed, QueueFull
 from pipeline.serving.metrics import Metrics
 from pipeline.serving.page import docs_html, page_html
 from pipeline.serving.settings import ServeSettings
-from pipeline.serving.uploads import BadRequest, BodyTooLarge, ClientGone, images_and_fields, read_body
+from pipeline.serving.uploads import MAX_FIELD_BYTES, BadRequest, BodyTooLarge, ClientGone, images_and_fields, read_body
 
 log = get_logger("serve")
 
 #: the status counted for a request whose client closed its connection before its body was complete (never sent)
 CLIENT_CLOSED = 499
 
-_BODY_DOC = {
-    "requestBody": {
-        "required": True,
-        "description": "Images as multipart files (any field name with a file name; option fields beside them), or one raw image body.",
-        "content": {
-            "multipart/form-data": {"schema": {"type": "object", "properties": {
-                "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
-                "beam_size": {"type": "integer"}, "n_best": {"type": "integer"}, "max_len": {"type": "integer"},
-                "regions": {"type": "boolean"}, "timeout_s": {"type": "number"}}}},
-            "image/*": {"schema": {"type": "string", "format": "binary"}},
+
+def option_schemas(s: ServeSettings) -> dict[str, dict[str, Any]]:
+    """The JSON schema of each request option with the bounds :func:`pipeline.serving.answers.request_options`
+    enforces on this server (HTTP 422 beyond them): a client built from the OpenAPI document stays within them."""
+    return {
+        "beam_size": {"type": "integer", "minimum": 1, "maximum": s.max_beam_size, "description": "beam size"},
+        # n_best widens the beam to n_best, which stays within max_beam_size
+        "n_best": {"type": "integer", "minimum": 1, "maximum": min(s.max_n_best, s.max_beam_size),
+                   "description": "captions per image (beam search; at most beam_size when both are given)"},
+        "max_len": {"type": "integer", "minimum": 1, "maximum": s.max_len, "description": "most generated tokens"},
+        "regions": {"type": "boolean", "description": "include the attended regions (true | false)"},
+        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": s.request_timeout_s,
+                      "description": "time limit of this request in seconds"},
+    }
+
+
+def body_doc(s: ServeSettings) -> dict[str, Any]:
+    """The request body and query parameters of ``POST /v1/captions`` with this server's limits
+    (:mod:`pipeline.serving.uploads`, :mod:`pipeline.serving.answers`): 1 to ``serve.max_images`` images, a
+    body of at most ``serve.max_body_bytes`` bytes (413 beyond), option fields of at most
+    :data:`MAX_FIELD_BYTES` bytes, no other fields."""
+    options = option_schemas(s)
+    limits = (f"At most {s.max_images} images and {s.max_body_bytes} bytes per request (413 beyond); option "
+              f"fields of at most {MAX_FIELD_BYTES} bytes; an option given both as a query parameter and a field "
+              "takes the field's value.")
+    return {
+        "requestBody": {
+            "required": True,
+            "description": "Images as multipart files (field name files; option fields beside them), or one raw image "
+                           "body. " + limits,
+            "content": {
+                "multipart/form-data": {"schema": {
+                    "type": "object", "required": ["files"], "additionalProperties": False,
+                    "properties": {"files": {"type": "array", "minItems": 1, "maxItems": s.max_images,
+                                             "items": {"type": "string", "format": "binary"}}, **options}}},
+                "image/*": {"schema": {"type": "string", "format": "binary", "minLength": 1,
+                                       "maxLength": s.max_body_bytes}},
+            },
         },
-    },
-    "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": t}}
-                   for n, t in (("beam_size", "integer"), ("n_best", "integer"), ("max_len", "integer"), ("regions", "boolean"),
-                                ("timeout_s", "number"), ("name", "string"))],
-}
+        "parameters": [{"name": name, "in": "query", "required": False, "schema": schema}
+                       for name, schema in options.items()]
+        + [{"name": "name", "in": "query", "required": False, "schema": {"type": "string"},
+            "description": "file name of a raw image body (a label only)"}],
+    }
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorAnswer, "description": text} for code, text in (
     (400, "unreadable body"), (401, "missing or wrong bearer token"), (408, "the body arrived too slowly"),
     (413, "body or image count beyond the limits"),
@@ -101,7 +131,7 @@ def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
                   lifespan=lifespan, description="Captions for photos: bottom-up regions and an attention captioner (docs/serving.md).")
     s = service.settings
 
-    @app.post("/v1/captions", response_model=CaptionsAnswer, responses=_ERRORS, openapi_extra=_BODY_DOC,
+    @app.post("/v1/captions", response_model=CaptionsAnswer, responses=_ERRORS, openapi_extra=body_doc(s),
               summary="Caption one or more images")
     async def captions(request: Request) -> Response:
         start = time.perf_counter()

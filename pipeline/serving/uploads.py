@@ -24,6 +24,8 @@ from starlette.requests import ClientDisconnect
 IMAGE_FIELDS = ("file", "files", "image", "images", "photo", "photos")
 MAX_NAME = 200
 MAX_BOUNDARY = 70  # RFC 2046, section 5.1.1: a boundary has 1 to 70 characters
+#: the longest text field of a multipart body (an option value); a longer part needs a file name (an image)
+MAX_FIELD_BYTES = 100
 
 
 class BodyTooLarge(Exception):
@@ -136,7 +138,7 @@ def images_and_fields(content_type: str | None, body: bytes, raw_name: str | Non
         for name, filename, data in parse_multipart(body, boundary):
             if filename is not None or name in IMAGE_FIELDS:
                 named.append((filename, data))
-            elif len(data) <= 100:
+            elif len(data) <= MAX_FIELD_BYTES:
                 fields[name] = data.decode("utf-8", "replace")
             else:
                 raise BadRequest(f"form field {name!r}: an option value of {len(data)} bytes (files need a file name)")
