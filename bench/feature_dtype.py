@@ -5,7 +5,7 @@
 ``RUN`` is a finished demo run (``cli demo``): its ``features`` stage config is rerun with
 ``extract.feature_dtype=float32`` into ``RUN/features-float32`` (the demo's own store is float16, the
 ``extract`` default), then ``evaluate`` captions the split from both stores with ``RUN/train-<captioner>/best.pt``
-and this prints how many captions (and CIDEr-D) differ. README quotes the result.
+and this prints how many captions (and CIDEr-D) differ. docs/benchmarks.md#float16-features holds the result.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
     variants = [("scst", None, ""), ("xe", None, "")]
     if _fusable(name):
         variants += [("scst", {"optimizer_impl": "fused"}, ", fused optimizer"), ("xe", {"optimizer_impl": "fused"}, ", fused optimizer")]
-    if _greedy_sampled(name):  # beside it, the same step with the greedy baseline in a loop of its own (the old way)
+    if _greedy_sampled(name):  # beside it, the same step with the greedy baseline in a loop of its own (baseline_loop: separate)
         variants.insert(1, ("scst", {"baseline_loop": "separate"}, ", baseline loop separate"))
     for stage, overrides, label in variants:
         step = trainer_step(model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0, overrides=overrides)  # lr 0: same weights

@@ -35,11 +35,11 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     tokens = torch.full((num_images * k,), BOS, dtype=torch.long, device=device)
     history = torch.zeros(num_images * k, 0, dtype=torch.long, device=device)
     slots = max_len * k
-    fin_norm = torch.full((num_images, slots), NEG_INF, dtype=torch.float64, device=device)  # ranking score (float64 as before)
+    fin_norm = torch.full((num_images, slots), NEG_INF, dtype=torch.float64, device=device)  # ranking score (float64: the rounding of a Python-float ranking)
     fin_raw: torch.Tensor | None = None  # summed log-probabilities; keeps the graph when autograd is on (beam-based SCST)
     fin_tokens = torch.full((num_images, slots, max_len), PAD, dtype=torch.long, device=device)
     fin_count = torch.zeros(num_images, dtype=torch.long, device=device)
-    # lp(t + 1) as the 0-d float32 values the ranking has always divided by (in float64)
+    # lp(t + 1) as 0-d float32 values, divided by in float64 (the reference loops' rounding)
     penalties = [length_penalty(n, options.length_penalty, options.length_penalty_kind).double() for n in range(1, max_len + 1)]
     width = torch.zeros((), dtype=torch.long, device=device)  # the longest finished hypothesis so far
     banned: torch.Tensor | None = None

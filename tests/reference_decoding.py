@@ -1,5 +1,6 @@
-"""The decoding loops as they were before issue 27 made them sync-free (commit 8adb462 of models/decoding.py),
-kept as the reference the new loops are tested against: same samples, captions, log-probabilities and losses."""
+"""Plain decoding loops that read the device back at every step (``nonzero``, ``multinomial``, per-hypothesis
+lists): the reference the sync-free loops of models/decoding.py are tested against (same samples, captions,
+log-probabilities and losses)."""
 
 from __future__ import annotations
 

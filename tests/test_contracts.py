@@ -68,7 +68,7 @@ def test_a_checkpoint_written_by_the_old_code_loads_and_saves_back_the_same_keys
     save_checkpoint(tmp_path / "old.pt", old)
     ckpt = CaptionerCheckpoint.load(tmp_path / "old.pt")
     assert ckpt.kind == old["kind"] and ckpt.model_name == old["model"]["name"] and ckpt.vocab == tuple(WORDS)
-    assert same(ckpt.to_dict(), old)  # the one writer writes the very payload the old code wrote
+    assert same(ckpt.to_dict(), old)  # the one writer writes back the very payload the file held
     ckpt.save(tmp_path / "new.pt")
     assert same(torch.load(tmp_path / "new.pt", weights_only=True), torch.load(tmp_path / "old.pt", weights_only=True))
 
@@ -167,7 +167,7 @@ def test_the_builder_gives_the_record_the_old_code_wrote_and_the_same_store_byte
     with h5py.File(tmp_path / "old" / "seg-000000.h5", "r") as a, h5py.File(tmp_path / "new" / "seg-000000.h5", "r") as b:
         assert a.attrs["identity"] == b.attrs["identity"]
     assert FeatureIdentity.from_dict(FeatureStore(tmp_path / "old").identity) == built
-    # a cache opened with the typed identity accepts the store the old code wrote (match on the feature settings)
+    # a cache opened with the typed identity accepts the store written from the dict (match on feature settings)
     open_writer(tmp_path / "old", built, match="features").close()
 
 

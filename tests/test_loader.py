@@ -187,8 +187,8 @@ def test_ddp_ranks_split_batches():
 
 
 def test_feature_bank_for_a_gpu_never_holds_the_table_in_host_memory(world_data, monkeypatch):
-    """``preload: cuda`` fills the device table through a bounded staging buffer (every torchrun process used to
-    build the whole table in host RAM first); the staged fill gives the same table as the direct one."""
+    """``preload: cuda`` fills the device table through a bounded staging buffer (no torchrun process
+    builds the whole table in host RAM first); the staged fill gives the same table as the direct one."""
     from pipeline.data.batching import FeatureBank
 
     store, data_dir = world_data

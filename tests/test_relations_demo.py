@@ -119,8 +119,8 @@ def test_the_default_world_keeps_its_stage_config_and_the_relations_world_record
 
 
 def test_stage_seconds_are_the_same_number_whether_the_stage_ran_or_was_skipped(tmp_path: Path) -> None:
-    """A timing of 1.34951 s is 1.3 rounded once but 1.4 through the manifest's 1.350: both paths now read the
-    manifest, so a rerun's summary.json equals the first run's (the flake CI found in the comparison test)."""
+    """A timing of 1.34951 s is 1.3 rounded once but 1.4 through the manifest's 1.350: both paths read the
+    manifest, so a rerun's summary.json equals the first run's."""
     from dataclasses import replace
 
     from pipeline.core.config import Config

@@ -1,4 +1,4 @@
-"""No message or docstring of the detector trainer / sentence-encoder code advises a key the config now refuses.
+"""No message or docstring of the detector trainer / sentence-encoder code advises a key the config refuses.
 
 ``train:`` of the detector became ``detector_train:`` and ``encoder:`` became ``sentence_encoder:``
 (pipeline/core/renamed.py); a one-line error that says "set train.clip_grad_norm" sends the user to a refusal.

@@ -43,7 +43,7 @@ def test_greedy_baseline_runs_under_the_samples_autocast(run, tmp_path) -> None:
     assert seen and all(seen), f"{seen.count(False)} of {len(seen)} forwards ran outside autocast"
 
 
-# --- the sync-free decoding loops against the loops they replaced (tests/reference_decoding.py) ---------------
+# --- the sync-free decoding loops against the plain per-step loops (tests/reference_decoding.py) -------------
 
 def _tiny(name: str):
     import models
@@ -142,7 +142,7 @@ def test_beam_search_equals_the_old_loop(rule, penalty) -> None:
 
 
 def test_decoding_loops_sync_with_the_host_at_most_once_per_step() -> None:
-    """bench.proxies counts host syncs (item/nonzero/tolist...); the old loops needed several per step."""
+    """bench.proxies counts host syncs (item/nonzero/tolist...); the plain loops of tests/reference_decoding.py need several."""
     from bench.proxies import count
     from models.decoding import DecodeOptions, beam_search, greedy, sample
     from tests import reference_decoding as ref

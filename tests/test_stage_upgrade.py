@@ -1,4 +1,4 @@
-"""A stage finished or interrupted before the session's key renames is recognised under the new spelling (the
+"""A stage finished or interrupted under the renamed keys' old spelling is recognised under the current one (the
 detector's train: -> detector_train:, the removed thread settings, extract's new keys at their defaults, caption's
 beam_size/n_best -> decoding:) instead of being refused as "a different config" (which only --force, a full
 retraining, got past); a config that really differs is still refused."""
@@ -47,7 +47,7 @@ def test_a_stage_recorded_under_the_old_spelling_is_the_same_config(tmp_path: Pa
         (stage_dir / "out.txt").write_text("x")
         return {"out": "out.txt"}
 
-    run_stage(tmp_path, name, old, work)  # what the old code left: a finished stage
+    run_stage(tmp_path, name, old, work)  # a finished stage recorded under the old spelling
     done = run_stage(tmp_path, name, new, work)
     assert done.skipped
     assert calls == [old.digest()]  # skipped, not refused, not redone

@@ -118,7 +118,7 @@ def loss_config(cfg: Config) -> LossConfig:
 def _training_identity(cfg: Config) -> dict[str, Any]:
     """The config parts a checkpoint must agree with to be resumed (not logging/checkpoint cadence)."""
     d = cfg.to_dict()
-    # named "train" as before the section was detector_train, so a checkpoint written then still resumes
+    # kept under the name "train" (the section's old spelling), so a checkpoint that records it still resumes
     d["train"] = {k: v for k, v in d.pop("detector_train").items() if k not in ("checkpoint_every", "log_every", "device")}
     d["data"] = {k: v for k, v in d["data"].items() if k not in ("num_workers", "eval_annotations", "eval_images")}
     d.pop("eval", None)

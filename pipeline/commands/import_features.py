@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
         fmt: Annotated[str, typer.Option("--format", "-f", help=format_choices())],
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
-        dtype: Annotated[Optional[str], typer.Option("--dtype", help="Store dtype: float32 or float16 (half the disk; captions can change, see README). Default: the source's (float32 for the public files: an exact round trip).")] = None,
+        dtype: Annotated[Optional[str], typer.Option("--dtype", help="Store dtype: float32 or float16 (half the disk; captions can change, see docs/benchmarks.md#float16-features). Default: the source's (float32 for the public files: an exact round trip).")] = None,
         identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
         release: Annotated[Optional[str], typer.Option("--release", help=f"Release (test-time recipe) the features came from: {' | '.join(RELEASES)} (default: the format's public files: {release_defaults()}).")] = None,
         keys: Annotated[Optional[str], typer.Option("--keys", help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids (coco-id: COCO_train2014_000000123 -> 123).")] = None,

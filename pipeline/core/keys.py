@@ -8,8 +8,8 @@ lone surrogate ``U+DCHH``; :func:`key_to_bytes` gives the exact original bytes b
 Where a key goes:
 
 * **HDF5** (feature-store segments): the key's exact bytes (:func:`key_to_bytes`) in the UTF-8 string
-  dataset; read back with :func:`key_from_bytes`. Valid UTF-8 keys are stored exactly as before, so old
-  stores read unchanged.
+  dataset; read back with :func:`key_from_bytes`. Valid UTF-8 keys are stored as their plain UTF-8
+  bytes, so stores written without escapes read unchanged.
 * **Text files** (JSON, JSON lines, CSV, TSV) and **the terminal**: the key's *text form*
   (:func:`key_to_text`), which is valid UTF-8, holds no control character, tab or line break, and maps back
   with :func:`key_from_text`. The text form escapes with a backslash:

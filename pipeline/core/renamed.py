@@ -88,12 +88,12 @@ ADDED_DEFAULTS = {"extract": {"bucket_window": "auto", "channels_last": False}}
 
 
 def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
-    """A stage config recorded before the renames above, as it reads now (:func:`pipeline.core.stages.run_stage`
+    """A stage config recorded before the renames above, as the current schema reads it (:func:`pipeline.core.stages.run_stage`
     compares its digest, so a stage finished or interrupted then is not refused for a new spelling alone):
     the detector's ``train:`` -> ``detector_train:`` and the thread settings ``train.num_threads`` /
-    ``train.threads`` dropped (``--threads`` now; they never changed what a stage produces), and an ``extract``
+    ``train.threads`` dropped (``--threads`` sets them; they never changed what a stage produces), and an ``extract``
     section (or a bare one, as the demo records it) without the keys of :data:`ADDED_DEFAULTS` given them; a
-    ``caption`` section with the default ``beam_size``/``n_best`` (now ``decoding:`` keys) as an empty ``decoding:``."""
+    ``caption`` section with the default ``beam_size``/``n_best`` (``decoding:`` keys in the current schema) as an empty ``decoding:``."""
     out = dict(recorded)
     if "train" in out and "detector_train" not in out and "sampling" in out:  # a detector training config
         out["detector_train"] = out.pop("train")

@@ -3,7 +3,7 @@
 The Java metrics (PTB tokenizer, METEOR, SPICE) are run by our own thin runners on pycocoevalcap's jars,
 with the same command-line arguments as pycocoevalcap, but with temporary files outside the package
 directory (which may be read-only), a forced English locale (METEOR's "could not convert string to
-float" failure with decimal commas, salaniz/pycocoevalcap issue 15), timeouts, and clear one-line errors.
+float" failure with decimal commas, salaniz/pycocoevalcap#15), timeouts, and clear one-line errors.
 """
 
 from __future__ import annotations

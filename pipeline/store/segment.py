@@ -15,7 +15,7 @@ refused with one line naming the segment (and the image) instead of surfacing as
 before checksums existed have neither and are still read (``info`` says so).
 
 **Keys** are stored as their exact bytes (:func:`pipeline.core.keys.key_to_bytes`), so a file name that is not
-valid UTF-8 round-trips losslessly; valid UTF-8 keys are stored as before.
+valid UTF-8 round-trips losslessly; valid UTF-8 keys are stored as their plain UTF-8 bytes.
 """
 
 from __future__ import annotations
