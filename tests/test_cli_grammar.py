@@ -204,7 +204,7 @@ def test_help_lists_the_registries_own_choices() -> None:
 def test_no_help_tells_the_history_of_the_project() -> None:
     import re
 
-    words = re.compile(r"\b(issues?|previously|formerly|no longer|used to|as before|renamed|later versions?)\b", re.I)
+    words = re.compile(r"\b(issues?|previously|formerly|no longer|used to|as\s+before|renamed|later versions?)\b", re.I)
     texts = {name: _help(name) for name in GROUP.commands}
     texts.update({f"{u.command} {u.long}": u.help for u in option_uses(GROUP)})
     assert {k: words.findall(v) for k, v in texts.items() if words.search(v)} == {}

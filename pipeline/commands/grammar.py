@@ -55,12 +55,13 @@ MEANINGS: dict[str, Meaning] = {
                                 aliases=("--no-block-trigrams",)),
     "--stop-rule": Meaning(None, "when beam search stops"),
     # what the commands read and write
-    "--model": Meaning("-m", "the captioner: a checkpoint, run directory or released file, or an architecture name "
+    "--model": Meaning("-m", "the captioner: a checkpoint, run directory, released file or catalogue name, or an architecture name "
                              "where one is built (train, info)"),
     "--models": Meaning(None, "comma-separated captioner architecture names"),
     "--captioner": Meaning(None, "which trained captioner of a run directory"),
     "--vocab": Meaning(None, "a released captioner's vocabulary file"),
-    "--weights": Meaning("-w", "the detector: a weights file, or `random`"),
+    "--weights": Meaning("-w", "the detector: a weights file, a catalogue name or hf: id, or `random`"),
+    "--list": Meaning(None, "print the catalogue of public weights and data", flag=True),
     "--out": Meaning("-o", "the run directory the command writes its stages into"),
     "--output": Meaning(None, "the file the command writes its results to"),
     "--format": Meaning("-f", "format of the file the command reads or writes"),
