@@ -263,3 +263,17 @@ def test_docs_downloads_table_is_the_catalogue():
 
     text = (REPO / "docs" / "downloads.md").read_text(encoding="utf-8")
     assert catalogue_markdown() in text
+
+
+def test_info_takes_a_catalogue_name_as_its_file(tmp_path, server):
+    by_name = CliRunner().invoke(app, ["info", "bua-r101"])
+    assert by_name.exit_code == 0, by_name.output
+    cached = tmp_path / "cache" / "downloads" / "milvlg" / "bua-caffe-frcn-r101_with_attributes.pth"
+    assert cached.is_file()
+    by_path = CliRunner().invoke(app, ["info", str(cached)])
+    report = by_name.output[by_name.output.index("file: "):]  # after the download's log lines
+    assert by_path.exit_code == 0 and by_path.output == report
+    assert "layout: milvlg" in report
+    server.stop()  # offline: the cached file answers
+    again = CliRunner().invoke(app, ["info", "bua-r101"])
+    assert again.exit_code == 0 and again.output == report

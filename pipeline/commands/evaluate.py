@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         model: Annotated[Optional[Path], typer.Option("--model", "-m", help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.")] = None,
         captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D).")] = None,
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl (with --model).")] = None,
+        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with --model).")] = None,
         store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).")] = None,
         data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).")] = None,
         split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
@@ -95,6 +95,10 @@ def register(app: typer.Typer) -> None:
             from models.captions import command_decoding
 
             command_decoding(decoding)  # keys and types before any work, as caption checks them
+            if vocab is not None:
+                from pipeline.hub import resolve_file  # imported on use: the downloader is not needed for --help
+
+                vocab = Path(resolve_file(vocab, "vocabulary file", "vocab"))
             _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
         if retrieval is None and (store is not None or data is not None):

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     @command(app, "info", config=False)
     def info_command(
         opts: CommandOptions,
-        target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file.")] = None,
+        target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file (or its catalogue name).")] = None,
         model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.")] = None,
         verify: Annotated[bool, typer.Option("--verify", help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).")] = False,
     ) -> None:
@@ -35,6 +35,10 @@ def register(app: typer.Typer) -> None:
 
             butd-caption info --model ngsan --set num_layers=6
         """
+        if target is not None and not target.exists() and _is_catalogue_name(str(target)):
+            from pipeline.hub import resolve_file  # imported on use: the downloader is not needed for --help
+
+            target = Path(resolve_file(target, "file", "detector"))  # fetched on first use, then the cached file
         if model is not None:
             _model_info(model, list(opts.overrides))
         elif target is None:
@@ -63,6 +67,14 @@ def register(app: typer.Typer) -> None:
             _weights_info(target, list(opts.overrides))
         else:
             raise UsageError(f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)")
+
+
+def _is_catalogue_name(text: str) -> bool:
+    """A catalogue name (``cli fetch --list``) or a hub id ``hf:OWNER/NAME``."""
+    from pipeline.core.catalogue import CATALOGUE
+    from pipeline.hub.resolve import HUB_PREFIX
+
+    return text in CATALOGUE or text.startswith(HUB_PREFIX)
 
 
 def _is_feature_store(target: Path) -> bool:
