@@ -90,11 +90,11 @@ def register(app: typer.Typer) -> None:
         if model is not None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
-            model, store, data = _run_inputs(model, captioner, store, data)
             decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
             from models.captions import command_decoding
 
-            command_decoding(decoding)  # keys and types before any work, as caption checks them
+            command_decoding(decoding)  # keys and types before any work (and any download), as caption checks them
+            model, store, data = _run_inputs(model, captioner, store, data)
             if vocab is not None:
                 from pipeline.hub import resolve_file  # imported on use: the downloader is not needed for --help
 
