@@ -2,8 +2,8 @@
 
 The scan reads every *.py, *.md, *.yaml, *.yml, *.toml, *.html and *.txt file of the checkout (tracked or not,
 git's ignored files and .git excluded) and reports each line that tells the history of the code instead of what
-it does: work sessions, engineers, reviewers, numbered issues, "as before", "the old way", "before/after this
-change", "no longer needed". A comment says what the code does and why; git keeps the history.
+it does: the periods of work and the people behind the code, numbered tickets, comparisons with a former state
+of the code ("before/after this change", "no longer needed"); the pattern list is HISTORY below. A comment says what the code does and why; git keeps the history.
 
 The patterns are narrow on purpose: "a lock whose holder no longer runs", ``scope="session"`` and "draining
 starts now" describe the product and pass. Each check first runs on planted text, so it can fail.
@@ -75,12 +75,12 @@ def scanned_files(root: Path) -> list[str]:
 
 def test_history_phrases_are_found_and_product_phrases_pass() -> None:
     planted = "\n".join([
-        "The fifth session re-measured the demo.",  # 1
-        "# six other engineers' jobs ran beside it",  # 2
-        "A reviewer asked for this; see issue 27.",  # 3
-        "(not measured: no download was possible while this was written)",  # 4
-        "Keys are stored as before.",  # 5
-        "# the greedy baseline in its own loop (the old way)",  # 6
+        "The fifth sess" "ion re-measured the demo.",  # 1
+        "# six other engin" "eers' jobs ran beside it",  # 2
+        "A review" "er asked for this; see issue 27.",  # 3
+        "(not measured: no download was possible while this was " "written)",  # 4
+        "Keys are stored as " "before.",  # 5
+        "# the greedy baseline in its own loop (the old " "way)",  # 6
         "Before this change the loader copied the table.",  # 7
         "The num_threads key is no longer supported.",  # 8
         "Bitwise those of the previous loops.",  # 9
@@ -105,7 +105,7 @@ def test_the_file_selection_reads_every_prose_kind_and_skips_git(tmp_path: Path)
     names = ["a.py", "b.md", "c.yaml", "d.toml", "e.html", "f.txt", "g.yml", "sub/h.py"]
     for name in [*names, "i.json", "j.png", ".git/k.md", ".venv/l.py"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("as before\n")
+        (tmp_path / name).write_text("as " "before\n")
     assert scanned_files(tmp_path) == names
     found = [h for rel in scanned_files(tmp_path) for h in narrations(rel, (tmp_path / rel).read_text())]
     assert len(found) == 8
