@@ -41,13 +41,14 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _global_options(
     threads: Annotated[
         Optional[str],
         typer.Option(
-            "--threads", show_default=False, metavar="INT",
+            "--threads",
+            show_default=False,
+            metavar="INT",
             help="Torch CPU threads per process (default: BUTD_THREADS, else the cores this process may use, "
             "minus its DataLoader workers, divided among torchrun processes; see pipeline/core/threads.py). Before "
             "the command or after it: `butd-caption --threads 1 demo`.",

@@ -47,7 +47,11 @@ def main() -> int:
     if compare:
         if list(summary["metrics"]) != compare:
             problems.append(f"comparison rows {list(summary['metrics'])}, expected {compare}")
-        shared = [s["stage"] for s in summary["stages"] if s["stage"] in ("world", "detector", "features", "data") and not s["skipped"]]
+        shared = [
+            s["stage"]
+            for s in summary["stages"]
+            if s["stage"] in ("world", "detector", "features", "data") and not s["skipped"]
+        ]
         if shared:
             problems.append(f"the comparison redid shared stages {shared}")
         trained = {s["stage"] for s in summary["stages"] if s["stage"].startswith("train-")}
@@ -61,8 +65,18 @@ def main() -> int:
     pictures = [p for pics in summary["pictures"].values() for p in pics]
     if not relations and not pictures or not all(Path(p).is_file() and Path(p).stat().st_size > 1000 for p in pictures):
         problems.append(f"pictures missing: {pictures}")
-    print(json.dumps({"metrics": summary["metrics"], "grounding": summary.get("grounding"), "detector": summary["detector"], "pictures": len(pictures),
-                      "stages": {s["stage"]: (s["skipped"], s["seconds"]) for s in summary["stages"]}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "metrics": summary["metrics"],
+                "grounding": summary.get("grounding"),
+                "detector": summary["detector"],
+                "pictures": len(pictures),
+                "stages": {s["stage"]: (s["skipped"], s["seconds"]) for s in summary["stages"]},
+            },
+            indent=1,
+        )
+    )
     for p in problems:
         print(f"demo check failed: {p}")
     return 1 if problems else 0

@@ -1,11 +1,11 @@
 """``python -m bench``: the project vs its baselines, one table (and JSON), every ratio output-checked.
 
-    python -m bench                               # CPU: cider, nms, store at the default sizes, 1 thread
-    python -m bench --only nms --repeats 5
-    python -m bench --size tiny                   # seconds: what the test suite runs
-    python -m bench --device cuda --json gpu.json # CUDA: extraction, XE/SCST epoch, beam-5 decode
-    python -m bench --only vinvl [--device cuda]  # X-152 vs R-101 regions, grid vs regions (s/img, ratio)
-    python -m bench --only proxies --repeats 1 --warmup 0   # CPU: operators and host syncs per step (bench.proxies)
+python -m bench                               # CPU: cider, nms, store at the default sizes, 1 thread
+python -m bench --only nms --repeats 5
+python -m bench --size tiny                   # seconds: what the test suite runs
+python -m bench --device cuda --json gpu.json # CUDA: extraction, XE/SCST epoch, beam-5 decode
+python -m bench --only vinvl [--device cuda]  # X-152 vs R-101 regions, grid vs regions (s/img, ratio)
+python -m bench --only proxies --repeats 1 --warmup 0   # CPU: operators and host syncs per step (bench.proxies)
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CPU_BENCHES = ("cider", "nms", "store", "vinvl", "proxies")
-CPU_DEFAULT = ("cider", "nms", "store")  # proxies and vinvl (minutes at paper sizes / full X-152 widths) only when named
+CPU_DEFAULT = (
+    "cider",
+    "nms",
+    "store",
+)  # proxies and vinvl (minutes at paper sizes / full X-152 widths) only when named
 GPU_BENCHES = ("extract", "train", "decode", "vinvl")
 GPU_DEFAULT = ("extract", "train", "decode")
 
@@ -30,9 +34,19 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m bench", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=None, help=f"comma-separated benches (CPU: {', '.join(CPU_BENCHES)}; CUDA: {', '.join(GPU_BENCHES)})")
-    ap.add_argument("--size", choices=("tiny", "default"), default="default", help="problem sizes (tiny: a few seconds)")
+    ap = _Parser(
+        prog="python -m bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help=f"comma-separated benches (CPU: {', '.join(CPU_BENCHES)}; CUDA: {', '.join(GPU_BENCHES)})",
+    )
+    ap.add_argument(
+        "--size", choices=("tiny", "default"), default="default", help="problem sizes (tiny: a few seconds)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per row (>= 3 for a reported figure)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides (default 1)")
@@ -40,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="ngsan,m2", help="captioners of the CUDA train/decode rows and of the proxies")
     ap.add_argument("--format", choices=("table", "json"), default="table", help="what goes to stdout")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON results to this file")
-    ap.add_argument("--store-dir", type=Path, default=None, help="folder for the store bench's files (default: a temporary one)")
+    ap.add_argument(
+        "--store-dir", type=Path, default=None, help="folder for the store bench's files (default: a temporary one)"
+    )
     return ap
 
 
@@ -70,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.stderr.write(f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU machine\n")
+        sys.stderr.write(
+            f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU machine\n"
+        )
         return 2
     torch.set_num_threads(args.threads)
     from bench import harness
@@ -81,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in names:
             for case in _cases(name, args, cleanups):
-                logging.getLogger("bench").info("measuring %s: %s vs %s (%s)", case.name, case.project, case.baseline or "-", case.work)
+                logging.getLogger("bench").info(
+                    "measuring %s: %s vs %s (%s)", case.name, case.project, case.baseline or "-", case.work
+                )
                 rows.append(harness.measure(case, args.repeats, args.warmup))
     except harness.Mismatch as exc:
         sys.stderr.write(f"error: {exc}\n")

@@ -73,8 +73,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         step_ms = (time.perf_counter() - t0) / args.steps * 1000
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    return {"params_m": params, "train_s": train_s, "caps_per_s": owner.shape[0] / train_s, "step_ms": step_ms,
-            "peak_gib": peak}
+    return {
+        "params_m": params,
+        "train_s": train_s,
+        "caps_per_s": owner.shape[0] / train_s,
+        "step_ms": step_ms,
+        "peak_gib": peak,
+    }
 
 
 def main() -> None:
@@ -91,14 +96,19 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device {device}, {args.images} images x 5 captions, {args.len} tokens, vocab {args.vocab}, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'model':>6} {'params(M)':>10} {'train s/step':>13} {'captions/s':>11} {'decode ms/step':>15} "
-          f"{'peak GiB':>9}")
+    print(
+        f"device {device}, {args.images} images x 5 captions, {args.len} tokens, vocab {args.vocab}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'model':>6} {'params(M)':>10} {'train s/step':>13} {'captions/s':>11} {'decode ms/step':>15} {'peak GiB':>9}"
+    )
     for name in args.models:
         r = bench_model(name, args, device)
-        print(f"{name:>6} {r['params_m']:>10.2f} {r['train_s']:>13.3f} {r['caps_per_s']:>11.1f} "
-              f"{r['step_ms']:>15.2f} {r['peak_gib']:>9.2f}")
+        print(
+            f"{name:>6} {r['params_m']:>10.2f} {r['train_s']:>13.3f} {r['caps_per_s']:>11.1f} "
+            f"{r['step_ms']:>15.2f} {r['peak_gib']:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

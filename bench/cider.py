@@ -19,7 +19,10 @@ import numpy as np
 
 from bench.harness import Case
 
-SIZES = {"tiny": {"images": 30, "batch_images": 5, "samples": 5}, "default": {"images": 2000, "batch_images": 50, "samples": 5}}
+SIZES = {
+    "tiny": {"images": 30, "batch_images": 5, "samples": 5},
+    "default": {"images": 2000, "batch_images": 50, "samples": 5},
+}
 
 
 def corpus(num_images: int, seed: int) -> dict[int, list[list[str]]]:
@@ -74,11 +77,27 @@ def cases(size: str = "default") -> list[Case]:
         return np.asarray(coco.compute_score(gts, res)[1], np.float64)
 
     return [
-        Case("cider", "CiderD, table per call", "pycocoevalcap Cider", work,
-             lambda: CiderD(gts, df_mode="corpus").scores(cands, keys), baseline, _max_abs, 1e-9),
-        Case("cider", "CiderD, prebuilt table", "pycocoevalcap Cider", work,
-             lambda: prebuilt.scores(cands, keys), baseline, _max_abs, 1e-9,
-             note="prebuilt: the reference table (same references, so the same df) is built once, untimed"),
+        Case(
+            "cider",
+            "CiderD, table per call",
+            "pycocoevalcap Cider",
+            work,
+            lambda: CiderD(gts, df_mode="corpus").scores(cands, keys),
+            baseline,
+            _max_abs,
+            1e-9,
+        ),
+        Case(
+            "cider",
+            "CiderD, prebuilt table",
+            "pycocoevalcap Cider",
+            work,
+            lambda: prebuilt.scores(cands, keys),
+            baseline,
+            _max_abs,
+            1e-9,
+            note="prebuilt: the reference table (same references, so the same df) is built once, untimed",
+        ),
     ]
 
 

@@ -102,7 +102,9 @@ def run_once(model: models.Captioner, inputs, beam: int, max_len: int) -> torch.
     return beam_search(model, enc, DecodeOptions(beam_size=beam, max_len=max_len)).tokens
 
 
-def bench(model: models.Captioner, device: torch.device, batch: int, beam: int, args: argparse.Namespace) -> tuple[float, float | None, float]:
+def bench(
+    model: models.Captioner, device: torch.device, batch: int, beam: int, args: argparse.Namespace
+) -> tuple[float, float | None, float]:
     inputs = make_inputs(batch, args.regions, int(getattr(model, "feat_dim", 2048)), device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
@@ -129,17 +131,23 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=20)
     parser.add_argument("--regions", type=int, default=36)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--set", action="append", default=[], help="model override KEY=VALUE applied to every model (e.g. num_layers=2)")
+    parser.add_argument(
+        "--set", action="append", default=[], help="model override KEY=VALUE applied to every model (e.g. num_layers=2)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = models.available_captioners() if args.models == "all" else args.models.split(",")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) if args.devices == "auto" else args.devices.split(",")
+    devices = (
+        ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) if args.devices == "auto" else args.devices.split(",")
+    )
     batches = [int(b) for b in args.batch_sizes.split(",")]
     beams = [int(b) for b in args.beams.split(",")]
-    print(f"torch {torch.__version__}, cpu threads {torch.get_num_threads()}, V={VOCAB}, regions={args.regions}, "
-          f"max_len={args.max_len}, repeats={args.repeats}, overrides={args.set or 'none'}")
+    print(
+        f"torch {torch.__version__}, cpu threads {torch.get_num_threads()}, V={VOCAB}, regions={args.regions}, "
+        f"max_len={args.max_len}, repeats={args.repeats}, overrides={args.set or 'none'}"
+    )
     header = f"{'model':8} {'device':6} {'params':>8} {'batch':>5} {'decoder':>8} {'captions/s':>11} {'peak MiB':>9} {'mean len':>8}"
     print(header)
     print("-" * len(header))
@@ -155,7 +163,10 @@ def main() -> None:
                     rate, peak, mean_len = bench(model, device, batch, beam, args)
                     label = "greedy" if beam == 1 else f"beam {beam}"
                     mem = "n/a" if peak is None else f"{peak:9.1f}"
-                    print(f"{name:8} {dev:6} {params:7.1f}M {batch:5d} {label:>8} {rate:11.1f} {mem:>9} {mean_len:8.1f}", flush=True)
+                    print(
+                        f"{name:8} {dev:6} {params:7.1f}M {batch:5d} {label:>8} {rate:11.1f} {mem:>9} {mean_len:8.1f}",
+                        flush=True,
+                    )
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -41,8 +41,9 @@ def _peak_mb(dev: torch.device) -> float:
 
 def _selector(model, boxes: str):
     """The Caffe recipe's selector (``scales`` below are the blobs' :class:`Frame`)."""
-    recipe = recipe_from_config({"recipe": "caffe", "boxes": boxes}, "milvlg").with_(min_size=model.spec.min_size, max_size=model.spec.max_size,
-                                                                                     pixel_mean=tuple(model.spec.pixel_means))
+    recipe = recipe_from_config({"recipe": "caffe", "boxes": boxes}, "milvlg").with_(
+        min_size=model.spec.min_size, max_size=model.spec.max_size, pixel_mean=tuple(model.spec.pixel_means)
+    )
     return make_selector(recipe, model.spec)
 
 
@@ -74,7 +75,9 @@ def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, fl
         fa, fb = a.features.astype(np.float64), b.features.astype(np.float64)
         cos.append((fa * fb).sum(1) / (np.linalg.norm(fa, axis=1) * np.linalg.norm(fb, axis=1) + 1e-12))
     cos = np.concatenate(cos)
-    same = np.mean([a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1.0) for a, b in zip(ref, sel)])
+    same = np.mean(
+        [a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1.0) for a, b in zip(ref, sel)]
+    )
     return float(cos.min()), float(cos.mean()), float(same)
 
 
@@ -84,8 +87,10 @@ def bench_nms(repeats: int = 3) -> str:
     from bench import harness, nms
 
     row = harness.measure(nms.cases("default")[0], repeats=repeats, warmup=1)
-    return (f"per-class NMS ({row.work}, CPU): loop {row.baseline_min:.1f} ms, extractors.nms {row.project_min:.2f} ms "
-            f"(min of {row.repeats}), speed-up x{row.speedup_min:.1f} (identical kept indices per class)")
+    return (
+        f"per-class NMS ({row.work}, CPU): loop {row.baseline_min:.1f} ms, extractors.nms {row.project_min:.2f} ms "
+        f"(min of {row.repeats}), speed-up x{row.speedup_min:.1f} (identical kept indices per class)"
+    )
 
 
 def main() -> None:
@@ -98,7 +103,9 @@ def main() -> None:
     ap.add_argument("--min-size", type=int, default=600)
     ap.add_argument("--max-size", type=int, default=1000)
     ap.add_argument("--boxes", default="adaptive", choices=["adaptive", "36"])
-    ap.add_argument("--proposals", type=int, default=300, help="RPN post-NMS proposals (Caffe: 300; fewer for a quick CPU run)")
+    ap.add_argument(
+        "--proposals", type=int, default=300, help="RPN post-NMS proposals (Caffe: 300; fewer for a quick CPU run)"
+    )
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--cudnn-benchmark", action="store_true")
     ap.add_argument("--skip-nms", action="store_true", help="skip the per-class NMS row (CPU, 300 x 1600)")
@@ -131,8 +138,10 @@ def main() -> None:
         scales.append(Frame(h, w, int(b.shape[1]), int(b.shape[2]), s))
         sizes.append((h, w))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
-          f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)")
+    print(
+        f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
+        f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)"
+    )
     rule = _selector(model, args.boxes)
     print(f"{'precision':>9} {'batch':>5} {'images/s':>9} {'peak MB':>9}")
     for prec in args.precisions.split(","):
@@ -142,7 +151,9 @@ def main() -> None:
     if not args.skip_agreement and "bf16" in args.precisions:
         n = min(len(blobs), 8)
         cmin, cmean, same = bench_agreement(model, blobs, scales, sizes, dev, n)
-        print(f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}")
+        print(
+            f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}"
+        )
     if not args.skip_nms:
         print(bench_nms())
 

@@ -39,15 +39,32 @@ def main() -> None:
     settings = {k: v for k, v in manifest["config"].items() if k in base}  # the demo's extract settings
     section = base.with_overrides({**settings, "feature_dtype": "float32"}, source="bench.feature_dtype")
     weights = run / "detector" / detector["outputs"]["weights"]
-    done = extract_features(run, "features-float32", section, ExtractJob(str(weights), (str(run / "world" / "images"),)))
+    done = extract_features(
+        run, "features-float32", section, ExtractJob(str(weights), (str(run / "world" / "images"),))
+    )
     store32 = done.directory / done.outputs["store"]
     store16 = run / "features" / manifest["outputs"]["store"]
     preds = {}
     for name, store in (("float16", store16), ("float32", store32)):
         out = run / f"eval-dtype-{name}"
-        _cli("evaluate", "--model", str(run / f"train-{args.captioner}" / "best.pt"), "--store", str(store), "--data", str(run / "data"),
-             "--split", args.split, "--metrics", "cider", "--output", str(out / "metrics.json"))
-        preds[name] = {p["image_id"]: p["caption"] for p in json.loads((out / f"predictions_{args.split}.json").read_text())}
+        _cli(
+            "evaluate",
+            "--model",
+            str(run / f"train-{args.captioner}" / "best.pt"),
+            "--store",
+            str(store),
+            "--data",
+            str(run / "data"),
+            "--split",
+            args.split,
+            "--metrics",
+            "cider",
+            "--output",
+            str(out / "metrics.json"),
+        )
+        preds[name] = {
+            p["image_id"]: p["caption"] for p in json.loads((out / f"predictions_{args.split}.json").read_text())
+        }
         metrics = json.loads((out / "metrics.json").read_text())["metrics"]
         print(f"{name}: {len(preds[name])} captions, CIDEr-D {metrics.get('CIDEr')}")
     changed = sum(preds["float16"][k] != preds["float32"].get(k) for k in preds["float16"])

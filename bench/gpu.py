@@ -27,15 +27,29 @@ from bench.harness import Case
 
 COCO_TRAIN_IMAGES = 113_287
 #: (height, width) of the bench photos: sizes common among COCO photos (long side 640 or 500)
-PHOTO_SIZES = ((480, 640), (640, 480), (427, 640), (640, 427), (425, 640), (360, 640), (640, 512), (512, 640),
-               (375, 500), (500, 375), (333, 500), (640, 640))
+PHOTO_SIZES = (
+    (480, 640),
+    (640, 480),
+    (427, 640),
+    (640, 427),
+    (425, 640),
+    (360, 640),
+    (640, 512),
+    (512, 640),
+    (375, 500),
+    (500, 375),
+    (333, 500),
+    (640, 640),
+)
 
 
 def _peak(dev: torch.device):
     """``(reset, note)``: reset the CUDA peak-memory counter before a row; the note reads it after."""
     if dev.type != "cuda":
         return (lambda: None), (lambda: "")
-    return (lambda: torch.cuda.reset_peak_memory_stats(dev)), (lambda: f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB allocated")
+    return (lambda: torch.cuda.reset_peak_memory_stats(dev)), (
+        lambda: f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB allocated"
+    )
 
 
 def _syncer(dev: torch.device):
@@ -67,8 +81,20 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     images, batch = (2, 2) if size == "tiny" else (64, 8)
     spec = caffe_r101()
     if size == "tiny":  # a shrunk network of the same architecture: the code path, not the figure
-        spec = spec.with_(min_size=200, max_size=333, post_nms_topk=20, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
-                          stem_channels=8, num_classes=21, num_attributes=11, attr_embed_dim=8, attr_hidden=16, rpn_channels=16)
+        spec = spec.with_(
+            min_size=200,
+            max_size=333,
+            post_nms_topk=20,
+            stage_blocks=(1, 1, 1),
+            res5_blocks=1,
+            res2_bottleneck=4,
+            stem_channels=8,
+            num_classes=21,
+            num_attributes=11,
+            attr_embed_dim=8,
+            attr_hidden=16,
+            rpn_channels=16,
+        )
     model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)
@@ -84,7 +110,9 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
 
     in_order = [list(range(i, min(i + batch, images))) for i in range(0, images, batch)]
     buckets = ShapeBuckets(batch, 4 * batch)  # what extract does with bucket_window 4 (its default on CUDA)
-    bucketed = [[p.index for p in g] for i, b in enumerate(blobs) for g in buckets.add(SimpleNamespace(index=i, blob=b))]
+    bucketed = [
+        [p.index for p in g] for i, b in enumerate(blobs) for g in buckets.add(SimpleNamespace(index=i, blob=b))
+    ]
     bucketed += [[p.index for p in g] for g in buckets.flush()]
 
     def run(precision: str, groups: list[list[int]]):
@@ -93,14 +121,40 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
             with autocast(dev, precision):
                 for g in groups:
                     model.detect([blobs[i] for i in g], [scales[i] for i in g], rule)
+
         return go
 
     work = f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
     precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
-    rows = [Case("extract", f"bottom-up R101 {p}", None, work, run(p, in_order), sync=_syncer(dev), per_call=images, unit="s/img", after=note)
-            for p in precisions]
-    return rows + [Case("extract", f"bottom-up R101 {p}, equal sizes batched across the folder", None, work, run(p, bucketed), sync=_syncer(dev),
-                        per_call=images, unit="s/img", after=note) for p in precisions if p != "fp32" or dev.type != "cuda"]
+    rows = [
+        Case(
+            "extract",
+            f"bottom-up R101 {p}",
+            None,
+            work,
+            run(p, in_order),
+            sync=_syncer(dev),
+            per_call=images,
+            unit="s/img",
+            after=note,
+        )
+        for p in precisions
+    ]
+    return rows + [
+        Case(
+            "extract",
+            f"bottom-up R101 {p}, equal sizes batched across the folder",
+            None,
+            work,
+            run(p, bucketed),
+            sync=_syncer(dev),
+            per_call=images,
+            unit="s/img",
+            after=note,
+        )
+        for p in precisions
+        if p != "fp32" or dev.type != "cuda"
+    ]
 
 
 def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
@@ -121,15 +175,35 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
     if _fusable(name):  # the opt-in fused optimizer beside the default foreach one
         variants += [(stage, {"optimizer_impl": "fused"}, ", fused optimizer") for stage in ("xe", "scst")]
     for stage, overrides, label in variants:
+
         def epoch(stage: str = stage, overrides: dict | None = overrides) -> float:
             reset()
-            batch, sec = bench_stage(name, stage, 2 if size == "tiny" else None, 1 if size == "tiny" else 5, dev, amp, scorer, vocab,
-                                     fit_steps=2 if size == "tiny" else 25, overrides=overrides)
+            batch, sec = bench_stage(
+                name,
+                stage,
+                2 if size == "tiny" else None,
+                1 if size == "tiny" else 5,
+                dev,
+                amp,
+                scorer,
+                vocab,
+                fit_steps=2 if size == "tiny" else 25,
+                overrides=overrides,
+            )
             return images / batch * sec
 
-        out.append(Case(f"train {stage}", f"{name} {stage} epoch (projected, {amp}){label}", None,
-                        f"{images} images at the paper batch size; the trainer's step timed x epoch length", epoch, unit="s",
-                        reports="value", after=note))
+        out.append(
+            Case(
+                f"train {stage}",
+                f"{name} {stage} epoch (projected, {amp}){label}",
+                None,
+                f"{images} images at the paper batch size; the trainer's step timed x epoch length",
+                epoch,
+                unit="s",
+                reports="value",
+                after=note,
+            )
+        )
     return out
 
 
@@ -174,5 +248,13 @@ def _decode_case(name: str, size: str, dev: torch.device) -> Case:
     def note() -> str:
         return f"mean caption length {sum(lengths) / max(len(lengths), 1):.1f} tokens; {peak()}".rstrip("; ")
 
-    return Case("decode", f"{name} beam-5", None, f"{total} images, batch {batch}, max {max_len} words", go, sync=_syncer(dev), unit="s",
-                after=note)
+    return Case(
+        "decode",
+        f"{name} beam-5",
+        None,
+        f"{total} images, batch {batch}, max {max_len} words",
+        go,
+        sync=_syncer(dev),
+        unit="s",
+        after=note,
+    )

@@ -87,8 +87,10 @@ def _checked(case: Case, ours: Any, theirs: Any, label: str) -> float:
     assert case.check is not None
     diff = float(case.check(ours, theirs))
     if not diff <= case.tolerance:  # also catches NaN
-        raise Mismatch(f"{case.name}: {case.project} and {case.baseline} outputs differ on {label} "
-                       f"(difference {diff:.3g}, tolerance {case.tolerance:.3g}); no ratio reported")
+        raise Mismatch(
+            f"{case.name}: {case.project} and {case.baseline} outputs differ on {label} "
+            f"(difference {diff:.3g}, tolerance {case.tolerance:.3g}); no ratio reported"
+        )
     return diff
 
 
@@ -130,9 +132,25 @@ def measure(case: Case, repeats: int = 3, warmup: int = 1) -> Row:
         s_min, s_med = b_min / p_min, b_med / p_med
     extra = case.after() if case.after is not None else ""
     note = "; ".join(x for x in (case.note, extra) if x)
-    return Row(case.name, case.project, case.baseline, case.work, case.unit, repeats, p_min, p_med, b_min, b_med,
-               s_min, s_med, max(diffs) if diffs else None, case.tolerance if paired else None, load_before,
-               os.getloadavg()[0], note)
+    return Row(
+        case.name,
+        case.project,
+        case.baseline,
+        case.work,
+        case.unit,
+        repeats,
+        p_min,
+        p_med,
+        b_min,
+        b_med,
+        s_min,
+        s_med,
+        max(diffs) if diffs else None,
+        case.tolerance if paired else None,
+        load_before,
+        os.getloadavg()[0],
+        note,
+    )
 
 
 def environment(device: str, threads: int) -> dict[str, Any]:
@@ -142,9 +160,15 @@ def environment(device: str, threads: int) -> dict[str, Any]:
 
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     return {
-        "device": device, "device_name": name, "torch": torch.__version__, "numpy": np.__version__,
-        "python": platform.python_version(), "torch_threads": threads, "cores": len(os.sched_getaffinity(0)),
-        "load_average": list(os.getloadavg()), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": device,
+        "device_name": name,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "torch_threads": threads,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average": list(os.getloadavg()),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
@@ -154,17 +178,40 @@ def _num(v: float | None, fmt: str = ".3g") -> str:
 
 def table(rows: list[Row], env: dict[str, Any]) -> str:
     """The results as one fixed-width table (header line with the machine and its load first)."""
-    head = (f"# {env['device_name']} ({env['device']}), {env['cores']} cores, torch {env['torch']} with "
-            f"{env['torch_threads']} thread(s); load average at start {env['load_average'][0]:.2f}")
-    cols = ("bench", "project", "baseline", "work", "unit", "project min/med", "baseline min/med", "speed-up min/med",
-            "max diff (tol)", "load")
+    head = (
+        f"# {env['device_name']} ({env['device']}), {env['cores']} cores, torch {env['torch']} with "
+        f"{env['torch_threads']} thread(s); load average at start {env['load_average'][0]:.2f}"
+    )
+    cols = (
+        "bench",
+        "project",
+        "baseline",
+        "work",
+        "unit",
+        "project min/med",
+        "baseline min/med",
+        "speed-up min/med",
+        "max diff (tol)",
+        "load",
+    )
     lines = []
     for r in rows:
         speed = "-" if r.speedup_min is None else f"x{r.speedup_min:.1f} / x{r.speedup_median:.1f}"
         diff = "-" if r.max_diff is None else f"{r.max_diff:.2g} ({r.tolerance:.2g})"
-        lines.append((r.name, r.project, r.baseline or "-", r.work, r.unit, f"{_num(r.project_min)} / {_num(r.project_median)}",
-                      f"{_num(r.baseline_min)} / {_num(r.baseline_median)}" if r.baseline else "-", speed, diff,
-                      f"{r.load_before:.2f}-{r.load_after:.2f}"))
+        lines.append(
+            (
+                r.name,
+                r.project,
+                r.baseline or "-",
+                r.work,
+                r.unit,
+                f"{_num(r.project_min)} / {_num(r.project_median)}",
+                f"{_num(r.baseline_min)} / {_num(r.baseline_median)}" if r.baseline else "-",
+                speed,
+                diff,
+                f"{r.load_before:.2f}-{r.load_after:.2f}",
+            )
+        )
     widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [head, fmt.format(*cols)] + [fmt.format(*line) for line in lines]

@@ -31,7 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench.load")
 
 
-def run_demo(out: Path, env: dict[str, str], extra: list[str], demo_args: list[str]) -> tuple[float, dict, tuple[float, float]]:
+def run_demo(
+    out: Path, env: dict[str, str], extra: list[str], demo_args: list[str]
+) -> tuple[float, dict, tuple[float, float]]:
     """One ``demo --quick`` from scratch: (wall seconds, metrics, (load before, load after))."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, str(REPO / "cli.py"), *extra, "demo", "--quick", "--out", str(out), *demo_args]
@@ -61,30 +63,51 @@ def main(argv: list[str] | None = None) -> int:
     env.update(dict(kv.split("=", 1) for kv in args.env))
     rows: list[dict] = []
     for i in range(args.repeats):
-        for condition in (("alone", "loaded") if i % 2 == 0 else ("loaded", "alone")):
+        for condition in ("alone", "loaded") if i % 2 == 0 else ("loaded", "alone"):
             hogs = []
             if condition == "loaded":
                 hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
                 time.sleep(2)
             try:
-                wall, metrics, (l0, l1) = run_demo(args.out / f"{condition}-{i}", env, args.cli.split(), shlex.split(args.demo_args))
+                wall, metrics, (l0, l1) = run_demo(
+                    args.out / f"{condition}-{i}", env, args.cli.split(), shlex.split(args.demo_args)
+                )
             finally:
                 for h in hogs:
                     h.kill()
                     h.wait()
-            rows.append({"condition": condition, "repeat": i, "seconds": wall, "load_before": l0, "load_after": l1, "metrics": metrics})
+            rows.append(
+                {
+                    "condition": condition,
+                    "repeat": i,
+                    "seconds": wall,
+                    "load_before": l0,
+                    "load_after": l1,
+                    "metrics": metrics,
+                }
+            )
             log.info("%-7s run %d: %7.1f s  load average %.2f -> %.2f", condition, i, wall, l0, l1)
     if not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)
     same = all(r["metrics"] == rows[0]["metrics"] for r in rows)
     alone = statistics.median(r["seconds"] for r in rows if r["condition"] == "alone")
     loaded = statistics.median(r["seconds"] for r in rows if r["condition"] == "loaded")
-    result = {"cores": len(os.sched_getaffinity(0)), "hogs": args.hogs, "env": args.env, "cli": args.cli, "rows": rows,
-              "alone_median_s": alone, "loaded_median_s": loaded, "identical_metrics": same,
-              "slowdown": loaded / alone if same else None}
+    result = {
+        "cores": len(os.sched_getaffinity(0)),
+        "hogs": args.hogs,
+        "env": args.env,
+        "cli": args.cli,
+        "rows": rows,
+        "alone_median_s": alone,
+        "loaded_median_s": loaded,
+        "identical_metrics": same,
+        "slowdown": loaded / alone if same else None,
+    }
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"demo --quick on {result['cores']} cores: alone {alone:.1f} s, beside {args.hogs} busy process(es) {loaded:.1f} s")
+    print(
+        f"demo --quick on {result['cores']} cores: alone {alone:.1f} s, beside {args.hogs} busy process(es) {loaded:.1f} s"
+    )
     if not same:
         sys.stderr.write("error: the runs' metrics differ; no slowdown reported\n")
         return 1

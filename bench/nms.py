@@ -52,7 +52,9 @@ def differing_classes(mask: torch.Tensor, loop: list[torch.Tensor], scores: torc
 
     if mask.shape[1] != len(loop):
         return float("inf")
-    return float(sum(not torch.equal(nms.kept_in_rank_order(mask[:, c], scores[:, c]), ref) for c, ref in enumerate(loop)))
+    return float(
+        sum(not torch.equal(nms.kept_in_rank_order(mask[:, c], scores[:, c]), ref) for c, ref in enumerate(loop))
+    )
 
 
 def cases(size: str = "default") -> list[Case]:
@@ -64,14 +66,32 @@ def cases(size: str = "default") -> list[Case]:
     out = []
     for layout, boxes in (("uniform", uniform_boxes(r, g)), ("clustered", clustered_boxes(r, g))):
         scores = class_scores(r, k, g)
-        out.append(Case(f"nms {layout}", "extractors.nms.per_class_keep", "torchvision nms per class", f"{r} boxes x {k} classes",
-                        lambda b=boxes, s=scores: nms.per_class_keep(b, s, 0.3), lambda b=boxes, s=scores: loop_keeps(b, s),
-                        lambda m, loop, s=scores: differing_classes(m, loop, s), 0.0,
-                        note="exact: kept indices per class torch.equal to the loop's" if layout == "uniform" else ""))
+        out.append(
+            Case(
+                f"nms {layout}",
+                "extractors.nms.per_class_keep",
+                "torchvision nms per class",
+                f"{r} boxes x {k} classes",
+                lambda b=boxes, s=scores: nms.per_class_keep(b, s, 0.3),
+                lambda b=boxes, s=scores: loop_keeps(b, s),
+                lambda m, loop, s=scores: differing_classes(m, loop, s),
+                0.0,
+                note="exact: kept indices per class torch.equal to the loop's" if layout == "uniform" else "",
+            )
+        )
     boxes, scores = uniform_boxes(r, g), class_scores(r, k, g)
-    out.append(Case("nms max_conf", "selector.max_conf_vectorized", "selector.max_conf_loop", f"{r} boxes x {k} classes",
-                    lambda: selector.max_conf_vectorized(boxes, scores, 0.3), lambda: selector.max_conf_loop(boxes, scores, 0.3),
-                    lambda a, b: 0.0 if torch.equal(a, b) else float((a - b).abs().max()), 0.0))
+    out.append(
+        Case(
+            "nms max_conf",
+            "selector.max_conf_vectorized",
+            "selector.max_conf_loop",
+            f"{r} boxes x {k} classes",
+            lambda: selector.max_conf_vectorized(boxes, scores, 0.3),
+            lambda: selector.max_conf_loop(boxes, scores, 0.3),
+            lambda a, b: 0.0 if torch.equal(a, b) else float((a - b).abs().max()),
+            0.0,
+        )
+    )
     return out
 
 

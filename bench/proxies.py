@@ -109,11 +109,18 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
 
     variants = [("scst", None, ""), ("xe", None, "")]
     if _fusable(name):
-        variants += [("scst", {"optimizer_impl": "fused"}, ", fused optimizer"), ("xe", {"optimizer_impl": "fused"}, ", fused optimizer")]
-    if _greedy_sampled(name):  # beside it, the same step with the greedy baseline in a loop of its own (baseline_loop: separate)
+        variants += [
+            ("scst", {"optimizer_impl": "fused"}, ", fused optimizer"),
+            ("xe", {"optimizer_impl": "fused"}, ", fused optimizer"),
+        ]
+    if _greedy_sampled(
+        name
+    ):  # beside it, the same step with the greedy baseline in a loop of its own (baseline_loop: separate)
         variants.insert(1, ("scst", {"baseline_loop": "separate"}, ", baseline loop separate"))
     for stage, overrides, label in variants:
-        step = trainer_step(model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0, overrides=overrides)  # lr 0: same weights
+        step = trainer_step(
+            model, name, stage, cpu, "fp32", scorer, vocab, lr=0.0, overrides=overrides
+        )  # lr 0: same weights
         step(batch)  # warm-up (the optimizer's lazy state)
         torch.manual_seed(1)
         rows.append({"row": f"{name} {stage} step{label}", "work": f"batch {batch_size}", **count(lambda: step(batch))})
@@ -125,8 +132,14 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
         steps = int(g.lengths.max())
         c = count(lambda: beam_search(model, enc, opts))
     mean_len = float(g.lengths.float().mean())
-    rows.append({"row": f"{name} beam-5 decode, per step", "work": f"batch {batch_size}, {steps} steps, mean length {mean_len:.1f}",
-                 "operators": round(c["operators"] / steps, 1), "syncs": round(c["syncs"] / steps, 2)})
+    rows.append(
+        {
+            "row": f"{name} beam-5 decode, per step",
+            "work": f"batch {batch_size}, {steps} steps, mean length {mean_len:.1f}",
+            "operators": round(c["operators"] / steps, 1),
+            "syncs": round(c["syncs"] / steps, 2),
+        }
+    )
     return rows
 
 
@@ -143,8 +156,16 @@ def extract_row(images: int = 4) -> dict[str, Any]:
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
 
-    spec = caffe_r101().with_(min_size=200, max_size=333, post_nms_topk=100, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
-                              stem_channels=8, rpn_channels=16)
+    spec = caffe_r101().with_(
+        min_size=200,
+        max_size=333,
+        post_nms_topk=100,
+        stage_blocks=(1, 1, 1),
+        res5_blocks=1,
+        res2_bottleneck=4,
+        stem_channels=8,
+        rpn_channels=16,
+    )
     model = random_detector(spec, seed=0).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)
@@ -159,8 +180,12 @@ def extract_row(images: int = 4) -> dict[str, Any]:
 
     go()
     c = count(go)
-    return {"row": "extract, per image", "work": f"{images} images 480x640, shrunk R101, {spec.post_nms_topk} proposals, {spec.num_classes} classes",
-            "operators": round(c["operators"] / images, 1), "syncs": round(c["syncs"] / images, 2)}
+    return {
+        "row": "extract, per image",
+        "work": f"{images} images 480x640, shrunk R101, {spec.post_nms_topk} proposals, {spec.num_classes} classes",
+        "operators": round(c["operators"] / images, 1),
+        "syncs": round(c["syncs"] / images, 2),
+    }
 
 
 def cases(size: str, models: list[str]) -> list:
@@ -177,11 +202,26 @@ def cases(size: str, models: list[str]) -> list:
         return found
 
     out = []
-    for i, label in enumerate([f"{m.strip()} {what}" for m in ([] if size == "tiny" else models)
-                               for what in ("scst step", "xe step", "beam-5 decode, per step")] + ["extract, per image"]):
+    for i, label in enumerate(
+        [
+            f"{m.strip()} {what}"
+            for m in ([] if size == "tiny" else models)
+            for what in ("scst step", "xe step", "beam-5 decode, per step")
+        ]
+        + ["extract, per image"]
+    ):
         for key in ("operators", "syncs"):
-            out.append(Case("proxies", f"{label}: {key}", None, "operators dispatched / host syncs (torch profiler, CPU)",
-                            lambda i=i, key=key: rows()[i][key], unit=key, reports="value"))
+            out.append(
+                Case(
+                    "proxies",
+                    f"{label}: {key}",
+                    None,
+                    "operators dispatched / host syncs (torch profiler, CPU)",
+                    lambda i=i, key=key: rows()[i][key],
+                    unit=key,
+                    reports="value",
+                )
+            )
     return out
 
 

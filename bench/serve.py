@@ -42,9 +42,16 @@ log = logging.getLogger("bench.serve")
 def multipart(files: list[tuple[str, bytes]], fields: dict[str, Any]) -> tuple[bytes, str]:
     """A multipart/form-data body with ``files`` (as ``files`` parts) and text ``fields``."""
     boundary = uuid.uuid4().hex
-    out = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
-    out += [f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{n}"\r\n'
-            f"Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n" for n, data in files]
+    out = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()
+    ]
+    out += [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{n}"\r\n'
+        f"Content-Type: application/octet-stream\r\n\r\n".encode()
+        + data
+        + b"\r\n"
+        for n, data in files
+    ]
     return b"".join(out) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
@@ -54,8 +61,14 @@ def start_server(args: list[str], timeout: float = 300) -> tuple[subprocess.Pope
 
     env = dict(os.environ, BUTD_NO_PROGRESS="1")
     errors = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=errors, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+    )
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()  # the first line names the port (or the process ended)
     if not line.startswith("serving on http://127.0.0.1:"):
@@ -84,8 +97,16 @@ def stop_server(proc: subprocess.Popen) -> int:
     return proc.wait(10)
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 300, conn: http.client.HTTPConnection | None = None, answer: dict | None = None) -> tuple[int, bytes]:
+def request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 300,
+    conn: http.client.HTTPConnection | None = None,
+    answer: dict | None = None,
+) -> tuple[int, bytes]:
     own = conn is None
     conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -126,19 +147,30 @@ def baseline(model: str, weights: str | None, photos: Path, sets: list[str], sec
     ckpt = find_checkpoint(Path(model), None)
     engine = build_engine(ckpt, find_detector(Path(model), ckpt, weights), cfg)[0]
     items = items_from_paths([str(photos)])
-    captions = {r.path.name: r.caption for r in engine.caption_paths(items, int(cfg.batch_size), workers=int(cfg.num_workers))}
+    captions = {
+        r.path.name: r.caption for r in engine.caption_paths(items, int(cfg.batch_size), workers=int(cfg.num_workers))
+    }
     rounds, start = 0, time.perf_counter()
     while rounds == 0 or time.perf_counter() - start < seconds:
         for _ in engine.caption_paths(items, int(cfg.batch_size), workers=int(cfg.num_workers)):
             pass
         rounds += 1
     wall = time.perf_counter() - start
-    return {"images_per_s": rounds * len(items) / wall, "rounds": rounds, "seconds": wall, "images": len(items),
-            "batch_size": int(cfg.batch_size), "num_workers": int(cfg.num_workers), "captions": captions,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "images_per_s": rounds * len(items) / wall,
+        "rounds": rounds,
+        "seconds": wall,
+        "images": len(items),
+        "batch_size": int(cfg.batch_size),
+        "num_workers": int(cfg.num_workers),
+        "captions": captions,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
-def load(port: int, photos: list[Path], clients: int, seconds: float, per_request: int, regions: bool) -> dict[str, Any]:
+def load(
+    port: int, photos: list[Path], clients: int, seconds: float, per_request: int, regions: bool
+) -> dict[str, Any]:
     """``clients`` threads posting for ``seconds``; latencies and answers by status."""
     data = [(p.name, p.read_bytes()) for p in photos]
     fields = {"regions": "true" if regions else "false"}
@@ -160,7 +192,9 @@ def load(port: int, photos: list[Path], clients: int, seconds: float, per_reques
             t0 = time.perf_counter()
             head: dict[str, Any] = {}
             try:
-                status, raw = request(port, "POST", "/v1/captions", body, {"Content-Type": ctype}, conn=conn, answer=head)
+                status, raw = request(
+                    port, "POST", "/v1/captions", body, {"Content-Type": ctype}, conn=conn, answer=head
+                )
             except (OSError, http.client.HTTPException):
                 status, raw = 0, b""
                 conn.close()
@@ -189,8 +223,16 @@ def load(port: int, photos: list[Path], clients: int, seconds: float, per_reques
     def pct(q: float) -> float:
         return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
 
-    return {"images_per_s": len(lat) * per_request / wall, "requests_per_s": len(lat) / wall, "seconds": wall,
-            "p50_ms": pct(0.50), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "statuses": statuses, "captions": captions}
+    return {
+        "images_per_s": len(lat) * per_request / wall,
+        "requests_per_s": len(lat) / wall,
+        "seconds": wall,
+        "p50_ms": pct(0.50),
+        "p95_ms": pct(0.95),
+        "p99_ms": pct(0.99),
+        "statuses": statuses,
+        "captions": captions,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,13 +241,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default=None, help="detector weights (default: the run's)")
     ap.add_argument("--photos", type=Path, required=True, help="folder of photos")
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=30.0, help="load time, and the least time of the in-process rounds")
+    ap.add_argument(
+        "--seconds", type=float, default=30.0, help="load time, and the least time of the in-process rounds"
+    )
     ap.add_argument("--images-per-request", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=8, help="the server's max batch (serve.max_batch)")
     ap.add_argument("--max-wait-ms", type=float, default=20.0)
-    ap.add_argument("--queue-limit", type=int, default=None, help="serve.queue_limit (default: room for every client; smaller shows 503s)")
-    ap.add_argument("--regions", action="store_true", help="ask the server for regions (occlusion relevance: more work than caption)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="caption.KEY=VALUE for both sides (repeatable)")
+    ap.add_argument(
+        "--queue-limit",
+        type=int,
+        default=None,
+        help="serve.queue_limit (default: room for every client; smaller shows 503s)",
+    )
+    ap.add_argument(
+        "--regions",
+        action="store_true",
+        help="ask the server for regions (occlusion relevance: more work than caption)",
+    )
+    ap.add_argument(
+        "--set", dest="sets", action="append", default=[], help="caption.KEY=VALUE for both sides (repeatable)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -216,9 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     log.info("caption in one process: %d photos, rounds for at least %.0f s", len(photos), args.seconds)
     base = baseline(args.model, args.weights, args.photos, args.sets, args.seconds)
-    server_args = ["--model", args.model, *(["--weights", args.weights] if args.weights else []), "--batch-size", str(args.batch_size),
-                   "--set", f"serve.max_wait_ms={args.max_wait_ms:g}", "--set", f"serve.queue_limit={args.queue_limit or max(64, 4 * args.clients * args.images_per_request)}",
-                   *[x for s in args.sets for x in ("--set", s)], "--quiet"]
+    server_args = [
+        "--model",
+        args.model,
+        *(["--weights", args.weights] if args.weights else []),
+        "--batch-size",
+        str(args.batch_size),
+        "--set",
+        f"serve.max_wait_ms={args.max_wait_ms:g}",
+        "--set",
+        f"serve.queue_limit={args.queue_limit or max(64, 4 * args.clients * args.images_per_request)}",
+        *[x for s in args.sets for x in ("--set", s)],
+        "--quiet",
+    ]
     proc, port = start_server(server_args)
     try:
         warm: dict[str, set[str]] = {}
@@ -228,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             for a in json.loads(raw)["images"] if status == 200 else []:
                 warm.setdefault(a["name"], set()).add(a.get("caption", a.get("error", "")))
         before = request(port, "GET", "/metrics")[1].decode()
-        log.info("serve: %d clients, %d image(s) per request, %.0f s", args.clients, args.images_per_request, args.seconds)
+        log.info(
+            "serve: %d clients, %d image(s) per request, %.0f s", args.clients, args.images_per_request, args.seconds
+        )
         served = load(port, photos, args.clients, args.seconds, args.images_per_request, args.regions)
         served["peak_rss_mb"] = peak_rss_mb(proc.pid)
         metrics = request(port, "GET", "/metrics")[1].decode()
@@ -239,26 +306,45 @@ def main(argv: list[str] | None = None) -> int:
     load1 = os.getloadavg()[0]
     same = sum(served["captions"].get(n) == {c} for n, c in base["captions"].items())
     mean_batch = (metric(metrics, "butd_batch_images_sum") - metric(before, "butd_batch_images_sum")) / max(
-        1.0, metric(metrics, "butd_batch_images_count") - metric(before, "butd_batch_images_count"))
-    result = {"cores": len(os.sched_getaffinity(0)), "load_average": [load0, load1], "photos": len(photos), "clients": args.clients,
-              "images_per_request": args.images_per_request, "server_max_batch": args.batch_size, "max_wait_ms": args.max_wait_ms,
-              "regions": args.regions, "caption": {k: v for k, v in base.items() if k != "captions"},
-              "serve": {k: v for k, v in served.items() if k != "captions"}, "mean_batch": mean_batch,
-              "ratio": served["images_per_s"] / base["images_per_s"], "captions_equal": f"{same}/{len(base['captions'])}",
-              "server_exit": code}
+        1.0, metric(metrics, "butd_batch_images_count") - metric(before, "butd_batch_images_count")
+    )
+    result = {
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average": [load0, load1],
+        "photos": len(photos),
+        "clients": args.clients,
+        "images_per_request": args.images_per_request,
+        "server_max_batch": args.batch_size,
+        "max_wait_ms": args.max_wait_ms,
+        "regions": args.regions,
+        "caption": {k: v for k, v in base.items() if k != "captions"},
+        "serve": {k: v for k, v in served.items() if k != "captions"},
+        "mean_batch": mean_batch,
+        "ratio": served["images_per_s"] / base["images_per_s"],
+        "captions_equal": f"{same}/{len(base['captions'])}",
+        "server_exit": code,
+    }
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     s = served
-    print(f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} photos in "
-          f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS {base['peak_rss_mb']:.0f} MB)")
-    print(f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, latency p50 "
-          f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean batch "
-          f"{mean_batch:.2f} images; server peak RSS {s['peak_rss_mb']:.0f} MB")
-    print(f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server exit {code}; "
-          f"load average {load0:.1f} -> {load1:.1f} on {result['cores']} cores")
+    print(
+        f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} photos in "
+        f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS {base['peak_rss_mb']:.0f} MB)"
+    )
+    print(
+        f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, latency p50 "
+        f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean batch "
+        f"{mean_batch:.2f} images; server peak RSS {s['peak_rss_mb']:.0f} MB"
+    )
+    print(
+        f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server exit {code}; "
+        f"load average {load0:.1f} -> {load1:.1f} on {result['cores']} cores"
+    )
     bad = {k: v for k, v in s["statuses"].items() if k not in ("200", "503")}
     if bad or code != 0 or same != len(base["captions"]):
-        sys.stderr.write(f"error: answers {bad or 'ok'}, server exit {code}, captions equal {result['captions_equal']}\n")
+        sys.stderr.write(
+            f"error: answers {bad or 'ok'}, server exit {code}, captions equal {result['captions_equal']}\n"
+        )
         return 1
     return 0
 

@@ -136,8 +136,12 @@ def differing_reads(ours: list[tuple[np.ndarray, np.ndarray]], theirs: list[tupl
     """How many reads differ (features dtype, shape or values, or boxes); 0 when exact."""
     if len(ours) != len(theirs):
         return float("inf")
-    return float(sum(not (fa.dtype == fb.dtype and np.array_equal(fa, fb) and np.array_equal(ba, bb))
-                     for (fa, ba), (fb, bb) in zip(ours, theirs)))
+    return float(
+        sum(
+            not (fa.dtype == fb.dtype and np.array_equal(fa, fb) and np.array_equal(ba, bb))
+            for (fa, ba), (fb, bb) in zip(ours, theirs)
+        )
+    )
 
 
 def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], Callable[[], None]]:
@@ -148,7 +152,10 @@ def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], 
     workdir = Path(tempfile.mkdtemp(prefix="bench-store-")) if root is None else Path(root)
     workdir.mkdir(parents=True, exist_ok=True)
     src = Source(cfg["images"], cfg["dim"])
-    keys = [str(i) for i in np.random.default_rng(1).choice(cfg["images"], size=min(cfg["reads"], cfg["images"]), replace=False)]
+    keys = [
+        str(i)
+        for i in np.random.default_rng(1).choice(cfg["images"], size=min(cfg["reads"], cfg["images"]), replace=False)
+    ]
     closers: list[Callable[[], None]] = []
     store_path = workdir / "store"
     shutil.rmtree(store_path, ignore_errors=True)
@@ -163,9 +170,19 @@ def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], 
         read, close = reader(path)
         closers.append(close)
         mib = disk_bytes(path) / 2**20
-        out.append(Case("store reads", "pipeline.store", name, f"{len(keys)} random images (D={cfg['dim']}, {dtype})",
-                        lambda r=read_store: [r(k) for k in keys], lambda r=read: [r(k) for k in keys], differing_reads, 0.0,
-                        note=f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache"))
+        out.append(
+            Case(
+                "store reads",
+                "pipeline.store",
+                name,
+                f"{len(keys)} random images (D={cfg['dim']}, {dtype})",
+                lambda r=read_store: [r(k) for k in keys],
+                lambda r=read: [r(k) for k in keys],
+                differing_reads,
+                0.0,
+                note=f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache",
+            )
+        )
 
     def cleanup() -> None:
         for c in closers:

@@ -59,9 +59,13 @@ def make_batch(b: int, vocab: int, device: torch.device, rng: torch.Generator) -
     xy = torch.rand(b, n, 2, generator=rng) * 400
     wh = torch.rand(b, n, 2, generator=rng) * 200 + 10
     batch = {
-        "feats": torch.rand(b, n, 2048, generator=rng), "mask": torch.ones(b, n, dtype=torch.bool),
-        "boxes": torch.cat([xy, xy + wh], -1), "sizes": torch.full((b, 2), 640.0), "captions": caps,
-        "caption_image": torch.arange(b).repeat_interleave(k), "keys": [i % 2000 for i in range(b)],
+        "feats": torch.rand(b, n, 2048, generator=rng),
+        "mask": torch.ones(b, n, dtype=torch.bool),
+        "boxes": torch.cat([xy, xy + wh], -1),
+        "sizes": torch.full((b, 2), 640.0),
+        "captions": caps,
+        "caption_image": torch.arange(b).repeat_interleave(k),
+        "keys": [i % 2000 for i in range(b)],
     }
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -77,18 +81,40 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                deterministic: bool = False, fit_steps: int = 25, overrides: dict | None = None) -> tuple[int, float]:
+def bench_stage(
+    name: str,
+    stage: str,
+    batch_size: int | None,
+    iters: int,
+    device: torch.device,
+    amp: str,
+    scorer: CiderD,
+    vocab: Vocab,
+    deterministic: bool = False,
+    fit_steps: int = 25,
+    overrides: dict | None = None,
+) -> tuple[int, float]:
     """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step, on a captioner fitted
     for ``fit_steps`` XE steps to trained-like caption lengths."""
     with deterministic_mode(deterministic, "--deterministic"):
         return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab, fit_steps, overrides)
 
 
-def _bench_stage(name: str, stage: str, batch_size: int | None, iters: int, device: torch.device, amp: str, scorer: CiderD,
-                 vocab: Vocab, fit_steps: int, overrides: dict | None = None) -> tuple[int, float]:
-    model, step, batches, b = prepare_stage(name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps,
-                                            overrides=overrides)
+def _bench_stage(
+    name: str,
+    stage: str,
+    batch_size: int | None,
+    iters: int,
+    device: torch.device,
+    amp: str,
+    scorer: CiderD,
+    vocab: Vocab,
+    fit_steps: int,
+    overrides: dict | None = None,
+) -> tuple[int, float]:
+    model, step, batches, b = prepare_stage(
+        name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps, overrides=overrides
+    )
     step(batches[0])  # warm-up
     sync(device)
     t0 = time.perf_counter()
@@ -105,16 +131,24 @@ def world_captions(batch: dict, seed: int = 0) -> dict:
     vocab = bench_vocab()
     rng = np.random.default_rng(seed)
     images = batch["feats"].shape[0]
-    rows = [vocab.encode(tokenize(c), add_bos=True) for _ in range(images)
-            for c in (make_captions(sample_scene(rng, SceneParams()), rng) * 5)[:5]]
+    rows = [
+        vocab.encode(tokenize(c), add_bos=True)
+        for _ in range(images)
+        for c in (make_captions(sample_scene(rng, SceneParams()), rng) * 5)[:5]
+    ]
     caps = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
     for r, ids in enumerate(rows):
         caps[r, : len(ids)] = torch.tensor(ids)
-    return {**batch, "captions": caps.to(batch["feats"].device),
-            "caption_image": torch.arange(images, device=batch["feats"].device).repeat_interleave(len(rows) // images)}
+    return {
+        **batch,
+        "captions": caps.to(batch["feats"].device),
+        "caption_image": torch.arange(images, device=batch["feats"].device).repeat_interleave(len(rows) // images),
+    }
 
 
-def fitted_model(name: str, batch: dict, steps: int = 25, device: torch.device | None = None, seed: int = 0) -> torch.nn.Module:
+def fitted_model(
+    name: str, batch: dict, steps: int = 25, device: torch.device | None = None, seed: int = 0
+) -> torch.nn.Module:
     """A paper-size captioner, fitted for ``steps`` XE steps (Adam, lr 1e-3) to synthetic-world captions of
     ``batch``'s images (:func:`world_captions`), so that its samples and beams end like a trained model's instead of
     running to ``max_len`` (random weights almost never pick ``<eos>``); ``steps=0``: the random initial weights."""
@@ -131,8 +165,17 @@ def fitted_model(name: str, batch: dict, steps: int = 25, device: torch.device |
     return model
 
 
-def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                 lr: float = 1e-5, overrides: dict | None = None) -> Callable[[dict], float]:
+def trainer_step(
+    model: torch.nn.Module,
+    name: str,
+    stage: str,
+    device: torch.device,
+    amp: str,
+    scorer: CiderD,
+    vocab: Vocab,
+    lr: float = 1e-5,
+    overrides: dict | None = None,
+) -> Callable[[dict], float]:
     """``step(batch) -> loss``: :meth:`pipeline.training.engine.Trainer._step` (the trainer's own step) on what it
     reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler);
     ``overrides``: recipe keys over the model card's (e.g. ``{"baseline_loop": "separate"}``)."""
@@ -143,8 +186,15 @@ def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.de
     from pipeline.training.engine import Progress, Trainer, _Policy
 
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), overrides, 30, name)
-    me = types.SimpleNamespace(model=model, policy=_Policy(model), ctx=DistContext(device=device), precision=amp, vocab=vocab,
-                               dir=Path("."), _scst_scorer=lambda: scorer)
+    me = types.SimpleNamespace(
+        model=model,
+        policy=_Policy(model),
+        ctx=DistContext(device=device),
+        precision=amp,
+        vocab=vocab,
+        dir=Path("."),
+        _scst_scorer=lambda: scorer,
+    )
     opt = build_optimizer(recipe, model.parameters())
     for group in opt.param_groups:
         group["lr"] = lr
@@ -152,9 +202,19 @@ def trainer_step(model: torch.nn.Module, name: str, stage: str, device: torch.de
     return lambda batch: Trainer._step(me, stage, recipe, batch, prog, opt, scaler)["loss"]
 
 
-def prepare_stage(name: str, stage: str, batch_size: int | None, device: torch.device, amp: str, scorer: CiderD, vocab: Vocab,
-                  num_batches: int, seed: int = 0, fit_steps: int = 0, overrides: dict | None = None
-                  ) -> tuple[torch.nn.Module, Callable[[dict], float], list[dict], int]:
+def prepare_stage(
+    name: str,
+    stage: str,
+    batch_size: int | None,
+    device: torch.device,
+    amp: str,
+    scorer: CiderD,
+    vocab: Vocab,
+    num_batches: int,
+    seed: int = 0,
+    fit_steps: int = 0,
+    overrides: dict | None = None,
+) -> tuple[torch.nn.Module, Callable[[dict], float], list[dict], int]:
     """A paper-size ``name`` captioner on ``device`` (fitted for ``fit_steps`` XE steps to the first batch's captions),
     ``num_batches`` synthetic batches and ``step(batch)``: one training step of ``stage`` (xe | scst) exactly as the
     trainer runs it under ``amp`` (:func:`trainer_step`, lr 1e-5), returning the loss.
@@ -172,7 +232,9 @@ def bench_vocab() -> Vocab:
     (mostly wrong) words."""
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     rng = np.random.default_rng(0)
-    corpus_words = sorted({w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)})
+    corpus_words = sorted(
+        {w for _ in range(200) for c in make_captions(sample_scene(rng, SceneParams()), rng) for w in tokenize(c)}
+    )
     return Vocab(words + tuple(corpus_words) + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4 - len(corpus_words))))
 
 
@@ -185,9 +247,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="images per batch for every model (default: the paper's)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cider", action="store_true", help="also run the CIDEr-D rows of python -m bench (vs pycocoevalcap)")
-    ap.add_argument("--deterministic", choices=("off", "on", "both"), default="off",
-                    help="time under train.deterministic: true (on), or without and with it (both: the cost as a ratio)")
+    ap.add_argument(
+        "--cider", action="store_true", help="also run the CIDEr-D rows of python -m bench (vs pycocoevalcap)"
+    )
+    ap.add_argument(
+        "--deterministic",
+        choices=("off", "on", "both"),
+        default="off",
+        help="time under train.deterministic: true (on), or without and with it (both: the cost as a ratio)",
+    )
     args = ap.parse_args()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
     if True in modes:  # before cuBLAS's first call (see the module docstring)
@@ -198,9 +266,11 @@ def main() -> None:
     amp = resolve_precision(args.precision, device, "--precision")
     scorer = reference_corpus(Vocab(("<pad>", "<bos>", "<eos>", "<unk>")))
     vocab = bench_vocab()
-    print(f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
-          f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
-          f", deterministic {args.deterministic}")
+    print(
+        f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
+        f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
+        f", deterministic {args.deterministic}"
+    )
     print(f"{'model':<7}{'stage':<6}{'det':<5}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
     for name in args.models.split(","):
         for stage in args.stages.split(","):
@@ -210,10 +280,14 @@ def main() -> None:
                 seconds.append(sec)
                 ips = b / sec
                 epoch = COCO_TRAIN_IMAGES / ips
-                print(f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m",
-                      flush=True)
+                print(
+                    f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m",
+                    flush=True,
+                )
             if len(seconds) == 2:
-                print(f"{name:<7}{stage:<6}deterministic costs x{seconds[1] / seconds[0]:.2f} the step time", flush=True)
+                print(
+                    f"{name:<7}{stage:<6}deterministic costs x{seconds[1] / seconds[0]:.2f} the step time", flush=True
+                )
     if args.cider:
         from bench.__main__ import main as bench_main
 

@@ -33,9 +33,14 @@ from pipeline.world.generate import generate_world
 def widen_vocabulary(ann: Path, classes: int, attributes: int) -> None:
     data = json.loads(ann.read_text())
     top_c = max(c["id"] for c in data["categories"])
-    data["categories"] += [{"id": top_c + i + 1, "name": f"class{top_c + i + 1}"} for i in range(classes - len(data["categories"]))]
+    data["categories"] += [
+        {"id": top_c + i + 1, "name": f"class{top_c + i + 1}"} for i in range(classes - len(data["categories"]))
+    ]
     top_a = max(a["id"] for a in data["attributes"])
-    data["attributes"] += [{"id": top_a + i + 1, "name": f"attr{top_a + i + 1}", "type": "other"} for i in range(attributes - len(data["attributes"]))]
+    data["attributes"] += [
+        {"id": top_a + i + 1, "name": f"attr{top_a + i + 1}", "type": "other"}
+        for i in range(attributes - len(data["attributes"]))
+    ]
     ann.write_text(json.dumps(data))
 
 
@@ -55,12 +60,16 @@ def main() -> None:
     precision = resolve_precision(args.precision, device, "--precision")
     with tempfile.TemporaryDirectory() as tmp:
         world = Path(tmp) / "world"
-        generate_world(world, load_config("world", None, [f"world.num_images={args.images}", "world.num_workers=1"]).world)
+        generate_world(
+            world, load_config("world", None, [f"world.num_images={args.images}", "world.num_workers=1"]).world
+        )
         ann = world / "annotations" / "instances_train.json"
         if args.preset == "vg_r101":
             widen_vocabulary(ann, 1600, 400)
-        cfg = load_detector_config(CONFIG_DIR / "detector" / f"{args.preset}.yaml",
-                                   [f"data.train_annotations={ann}", f"data.train_images={world / 'images'}"])
+        cfg = load_detector_config(
+            CONFIG_DIR / "detector" / f"{args.preset}.yaml",
+            [f"data.train_annotations={ann}", f"data.train_images={world / 'images'}"],
+        )
         data = load_instances(ann, world / "images")
         model = training_model(cfg, data).to(device).train()
         spec = model.detector.spec
@@ -90,10 +99,16 @@ def main() -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"preset {args.preset}: ResNet blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, {spec.num_classes} classes, "
-              f"{spec.num_attributes} attributes, {n_params / 1e6:.2f}M trainable parameters, scale {min_size}/{max_size}")
-        print(f"device {device} ({torch.get_num_threads()} threads), precision {precision}, {tc.images_per_batch} images/iteration")
-        print(f"{args.iters / dt:.3f} iterations/s, {args.iters * int(tc.images_per_batch) / dt:.2f} images/s ({dt / args.iters * 1000:.0f} ms/iteration)")
+        print(
+            f"preset {args.preset}: ResNet blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, {spec.num_classes} classes, "
+            f"{spec.num_attributes} attributes, {n_params / 1e6:.2f}M trainable parameters, scale {min_size}/{max_size}"
+        )
+        print(
+            f"device {device} ({torch.get_num_threads()} threads), precision {precision}, {tc.images_per_batch} images/iteration"
+        )
+        print(
+            f"{args.iters / dt:.3f} iterations/s, {args.iters * int(tc.images_per_batch) / dt:.2f} images/s ({dt / args.iters * 1000:.0f} ms/iteration)"
+        )
         if device.type == "cuda":
             print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 

@@ -53,7 +53,9 @@ def _runner(model, selector, recipe, photos, dev):
 def _shared(dim: int, count: int):
     def check(ours, theirs) -> float:
         for out in (ours, theirs):
-            if len(out) != count or any(o.features.shape[1] != dim or not np.isfinite(o.features).all() or o.features.shape[0] == 0 for o in out):
+            if len(out) != count or any(
+                o.features.shape[1] != dim or not np.isfinite(o.features).all() or o.features.shape[0] == 0 for o in out
+            ):
                 return float("inf")
         return 0.0
 
@@ -65,13 +67,32 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    images, short, long, props = (2, 200, 333, 20) if size == "tiny" else (16, 600, 1000, 300) if cuda else (2, 300, 500, 100)
+    images, short, long, props = (
+        (2, 200, 333, 20) if size == "tiny" else (16, 600, 1000, 300) if cuda else (2, 300, 500, 100)
+    )
     x152, r101 = vinvl_x152c4(), caffe_r101()
     if size == "tiny":
-        x152 = x152.with_(stem_channels=16, res2_bottleneck=16, groups=4, stage_blocks=(1, 1, 1), res5_blocks=1, rpn_channels=16,
-                          num_classes=21, num_attributes=11)
-        r101 = r101.with_(stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4, stem_channels=8, num_classes=21, num_attributes=11,
-                          attr_embed_dim=8, attr_hidden=16, rpn_channels=16)
+        x152 = x152.with_(
+            stem_channels=16,
+            res2_bottleneck=16,
+            groups=4,
+            stage_blocks=(1, 1, 1),
+            res5_blocks=1,
+            rpn_channels=16,
+            num_classes=21,
+            num_attributes=11,
+        )
+        r101 = r101.with_(
+            stage_blocks=(1, 1, 1),
+            res5_blocks=1,
+            res2_bottleneck=4,
+            stem_channels=8,
+            num_classes=21,
+            num_attributes=11,
+            attr_embed_dim=8,
+            attr_hidden=16,
+            rpn_channels=16,
+        )
     rng = np.random.default_rng(0)
     photos = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(images)]
     scale = {"min_size": short, "max_size": long}
@@ -79,19 +100,44 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
     grid = {**scale, "grid": 7}
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     runs = {}
-    for key, spec, recipe, boxes, over in (("x152", x152, "vinvl", None, region), ("r101", r101, "caffe", "adaptive", region),
-                                           ("x152-grid", x152, "grid-feats", "grid", grid), ("r101-grid", r101, "grid-feats", "grid", grid)):
+    for key, spec, recipe, boxes, over in (
+        ("x152", x152, "vinvl", None, region),
+        ("r101", r101, "caffe", "adaptive", region),
+        ("x152-grid", x152, "grid-feats", "grid", grid),
+        ("r101-grid", r101, "grid-feats", "grid", grid),
+    ):
         model, selector, resolved = _setup(spec, recipe, boxes, dev, over)
         runs[key] = _runner(model, selector, resolved, photos, dev)
     work = f"{images} photos 480x640 at {short}/{long}, {props} proposals, batch 1"
     common = dict(work=work, tolerance=0.0, sync=sync, per_call=float(images), unit="s/img")
-    s = lambda f: (lambda: f())  # noqa: E731
+    s = lambda f: lambda: f()  # noqa: E731
     return [
-        Case("regions X-152 vs R-101", "VinVL X-152 C4 (vinvl)", "bottom-up R-101 C4 (caffe)", run_project=s(runs["x152"]),
-             run_baseline=s(runs["r101"]), check=_shared(x152.feature_dim, images),
-             note="ratio = R-101 / X-152 time (the R-101 head runs res5 dilated at 14x14, X-152's at 7x7)", **common),
-        Case("grid vs regions (X-152)", "X-152 grid 7x7", "X-152 regions (vinvl)", run_project=s(runs["x152-grid"]),
-             run_baseline=s(runs["x152"]), check=_shared(x152.feature_dim, images), **common),
-        Case("grid vs regions (R-101)", "R-101 grid 7x7", "R-101 regions (caffe)", run_project=s(runs["r101-grid"]),
-             run_baseline=s(runs["r101"]), check=_shared(r101.feature_dim, images), **common),
+        Case(
+            "regions X-152 vs R-101",
+            "VinVL X-152 C4 (vinvl)",
+            "bottom-up R-101 C4 (caffe)",
+            run_project=s(runs["x152"]),
+            run_baseline=s(runs["r101"]),
+            check=_shared(x152.feature_dim, images),
+            note="ratio = R-101 / X-152 time (the R-101 head runs res5 dilated at 14x14, X-152's at 7x7)",
+            **common,
+        ),
+        Case(
+            "grid vs regions (X-152)",
+            "X-152 grid 7x7",
+            "X-152 regions (vinvl)",
+            run_project=s(runs["x152-grid"]),
+            run_baseline=s(runs["x152"]),
+            check=_shared(x152.feature_dim, images),
+            **common,
+        ),
+        Case(
+            "grid vs regions (R-101)",
+            "R-101 grid 7x7",
+            "R-101 regions (caffe)",
+            run_project=s(runs["r101-grid"]),
+            run_baseline=s(runs["r101"]),
+            check=_shared(r101.feature_dim, images),
+            **common,
+        ),
     ]

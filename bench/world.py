@@ -1,6 +1,6 @@
 """Benchmark: synthetic-world generation throughput (images/s) for 1 and 2 worker processes.
 
-    python bench/world.py [--num-images 2000]
+python bench/world.py [--num-images 2000]
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'workers':>8} {'images':>7} {'seconds':>8} {'images/s':>9}")
     for workers in (1, 2):
-        cfg = load_config("world", overrides=[f"world.num_images={args.num_images}", f"world.num_workers={workers}"]).world
+        cfg = load_config(
+            "world", overrides=[f"world.num_images={args.num_images}", f"world.num_workers={workers}"]
+        ).world
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             generate_world(Path(tmp), cfg)

@@ -36,7 +36,9 @@ class BottomUpDetector(nn.Module):
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.backbone = ResNetC4(spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps)
+        self.backbone = ResNetC4(
+            spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps
+        )
         self.proposal_generator = RPN(spec, self.backbone.out_channels)
         self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
         self.roi_chunk = 0
@@ -49,8 +51,21 @@ class BottomUpDetector(nn.Module):
         """Change test-time settings of the spec (input scale, proposal counts, NMS) in place; the architecture
         fields (those that shape the weights) must stay as they are."""
         new = self.spec.with_(**changes)
-        shaping = ("flavor", "stem_channels", "res2_bottleneck", "expansion", "stage_blocks", "res5_blocks", "rpn_channels",
-                   "num_classes", "num_attributes", "attr_embed_dim", "attr_hidden", "has_attributes", "anchor_ratios")
+        shaping = (
+            "flavor",
+            "stem_channels",
+            "res2_bottleneck",
+            "expansion",
+            "stage_blocks",
+            "res5_blocks",
+            "rpn_channels",
+            "num_classes",
+            "num_attributes",
+            "attr_embed_dim",
+            "attr_hidden",
+            "has_attributes",
+            "anchor_ratios",
+        )
         for name in shaping:
             if getattr(new, name) != getattr(self.spec, name):
                 raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
@@ -92,11 +107,22 @@ class BottomUpDetector(nn.Module):
             feat = self.backbone(batch)
             if selector.given:
                 assert given_boxes is not None, "the given-boxes selector needs boxes"
-                props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], selector.recipe.rescale)
-                         for i in idx]
+                props = [
+                    to_resized(
+                        torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4),
+                        frames[i],
+                        selector.recipe.rescale,
+                    )
+                    for i in idx
+                ]
             else:
                 props = self.proposal_generator(feat, [(h, w)] * len(idx), [frames[i].im_scale for i in idx])
-            rois = torch.cat([torch.cat([torch.full((p.shape[0], 1), j, dtype=torch.float32, device=dev), p], 1) for j, p in enumerate(props)])
+            rois = torch.cat(
+                [
+                    torch.cat([torch.full((p.shape[0], 1), j, dtype=torch.float32, device=dev), p], 1)
+                    for j, p in enumerate(props)
+                ]
+            )
             for j, i in enumerate(idx):
                 rois_per_image[i] = props[j]
             pooled_parts.append((idx, self.roi_heads.pool(feat, rois), [p.shape[0] for p in props]))
@@ -143,21 +169,45 @@ class BottomUpDetector(nn.Module):
         n = len(rois)
         fg = self.class_probs(logits)
         attr = self.attr_probs(attr_logits) if attr_logits is not None else None
-        picked = selector([rois[i] for i in range(n)], [fg[per_image[i]] for i in range(n)],
-                          [deltas[per_image[i]] for i in range(n)], frames)
+        picked = selector(
+            [rois[i] for i in range(n)],
+            [fg[per_image[i]] for i in range(n)],
+            [deltas[per_image[i]] for i in range(n)],
+            frames,
+        )
         chosen = [p.keep for p in picked]
         # the kept rows of every image at once (rows of the batch's flat RoI tensors), then one copy to the host
-        rows = torch.cat([per_image[i].start + chosen[i].to(fg.device) for i in range(n)]) if n else torch.zeros(0, dtype=torch.long)
-        cs, ci = fg[rows].max(dim=1) if rows.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+        rows = (
+            torch.cat([per_image[i].start + chosen[i].to(fg.device) for i in range(n)])
+            if n
+            else torch.zeros(0, dtype=torch.long)
+        )
+        cs, ci = (
+            fg[rows].max(dim=1)
+            if rows.numel()
+            else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+        )
         if attr is not None:
-            a_s, a_i = attr[rows].max(dim=1) if rows.numel() else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+            a_s, a_i = (
+                attr[rows].max(dim=1)
+                if rows.numel()
+                else (fg.new_zeros(0), torch.zeros(0, dtype=torch.long, device=fg.device))
+            )
         kept, start = feats[rows], 0
         fields = []
         for i in range(n):
             k = slice(start, start + chosen[i].numel())
             start = k.stop
-            fields.append({"features": kept[k], "boxes": picked[i].boxes, "class_ids": ci[k], "class_scores": cs[k],
-                           "attr_ids": a_i[k] if attr is not None else None, "attr_scores": a_s[k] if attr is not None else None})
+            fields.append(
+                {
+                    "features": kept[k],
+                    "boxes": picked[i].boxes,
+                    "class_ids": ci[k],
+                    "class_scores": cs[k],
+                    "attr_ids": a_i[k] if attr is not None else None,
+                    "attr_scores": a_s[k] if attr is not None else None,
+                }
+            )
         return records_to_host(fields, [(frames[i].width, frames[i].height) for i in range(n)])
 
 

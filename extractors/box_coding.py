@@ -34,11 +34,19 @@ def encode(src: torch.Tensor, target: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.0)
     tx = target[:, 0] + 0.5 * tw
     ty = target[:, 1] + 0.5 * th
     wx, wy, ww, wh = weights
-    return torch.stack((wx * (tx - sx) / sw, wy * (ty - sy) / sh, ww * torch.log(tw / sw), wh * torch.log(th / sh)), dim=1)
+    return torch.stack(
+        (wx * (tx - sx) / sw, wy * (ty - sy) / sh, ww * torch.log(tw / sw), wh * torch.log(th / sh)), dim=1
+    )
 
 
-def decode(deltas: torch.Tensor, boxes: torch.Tensor, weights=(1.0, 1.0, 1.0, 1.0), legacy: bool = True, scale_clamp: float = DEFAULT_SCALE_CLAMP,
-           x2_minus_one: bool = False) -> torch.Tensor:
+def decode(
+    deltas: torch.Tensor,
+    boxes: torch.Tensor,
+    weights=(1.0, 1.0, 1.0, 1.0),
+    legacy: bool = True,
+    scale_clamp: float = DEFAULT_SCALE_CLAMP,
+    x2_minus_one: bool = False,
+) -> torch.Tensor:
     """Apply deltas (N, 4k) to boxes (N, 4) -> (N, 4k) (inverse R-CNN parameterisation, class-specific if k > 1).
 
     ``ctr' = d_x * w + ctr``, ``w' = exp(d_w) * w``; boxes ``[ctr' - w'/2, ctr' + w'/2]`` (py-faster-rcnn omits
@@ -86,7 +94,9 @@ def legacy_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return box_iou(a + one, b + one)
 
 
-def nms_boxes(boxes: torch.Tensor, scores: torch.Tensor, thresh: float, legacy: bool = True, idxs: torch.Tensor | None = None) -> torch.Tensor:
+def nms_boxes(
+    boxes: torch.Tensor, scores: torch.Tensor, thresh: float, legacy: bool = True, idxs: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy NMS, indices in decreasing score order.
 
     Legacy: Caffe ``cpu_nms`` (``+1`` areas, suppress when ``IoU >= thresh``), computed by torchvision on boxes

@@ -29,7 +29,9 @@ def read_labelmap(path: str) -> tuple[list[str], list[str]]:
         table = data.get(table_key) if isinstance(data, dict) else None
         if table is None:
             return []
-        if not isinstance(table, dict) or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in table.values()):
+        if not isinstance(table, dict) or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in table.values()
+        ):
             raise UsageError(f"labelmap {path}: '{table_key}' must map names to 1-based integer ids")
         ids = sorted(table.values())
         if ids != list(range(1, len(ids) + 1)):
@@ -42,8 +44,14 @@ def read_labelmap(path: str) -> tuple[list[str], list[str]]:
     return classes, names("attribute_to_idx")
 
 
-def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any], seed: int, device: torch.device,
-                       labelmap: str | None = None) -> tuple[Any, FeatureIdentity, dict[str, Any]]:
+def load_for_inference(
+    weights: str,
+    preset: str,
+    spec_overrides: dict[str, Any],
+    seed: int,
+    device: torch.device,
+    labelmap: str | None = None,
+) -> tuple[Any, FeatureIdentity, dict[str, Any]]:
     """-> (detector, its :class:`FeatureIdentity`, loader info incl. class/attribute names when the file has them).
 
     The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe and
@@ -66,7 +74,9 @@ def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any]
     else:
         spec = None if preset == "auto" else EXTRACTORS.get(preset)()
         if spec_overrides:
-            raise UsageError("extract.spec overrides apply to --weights random only; a weights file defines its architecture")
+            raise UsageError(
+                "extract.spec overrides apply to --weights random only; a weights file defines its architecture"
+            )
         model, info = load_detector(weights, spec)
         name = info["layout"] if info["layout"] in ("vinvl", "grid-feats") else f"bottom-up-{info['layout']}"
     if model.spec.flavor == "vinvl" and weights == "random":
@@ -79,25 +89,40 @@ def load_for_inference(weights: str, preset: str, spec_overrides: dict[str, Any]
         info["classes"], info["attributes"] = read_labelmap(labelmap)
         n_cls, n_att = model.spec.num_classes - 1, model.spec.num_attributes - 1
         if len(info["classes"]) != n_cls or (info["attributes"] and len(info["attributes"]) != n_att):
-            raise UsageError(f"labelmap {labelmap} names {len(info['classes'])} classes / {len(info['attributes'])} attributes; "
-                             f"the detector has {n_cls} / {n_att}")
+            raise UsageError(
+                f"labelmap {labelmap} names {len(info['classes'])} classes / {len(info['attributes'])} attributes; "
+                f"the detector has {n_cls} / {n_att}"
+            )
         labelmap_sha256 = sha256_file(labelmap)
-    identity = FeatureIdentity(name=name, weights_sha256=info["weights_sha256"], layout=info["layout"], spec=model.spec.to_dict(),
-                               labelmap_sha256=labelmap_sha256)
+    identity = FeatureIdentity(
+        name=name,
+        weights_sha256=info["weights_sha256"],
+        layout=info["layout"],
+        spec=model.spec.to_dict(),
+        labelmap_sha256=labelmap_sha256,
+    )
     return model, identity, info
 
 
-def configure_recipe(model, layout: str, section: Any, where: str = "extract", shorthands: tuple[str, ...] | None = None):
+def configure_recipe(
+    model, layout: str, section: Any, where: str = "extract", shorthands: tuple[str, ...] | None = None
+):
     """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`) for weights of
     ``layout``, applied to ``model`` (input scale, proposal settings). Returns (resolved recipe, selector);
     :func:`record_settings` records them in the feature identity."""
     from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
     from extractors.selector import make_selector
 
-    recipe = apply_recipe(model, recipe_from_config(section, layout or "random", model.spec.flavor, where,
-                                                    SHORTHANDS if shorthands is None else shorthands))
+    recipe = apply_recipe(
+        model,
+        recipe_from_config(
+            section, layout or "random", model.spec.flavor, where, SHORTHANDS if shorthands is None else shorthands
+        ),
+    )
     if layout == "grid-feats" and recipe.selector != "grid":
-        raise UsageError(f"grid-feats weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid")
+        raise UsageError(
+            f"grid-feats weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid"
+        )
     log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))
     return recipe, make_selector(recipe, model.spec)
 
@@ -108,5 +133,10 @@ def record_settings(identity: FeatureIdentity, model, selector, precision: str) 
     in short (``config.boxes``) and the precision. What ``extract`` and ``caption --cache`` store next to the
     weights' SHA-256, and what :meth:`FeatureIdentity.settings_diff` compares."""
     r = selector.recipe
-    return replace(identity, spec=model.spec.to_dict(), recipe=r.to_dict(), precision=str(precision),
-                   boxes={"mode": r.selector, "min": r.min_boxes, "max": r.max_boxes, "conf": r.conf_thresh, "nms": r.nms_thresh})
+    return replace(
+        identity,
+        spec=model.spec.to_dict(),
+        recipe=r.to_dict(),
+        precision=str(precision),
+        boxes={"mode": r.selector, "min": r.min_boxes, "max": r.max_boxes, "conf": r.conf_thresh, "nms": r.nms_thresh},
+    )

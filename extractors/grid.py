@@ -42,8 +42,16 @@ class GridFeatsModel(nn.Module):
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.backbone = ResNetC4(tuple(spec.stage_blocks) + (spec.res5_blocks,), spec.stem_channels, spec.res2_bottleneck, spec.expansion,
-                                 spec.bn_eps, groups=spec.groups, stride_in_1x1=spec.stride_in_1x1, stem_pool=spec.stem_pool)
+        self.backbone = ResNetC4(
+            tuple(spec.stage_blocks) + (spec.res5_blocks,),
+            spec.stem_channels,
+            spec.res2_bottleneck,
+            spec.expansion,
+            spec.bn_eps,
+            groups=spec.groups,
+            stride_in_1x1=spec.stride_in_1x1,
+            stem_pool=spec.stem_pool,
+        )
         for s in spec.deform_stages:  # detectron2 DeformBottleneckBlock: conv2_offset (18 channels, bias) beside conv2
             for block in getattr(self.backbone, f"res{s}"):
                 width = block.conv2.weight.shape[0]
@@ -69,12 +77,22 @@ class GridFeatsModel(nn.Module):
         return selector.detect(self, blobs, frames)
 
 
-def _conv(cn: ConvNorm, x: torch.Tensor, stride: int, dilation: int, offset_conv: nn.Conv2d | None = None) -> torch.Tensor:
+def _conv(
+    cn: ConvNorm, x: torch.Tensor, stride: int, dilation: int, offset_conv: nn.Conv2d | None = None
+) -> torch.Tensor:
     pad = dilation if cn.weight.shape[-1] == 3 else 0
     w, b = cn._folded if cn._folded is not None else (cn.weight, None)
     if offset_conv is not None:  # DCNv1: offsets from the same input, with conv2's geometry
         offset = F.conv2d(x, offset_conv.weight, offset_conv.bias, stride, pad, dilation)
-        y = deform_conv2d(x.float(), offset.float(), w.float(), None if b is None else b.float(), (stride, stride), (pad, pad), (dilation, dilation))
+        y = deform_conv2d(
+            x.float(),
+            offset.float(),
+            w.float(),
+            None if b is None else b.float(),
+            (stride, stride),
+            (pad, pad),
+            (dilation, dilation),
+        )
     else:
         y = F.conv2d(x, w.to(x.dtype), None if b is None else b.to(x.dtype), stride, pad, dilation, cn.groups)
     return y if cn._folded is not None else cn.norm(y)
@@ -109,9 +127,13 @@ def grid_map(model: nn.Module, blob: torch.Tensor, res5_dilation: int = 1) -> tu
         x = bb.stem(x)
         for i, name in enumerate(bb.stage_names[:-1]):
             x = run_stage(getattr(bb, name), x, 1 if i == 0 else 2, 1)
-        return run_res5(getattr(bb, bb.stage_names[-1]), x, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
+        return run_res5(getattr(bb, bb.stage_names[-1]), x, res5_dilation).float(), model.spec.feature_stride * (
+            2 if res5_dilation == 1 else 1
+        )
     c4 = model.backbone(x)
-    return run_res5(model.roi_heads.res5, c4, res5_dilation).float(), model.spec.feature_stride * (2 if res5_dilation == 1 else 1)
+    return run_res5(model.roi_heads.res5, c4, res5_dilation).float(), model.spec.feature_stride * (
+        2 if res5_dilation == 1 else 1
+    )
 
 
 def cell_edges(n: int, k: int) -> list[tuple[int, int]]:
@@ -128,16 +150,30 @@ def grid_cells(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> tupl
     pooled = F.adaptive_avg_pool2d(fmap, (grid, grid)) if grid > 0 else fmap
     feats = pooled[0].permute(1, 2, 0).reshape(-1, d)
     ys, xs = cell_edges(h, grid), cell_edges(w, grid)
-    boxes = torch.tensor([[x0 * stride, y0 * stride, min(x1 * stride, frame.blob_w), min(y1 * stride, frame.blob_h)]
-                          for (y0, y1) in ys for (x0, x1) in xs], dtype=torch.float32)
+    boxes = torch.tensor(
+        [
+            [x0 * stride, y0 * stride, min(x1 * stride, frame.blob_w), min(y1 * stride, frame.blob_h)]
+            for (y0, y1) in ys
+            for (x0, x1) in xs
+        ],
+        dtype=torch.float32,
+    )
     return feats, to_original(boxes, frame, "per-axis", "none").numpy().astype(np.float32)
 
 
 def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
     """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (one image; :class:`GridCells` copies a batch at once)."""
     feats, boxes = grid_cells(fmap, stride, frame, grid)
-    return RegionRecord(features=feats.cpu().numpy().astype(np.float32), boxes=boxes, image_w=int(frame.width),
-                        image_h=int(frame.height), class_ids=None, class_scores=None, attr_ids=None, attr_scores=None)
+    return RegionRecord(
+        features=feats.cpu().numpy().astype(np.float32),
+        boxes=boxes,
+        image_w=int(frame.width),
+        image_h=int(frame.height),
+        class_ids=None,
+        class_scores=None,
+        attr_ids=None,
+        attr_scores=None,
+    )
 
 
 class GridCells(Selector):
@@ -163,8 +199,18 @@ class GridCells(Selector):
             n = f.numel()
             feats = flat[start : start + n].reshape(tuple(f.shape)).astype(np.float32)
             start += n
-            out.append(RegionRecord(features=feats, boxes=boxes, image_w=int(frame.width), image_h=int(frame.height),
-                                    class_ids=None, class_scores=None, attr_ids=None, attr_scores=None))
+            out.append(
+                RegionRecord(
+                    features=feats,
+                    boxes=boxes,
+                    image_w=int(frame.width),
+                    image_h=int(frame.height),
+                    class_ids=None,
+                    class_scores=None,
+                    attr_ids=None,
+                    attr_scores=None,
+                )
+            )
         return out
 
 
@@ -175,11 +221,17 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     from extractors.weight_bounds import check_spec, dims, groups_of
 
     L = "grid-feats"
-    deform = tuple(sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)}))
+    deform = tuple(
+        sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)})
+    )
     for k in sd:
         if k.endswith("conv2_offset.weight") and tuple(sd[k].shape[:1]) != (18,):
-            raise _err(path, L, f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one deformable group "
-                                "(18, the X-152++ model) is supported, not modulated or grouped offsets")
+            raise _err(
+                path,
+                L,
+                f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one deformable group "
+                "(18, the X-152++ model) is supported, not modulated or grouped offsets",
+            )
     stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:
         raise _err(path, L, "backbone.res2 .. backbone.res5 not found")
@@ -188,8 +240,20 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     blocks = tuple(stages[s] for s in (2, 3, 4))
     std = X101_PIXEL_STD if (groups > 1 and blocks == (3, 4, 23)) else (1.0, 1.0, 1.0)
     stem = dims(sd, "backbone.stem.conv1.weight", 4, path, L)[0]
-    spec = BottomUpSpec(flavor="d2", stem_channels=stem, res2_bottleneck=bott,
-                        expansion=out2 // bott, stage_blocks=blocks, res5_blocks=stages[5], res5_dilation=1, groups=groups,
-                        stride_in_1x1=groups == 1, stem_pool="pad1", has_attributes=False, pixel_means=VINVL_PIXEL_MEANS_BGR, pixel_std=std,
-                        deform_stages=deform)
+    spec = BottomUpSpec(
+        flavor="d2",
+        stem_channels=stem,
+        res2_bottleneck=bott,
+        expansion=out2 // bott,
+        stage_blocks=blocks,
+        res5_blocks=stages[5],
+        res5_dilation=1,
+        groups=groups,
+        stride_in_1x1=groups == 1,
+        stem_pool="pad1",
+        has_attributes=False,
+        pixel_means=VINVL_PIXEL_MEANS_BGR,
+        pixel_std=std,
+        deform_stages=deform,
+    )
     return check_spec(spec, path, L, "architecture")

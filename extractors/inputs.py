@@ -260,8 +260,10 @@ def unique_items(items: list[ImageItem]) -> list[ImageItem]:
     seen: dict[str, Path] = {}
     for it in items:
         if it.key in seen and seen[it.key] != it.path:
-            raise UsageError(f"two images map to the same key {key_to_text(it.key)!r}: {key_to_text(str(seen[it.key]))} "
-                             f"and {key_to_text(str(it.path))}")
+            raise UsageError(
+                f"two images map to the same key {key_to_text(it.key)!r}: {key_to_text(str(seen[it.key]))} "
+                f"and {key_to_text(str(it.path))}"
+            )
         seen[it.key] = it.path
     out, done = [], set()
     for it in items:

@@ -42,7 +42,12 @@ _VINVL_FLAT = (
 )
 VINVL_RES5 = "roi_heads.box.feature_extractor.head.layer4."
 VINVL_RES5_COPY = "attribute.feature_extractor.head.layer4."
-GRID_HEADS = ("proposal_generator.", "roi_heads.box_head.", "roi_heads.box_predictor.", "roi_heads.attribute_predictor.")
+GRID_HEADS = (
+    "proposal_generator.",
+    "roi_heads.box_head.",
+    "roi_heads.box_predictor.",
+    "roi_heads.attribute_predictor.",
+)
 
 
 def _err(path: Any, layout: str, msg: str):
@@ -64,7 +69,7 @@ def to_vinvl_key(key: str) -> str:
         return f"{head}{block}.{'bn' + conv[4:] if norm else conv}.{leaf}"
     for a, b in _VINVL_FLAT:
         if key.startswith(a):
-            return b + key[len(a):]
+            return b + key[len(a) :]
     return key
 
 
@@ -113,15 +118,24 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
     kw: dict[str, Any] = {}
     has_attr = "attribute.predictor.attr_score.weight" in sd
     if has_attr:
-        kw = {"num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, L)[0],
-              "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, L)[1],
-              "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, L)[0]}
+        kw = {
+            "num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, L)[0],
+            "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, L)[1],
+            "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, L)[0],
+        }
     spec = vinvl_x152c4().with_(
-        stem_channels=stem, res2_bottleneck=bott, expansion=out2 // bott, groups=groups,
-        stage_blocks=tuple(stages[s] for s in sorted(stages)), res5_blocks=res5,
+        stem_channels=stem,
+        res2_bottleneck=bott,
+        expansion=out2 // bott,
+        groups=groups,
+        stage_blocks=tuple(stages[s] for s in sorted(stages)),
+        res5_blocks=res5,
         rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, L)[0],
         anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
-        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0], has_attributes=has_attr, **kw)
+        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0],
+        has_attributes=has_attr,
+        **kw,
+    )
     return check_spec(spec, path, L, "architecture")
 
 
@@ -133,8 +147,14 @@ def internal_table(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
     return OrderedDict((k, tuple(v.shape)) for k, v in model.state_dict().items())
 
 
-def strict_check(path: Any, layout: str, sd: Mapping[str, torch.Tensor], table: Mapping[str, tuple[int, ...]], optional: set[str],
-                 allowed_prefixes: tuple[str, ...] = ()) -> None:
+def strict_check(
+    path: Any,
+    layout: str,
+    sd: Mapping[str, torch.Tensor],
+    table: Mapping[str, tuple[int, ...]],
+    optional: set[str],
+    allowed_prefixes: tuple[str, ...] = (),
+) -> None:
     """One line naming every missing and unexpected key (five of each at most), then the first wrong shape."""
     missing = [k for k in table if k not in sd and k not in optional]
     extra = [k for k in sd if k not in table and not k.startswith(allowed_prefixes)]
@@ -142,14 +162,18 @@ def strict_check(path: Any, layout: str, sd: Mapping[str, torch.Tensor], table: 
         parts = []
         for name, keys in (("missing", missing), ("unexpected", extra)):
             if keys:
-                parts.append(f"{len(keys)} {name} key{'s' if len(keys) > 1 else ''} ({', '.join(repr(k) for k in keys[:5])}{', ...' if len(keys) > 5 else ''})")
+                parts.append(
+                    f"{len(keys)} {name} key{'s' if len(keys) > 1 else ''} ({', '.join(repr(k) for k in keys[:5])}{', ...' if len(keys) > 5 else ''})"
+                )
         raise _err(path, layout, "; ".join(parts))
     for k, shp in table.items():
         if k in sd and tuple(sd[k].shape) != tuple(shp):
             raise _err(path, layout, f"key '{k}' has shape {list(sd[k].shape)}, expected {list(shp)}")
     for k, v in sd.items():
         if not v.is_floating_point() or not bool(torch.isfinite(v).all()):
-            raise _err(path, layout, f"key '{k}' holds {'non-float' if not v.is_floating_point() else 'non-finite'} values")
+            raise _err(
+                path, layout, f"key '{k}' holds {'non-float' if not v.is_floating_point() else 'non-finite'} values"
+            )
 
 
 def vinvl_tables(spec: BottomUpSpec) -> tuple["OrderedDict[str, tuple[int, ...]]", set[str]]:
@@ -158,7 +182,7 @@ def vinvl_tables(spec: BottomUpSpec) -> tuple["OrderedDict[str, tuple[int, ...]]
     for k, shp in internal_table(spec).items():
         table[to_vinvl_key(k)] = shp
         if to_vinvl_key(k).startswith(VINVL_RES5):
-            copy = VINVL_RES5_COPY + to_vinvl_key(k)[len(VINVL_RES5):]
+            copy = VINVL_RES5_COPY + to_vinvl_key(k)[len(VINVL_RES5) :]
             table[copy] = shp
             optional.add(copy)
     return table, optional
@@ -169,7 +193,7 @@ def check_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -
     table, optional = vinvl_tables(spec)
     strict_check(path, "vinvl", sd, table, optional)
     for k in sd:
-        if k.startswith(VINVL_RES5_COPY) and not torch.equal(sd[k], sd[VINVL_RES5 + k[len(VINVL_RES5_COPY):]]):
+        if k.startswith(VINVL_RES5_COPY) and not torch.equal(sd[k], sd[VINVL_RES5 + k[len(VINVL_RES5_COPY) :]]):
             raise _err(path, "vinvl", f"key '{k}' differs from the box head's res5 (the release shares one module)")
 
 
@@ -180,7 +204,11 @@ def load_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | N
     inferred = infer_vinvl_spec(sd, path)
     spec = inferred if spec is None else spec
     if spec.flavor != "vinvl":
-        raise _err(path, "vinvl", f"the preset expects {spec.flavor} semantics, the file is a VinVL (maskrcnn_benchmark) detector")
+        raise _err(
+            path,
+            "vinvl",
+            f"the preset expects {spec.flavor} semantics, the file is a VinVL (maskrcnn_benchmark) detector",
+        )
     check_vinvl(path, sd, spec)
     model = VinVLDetector(spec)
     back = {to_vinvl_key(k): k for k in model.state_dict()}
@@ -189,8 +217,14 @@ def load_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | N
     return model, {"anchors_from_file": to_vinvl_key(ANCHORS) in sd}
 
 
-def save_vinvl(model: torch.nn.Module, path: str | Path, module_prefix: bool = True, anchors: bool = True, copies: bool = True,
-               wrap: bool = False) -> Path:
+def save_vinvl(
+    model: torch.nn.Module,
+    path: str | Path,
+    module_prefix: bool = True,
+    anchors: bool = True,
+    copies: bool = True,
+    wrap: bool = False,
+) -> Path:
     """Write a :class:`VinVLDetector` in the release's layout (tests and conversions)."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for k, v in model.state_dict().items():
@@ -199,7 +233,7 @@ def save_vinvl(model: torch.nn.Module, path: str | Path, module_prefix: bool = T
         name = to_vinvl_key(k)
         out[name] = v.detach().cpu().contiguous()
         if copies and name.startswith(VINVL_RES5):
-            out[VINVL_RES5_COPY + name[len(VINVL_RES5):]] = out[name]
+            out[VINVL_RES5_COPY + name[len(VINVL_RES5) :]] = out[name]
     if module_prefix:
         out = OrderedDict(("module." + k, v) for k, v in out.items())
     torch.save({"model": dict(out)} if wrap else dict(out), path)
@@ -212,9 +246,11 @@ def describe_vinvl(sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str,
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
     width = spec.res2_bottleneck // spec.groups
     return {
-        "layout": "vinvl", "semantics": "vinvl (maskrcnn_benchmark: +1 boxes, sigmoid RPN, ROIAlign, background first)",
+        "layout": "vinvl",
+        "semantics": "vinvl (maskrcnn_benchmark: +1 boxes, sigmoid RPN, ROIAlign, background first)",
         "architecture": f"ResNeXt-{depth} {spec.groups}x{width}d C4 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
-        "classes": spec.num_classes, "attributes": spec.num_attributes if spec.has_attributes else 0,
+        "classes": spec.num_classes,
+        "attributes": spec.num_attributes if spec.has_attributes else 0,
         "anchors_in_file": to_vinvl_key(ANCHORS) in sd,
     }, spec
 
@@ -255,8 +291,17 @@ def describe_release(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> 
     spec = infer_grid_spec(sd, path)
     strict_check(path, "grid-feats", sd, grid_tables(spec), set(), GRID_HEADS)
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
-    name = f"ResNeXt-{depth} {spec.groups}x{spec.res2_bottleneck // spec.groups}d" if spec.groups > 1 else f"ResNet-{depth}"
-    return {"layout": "grid-feats", "semantics": "d2 (detectron2 backbone through res5; grid features only)",
-            "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
-            "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std), "classes": 0, "attributes": 0,
-            "deformable": ", ".join(f"res{s}" for s in spec.deform_stages) or "none"}, spec
+    name = (
+        f"ResNeXt-{depth} {spec.groups}x{spec.res2_bottleneck // spec.groups}d"
+        if spec.groups > 1
+        else f"ResNet-{depth}"
+    )
+    return {
+        "layout": "grid-feats",
+        "semantics": "d2 (detectron2 backbone through res5; grid features only)",
+        "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
+        "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std),
+        "classes": 0,
+        "attributes": 0,
+        "deformable": ", ".join(f"res{s}" for s in spec.deform_stages) or "none",
+    }, spec

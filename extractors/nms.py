@@ -115,7 +115,9 @@ def kept_in_rank_order(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor
     return idx[torch.argsort(scores[idx], descending=True, stable=True)]
 
 
-def max_conf(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None) -> torch.Tensor:
+def max_conf(
+    boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """``generate_tsv.py`` ``max_conf``: per proposal, the max of ``score_c`` over the classes c whose greedy
     NMS (``+1`` IoU >= ``thresh``) keeps it, else 0.
 
@@ -137,8 +139,13 @@ def max_conf(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, val
     return out[0] if single else out
 
 
-def max_conf_device(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None,
-                    max_sweeps: int | None = None) -> torch.Tensor:
+def max_conf_device(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    thresh: float = 0.3,
+    valid: torch.Tensor | None = None,
+    max_sweeps: int | None = None,
+) -> torch.Tensor:
     """:func:`max_conf` with torch operators only (any device, the same result): (B, R, 4) boxes, (B, R, K)
     scores, (B, R) ``valid`` -> (B, R) float32.
 
@@ -163,7 +170,9 @@ def max_conf_device(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0
     kept = torch.ones((b * r, k), dtype=torch.bool, device=dev)
     dst_k = dst[:, None].expand(-1, k)
     for _ in range(max_sweeps or r + 1):
-        hit = torch.zeros((b * r, k), dtype=torch.uint8, device=dev).scatter_reduce_(0, dst_k, (kept[src] & before).to(torch.uint8), "amax")
+        hit = torch.zeros((b * r, k), dtype=torch.uint8, device=dev).scatter_reduce_(
+            0, dst_k, (kept[src] & before).to(torch.uint8), "amax"
+        )
         new = hit == 0
         if torch.equal(new, kept):  # the sweep's host read
             break

@@ -40,6 +40,7 @@ from pipeline.core.precision import autocast
 
 log = get_logger("photos")
 
+
 class Need(Enum):
     """What a command needs of one photo: ``DETECT`` (pixels and the detector's blob), ``IMAGE`` (pixels only:
     its regions come from a feature cache, its picture needs the image) or ``NOTHING`` (cached, no picture)."""
@@ -61,7 +62,9 @@ class Photo:
     frame: Frame | None = None
     size: tuple[int, int] | None = None  # (H, W) of the decoded photo
     failure: Failure | None = None
-    handover: str | None = None  # a worker could not put its tensors in shared memory: decoded again in the main process
+    handover: str | None = (
+        None  # a worker could not put its tensors in shared memory: decoded again in the main process
+    )
 
     def pin_memory(self) -> "Photo":
         """The ``DataLoader(pin_memory=True)`` hook (it leaves objects without one unpinned): the blob in page-locked
@@ -81,8 +84,10 @@ def thin_image_reason(orig_hw: tuple[int, int], blob_hw: tuple[int, int], min_si
     h, w = int(blob_hw[0]), int(blob_hw[1])
     if min(h, w) >= min_side:
         return None
-    return (f"{orig_hw[1]}x{orig_hw[0]} image resizes to {w}x{h} for the network: its short side {min(h, w)} px is "
-            f"below the {min_side} px minimum (the backbone's feature stride)")
+    return (
+        f"{orig_hw[1]}x{orig_hw[0]} image resizes to {w}x{h} for the network: its short side {min(h, w)} px is "
+        f"below the {min_side} px minimum (the backbone's feature stride)"
+    )
 
 
 class PhotoDataset(Dataset):
@@ -91,8 +96,15 @@ class PhotoDataset(Dataset):
     ``min_side``: the detector's feature stride (the thin-image check); ``keep_images``: every decoded photo
     keeps its pixels (pictures, gallery)."""
 
-    def __init__(self, items: Sequence[ImageItem], recipe: Any, max_pixels: int, min_side: int,
-                 needs: Sequence[Need] | None = None, keep_images: bool = False) -> None:
+    def __init__(
+        self,
+        items: Sequence[ImageItem],
+        recipe: Any,
+        max_pixels: int,
+        min_side: int,
+        needs: Sequence[Need] | None = None,
+        keep_images: bool = False,
+    ) -> None:
         needs = [Need.DETECT] * len(items) if needs is None else list(needs)
         if len(items) != len(needs):
             raise ValueError(f"{len(items)} photos but {len(needs)} needs")
@@ -111,7 +123,9 @@ class PhotoDataset(Dataset):
         if need is Need.NOTHING:
             return out
         try:
-            data = getattr(it, "data", None)  # an upload (``cli serve``) carries its bytes and is never read from a path
+            data = getattr(
+                it, "data", None
+            )  # an upload (``cli serve``) carries its bytes and is never read from a path
             rgb = load_rgb(data if data is not None else it.path, self.max_pixels)
         except ImageLoadError as exc:
             out.failure = Failure(exc.reason, exc.detail)
@@ -145,15 +159,24 @@ def as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-def photo_batches(dataset: Dataset, batch_size: int, num_workers: int, prefetch: int = 2,
-                  pin_memory: bool = False) -> Iterator[list[Any]]:
+def photo_batches(
+    dataset: Dataset, batch_size: int, num_workers: int, prefetch: int = 2, pin_memory: bool = False
+) -> Iterator[list[Any]]:
     """The dataset's items in input order, ``batch_size`` at a time, decoded by ``num_workers`` processes (after
     the thread policy; 0: in this process), at most ``prefetch`` batches per worker ahead of the caller.
     Torch's thread count is restored when the iteration ends."""
     with thread_policy.loader_threads(int(num_workers)) as n:
-        loader = DataLoader(dataset, batch_size=max(1, int(batch_size)), shuffle=False, num_workers=n, collate_fn=as_list,
-                            prefetch_factor=max(1, int(prefetch)) if n else None, persistent_workers=False,
-                            pin_memory=pin_memory, timeout=loader_timeout(n))
+        loader = DataLoader(
+            dataset,
+            batch_size=max(1, int(batch_size)),
+            shuffle=False,
+            num_workers=n,
+            collate_fn=as_list,
+            prefetch_factor=max(1, int(prefetch)) if n else None,
+            persistent_workers=False,
+            pin_memory=pin_memory,
+            timeout=loader_timeout(n),
+        )
         yield from _bounded(loader, dataset, max(1, int(batch_size)))
 
 
@@ -172,16 +195,22 @@ def _bounded(loader: DataLoader, dataset: Dataset, batch_size: int) -> Iterator[
             if not is_worker_failure(exc):
                 raise
             del it  # shuts the workers down
-            log.warning("%s; decoding the remaining %d photos in this process", worker_failure_line(exc, "the photo-decoding workers"),
-                        len(dataset) - done)  # type: ignore[arg-type]
+            log.warning(
+                "%s; decoding the remaining %d photos in this process",
+                worker_failure_line(exc, "the photo-decoding workers"),
+                len(dataset) - done,
+            )  # type: ignore[arg-type]
             for lo in range(done, len(dataset), batch_size):  # type: ignore[arg-type]
                 yield [dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))]  # type: ignore[arg-type]
             return
         redo = [k for k, p in enumerate(batch) if getattr(p, "handover", None) is not None]
         if redo:
             if not warned:
-                log.warning("the photo-decoding workers could not hand photos over (%s): decoding those in this process; %s",
-                            batch[redo[0]].handover, SHM_HINT)
+                log.warning(
+                    "the photo-decoding workers could not hand photos over (%s): decoding those in this process; %s",
+                    batch[redo[0]].handover,
+                    SHM_HINT,
+                )
                 warned = True
             for k in redo:
                 batch[k] = dataset[batch[k].index]
@@ -203,8 +232,14 @@ def _detect(model: Any, photos: list[Photo], selector: Any, precision: str, dev:
         return model.detect([p.blob for p in photos], [p.frame for p in photos], selector, given)
 
 
-def detect_guarded(model: Any, photos: list[Photo], selector: Any, precision: str, dev: torch.device,
-                   fail: Callable[[Photo, Failure], None]) -> list[tuple[Photo, Any]]:
+def detect_guarded(
+    model: Any,
+    photos: list[Photo],
+    selector: Any,
+    precision: str,
+    dev: torch.device,
+    fail: Callable[[Photo, Failure], None],
+) -> list[tuple[Photo, Any]]:
     """The per-image guard: detect the batch (``RegionRecord`` per photo); if the model raises, run each photo
     alone and send the ones that still raise to ``fail(photo, Failure("detector_failed", ...))``.
     Project errors (:class:`PipelineError`) are not a photo's failure: they stop the run."""

@@ -43,7 +43,11 @@ class ImageLoadError(Exception):
 def _to_rgb_uint8(im: Image.Image) -> np.ndarray:
     """Normalise any PIL mode to RGB uint8 (alpha composited on white; 16-bit / int / float rescaled)."""
     mode = im.mode
-    if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info) or (mode in ("RGB", "L") and "transparency" in im.info):
+    if (
+        mode in ("RGBA", "LA", "PA")
+        or (mode == "P" and "transparency" in im.info)
+        or (mode in ("RGB", "L") and "transparency" in im.info)
+    ):
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
@@ -128,7 +132,9 @@ def load_rgb(path: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
                 try:
                     im.load()
                 except OSError as exc:
-                    raise ImageLoadError("truncated", str(exc).splitlines()[0] if str(exc) else "truncated data") from None
+                    raise ImageLoadError(
+                        "truncated", str(exc).splitlines()[0] if str(exc) else "truncated data"
+                    ) from None
                 try:
                     im2 = ImageOps.exif_transpose(im) or im
                 except Exception:  # a broken EXIF block: keep the unrotated image (detectron2 does the same)
@@ -139,7 +145,9 @@ def load_rgb(path: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageLoadError("too_large", str(exc).splitlines()[0]) from None
     except UnidentifiedImageError:
-        raise ImageLoadError("not_an_image", f"not a decodable image in the allowed formats ({', '.join(ALLOWED_FORMATS)})") from None
+        raise ImageLoadError(
+            "not_an_image", f"not a decodable image in the allowed formats ({', '.join(ALLOWED_FORMATS)})"
+        ) from None
     except PermissionError as exc:
         raise ImageLoadError("unreadable", f"permission denied ({exc.strerror})") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # decoder errors from odd files
@@ -158,7 +166,9 @@ def compute_scale(height: int, width: int, min_size: int = 600, max_size: int = 
     return scale
 
 
-def caffe_blob(rgb: np.ndarray, min_size: int = 600, max_size: int = 1000, pixel_means=(102.9801, 115.9465, 122.7717)) -> tuple[np.ndarray, float]:
+def caffe_blob(
+    rgb: np.ndarray, min_size: int = 600, max_size: int = 1000, pixel_means=(102.9801, 115.9465, 122.7717)
+) -> tuple[np.ndarray, float]:
     """(3, H', W') float32 mean-subtracted BGR blob and its scale, exactly as the Caffe test script."""
     bgr = rgb[:, :, ::-1].astype(np.float32)
     bgr -= np.asarray(pixel_means, dtype=np.float32)
@@ -263,7 +273,9 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
             t = torch.from_numpy(np.ascontiguousarray(small.transpose(2, 0, 1))).float()
             if getattr(recipe, "to_bgr255", False):
                 t = t.div(255).mul(255)
-        t = (t - torch.tensor(recipe.pixel_mean, dtype=torch.float32).view(3, 1, 1)) / torch.tensor(recipe.pixel_std, dtype=torch.float32).view(3, 1, 1)
+        t = (t - torch.tensor(recipe.pixel_mean, dtype=torch.float32).view(3, 1, 1)) / torch.tensor(
+            recipe.pixel_std, dtype=torch.float32
+        ).view(3, 1, 1)
         blob = t.numpy()
     blob = np.ascontiguousarray(blob, dtype=np.float32)
     return blob, Frame(int(h), int(w), int(blob.shape[1]), int(blob.shape[2]), float(scale))

@@ -31,7 +31,14 @@ from typing import Any, Mapping
 from pipeline.core.errors import UsageError
 
 RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
-LAYOUT_RECIPE = {"milvlg": "caffe", "butd": "caffe", "hf": "hf", "airsplay": "airsplay", "vinvl": "vinvl", "grid-feats": "grid-feats"}
+LAYOUT_RECIPE = {
+    "milvlg": "caffe",
+    "butd": "caffe",
+    "hf": "hf",
+    "airsplay": "airsplay",
+    "vinvl": "vinvl",
+    "grid-feats": "grid-feats",
+}
 """The recipe a weights layout defaults to (``--recipe`` / ``extract.recipe`` override it)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -121,9 +128,25 @@ class Recipe:
         return all(getattr(self, k) is not None for k in _NULLABLE)
 
 
-VINVL_FIELDS = ("nms_filter", "ignore_box_regression", "roi_nms_thresh", "nms_variant", "attr_thresh", "max_attrs_per_image")
+VINVL_FIELDS = (
+    "nms_filter",
+    "ignore_box_regression",
+    "roi_nms_thresh",
+    "nms_variant",
+    "attr_thresh",
+    "max_attrs_per_image",
+)
 GRID_FIELDS = ("grid", "res5_dilation")
-_INT = ("min_size", "max_size", "pre_nms_topk", "post_nms_topk", "min_boxes", "max_boxes", "max_attrs_per_image", "grid")
+_INT = (
+    "min_size",
+    "max_size",
+    "pre_nms_topk",
+    "post_nms_topk",
+    "min_boxes",
+    "max_boxes",
+    "max_attrs_per_image",
+    "grid",
+)
 _FLOAT = ("rpn_nms_thresh", "nms_thresh", "conf_thresh", "roi_nms_thresh", "attr_thresh")
 _NULLABLE = ("pixel_mean", "pixel_std", "min_size", "max_size", "pre_nms_topk", "post_nms_topk", "rpn_nms_thresh")
 _BOOL = ("drop_empty", "to_bgr255", "ignore_box_regression")
@@ -138,7 +161,9 @@ def _number(where: str, key: str, value: Any, kind: type) -> Any:
 
 
 def _floats(where: str, key: str, value: Any, length: int | None = None) -> tuple[float, ...]:
-    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) for v in value
+    ):
         raise UsageError(f"{where}.{key} must be a list of numbers, got {value!r}")
     if length is not None and len(value) != length:
         raise UsageError(f"{where}.{key} must have {length} values, got {len(value)}")
@@ -183,7 +208,9 @@ def check_value(where: str, key: str, value: Any) -> Any:
         if isinstance(value, bool) or value not in _SET[key]:
             raise UsageError(f"{where}.{key} must be one of {', '.join(map(str, _SET[key]))}, not {value!r}")
         return int(value)
-    raise UsageError(f"unknown recipe field {where}.{key} (known: {', '.join(f.name for f in fields(Recipe) if f.name != 'name')})")
+    raise UsageError(
+        f"unknown recipe field {where}.{key} (known: {', '.join(f.name for f in fields(Recipe) if f.name != 'name')})"
+    )
 
 
 def recipe_from_mapping(name: str, values: Mapping[str, Any], where: str) -> Recipe:
@@ -199,8 +226,10 @@ def check_recipe(recipe: Recipe, where: str) -> Recipe:
     if recipe.min_boxes > recipe.max_boxes:
         raise UsageError(f"{where}: min_boxes {recipe.min_boxes} exceeds max_boxes {recipe.max_boxes}")
     if recipe.selector == "vinvl" and recipe.nms_filter == 2 and not recipe.ignore_box_regression:
-        raise UsageError(f"{where}: nms_filter 2 needs ignore_box_regression true (with regression the release writes "
-                         "boxes of the wrong proposal; docs/recipes.md#vinvl)")
+        raise UsageError(
+            f"{where}: nms_filter 2 needs ignore_box_regression true (with regression the release writes "
+            "boxes of the wrong proposal; docs/recipes.md#vinvl)"
+        )
     return recipe
 
 
@@ -231,8 +260,9 @@ def recipe_name_for(layout: str, flavor: str = "caffe") -> str:
     return {"caffe": "caffe", "vinvl": "vinvl"}.get(flavor, "hf")
 
 
-def recipe_from_config(section: Any, layout: str, flavor: str = "caffe", where: str = "extract",
-                       shorthands: tuple[str, ...] = SHORTHANDS) -> Recipe:
+def recipe_from_config(
+    section: Any, layout: str, flavor: str = "caffe", where: str = "extract", shorthands: tuple[str, ...] = SHORTHANDS
+) -> Recipe:
     """The recipe a run uses: ``section.recipe`` (``auto`` = the layout's), its values from ``section.recipes``
     (or ``configs/extract.yaml``), then the shorthands of the section (``boxes``, ``min_boxes``,
     ``max_boxes``, ``conf_thresh``, ``nms_thresh``, ``min_size``, ``max_size``; ``null`` = the recipe's own).
@@ -278,9 +308,13 @@ def validate_config(section: Any, where: str = "extract", shorthands: tuple[str,
 def resolve_recipe(recipe: Recipe, spec: Any) -> Recipe:
     """Fill the ``None`` values with the weights' own (``spec``: the detector's :class:`BottomUpSpec`)."""
     own = {
-        "pixel_mean": tuple(float(v) for v in spec.pixel_means), "pixel_std": tuple(float(v) for v in spec.pixel_std),
-        "min_size": int(spec.min_size), "max_size": int(spec.max_size),
-        "pre_nms_topk": int(spec.pre_nms_topk), "post_nms_topk": int(spec.post_nms_topk), "rpn_nms_thresh": float(spec.rpn_nms_thresh),
+        "pixel_mean": tuple(float(v) for v in spec.pixel_means),
+        "pixel_std": tuple(float(v) for v in spec.pixel_std),
+        "min_size": int(spec.min_size),
+        "max_size": int(spec.max_size),
+        "pre_nms_topk": int(spec.pre_nms_topk),
+        "post_nms_topk": int(spec.post_nms_topk),
+        "rpn_nms_thresh": float(spec.rpn_nms_thresh),
     }
     return recipe.with_(**{k: v for k, v in own.items() if getattr(recipe, k) is None})
 
@@ -290,8 +324,12 @@ def apply_recipe(model: Any, recipe: Recipe) -> Recipe:
     the model (:meth:`BottomUpDetector.set_test_recipe`); returns the resolved recipe."""
     full = resolve_recipe(recipe, model.spec)
     model.set_test_recipe(
-        min_size=full.min_size, max_size=full.max_size, pre_nms_topk=full.pre_nms_topk,
-        post_nms_topk=full.post_nms_topk, rpn_nms_thresh=full.rpn_nms_thresh, pixel_means=full.pixel_mean,
+        min_size=full.min_size,
+        max_size=full.max_size,
+        pre_nms_topk=full.pre_nms_topk,
+        post_nms_topk=full.post_nms_topk,
+        rpn_nms_thresh=full.rpn_nms_thresh,
+        pixel_means=full.pixel_mean,
     )
     return full
 
@@ -304,24 +342,53 @@ def describe_recipe(recipe: Recipe) -> list[tuple[str, str]]:
     rows = [
         ("recipe", r.name),
         ("input", f"{r.colour.upper()}{' (ToTensor x 255)' if r.to_bgr255 else ''}, mean ({mean}), std ({std})"),
-        ("resize", f"{r.resize} rule, short side {r.min_size or 'own'}, long side <= {r.max_size or 'own'}, {r.interpolation}"),
-        ("proposals", f"top {r.pre_nms_topk or 'own'} -> NMS {r.rpn_nms_thresh or 'own'} -> first {r.post_nms_topk or 'own'}"),
+        (
+            "resize",
+            f"{r.resize} rule, short side {r.min_size or 'own'}, long side <= {r.max_size or 'own'}, {r.interpolation}",
+        ),
+        (
+            "proposals",
+            f"top {r.pre_nms_topk or 'own'} -> NMS {r.rpn_nms_thresh or 'own'} -> first {r.post_nms_topk or 'own'}",
+        ),
     ]
     if r.selector == "per-class-nms":
-        rows.append(("selection", f"per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
-                                  f"{r.min_boxes}..{r.max_boxes} boxes; proposal boxes"))
+        rows.append(
+            (
+                "selection",
+                f"per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
+                f"{r.min_boxes}..{r.max_boxes} boxes; proposal boxes",
+            )
+        )
     elif r.selector == "nms-ladder":
-        rows.append(("selection", f"best class per proposal, its regressed box; NMS ladder {', '.join(f'{t:g}' for t in r.ladder)} "
-                                  f"until >= {r.min_boxes}, first {r.max_boxes}"))
+        rows.append(
+            (
+                "selection",
+                f"best class per proposal, its regressed box; NMS ladder {', '.join(f'{t:g}' for t in r.ladder)} "
+                f"until >= {r.min_boxes}, first {r.max_boxes}",
+            )
+        )
     elif r.selector == "vinvl":
-        how = {0: f"per class: score > {r.conf_thresh:g}, NMS {r.roi_nms_thresh:g}", 1: f"per-class NMS {r.nms_thresh:g} over the proposals, "
-               f"keep best kept score >= {r.conf_thresh:g}", 2: f"best class, one NMS {r.roi_nms_thresh:g}, keep >= {r.conf_thresh:g}"}[r.nms_filter]
-        rows.append(("selection", f"VinVL nms_filter {r.nms_filter}: {how}, {r.min_boxes}..{r.max_boxes} boxes; "
-                                  f"{'proposal' if r.ignore_box_regression else 'regressed'} boxes, {r.nms_variant} NMS; "
-                                  f"attributes > {r.attr_thresh:g}, at most {r.max_attrs_per_image} per image"))
+        how = {
+            0: f"per class: score > {r.conf_thresh:g}, NMS {r.roi_nms_thresh:g}",
+            1: f"per-class NMS {r.nms_thresh:g} over the proposals, keep best kept score >= {r.conf_thresh:g}",
+            2: f"best class, one NMS {r.roi_nms_thresh:g}, keep >= {r.conf_thresh:g}",
+        }[r.nms_filter]
+        rows.append(
+            (
+                "selection",
+                f"VinVL nms_filter {r.nms_filter}: {how}, {r.min_boxes}..{r.max_boxes} boxes; "
+                f"{'proposal' if r.ignore_box_regression else 'regressed'} boxes, {r.nms_variant} NMS; "
+                f"attributes > {r.attr_thresh:g}, at most {r.max_attrs_per_image} per image",
+            )
+        )
     elif r.selector == "grid":
-        rows.append(("selection", f"grid: res5 map of the whole image (res5 dilation {r.res5_dilation}), "
-                                  f"{'every cell' if r.grid == 0 else f'average-pooled to {r.grid}x{r.grid}'}; boxes = cells"))
+        rows.append(
+            (
+                "selection",
+                f"grid: res5 map of the whole image (res5 dilation {r.res5_dilation}), "
+                f"{'every cell' if r.grid == 0 else f'average-pooled to {r.grid}x{r.grid}'}; boxes = cells",
+            )
+        )
     else:
         rows.append(("selection", "given boxes (features pooled on supplied boxes)"))
     rows.append(("rescale", f"{r.rescale}, clip {r.clip}{', drop empty boxes' if r.drop_empty else ''}"))

@@ -49,8 +49,17 @@ class ConvNorm(nn.Module):
     the result is mathematically identical to conv followed by the affine BN.
     """
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, padding: int = 0, dilation: int = 1, eps: float = 1e-5,
-                 groups: int = 1) -> None:
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: int,
+        stride: int = 1,
+        padding: int = 0,
+        dilation: int = 1,
+        eps: float = 1e-5,
+        groups: int = 1,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cout, cin // groups, kernel, kernel))
         self.groups = groups
@@ -106,14 +115,25 @@ class Bottleneck(nn.Module):
     (``stride_in_1x1``, Caffe MSRA) or on the 3x3 conv (ResNeXt); the projection always carries it.
     """
 
-    def __init__(self, cin: int, bottleneck: int, cout: int, stride: int = 1, dilation: int = 1, eps: float = 1e-5,
-                 groups: int = 1, stride_in_1x1: bool = True) -> None:
+    def __init__(
+        self,
+        cin: int,
+        bottleneck: int,
+        cout: int,
+        stride: int = 1,
+        dilation: int = 1,
+        eps: float = 1e-5,
+        groups: int = 1,
+        stride_in_1x1: bool = True,
+    ) -> None:
         super().__init__()
         s1, s3 = (stride, 1) if stride_in_1x1 else (1, stride)
         self.stride_in_1x1 = stride_in_1x1
         self.shortcut = ConvNorm(cin, cout, 1, stride=stride, eps=eps) if (cin != cout or stride != 1) else None
         self.conv1 = ConvNorm(cin, bottleneck, 1, stride=s1, eps=eps)
-        self.conv2 = ConvNorm(bottleneck, bottleneck, 3, stride=s3, padding=dilation, dilation=dilation, eps=eps, groups=groups)
+        self.conv2 = ConvNorm(
+            bottleneck, bottleneck, 3, stride=s3, padding=dilation, dilation=dilation, eps=eps, groups=groups
+        )
         self.conv3 = ConvNorm(bottleneck, cout, 1, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,13 +144,32 @@ class Bottleneck(nn.Module):
         return F.relu_(y + identity)
 
 
-def make_stage(num_blocks: int, cin: int, bottleneck: int, cout: int, first_stride: int, dilation: int = 1, eps: float = 1e-5,
-               groups: int = 1, stride_in_1x1: bool = True) -> nn.Sequential:
+def make_stage(
+    num_blocks: int,
+    cin: int,
+    bottleneck: int,
+    cout: int,
+    first_stride: int,
+    dilation: int = 1,
+    eps: float = 1e-5,
+    groups: int = 1,
+    stride_in_1x1: bool = True,
+) -> nn.Sequential:
     """``num_blocks`` bottlenecks; only the first one strides (and projects)."""
     blocks = []
     for i in range(num_blocks):
-        blocks.append(Bottleneck(cin if i == 0 else cout, bottleneck, cout, stride=first_stride if i == 0 else 1, dilation=dilation, eps=eps,
-                                 groups=groups, stride_in_1x1=stride_in_1x1))
+        blocks.append(
+            Bottleneck(
+                cin if i == 0 else cout,
+                bottleneck,
+                cout,
+                stride=first_stride if i == 0 else 1,
+                dilation=dilation,
+                eps=eps,
+                groups=groups,
+                stride_in_1x1=stride_in_1x1,
+            )
+        )
     return nn.Sequential(*blocks)
 
 
@@ -142,15 +181,33 @@ def make_res5(spec, in_channels: int, groups: int = 1, stride_in_1x1: bool = Tru
     bottleneck = spec.res2_bottleneck * 2 ** len(spec.stage_blocks)
     out = bottleneck * spec.expansion
     first_stride = 1 if spec.res5_dilation > 1 else 2
-    return make_stage(spec.res5_blocks, in_channels, bottleneck, out, first_stride, spec.res5_dilation, spec.bn_eps,
-                      groups=groups, stride_in_1x1=stride_in_1x1), out
+    return make_stage(
+        spec.res5_blocks,
+        in_channels,
+        bottleneck,
+        out,
+        first_stride,
+        spec.res5_dilation,
+        spec.bn_eps,
+        groups=groups,
+        stride_in_1x1=stride_in_1x1,
+    ), out
 
 
 class ResNetC4(nn.Module):
     """Stem + stages res2..res{k+1} (``stage_blocks`` = blocks per stage; R-101: 3, 4, 23 -> res4 at stride 16)."""
 
-    def __init__(self, stage_blocks: tuple[int, ...], stem_channels: int = 64, res2_bottleneck: int = 64, expansion: int = 4, eps: float = 1e-5,
-                 groups: int = 1, stride_in_1x1: bool = True, stem_pool: str = "caffe") -> None:
+    def __init__(
+        self,
+        stage_blocks: tuple[int, ...],
+        stem_channels: int = 64,
+        res2_bottleneck: int = 64,
+        expansion: int = 4,
+        eps: float = 1e-5,
+        groups: int = 1,
+        stride_in_1x1: bool = True,
+        stem_pool: str = "caffe",
+    ) -> None:
         super().__init__()
         self.stem = BasicStem(stem_channels, eps, stem_pool)
         self.stage_names: list[str] = []
@@ -158,8 +215,19 @@ class ResNetC4(nn.Module):
         for i, n in enumerate(stage_blocks):
             name = f"res{i + 2}"
             cout = width * expansion
-            self.add_module(name, make_stage(n, cin, width, cout, first_stride=1 if i == 0 else 2, eps=eps, groups=groups,
-                                             stride_in_1x1=stride_in_1x1))
+            self.add_module(
+                name,
+                make_stage(
+                    n,
+                    cin,
+                    width,
+                    cout,
+                    first_stride=1 if i == 0 else 2,
+                    eps=eps,
+                    groups=groups,
+                    stride_in_1x1=stride_in_1x1,
+                ),
+            )
             self.stage_names.append(name)
             cin, width = cout, width * 2
         self.out_channels = cin

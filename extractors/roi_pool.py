@@ -20,7 +20,9 @@ class DeterministicRoIPool(torch.autograd.Function):
     """``roi_pool(feat, rois, (h, w), scale)`` whose input gradient is an ``index_add_`` at the saved argmax."""
 
     @staticmethod
-    def forward(ctx: Any, feat: torch.Tensor, rois: torch.Tensor, height: int, width: int, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, feat: torch.Tensor, rois: torch.Tensor, height: int, width: int, scale: float
+    ) -> torch.Tensor:
         out, argmax = torch.ops.torchvision.roi_pool(feat, rois, float(scale), int(height), int(width))
         ctx.save_for_backward(rois, argmax)
         ctx.feat_shape = feat.shape

@@ -44,7 +44,9 @@ class AnchorGenerator(nn.Module):
         if spec.flavor == "caffe":
             cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, spec.anchor_scales)
         elif spec.flavor == "vinvl":  # maskrcnn_benchmark generate_anchors: the legacy table at sizes / stride
-            cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, tuple(s / spec.anchor_stride for s in spec.anchor_sizes))
+            cell = caffe_cell_anchors(
+                spec.anchor_stride, spec.anchor_ratios, tuple(s / spec.anchor_stride for s in spec.anchor_sizes)
+            )
         else:
             cell = d2_cell_anchors(spec.anchor_sizes, spec.anchor_ratios)
         self.cell_anchors = _BufferList([cell])
@@ -93,14 +95,24 @@ class RPN(nn.Module):
         deltas = deltas.float().view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
         return scores, deltas
 
-    def forward(self, feat: torch.Tensor, image_sizes: list[tuple[int, int]], scales: list[float]) -> list[torch.Tensor]:
+    def forward(
+        self, feat: torch.Tensor, image_sizes: list[tuple[int, int]], scales: list[float]
+    ) -> list[torch.Tensor]:
         """Proposal boxes (R_i, 4) in blob coordinates for each image of ``feat`` (equal-sized batch)."""
         scores, deltas = self.scores_and_deltas(feat)
         anchors = self.anchor_generator(feat.shape[-2], feat.shape[-1])
         return [self._select(scores[i], deltas[i], anchors, image_sizes[i], scales[i]) for i in range(feat.shape[0])]
 
-    def _select(self, scores: torch.Tensor, deltas: torch.Tensor, anchors: torch.Tensor, size: tuple[int, int], scale: float,
-                pre_nms_topk: int | None = None, post_nms_topk: int | None = None) -> torch.Tensor:
+    def _select(
+        self,
+        scores: torch.Tensor,
+        deltas: torch.Tensor,
+        anchors: torch.Tensor,
+        size: tuple[int, int],
+        scale: float,
+        pre_nms_topk: int | None = None,
+        post_nms_topk: int | None = None,
+    ) -> torch.Tensor:
         """One image's proposals; ``pre_nms_topk`` / ``post_nms_topk`` override the spec's test values (training
         uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
         s = self.spec
@@ -121,7 +133,9 @@ class RPN(nn.Module):
             boxes, scores = boxes[order], scores[order]
         else:
             order = torch.argsort(scores, descending=True, stable=True)[:pre]
-            boxes = box_coding.decode(deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), legacy=False, scale_clamp=s.scale_clamp)
+            boxes = box_coding.decode(
+                deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), legacy=False, scale_clamp=s.scale_clamp
+            )
             scores = scores[order]
             boxes = box_coding.clip(boxes, h, w, legacy=False)
             keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)

@@ -79,15 +79,23 @@ def run_extraction(
     summary.skipped = len(items) - len(todo)
     if summary.skipped:
         log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
-    fail_fh = (os.fdopen(open_own_file(failures_path, "failures list", truncate=True), "w", encoding="utf-8")
-               if failures_path is not None else None)
+    fail_fh = (
+        os.fdopen(open_own_file(failures_path, "failures list", truncate=True), "w", encoding="utf-8")
+        if failures_path is not None
+        else None
+    )
     t0 = time.perf_counter()
     ds = PhotoDataset(todo, selector.recipe, max_pixels, spec.feature_stride)
     since_commit = 0
 
     def fail(photo: Photo, failure: Failure) -> None:
         path = key_to_text(os.fsdecode(photo.item.path))
-        rec = {"key": key_to_text(photo.item.key), "path": path, "reason": failure.reason, "detail": key_to_text(failure.detail)}
+        rec = {
+            "key": key_to_text(photo.item.key),
+            "path": path,
+            "reason": failure.reason,
+            "detail": key_to_text(failure.detail),
+        }
         summary.failures.append(rec)
         summary.failed += 1
         log.warning("skipped %s: %s (%s)", path, failure.reason, rec["detail"])
@@ -107,7 +115,9 @@ def run_extraction(
 
     def detect(groups: list[list[Photo]]) -> None:
         for group in groups:
-            for photo, rec in detect_guarded(model, group, selector, precision, dev, lambda p, f: order.put(p.index, (p, f))):
+            for photo, rec in detect_guarded(
+                model, group, selector, precision, dev, lambda p, f: order.put(p.index, (p, f))
+            ):
                 order.put(photo.index, (photo, rec))
 
     try:
@@ -135,7 +145,8 @@ def run_extraction(
                     writer.commit()
                     raise ExtractionInterrupted(
                         f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, all committed "
-                        f"to {writer.path}: run the same command again to resume")
+                        f"to {writer.path}: run the same command again to resume"
+                    )
             detect(buckets.flush() if buckets is not None else [])
             order.release()
         writer.commit()

@@ -33,7 +33,9 @@ from extractors import box_coding, nms
 from extractors.preprocess import Frame
 
 
-def max_conf_vectorized(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None) -> torch.Tensor:
+def max_conf_vectorized(
+    boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-proposal max score over the classes in which greedy NMS (``+1`` IoU >= ``thresh``) keeps it.
 
     ``boxes`` (B, R, 4) or (R, 4); ``scores`` (B, R, K) or (R, K) foreground class scores (>= 0);
@@ -70,7 +72,13 @@ def clamp_selection(max_conf: torch.Tensor, conf_thresh: float, min_boxes: int, 
     return keep
 
 
-def maxnms_select(boxes: torch.Tensor, fg_scores: torch.Tensor, min_boxes: int, max_boxes: int, thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> tuple[torch.Tensor, torch.Tensor]:
+def maxnms_select(
+    boxes: torch.Tensor,
+    fg_scores: torch.Tensor,
+    min_boxes: int,
+    max_boxes: int,
+    thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """airsplay "maxnms": ``boxes`` (R, K, 4) class boxes, ``fg_scores`` (R, K) -> (kept proposal ids, their boxes).
 
     Stops at the first threshold that leaves at least ``min_boxes`` proposals (the last one otherwise).
@@ -203,7 +211,9 @@ class NMSLadder(Selector):
             if r.clip in ("resized", "resized-and-original"):
                 cls_boxes = box_coding.clip(cls_boxes, frame.blob_h, frame.blob_w, legacy=False)
             keep, best = maxnms_select(cls_boxes, fg[i], r.min_boxes, r.max_boxes, thresholds=r.ladder)
-            boxes = to_original(best, frame, r.rescale, "resized-and-original" if r.clip == "resized-and-original" else "none")
+            boxes = to_original(
+                best, frame, r.rescale, "resized-and-original" if r.clip == "resized-and-original" else "none"
+            )
             if r.drop_empty:
                 nonempty = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
                 keep, boxes = keep[nonempty], boxes[nonempty]
@@ -247,6 +257,8 @@ def make_selector(recipe, spec) -> Selector:
     if (recipe.selector == "vinvl") != (spec.flavor == "vinvl") and recipe.selector not in ("given",):
         from pipeline.core.errors import UsageError
 
-        raise UsageError(f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
-                         f"{'VinVL weights need the vinvl selection (or --boxes given / grid)' if spec.flavor == 'vinvl' else 'the vinvl selection needs VinVL weights'}")
+        raise UsageError(
+            f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
+            f"{'VinVL weights need the vinvl selection (or --boxes given / grid)' if spec.flavor == 'vinvl' else 'the vinvl selection needs VinVL weights'}"
+        )
     return SELECTORS[recipe.selector](recipe, spec)

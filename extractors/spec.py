@@ -54,7 +54,9 @@ class BottomUpSpec:
     bn_eps: float = 1e-5
     groups: int = 1  # ResNeXt cardinality of every 3x3 conv (VinVL X-152 32x8d: 32, res2_bottleneck = 32 * 8)
     stride_in_1x1: bool = True  # False: the block stride sits on the 3x3 conv (ResNeXt, STRIDE_IN_1X1 False)
-    stem_pool: str = "caffe"  # caffe: 3x3/2 pad 0 ceil mode; pad1: 3x3/2 pad 1 floor mode (maskrcnn_benchmark, detectron2)
+    stem_pool: str = (
+        "caffe"  # caffe: 3x3/2 pad 0 ceil mode; pad1: 3x3/2 pad 1 floor mode (maskrcnn_benchmark, detectron2)
+    )
     deform_stages: tuple[int, ...] = ()  # stages whose 3x3 convs are deformable (DCNv1; grid-feats X-152++: res4, res5)
     # RPN
     rpn_channels: int = 512
@@ -153,7 +155,13 @@ class BottomUpSpec:
             raise UsageError(f"invalid {key}: {exc}") from None
 
 
-NEWER_DEFAULTS: dict[str, Any] = {"groups": 1, "stride_in_1x1": True, "stem_pool": "caffe", "pixel_std": (1.0, 1.0, 1.0), "deform_stages": ()}
+NEWER_DEFAULTS: dict[str, Any] = {
+    "groups": 1,
+    "stride_in_1x1": True,
+    "stem_pool": "caffe",
+    "pixel_std": (1.0, 1.0, 1.0),
+    "deform_stages": (),
+}
 """Fields added for ResNeXt / VinVL / grid-feats, left out of :meth:`BottomUpSpec.to_dict` at these values."""
 
 
@@ -166,9 +174,24 @@ def vinvl_x152c4() -> BottomUpSpec:
     """VinVL ``vinvl_vg_x152c4``: ResNeXt-152 32x8d C4, 1594 classes + background, 524 attributes + none
     (microsoft/scene_graph_benchmark ``sgg_configs/vgattr/vinvl_x152c4.yaml``; docs/recipes.md#vinvl)."""
     return BottomUpSpec(
-        flavor="vinvl", stem_channels=64, res2_bottleneck=256, expansion=1, stage_blocks=(3, 8, 36), res5_blocks=3, res5_dilation=1,
-        bn_eps=0.0, groups=32, stride_in_1x1=False, stem_pool="pad1", rpn_channels=1024, anchor_sizes=(32.0, 64.0, 128.0, 256.0, 512.0),
-        rpn_min_size=0.0, num_classes=1595, num_attributes=525, box_reg_weights=(10.0, 10.0, 5.0, 5.0), pixel_means=VINVL_PIXEL_MEANS_BGR,
+        flavor="vinvl",
+        stem_channels=64,
+        res2_bottleneck=256,
+        expansion=1,
+        stage_blocks=(3, 8, 36),
+        res5_blocks=3,
+        res5_dilation=1,
+        bn_eps=0.0,
+        groups=32,
+        stride_in_1x1=False,
+        stem_pool="pad1",
+        rpn_channels=1024,
+        anchor_sizes=(32.0, 64.0, 128.0, 256.0, 512.0),
+        rpn_min_size=0.0,
+        num_classes=1595,
+        num_attributes=525,
+        box_reg_weights=(10.0, 10.0, 5.0, 5.0),
+        pixel_means=VINVL_PIXEL_MEANS_BGR,
     )
 
 

@@ -57,13 +57,19 @@ class ExtractJob:
 
     def to_config(self) -> dict[str, Any]:
         """The job as plain data for the stage config (absolute paths, so a manifest says which files)."""
+
         def where(p: str | None) -> str | None:
             return None if p is None else str(Path(p).absolute())
 
         data = asdict(self)
-        data.update(paths=[str(Path(p).absolute()) if "*" not in p else p for p in self.paths], file_list=where(self.file_list),
-                    image_root=where(self.image_root), coco=where(self.coco), shard=list(self.shard) if self.shard else None,
-                    weights=self.weights if self.weights == "random" else where(self.weights))
+        data.update(
+            paths=[str(Path(p).absolute()) if "*" not in p else p for p in self.paths],
+            file_list=where(self.file_list),
+            image_root=where(self.image_root),
+            coco=where(self.coco),
+            shard=list(self.shard) if self.shard else None,
+            weights=self.weights if self.weights == "random" else where(self.weights),
+        )
         if self.shard_block == 1:  # the default is not recorded (earlier stage digests stay valid)
             data.pop("shard_block")
         return data
@@ -114,7 +120,9 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
     if job.file_list is not None:
         items += items_from_file_list(Path(job.file_list), None if job.image_root is None else Path(job.image_root))
     if job.coco is not None:
-        items += items_from_coco(Path(job.coco), None if job.image_root is None else Path(job.image_root), with_boxes=mode == "given")
+        items += items_from_coco(
+            Path(job.coco), None if job.image_root is None else Path(job.image_root), with_boxes=mode == "given"
+        )
     if not items:
         raise UsageError("no images found in the given inputs")
     if all(it.problem is not None for it in items):  # every input missing, a dangling link, not a file, ...
@@ -139,19 +147,32 @@ def _device(section: Config, job: ExtractJob) -> Any:
     from pipeline.core.distributed import local_processes, resolve_device, shared_gpu, visible_gpus
 
     name = str(section.device)
-    if job.shard is not None and "LOCAL_RANK" in os.environ and (name == "cuda" or (name == "auto" and torch.cuda.is_available())):
+    if (
+        job.shard is not None
+        and "LOCAL_RANK" in os.environ
+        and (name == "cuda" or (name == "auto" and torch.cuda.is_available()))
+    ):
         local_rank = launcher_int("LOCAL_RANK", 0)
         dev = shared_gpu(local_rank)
         procs, gpus = local_processes(local_rank), visible_gpus()
         if procs > gpus:  # said by rank 0 (the other ranks log warnings only), for every rank
-            log.info("%d processes share %d visible GPU%s: local rank r extracts on cuda:(r mod %d) (this process: local rank %d "
-                     "on %s)", procs, gpus, "" if gpus == 1 else "s", gpus, local_rank, dev)
+            log.info(
+                "%d processes share %d visible GPU%s: local rank r extracts on cuda:(r mod %d) (this process: local rank %d "
+                "on %s)",
+                procs,
+                gpus,
+                "" if gpus == 1 else "s",
+                gpus,
+                local_rank,
+                dev,
+            )
         return dev
     return resolve_device(name)
 
 
-def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = None
-                 ) -> Callable[[Path, Config], tuple[dict[str, Any], dict[str, Any]]]:
+def extract_work(
+    section: Config, job: ExtractJob, items: list[Any] | None = None
+) -> Callable[[Path, Config], tuple[dict[str, Any], dict[str, Any]]]:
     """The stage function: extract ``job``'s images (or the already collected ``items``) with the settings of
     ``section`` into ``STAGE/job.store``.
 
@@ -168,26 +189,46 @@ def extract_work(section: Config, job: ExtractJob, items: list[Any] | None = Non
 
         todo = items if items is not None else collect_items(job, selection_mode(section))
         dev = _device(section, job)
-        precision = resolve_precision(str(section.precision), dev, "extract.precision", fp16=False)  # auto -> fp32 | bf16
+        precision = resolve_precision(
+            str(section.precision), dev, "extract.precision", fp16=False
+        )  # auto -> fp32 | bf16
         spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
         labelmap = section.labelmap if "labelmap" in section else None
         if labelmap:
             from pipeline.hub import resolve_file
 
             labelmap = resolve_file(labelmap, "extract.labelmap file", "labelmap")
-        model, identity, _info = load_for_inference(job.weights, str(section.preset), spec, int(section.random_seed), dev,
-                                                    labelmap=labelmap)
+        model, identity, _info = load_for_inference(
+            job.weights, str(section.preset), spec, int(section.random_seed), dev, labelmap=labelmap
+        )
         recipe, selector = configure_recipe(model, identity.layout, section)
         model.roi_chunk = int(section.roi_chunk)
         use_channels_last(model, bool(section.channels_last) if "channels_last" in section else False)
         identity = record_settings(identity, model, selector, precision)  # the recipe next to the weights' SHA-256
         store = stage_dir / job.store
-        log.info("extracting %d images with %s (recipe %s) on %s (%s) into %s", len(todo), identity.name, recipe.name, dev, precision, store)
+        log.info(
+            "extracting %d images with %s (recipe %s) on %s (%s) into %s",
+            len(todo),
+            identity.name,
+            recipe.name,
+            dev,
+            precision,
+            store,
+        )
         with open_writer(store, identity, feature_dtype=str(section.feature_dtype)) as writer:
-            summary = run_extraction(model, todo, writer, selector, batch_size=int(section.batch_size), workers=int(section.num_workers),
-                                     precision=precision, max_pixels=int(section.max_pixels),
-                                     failures_path=stage_dir / FAILURES, commit_every=int(section.commit_every),
-                                     bucket_window=bucket_window(section, dev))
+            summary = run_extraction(
+                model,
+                todo,
+                writer,
+                selector,
+                batch_size=int(section.batch_size),
+                workers=int(section.num_workers),
+                precision=precision,
+                max_pixels=int(section.max_pixels),
+                failures_path=stage_dir / FAILURES,
+                commit_every=int(section.commit_every),
+                bucket_window=bucket_window(section, dev),
+            )
         reasons: dict[str, int] = {}
         for failure in summary.failures:
             reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1
@@ -210,15 +251,26 @@ def _reopen(stage_dir: Path, digest: str) -> None:
     failures or ran with another config (the store itself skips what it holds and refuses another extractor)."""
     manifest = read_manifest(stage_dir)
     if manifest is not None and (manifest["config_digest"] != digest or manifest.get("summary", {}).get("failed")):
-        log.info("extract: %s holds an earlier extraction (%s); extracting again into its store",
-                 stage_dir, "other inputs or settings" if manifest["config_digest"] != digest else "with failures")
+        log.info(
+            "extract: %s holds an earlier extraction (%s); extracting again into its store",
+            stage_dir,
+            "other inputs or settings" if manifest["config_digest"] != digest else "with failures",
+        )
         (stage_dir / MANIFEST).unlink()
     if (stage_dir / RUNNING).exists():
         (stage_dir / RUNNING).unlink()
 
 
-def extract_features(run_dir: str | Path, name: str, section: Config, job: ExtractJob, *, force: bool = False,
-                     config: Config | None = None, reopen: bool = False) -> StageResult:
+def extract_features(
+    run_dir: str | Path,
+    name: str,
+    section: Config,
+    job: ExtractJob,
+    *,
+    force: bool = False,
+    config: Config | None = None,
+    reopen: bool = False,
+) -> StageResult:
     """Run (or resume, or skip when done) the extraction stage ``run_dir/name`` through :func:`run_stage`.
 
     ``config`` is the stage config whose digest is recorded (default :func:`stage_config`); ``reopen``: a store

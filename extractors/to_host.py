@@ -21,7 +21,9 @@ from pipeline.core.regions import RegionRecord
 INT_FIELDS = ("class_ids", "attr_ids")  # stored as int64, carried as float32 (exact below 2**24)
 
 
-def records_to_host(fields: Sequence[Mapping[str, torch.Tensor | None]], sizes: Sequence[tuple[int, int]]) -> list[RegionRecord]:
+def records_to_host(
+    fields: Sequence[Mapping[str, torch.Tensor | None]], sizes: Sequence[tuple[int, int]]
+) -> list[RegionRecord]:
     """One :class:`RegionRecord` per image from its device tensors ``fields[i]`` (``features``, ``boxes`` and the
     optional fields, None where absent) and its original ``(width, height)``."""
     pieces: list[torch.Tensor] = []

@@ -69,7 +69,9 @@ class VinVLHeads(nn.Module):
     def pool(self, feat: torch.Tensor, rois: torch.Tensor) -> torch.Tensor:
         """Legacy ROIAlign (``aligned=False``, adaptive sampling) -> (K, C, r, r)."""
         r = self.spec.pooler_resolution
-        return roi_align(feat.float(), rois.float(), (r, r), 1.0 / self.spec.feature_stride, sampling_ratio=0, aligned=False).to(feat.dtype)
+        return roi_align(
+            feat.float(), rois.float(), (r, r), 1.0 / self.spec.feature_stride, sampling_ratio=0, aligned=False
+        ).to(feat.dtype)
 
 
 class VinVLDetector(nn.Module):
@@ -79,11 +81,21 @@ class VinVLDetector(nn.Module):
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.backbone = ResNetC4(spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps,
-                                 groups=spec.groups, stride_in_1x1=spec.stride_in_1x1, stem_pool=spec.stem_pool)
+        self.backbone = ResNetC4(
+            spec.stage_blocks,
+            spec.stem_channels,
+            spec.res2_bottleneck,
+            spec.expansion,
+            spec.bn_eps,
+            groups=spec.groups,
+            stride_in_1x1=spec.stride_in_1x1,
+            stem_pool=spec.stem_pool,
+        )
         self.proposal_generator = nn.Module()
         self.proposal_generator.anchor_generator = AnchorGenerator(spec)
-        self.proposal_generator.rpn_head = RPNHead(self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False)
+        self.proposal_generator.rpn_head = RPNHead(
+            self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False
+        )
         self.roi_heads = VinVLHeads(spec, self.backbone.out_channels)
         self.roi_chunk = 0
         self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
@@ -117,9 +129,18 @@ class VinVLDetector(nn.Module):
         for i in range(n):
             k = min(s.pre_nms_topk, obj.shape[1])
             score, idx = obj[i].topk(k, sorted=True)
-            boxes = box_coding.decode(deltas[i, idx], anchors[idx], (1.0, 1.0, 1.0, 1.0), legacy=True, scale_clamp=s.scale_clamp, x2_minus_one=True)
+            boxes = box_coding.decode(
+                deltas[i, idx],
+                anchors[idx],
+                (1.0, 1.0, 1.0, 1.0),
+                legacy=True,
+                scale_clamp=s.scale_clamp,
+                x2_minus_one=True,
+            )
             boxes = vinvl_select.clip_legacy(boxes, *sizes[i])
-            keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= s.rpn_min_size)
+            keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= s.rpn_min_size) & (
+                (boxes[:, 3] - boxes[:, 1] + 1) >= s.rpn_min_size
+            )
             boxes, score = boxes[keep], score[keep]
             out.append(boxes[vinvl_select.nms_keep(boxes, score, s.rpn_nms_thresh, variant)[: s.post_nms_topk]])
         return out
@@ -134,11 +155,18 @@ class VinVLDetector(nn.Module):
     def box_features(self, feat: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
         """Pooled res5 features (sum K_i, D) of resized-pixel boxes on an equal-sized batch's C4 map."""
         dev = feat.device
-        rois = torch.cat([torch.cat([torch.full((b.shape[0], 1), j, dtype=torch.float32, device=dev), b.float()], 1) for j, b in enumerate(boxes)])
+        rois = torch.cat(
+            [
+                torch.cat([torch.full((b.shape[0], 1), j, dtype=torch.float32, device=dev), b.float()], 1)
+                for j, b in enumerate(boxes)
+            ]
+        )
         return self._res5_pooled(self.roi_heads.pool(feat, rois)).float()
 
     @torch.inference_mode()
-    def detect(self, blobs: list[torch.Tensor], frames: list[Frame], selector, given_boxes: list[np.ndarray] | None = None) -> list[RegionRecord]:
+    def detect(
+        self, blobs: list[torch.Tensor], frames: list[Frame], selector, given_boxes: list[np.ndarray] | None = None
+    ) -> list[RegionRecord]:
         """Regions of each blob with the resolved recipe of ``selector`` (``vinvl`` post-processing or given boxes)."""
         if getattr(selector, "whole_image", False):  # --boxes grid (extractors.grid)
             return selector.detect(self, blobs, frames)
@@ -151,7 +179,14 @@ class VinVLDetector(nn.Module):
         for (h, w), idx in groups.items():
             feat = self.backbone(stack_to_device([blobs[i] for i in idx], dev, self.channels_last))
             if selector.given:
-                props = [to_resized(torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4), frames[i], "per-axis") for i in idx]
+                props = [
+                    to_resized(
+                        torch.as_tensor(given_boxes[i], dtype=torch.float32, device=dev).reshape(-1, 4),
+                        frames[i],
+                        "per-axis",
+                    )
+                    for i in idx
+                ]
             else:
                 props = self.proposals(feat, [(h, w)] * len(idx), recipe.nms_variant)
             feats = self.box_features(feat, props)
@@ -165,11 +200,15 @@ class VinVLDetector(nn.Module):
                 if selector.given:
                     prob = torch.softmax(logits[sl], dim=-1)
                     score, label = prob[:, 1:].max(dim=1)
-                    picks.append(vinvl_select.VinVLPick(torch.arange(props[j].shape[0], device=dev), label + 1, score, props[j]))
+                    picks.append(
+                        vinvl_select.VinVLPick(torch.arange(props[j].shape[0], device=dev), label + 1, score, props[j])
+                    )
                 else:
                     picks.append(vinvl_select.select(props[j], logits[sl], deltas[sl], (h, w), recipe, self.spec))
                 picks[-1].rows = picks[-1].rows + sl.start
-            attrs = self._attributes(feat, feats, picks, recipe, reuse=selector.given or bool(recipe.ignore_box_regression))
+            attrs = self._attributes(
+                feat, feats, picks, recipe, reuse=selector.given or bool(recipe.ignore_box_regression)
+            )
             for j, i in enumerate(idx):
                 fields[i] = self._fields(picks[j], feats, attrs[j], frames[i])
         return records_to_host(fields, [(f.width, f.height) for f in frames])  # one copy for the batch
@@ -178,21 +217,28 @@ class VinVLDetector(nn.Module):
         head = self.roi_heads.attribute
         if head is None:
             return [None] * len(picks)
-        pooled = feats[torch.cat([p.rows for p in picks])] if reuse else self.box_features(feat, [p.boxes for p in picks])
+        pooled = (
+            feats[torch.cat([p.rows for p in picks])] if reuse else self.box_features(feat, [p.boxes for p in picks])
+        )
         logits = head(pooled, torch.cat([p.labels for p in picks]))
         out, start = [], 0
         for p in picks:
             n = p.rows.numel()
-            out.append(vinvl_select.attribute_top(logits[start : start + n], recipe.attr_thresh, recipe.max_attrs_per_image))
+            out.append(
+                vinvl_select.attribute_top(logits[start : start + n], recipe.attr_thresh, recipe.max_attrs_per_image)
+            )
             start += n
         return out
 
     def _fields(self, pick, feats, attr, frame: Frame) -> dict[str, torch.Tensor | None]:
         """One image's region fields on the device (:func:`extractors.to_host.records_to_host` copies the batch)."""
         return {
-            "features": feats[pick.rows], "boxes": to_original(pick.boxes.float(), frame, "per-axis", "none"),
-            "class_ids": pick.labels - 1, "class_scores": pick.scores,
-            "attr_ids": None if attr is None else attr[0] - 1, "attr_scores": None if attr is None else attr[1],
+            "features": feats[pick.rows],
+            "boxes": to_original(pick.boxes.float(), frame, "per-axis", "none"),
+            "class_ids": pick.labels - 1,
+            "class_scores": pick.scores,
+            "attr_ids": None if attr is None else attr[0] - 1,
+            "attr_scores": None if attr is None else attr[1],
         }
 
 

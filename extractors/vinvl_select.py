@@ -64,14 +64,23 @@ def clip_legacy(boxes: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return box_coding.clip(boxes, h, w, legacy=True)
 
 
-def class_boxes(props: torch.Tensor, deltas: torch.Tensor | None, num_classes: int, size: tuple[int, int], ignore: bool,
-                weights=(10.0, 10.0, 5.0, 5.0), scale_clamp: float = box_coding.DEFAULT_SCALE_CLAMP) -> torch.Tensor:
+def class_boxes(
+    props: torch.Tensor,
+    deltas: torch.Tensor | None,
+    num_classes: int,
+    size: tuple[int, int],
+    ignore: bool,
+    weights=(10.0, 10.0, 5.0, 5.0),
+    scale_clamp: float = box_coding.DEFAULT_SCALE_CLAMP,
+) -> torch.Tensor:
     """(R, C, 4) box per proposal and class (background included), clipped to the resized image."""
     h, w = size
     if ignore or deltas is None:
         boxes = props.float()[:, None, :].expand(props.shape[0], num_classes, 4)
     else:
-        boxes = box_coding.decode(deltas, props, weights, legacy=True, scale_clamp=scale_clamp, x2_minus_one=True).view(-1, num_classes, 4)
+        boxes = box_coding.decode(deltas, props, weights, legacy=True, scale_clamp=scale_clamp, x2_minus_one=True).view(
+            -1, num_classes, 4
+        )
     return clip_legacy(boxes.contiguous(), h, w)
 
 
@@ -85,7 +94,9 @@ def filter_peter(boxes: torch.Tensor, probs: torch.Tensor, recipe, same_boxes: b
     r, c = probs.shape
     if same_boxes and recipe.nms_variant != "legacy-cuda":
         mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[:, 1:] = pcnms.per_class_keep(boxes[:, 0], probs[:, 1:], recipe.nms_thresh, legacy=recipe.nms_variant == "legacy-cpu")
+        mask[:, 1:] = pcnms.per_class_keep(
+            boxes[:, 0], probs[:, 1:], recipe.nms_thresh, legacy=recipe.nms_variant == "legacy-cpu"
+        )
     else:
         mask = torch.zeros_like(probs, dtype=torch.bool)
         for j in range(1, c):
@@ -148,11 +159,15 @@ def filter_fast(props: torch.Tensor, probs: torch.Tensor, recipe) -> VinVLPick:
     return VinVLPick(take, label[take], best[take], props[take])
 
 
-def select(props: torch.Tensor, logits: torch.Tensor, deltas: torch.Tensor | None, size: tuple[int, int], recipe, spec) -> VinVLPick:
+def select(
+    props: torch.Tensor, logits: torch.Tensor, deltas: torch.Tensor | None, size: tuple[int, int], recipe, spec
+) -> VinVLPick:
     """The release's ``PostProcessor`` for one image: ``props`` (R, 4) clipped proposals, ``logits`` (R, C)."""
     probs = torch.softmax(logits.float(), dim=-1)
     ignore = bool(recipe.ignore_box_regression)
-    boxes = class_boxes(props, None if ignore else deltas, probs.shape[1], size, ignore, spec.box_reg_weights, spec.scale_clamp)
+    boxes = class_boxes(
+        props, None if ignore else deltas, probs.shape[1], size, ignore, spec.box_reg_weights, spec.scale_clamp
+    )
     if recipe.nms_filter == 1:
         return filter_peter(boxes, probs, recipe, same_boxes=ignore)
     if recipe.nms_filter == 0:

@@ -49,8 +49,9 @@ def check_keys(path: Any, layout: str, keys: Any) -> None:
     for key in keys:
         m = _BLOCK.search(key)
         if m and int(m.group(1)) >= MAX_BLOCKS:
-            raise _err(path, layout, f"key '{key}': block {m.group(1)} of a stage; a stage holds at most "
-                                     f"{MAX_BLOCKS} blocks")
+            raise _err(
+                path, layout, f"key '{key}': block {m.group(1)} of a stage; a stage holds at most {MAX_BLOCKS} blocks"
+            )
 
 
 def dims(sd: Mapping[str, torch.Tensor], key: str, rank: int, path: Any, layout: str) -> tuple[int, ...]:
@@ -74,13 +75,18 @@ def groups_of(sd: Mapping[str, torch.Tensor], key: str, path: Any, layout: str) 
     """(channels, groups) of the grouped 3x3 conv ``key`` (weight: channels x inputs per group x 3 x 3)."""
     channels, per_group = dims(sd, key, 4, path, layout)[:2]
     if channels % per_group:
-        raise _err(path, layout, f"key '{key}' has shape {list(sd[key].shape)}: {per_group} inputs per group "
-                                 f"do not divide its {channels} channels into a whole number of groups")
+        raise _err(
+            path,
+            layout,
+            f"key '{key}' has shape {list(sd[key].shape)}: {per_group} inputs per group "
+            f"do not divide its {channels} channels into a whole number of groups",
+        )
     return channels, channels // per_group
 
 
 def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") -> BottomUpSpec:
     """Refuse an architecture past the bounds above; ``key`` names where it came from (keys or a stored ``spec``)."""
+
     def refuse(field: str, why: str):
         return _err(path, layout, f"{key} '{field}' = {getattr(spec, field)!r}: {why}")
 
@@ -89,8 +95,15 @@ def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") ->
     if any(not isinstance(b, int) or b > MAX_BLOCKS for b in (*spec.stage_blocks, spec.res5_blocks)):
         field = "stage_blocks" if spec.res5_blocks <= MAX_BLOCKS else "res5_blocks"
         raise refuse(field, f"at most {MAX_BLOCKS} blocks per stage")
-    for field in ("stem_channels", "res2_bottleneck", "expansion", "rpn_channels", "attr_embed_dim", "attr_hidden",
-                  "groups"):
+    for field in (
+        "stem_channels",
+        "res2_bottleneck",
+        "expansion",
+        "rpn_channels",
+        "attr_embed_dim",
+        "attr_hidden",
+        "groups",
+    ):
         value = getattr(spec, field)
         if not isinstance(value, int) or not 1 <= value <= MAX_WIDTH:
             raise refuse(field, f"a width from 1 to {MAX_WIDTH:,} is expected")
@@ -125,8 +138,9 @@ def check_meta(path: Any, meta: Mapping[str, Any]) -> None:
         nonlocal count
         count += 1
         if count > MAX_META_VALUES or depth > 20:
-            raise _err(path, "butd", f"key '{key}': the metadata holds more than {MAX_META_VALUES:,} values "
-                                     "or 20 levels")
+            raise _err(
+                path, "butd", f"key '{key}': the metadata holds more than {MAX_META_VALUES:,} values or 20 levels"
+            )
         if isinstance(value, Mapping):
             for v in value.values():
                 walk(v, key, depth + 1)

@@ -98,8 +98,9 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> np.ndarray:
     """NumPy's ``_reconstruct(ndarray, (0,), b'b')``, the empty array pickle fills with its bytes (``__setstate__``
     checks that they match the shape); any other class or shape is refused before anything is allocated."""
     if cls is not _ArrayClass or tuple(shape) != (0,) or not isinstance(typecode, (bytes, str)) or len(typecode) > 2:
-        raise pickle.UnpicklingError("an array reconstructed with a declared shape "
-                                     "(numpy pickles start from an empty one)")
+        raise pickle.UnpicklingError(
+            "an array reconstructed with a declared shape (numpy pickles start from an empty one)"
+        )
     return np.ndarray.__new__(np.ndarray, (0,), np.dtype("b"))
 
 
@@ -108,8 +109,19 @@ def restricted_load(path: Path) -> Any:
     try:
         with open(path, "rb") as fh:
             return RestrictedUnpickler(fh, encoding="latin1").load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, ImportError,
-            RecursionError, OverflowError, MemoryError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        ImportError,
+        RecursionError,
+        OverflowError,
+        MemoryError,
+    ) as exc:
         raise WeightsError(f"weights file {path} refused: not a plain pickle of numpy arrays ({exc})") from None
 
 
@@ -130,7 +142,7 @@ def to_layout_key(key: str, layout: str) -> str:
     if layout in ("airsplay", "hf"):
         for a, b in D2_RENAMES:
             if key.startswith(a):
-                return b + key[len(a):]
+                return b + key[len(a) :]
     return key
 
 
@@ -138,7 +150,7 @@ def from_layout_key(key: str, layout: str) -> str:
     if layout in ("airsplay", "hf"):
         for a, b in D2_RENAMES:
             if key.startswith(b):
-                return a + key[len(b):]
+                return a + key[len(b) :]
     return key
 
 
@@ -162,7 +174,9 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
         if key.endswith(".norm.running_var"):
             nbt = key[: -len("running_var")] + NBT
             table[nbt] = ()
-            if layout != "hf":  # BatchNorm2d counters: absent from the public files (docs/extractor.md#weights-layouts), tolerated
+            if (
+                layout != "hf"
+            ):  # BatchNorm2d counters: absent from the public files (docs/extractor.md#weights-layouts), tolerated
                 optional.add(nbt)
     if layout not in ("hf", "butd"):  # our own files always carry their anchors
         optional.add(ANCHOR_KEY)
@@ -193,12 +207,16 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for a non-torch / unsafe file
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise WeightsError(f"weights file {path} cannot be read with torch.load(weights_only=True): {first}") from None
+            raise WeightsError(
+                f"weights file {path} cannot be read with torch.load(weights_only=True): {first}"
+            ) from None
         container = "torch"
     meta: dict[str, Any] = {}
     if isinstance(obj, Mapping) and obj.get("format") == BUTD_FORMAT:
         if obj.get("version") != BUTD_VERSION or not isinstance(obj.get("spec"), Mapping):
-            raise WeightsError(f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} or without 'spec'")
+            raise WeightsError(
+                f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} or without 'spec'"
+            )
         meta = {k: v for k, v in obj.items() if k != "model"}
         check_meta(path, meta)
         container = "butd"
@@ -292,7 +310,9 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
         kw["attr_hidden"] = shape("roi_heads.box_predictor.attr_linear1.weight", 2)[0]
     ratios = (0.5, 1.0, 2.0)
     if num_anchors % len(ratios):
-        raise WeightsError(f"weights file {path} ({layout}): {num_anchors} anchors per cell is not a multiple of 3 ratios")
+        raise WeightsError(
+            f"weights file {path} ({layout}): {num_anchors} anchors per cell is not a multiple of 3 ratios"
+        )
     per = num_anchors // len(ratios)
     if flavor == "caffe":
         kw["anchor_scales"] = tuple(float(4 * 2**i) for i in range(per))
@@ -300,18 +320,23 @@ def infer_spec(layout: str, sd: Mapping[str, torch.Tensor], path: str | Path = "
         kw["anchor_sizes"] = tuple(float(64 * 2**i) for i in range(per))
         kw["rpn_min_size"] = 0.0
         kw["box_reg_weights"] = (10.0, 10.0, 5.0, 5.0)
-    return check_spec(BottomUpSpec(
-        flavor=flavor,
-        stem_channels=stem,
-        res2_bottleneck=bott,
-        expansion=expansion,
-        stage_blocks=tuple(stages[s] for s in sorted(stages)),
-        res5_blocks=res5,
-        rpn_channels=rpn_ch,
-        num_classes=num_classes,
-        has_attributes=has_attr,
-        **kw,
-    ), path, layout, "architecture")
+    return check_spec(
+        BottomUpSpec(
+            flavor=flavor,
+            stem_channels=stem,
+            res2_bottleneck=bott,
+            expansion=expansion,
+            stage_blocks=tuple(stages[s] for s in sorted(stages)),
+            res5_blocks=res5,
+            rpn_channels=rpn_ch,
+            num_classes=num_classes,
+            has_attributes=has_attr,
+            **kw,
+        ),
+        path,
+        layout,
+        "architecture",
+    )
 
 
 def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpSpec:
@@ -338,7 +363,9 @@ def check_strict(path: str | Path, layout: str, sd: Mapping[str, torch.Tensor], 
             raise WeightsError(f"weights file {path} ({layout}): missing key '{key}'")
         got = tuple(sd[key].shape)
         if got != shp:
-            raise WeightsError(f"weights file {path} ({layout}): key '{key}' has shape {list(got)}, expected {list(shp)}")
+            raise WeightsError(
+                f"weights file {path} ({layout}): key '{key}' has shape {list(got)}, expected {list(shp)}"
+            )
     for key in sd:
         if key not in table:
             raise WeightsError(f"weights file {path} ({layout}): unexpected key '{key}'")
@@ -364,14 +391,19 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     layout, sd, meta = read_weights(path)
     if layout in ("vinvl", "grid-feats"):
         from extractors.layouts import load_release
+
         model, info = load_release(path, layout, sd, spec)
-        info.update(layout=layout, weights_sha256=sha256_file(path), weights_file=Path(path).name, spec=model.spec.to_dict())
+        info.update(
+            layout=layout, weights_sha256=sha256_file(path), weights_file=Path(path).name, spec=model.spec.to_dict()
+        )
         return model.to(device), info
     inferred = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     if spec is None:
         spec = inferred
     elif spec.flavor != inferred.flavor:
-        raise WeightsError(f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) but the preset expects {spec.flavor}")
+        raise WeightsError(
+            f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) but the preset expects {spec.flavor}"
+        )
     check_strict(path, layout, sd, spec)
     model = BottomUpDetector(spec)
     internal = to_internal(layout, sd)
@@ -379,7 +411,13 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     bad = [k for k in missing if k != ANCHOR_KEY] + list(unexpected)
     if bad:  # cannot happen after check_strict; kept as a guard against table drift
         raise WeightsError(f"weights file {path} ({layout}): key '{bad[0]}' does not fit the model")
-    info = {"layout": layout, "weights_sha256": sha256_file(path), "weights_file": Path(path).name, "spec": spec.to_dict(), "anchors_from_file": ANCHOR_KEY in sd}
+    info = {
+        "layout": layout,
+        "weights_sha256": sha256_file(path),
+        "weights_file": Path(path).name,
+        "spec": spec.to_dict(),
+        "anchors_from_file": ANCHOR_KEY in sd,
+    }
     if layout == "butd":
         info["classes"] = list(meta.get("classes", []))
         info["attributes"] = list(meta.get("attributes", []))
@@ -417,8 +455,15 @@ def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
     layout, sd, meta = read_weights(path)
     if layout in ("vinvl", "grid-feats"):
         from extractors.layouts import describe_release
+
         facts, spec = describe_release(layout, sd, path)
-        return {"file": str(path), **facts, "keys": len(sd), "elements": int(sum(v.numel() for v in sd.values())), "sha256": sha256_file(path)}, spec
+        return {
+            "file": str(path),
+            **facts,
+            "keys": len(sd),
+            "elements": int(sum(v.numel() for v in sd.values())),
+            "sha256": sha256_file(path),
+        }, spec
     spec = spec_from_meta(meta, path) if layout == "butd" else infer_spec(layout, sd, path)
     check_strict(path, layout, sd, spec)
     n_params = int(sum(v.numel() for k, v in sd.items() if not k.endswith(NBT)))
@@ -434,6 +479,14 @@ def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
         "elements": n_params,
         "anchors_in_file": ANCHOR_KEY in sd,
         "sha256": sha256_file(path),
-        **({"input_scale": f"{spec.min_size}/{spec.max_size}", "class_names": ", ".join(map(str, meta.get("classes", []))),
-            "attribute_names": ", ".join(map(str, meta.get("attributes", []))), "trained": meta.get("training", {})} if layout == "butd" else {}),
+        **(
+            {
+                "input_scale": f"{spec.min_size}/{spec.max_size}",
+                "class_names": ", ".join(map(str, meta.get("classes", []))),
+                "attribute_names": ", ".join(map(str, meta.get("attributes", []))),
+                "trained": meta.get("training", {}),
+            }
+            if layout == "butd"
+            else {}
+        ),
     }, spec

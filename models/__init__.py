@@ -103,8 +103,13 @@ def model_card(name: str) -> ModelCard:
     data = load_yaml_with_bases(path)
     defaults = load_yaml_with_bases(CONFIG_DIR / "decoding.yaml")["decoding"]
     decoding = validate_against(defaults, _section(data, "decoding", path), str(path), prefix="decoding.")
-    return ModelCard(name, path, Config(_section(data, "model", path, required=True)), Config(decoding),
-                     Config(_section(data, "schedule", path)))
+    return ModelCard(
+        name,
+        path,
+        Config(_section(data, "model", path, required=True)),
+        Config(decoding),
+        Config(_section(data, "schedule", path)),
+    )
 
 
 def model_config(name: str, overrides: dict[str, Any] | list[str] | None = None) -> Config:
@@ -125,5 +130,14 @@ def available_captioners() -> list[str]:
     return CAPTIONERS.names()
 
 
-__all__ = ["CAPTIONERS", "Captioner", "ModelCard", "available_captioners", "build_captioner", "index_state", "model_card", "model_config",
-           "register_captioner"]
+__all__ = [
+    "CAPTIONERS",
+    "Captioner",
+    "ModelCard",
+    "available_captioners",
+    "build_captioner",
+    "index_state",
+    "model_card",
+    "model_config",
+    "register_captioner",
+]

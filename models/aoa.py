@@ -36,8 +36,16 @@ from pipeline.core.errors import ConfigError
 class AoARefinerLayer(nn.Module):
     """One refiner layer: ``A + Drop(AoA(MHA(LN(A)), LN(A)))`` [+ ``A + Drop(FF(LN(A)))``] (docs/models.md#aoa-refiner)."""
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, use_ff: bool, dropout: float, attn_dropout: float,
-                 dropout_aoa: float) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        use_ff: bool,
+        dropout: float,
+        attn_dropout: float,
+        dropout_aoa: float,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.norm = BesselLayerNorm(d_model)
@@ -87,8 +95,10 @@ class AoANet(Captioner):
             raise ConfigError(f"model aoa: d_model={d_model} must be divisible by num_heads={num_heads}")
         self.feat_dim, self.d_model, self.num_heads = feat_dim, d_model, num_heads
         self.att_embed = nn.Sequential(nn.Linear(feat_dim, d_model), nn.ReLU(), Dropout(drop_prob_lm))
-        layers = [AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)
-                  for _ in range(1 if identical_refiner_init else num_layers)][:num_layers]
+        layers = [
+            AoARefinerLayer(d_model, num_heads, d_ff, use_ff, dropout, attn_dropout, dropout_aoa)
+            for _ in range(1 if identical_refiner_init else num_layers)
+        ][:num_layers]
         if identical_refiner_init:  # the official layers are deep copies of one layer (docs/models.md#aoa-choices)
             layers += [copy.deepcopy(layers[0]) for _ in range(num_layers - 1)]
         self.refiner = nn.ModuleList(layers)
@@ -115,7 +125,9 @@ class AoANet(Captioner):
             x = layer(x, allowed)
         x = self.refiner_norm(x)
         mean = (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)
-        values, keys = self.ctx2att(x).chunk(2, dim=-1)  # first half VALUES, second half KEYS (docs/models.md#aoa-refiner)
+        values, keys = self.ctx2att(x).chunk(
+            2, dim=-1
+        )  # first half VALUES, second half KEYS (docs/models.md#aoa-refiner)
         return {"values": values, "keys": keys, "mean": mean, "allowed": allowed}
 
     # ----------------------------------------------------------------------------------------- decoder
@@ -128,8 +140,9 @@ class AoANet(Captioner):
         x = torch.cat([word, enc["mean"] + self.ctx_dropout(state["ctx"])], dim=-1)
         h, c = self.lstm(x, (state["h"], state["c"]))
         query = self.query_proj(self.query_norm(h)).unsqueeze(1)
-        attended = multi_head_attend(query, enc["keys"], enc["values"], enc["allowed"], self.num_heads,
-                                     self.decoder_attn_dropout)[:, 0]
+        attended = multi_head_attend(
+            query, enc["keys"], enc["values"], enc["allowed"], self.num_heads, self.decoder_attn_dropout
+        )[:, 0]
         ctx = self.att2ctx(attended, h)  # AoA query = the raw LSTM output
         return {"h": h, "c": c, "ctx": ctx}
 

@@ -47,7 +47,11 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def multi_head_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, num_heads: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    num_heads: int,
     dropout: nn.Module,
 ) -> torch.Tensor:
     """``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k))) V_j`` for ``(B, nq, d)`` queries and ``(B, nk, d)`` keys/values.

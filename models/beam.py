@@ -12,8 +12,16 @@ from __future__ import annotations
 import torch
 
 from models.base import Captioner, State, index_state, state_device, state_rows
-from models.decoding import (NEG_INF, DecodeOptions, Generated, _first_rows, banned_tokens, constrain,
-                             length_penalty, reachable_bound)
+from models.decoding import (
+    NEG_INF,
+    DecodeOptions,
+    Generated,
+    _first_rows,
+    banned_tokens,
+    constrain,
+    length_penalty,
+    reachable_bound,
+)
 from pipeline.core.vocab import BOS, EOS, PAD
 
 
@@ -35,12 +43,18 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     tokens = torch.full((num_images * k,), BOS, dtype=torch.long, device=device)
     history = torch.zeros(num_images * k, 0, dtype=torch.long, device=device)
     slots = max_len * k
-    fin_norm = torch.full((num_images, slots), NEG_INF, dtype=torch.float64, device=device)  # ranking score (float64: the rounding of a Python-float ranking)
-    fin_raw: torch.Tensor | None = None  # summed log-probabilities; keeps the graph when autograd is on (beam-based SCST)
+    fin_norm = torch.full(
+        (num_images, slots), NEG_INF, dtype=torch.float64, device=device
+    )  # ranking score (float64: the rounding of a Python-float ranking)
+    fin_raw: torch.Tensor | None = (
+        None  # summed log-probabilities; keeps the graph when autograd is on (beam-based SCST)
+    )
     fin_tokens = torch.full((num_images, slots, max_len), PAD, dtype=torch.long, device=device)
     fin_count = torch.zeros(num_images, dtype=torch.long, device=device)
     # lp(t + 1) as 0-d float32 values, divided by in float64 (the reference loops' rounding)
-    penalties = [length_penalty(n, options.length_penalty, options.length_penalty_kind).double() for n in range(1, max_len + 1)]
+    penalties = [
+        length_penalty(n, options.length_penalty, options.length_penalty_kind).double() for n in range(1, max_len + 1)
+    ]
     width = torch.zeros((), dtype=torch.long, device=device)  # the longest finished hypothesis so far
     banned: torch.Tensor | None = None
     alive = num_images
@@ -56,7 +70,7 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
         words = top_idx % vocab
         last = t == max_len - 1
         ends = (words == EOS) | last
-        src_rows = (torch.arange(alive, device=device)[:, None] * k + src_beam)  # rows of the current batch
+        src_rows = torch.arange(alive, device=device)[:, None] * k + src_beam  # rows of the current batch
         # the first k candidates that end are finished hypotheses (slots t*k .. t*k+k-1 of their image)
         final = ends[:, :k] & torch.isfinite(top_scores[:, :k])
         raw = top_scores[:, :k]
@@ -96,7 +110,9 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     return _collect(fin_norm, fin_raw, fin_tokens, n_best, steps, options)
 
 
-def _images_done(norms: torch.Tensor, counts: torch.Tensor, best_live: torch.Tensor, t: int, options: DecodeOptions) -> torch.Tensor:
+def _images_done(
+    norms: torch.Tensor, counts: torch.Tensor, best_live: torch.Tensor, t: int, options: DecodeOptions
+) -> torch.Tensor:
     """The stop rule of every live image (see the module docstring), on the device."""
     if options.stop_rule == "first_k":
         return counts >= options.beam_size
@@ -105,8 +121,14 @@ def _images_done(norms: torch.Tensor, counts: torch.Tensor, best_live: torch.Ten
     return (counts >= options.n_best) & (nth >= bound)
 
 
-def _collect(fin_norm: torch.Tensor, fin_raw: torch.Tensor, fin_tokens: torch.Tensor, n_best: int, steps: int,
-             options: DecodeOptions) -> Generated:
+def _collect(
+    fin_norm: torch.Tensor,
+    fin_raw: torch.Tensor,
+    fin_tokens: torch.Tensor,
+    n_best: int,
+    steps: int,
+    options: DecodeOptions,
+) -> Generated:
     """The ``n_best`` finished hypotheses of every image, best first (ties: the earlier first; every image has >= n_best);
     ``steps``: the longest finished hypothesis of the batch (the width of ``tokens``)."""
     order = torch.sort(fin_norm, dim=1, descending=True, stable=True).indices[:, :n_best]

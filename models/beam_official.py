@@ -59,7 +59,9 @@ def official_search(model: Captioner, enc: State, options: DecodeOptions) -> Gen
 def _lengths(tokens: torch.Tensor) -> torch.Tensor:
     """Generated tokens up to and including the first ``<eos>`` (all of them if none)."""
     is_eos = tokens == EOS
-    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, torch.full_like(tokens[..., 0], tokens.shape[-1]))
+    first = torch.where(
+        is_eos.any(-1), is_eos.float().argmax(-1) + 1, torch.full_like(tokens[..., 0], tokens.shape[-1])
+    )
     return first
 
 
@@ -147,7 +149,9 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
         src, col = pick % rows, pick // rows
         words = ix.transpose(1, 2).reshape(num_images, k * rows).gather(1, pick)
         sums = cand.gather(1, pick)
-        history = torch.cat([history.gather(1, src[:, :, None].expand(-1, -1, history.shape[-1])), words[:, :, None]], 2)
+        history = torch.cat(
+            [history.gather(1, src[:, :, None].expand(-1, -1, history.shape[-1])), words[:, :, None]], 2
+        )
         state = index_state(state, (image_rows[:, None] * k + src).flatten())
         ended = (words == EOS) | (t == max_len - 1)
         slots = slice(t * k, (t + 1) * k)
@@ -159,6 +163,8 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
             break
         logp, state = model.step(words.flatten(), enc, state)
         logp = torch.log_softmax(logp.float().view(num_images, k, vocab), -1)  # the release normalises twice
-    order = torch.sort(fin_score, dim=1, descending=True, stable=True).indices[:, : options.n_best]  # ties: listed first
+    order = torch.sort(fin_score, dim=1, descending=True, stable=True).indices[
+        :, : options.n_best
+    ]  # ties: listed first
     tokens = fin_tokens.gather(1, order[:, :, None].expand(-1, -1, max_len))
     return _pack(tokens, fin_raw.gather(1, order), fin_score.gather(1, order).float())

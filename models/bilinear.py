@@ -22,6 +22,7 @@ from torch import nn
 
 from models.row_dropout import Dropout
 
+
 class WNLinear(nn.Module):
     """``y = (g / ||V||_F) V x + b``: weight normalisation with a single scalar gain (``dim=None``)."""
 
@@ -64,8 +65,16 @@ class BilinearAttentionMap(nn.Module):
     initialised N(0, 1), the per-glimpse bias ``b_g`` N(0, 1) (``attention.py``).
     """
 
-    def __init__(self, v_dim: int, q_dim: int, hidden: int, glimpses: int, k: int = 3, dropout: float = 0.2,
-                 dropout_v: float = 0.5) -> None:
+    def __init__(
+        self,
+        v_dim: int,
+        q_dim: int,
+        hidden: int,
+        glimpses: int,
+        k: int = 3,
+        dropout: float = 0.2,
+        dropout_v: float = 0.5,
+    ) -> None:
         super().__init__()
         rank = hidden * k
         self.v_net = FCLayer(v_dim, rank, dropout)

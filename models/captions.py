@@ -28,7 +28,12 @@ def merge_decoding(saved: Mapping[str, Any] | None, overrides: Mapping[str, Any]
     if out.get("method", "beam") == "beam" and "n_best" in out and "beam_size" not in overrides:
         beam, n_best = int(out.get("beam_size", 3)), int(out["n_best"])
         if n_best > beam:
-            log.info("n_best %d: the checkpoint's beam of %d is widened to %d (give a beam size to choose another)", n_best, beam, n_best)
+            log.info(
+                "n_best %d: the checkpoint's beam of %d is widened to %d (give a beam size to choose another)",
+                n_best,
+                beam,
+                n_best,
+            )
             out["beam_size"] = n_best
     return out
 
@@ -69,8 +74,15 @@ def command_decoding(command: Mapping[str, Any] | None) -> dict[str, Any]:
     return over
 
 
-def decoding_for(ckpt: CaptionerCheckpoint, command: Mapping[str, Any] | None, precision: str, device: Any, key: str, *,
-                 fp16: bool = True) -> tuple[DecodeOptions, str]:
+def decoding_for(
+    ckpt: CaptionerCheckpoint,
+    command: Mapping[str, Any] | None,
+    precision: str,
+    device: Any,
+    key: str,
+    *,
+    fp16: bool = True,
+) -> tuple[DecodeOptions, str]:
     """How a command decodes the captioner checkpoint ``ckpt``: :func:`layered_decoding` over the checkpoint's
     ``decoding`` and the resolved ``precision`` (:func:`pipeline.core.precision.resolve_precision`; a released
     model decodes in fp32 under ``auto``, as published). ``caption``, ``serve`` and ``evaluate --model`` all

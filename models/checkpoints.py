@@ -151,6 +151,7 @@ class CaptionerCheckpoint:
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: str | Path) -> CaptionerCheckpoint:
         """Validate a loaded payload; every problem is one :class:`PipelineError` line naming ``path``."""
+
         def bad(what: str) -> PipelineError:
             return PipelineError(f"checkpoint {path}: {what}")
 
@@ -163,16 +164,25 @@ class CaptionerCheckpoint:
         if data["kind"] not in KINDS:
             raise bad(f"kind {data['kind']!r} is not one of {', '.join(KINDS)}")
         model = data["model"]
-        if not isinstance(model, dict) or not isinstance(model.get("name"), str) or not isinstance(model.get("config"), dict):
+        if (
+            not isinstance(model, dict)
+            or not isinstance(model.get("name"), str)
+            or not isinstance(model.get("config"), dict)
+        ):
             raise bad("malformed model description (needs a name and a config)")
         vocab = data["vocab"]
-        if (not isinstance(vocab, (list, tuple)) or len(vocab) > MAX_WORDS
-                or not all(isinstance(w, str) and len(w) <= MAX_WORD_CHARS for w in vocab)):
+        if (
+            not isinstance(vocab, (list, tuple))
+            or len(vocab) > MAX_WORDS
+            or not all(isinstance(w, str) and len(w) <= MAX_WORD_CHARS for w in vocab)
+        ):
             raise bad(f"the vocabulary is not a list of at most {MAX_WORDS:,} words")
         if "vocab_size" in model and model["vocab_size"] != len(vocab):
             raise bad(f"model.vocab_size {model['vocab_size']!r} differs from the {len(vocab)} words of its vocabulary")
         weights = data["weights"]
-        if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+        ):
             raise bad("weights are not a state dict of named tensors")
         for key in ("decoding", "train_config", "store_identity"):
             if key in data and not isinstance(data[key], dict):
@@ -183,32 +193,53 @@ class CaptionerCheckpoint:
             if len(present) != len(PROGRESS_KEYS):
                 raise PipelineError(f"checkpoint {path} lacks {', '.join(k for k in PROGRESS_KEYS if k not in data)}")
             counts = ("epoch", "position", "iteration", "global_step", "bad_epochs")
-            if (not isinstance(data["stage"], str) or not isinstance(data["stage_done"], bool)
-                    or not all(isinstance(data[k], int) and not isinstance(data[k], bool) and data[k] >= 0 for k in counts)
-                    or not isinstance(data["best"], dict) or not isinstance(data["history"], list)):
-                raise bad("malformed progress counters (stage a string, stage_done a bool, counts integers >= 0, "
-                          "best a mapping, history a list)")
+            if (
+                not isinstance(data["stage"], str)
+                or not isinstance(data["stage_done"], bool)
+                or not all(isinstance(data[k], int) and not isinstance(data[k], bool) and data[k] >= 0 for k in counts)
+                or not isinstance(data["best"], dict)
+                or not isinstance(data["history"], list)
+            ):
+                raise bad(
+                    "malformed progress counters (stage a string, stage_done a bool, counts integers >= 0, "
+                    "best a mapping, history a list)"
+                )
             progress = Progress(**{k: data[k] for k in PROGRESS_KEYS})
         state = None
         if data["kind"] == "train":
             lacking = [k for k in STATE_KEYS if k not in data]
             if lacking or progress is None:
-                raise PipelineError(f"checkpoint {path} lacks {', '.join(lacking or ['its progress counters'])} (a kind 'train' checkpoint)")
+                raise PipelineError(
+                    f"checkpoint {path} lacks {', '.join(lacking or ['its progress counters'])} (a kind 'train' checkpoint)"
+                )
             state = TrainingState(**{k: data[k] for k in STATE_KEYS})
         release = None
         if data.get("release"):
             rel = data["release"]
             if not isinstance(rel, dict) or set(rel) != set(RELEASE_KEYS):
                 raise bad(f"malformed release record (needs exactly {', '.join(RELEASE_KEYS)})")
-            if (not all(isinstance(rel[k], str) for k in ("kind", "title", "weights_file", "vocab_file"))
-                    or not isinstance(rel["features"], dict) or not isinstance(rel["converter_version"], int)):
-                raise bad("malformed release record (kind, title and file names are strings, features a mapping, "
-                          "converter_version an integer)")
+            if (
+                not all(isinstance(rel[k], str) for k in ("kind", "title", "weights_file", "vocab_file"))
+                or not isinstance(rel["features"], dict)
+                or not isinstance(rel["converter_version"], int)
+            ):
+                raise bad(
+                    "malformed release record (kind, title and file names are strings, features a mapping, "
+                    "converter_version an integer)"
+                )
             release = ReleaseInfo(**rel)
-        return cls(model_name=model["name"], model_config=dict(model["config"]), vocab=tuple(vocab), weights=weights,
-                   decoding=dict(data.get("decoding", {})), progress=progress, state=state,
-                   train_config=data.get("train_config"), store_identity=data.get("store_identity"),
-                   release=release)
+        return cls(
+            model_name=model["name"],
+            model_config=dict(model["config"]),
+            vocab=tuple(vocab),
+            weights=weights,
+            decoding=dict(data.get("decoding", {})),
+            progress=progress,
+            state=state,
+            train_config=data.get("train_config"),
+            store_identity=data.get("store_identity"),
+            release=release,
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> CaptionerCheckpoint:
@@ -217,15 +248,21 @@ class CaptionerCheckpoint:
         return cls.from_dict(load_checkpoint(path), path)
 
     # -- checks -----------------------------------------------------------------------------------------
-    def check_compatible(self, path: str | Path, model_name: str | None, model_config: dict[str, Any] | None,
-                         vocab: Vocab | None) -> None:
+    def check_compatible(
+        self, path: str | Path, model_name: str | None, model_config: dict[str, Any] | None, vocab: Vocab | None
+    ) -> None:
         """Refuse a checkpoint of another model, model config or vocabulary, with one line naming the file."""
         if model_name is not None and self.model_name != model_name:
             raise UsageError(f"checkpoint {path} holds a '{self.model_name}' model, not '{model_name}'")
         if model_config is not None and not _same(self.model_config, dict(model_config)):
-            diff = sorted(k for k in set(self.model_config) | set(model_config)
-                          if not _same(self.model_config.get(k), model_config.get(k)))
-            raise UsageError(f"checkpoint {path} was trained with another '{self.model_name}' configuration (differs in: {', '.join(diff)})")
+            diff = sorted(
+                k
+                for k in set(self.model_config) | set(model_config)
+                if not _same(self.model_config.get(k), model_config.get(k))
+            )
+            raise UsageError(
+                f"checkpoint {path} was trained with another '{self.model_name}' configuration (differs in: {', '.join(diff)})"
+            )
         if vocab is not None and list(self.vocab) != list(vocab.words):
             raise UsageError(
                 f"checkpoint {path} was trained with another vocabulary ({len(self.vocab)} words) than the prepared data ({len(vocab)} words)"
@@ -237,7 +274,9 @@ class CaptionerCheckpoint:
         try:
             model.load_state_dict(self.weights)
         except RuntimeError as exc:
-            raise PipelineError(f"checkpoint {path}: weights do not fit a '{self.model_name}' model: {str(exc).splitlines()[0][:200]}") from None
+            raise PipelineError(
+                f"checkpoint {path}: weights do not fit a '{self.model_name}' model: {str(exc).splitlines()[0][:200]}"
+            ) from None
         return model.to(device)
 
 
@@ -264,8 +303,12 @@ def read_captioner_file(path: str | Path, companion: str | Path | None = None) -
         return target, CaptionerCheckpoint.load(target)
 
 
-def load_captioner(path: str | Path, device: torch.device | str = "cpu", vocab: Vocab | None = None,
-                   companion: str | Path | None = None) -> tuple[Captioner, CaptionerCheckpoint]:
+def load_captioner(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    vocab: Vocab | None = None,
+    companion: str | Path | None = None,
+) -> tuple[Captioner, CaptionerCheckpoint]:
     """Rebuild the captioner stored in ``path`` (checked against ``vocab`` when given) with its weights.
 
     ``path`` may also be a released M2 / AoANet weights file (converted once, see :func:`read_captioner_file`);

@@ -95,8 +95,11 @@ class DecodeOptions:
             problems.append("stop_rule official_aoanet has no trigram blocking (AoANet's beam search)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append("need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
-        odd = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-               if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
+        odd = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))
+        ]
         if odd:
             problems.insert(0, f"{', '.join(odd)}: every number must be finite")
         if problems:
@@ -116,8 +119,10 @@ def check_max_len(options: DecodeOptions, model: Captioner, where: str = "max_le
     """Refuse, before any decoding, a ``max_len`` past the model's position table (:meth:`Captioner.max_caption_len`)."""
     limit = model.max_caption_len()
     if limit is not None and options.max_len > limit:
-        raise ConfigError(f"{where} {options.max_len} is longer than the {limit} positions this {model.name or 'captioner'} model's "
-                          f"position table holds: give {limit} or less")
+        raise ConfigError(
+            f"{where} {options.max_len} is longer than the {limit} positions this {model.name or 'captioner'} model's "
+            f"position table holds: give {limit} or less"
+        )
 
 
 def decoding_config(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> Config:
@@ -132,7 +137,9 @@ def decoding_config(model_name: str | None = None, overrides: Mapping[str, Any] 
     return Config(data).with_overrides(overrides, source="decoding")
 
 
-def decoding_options(model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None) -> DecodeOptions:
+def decoding_options(
+    model_name: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None
+) -> DecodeOptions:
     """:class:`DecodeOptions` for ``model_name`` (its paper's test-time setting) with ``overrides``."""
     return DecodeOptions.from_mapping(decoding_config(model_name, overrides).to_dict())
 
@@ -188,7 +195,9 @@ def banned_tokens(vocab_size: int, options: DecodeOptions, device: torch.device)
     return banned
 
 
-def constrain(logp: torch.Tensor, history: torch.Tensor | None, options: DecodeOptions, banned: torch.Tensor | None = None) -> torch.Tensor:
+def constrain(
+    logp: torch.Tensor, history: torch.Tensor | None, options: DecodeOptions, banned: torch.Tensor | None = None
+) -> torch.Tensor:
     """Forbid ``<pad>``, ``<bos>`` (``<unk>`` with ``suppress_unk``) and, if asked, repeated trigrams.
 
     ``banned`` (:func:`banned_tokens`) can be built once per decode; ``history`` is only read with ``block_trigrams``."""
@@ -224,8 +233,13 @@ def _first_rows(flags: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sort(flags.to(torch.uint8), stable=True).indices[:n]
 
 
-def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Callable[[torch.Tensor], torch.Tensor],
-             head: int | None = None) -> Generated | tuple[Generated, Generated]:
+def _rollout(
+    model: Captioner,
+    enc: State,
+    options: DecodeOptions,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+    head: int | None = None,
+) -> Generated | tuple[Generated, Generated]:
     """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch.
 
     With ``head``: ``choose`` picks the words of the first ``head`` rows only, which alone take dropout
@@ -321,21 +335,36 @@ def _sampler(options: DecodeOptions, generator: torch.Generator | None) -> Calla
 
 def _repeat(enc: State, n: int) -> State:
     """Every image's rows ``n`` times in a row (the samples of one image are adjacent)."""
-    return index_state(enc, torch.arange(state_rows(enc), device=state_device(enc)).repeat_interleave(n)) if n > 1 else enc
+    return (
+        index_state(enc, torch.arange(state_rows(enc), device=state_device(enc)).repeat_interleave(n)) if n > 1 else enc
+    )
 
 
 def _per_image(g: Generated, images: int, n: int) -> Generated:
-    return Generated(*(None if x is None else x.reshape(images, n, *x.shape[2:]) for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)))
+    return Generated(
+        *(
+            None if x is None else x.reshape(images, n, *x.shape[2:])
+            for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)
+        )
+    )
 
 
-def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None) -> Generated:
+def sample(
+    model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None
+) -> Generated:
     """``n`` sampled captions per image (default ``options.n_best``): ``(B, n, T)`` outputs."""
     n = n or options.n_best
     return _per_image(_rollout(model, _repeat(enc, n), options, _sampler(options, generator)), state_rows(enc), n)
 
 
-def sample_with_greedy(model: Captioner, enc: State, greedy_enc: State, options: DecodeOptions, n: int,
-                       generator: torch.Generator | None = None) -> tuple[Generated, Generated]:
+def sample_with_greedy(
+    model: Captioner,
+    enc: State,
+    greedy_enc: State,
+    options: DecodeOptions,
+    n: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Generated, Generated]:
     """SCST's two decodes in one loop: ``n`` samples per image of ``enc`` (as :func:`sample`, dropout on) and the
     greedy caption of every image of ``greedy_enc`` (as :func:`greedy` of a model in eval mode), each token step one
     forward over the samples' rows followed by the greedy rows. The model must be in train mode; the greedy rows
@@ -343,7 +372,9 @@ def sample_with_greedy(model: Captioner, enc: State, greedy_enc: State, options:
     separate decodes (the samples draw exactly the random numbers they would alone). Returns ``(samples (B, n, T),
     greedy (B, 1, T'))``."""
     rows = state_rows(enc)
-    s, g = _rollout(model, cat_states(_repeat(enc, n), greedy_enc), options, _sampler(options, generator), head=rows * n)
+    s, g = _rollout(
+        model, cat_states(_repeat(enc, n), greedy_enc), options, _sampler(options, generator), head=rows * n
+    )
     return _per_image(s, rows, n), g
 
 
@@ -357,7 +388,9 @@ def reachable_bound(scores: torch.Tensor, generated: int, options: DecodeOptions
     length in ``generated + 1 .. max_len``, where ``s / lp(len)`` is largest for the largest ``lp`` (``lp`` is
     monotone in ``len``).
     """
-    lp = length_penalty(torch.tensor([generated + 1, options.max_len]), options.length_penalty, options.length_penalty_kind)
+    lp = length_penalty(
+        torch.tensor([generated + 1, options.max_len]), options.length_penalty, options.length_penalty_kind
+    )
     return scores / lp.max()  # a 0-d host tensor: no read-back of a device value
 
 

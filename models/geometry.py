@@ -46,7 +46,11 @@ def box_centres_sizes(boxes: torch.Tensor, plus_one: bool = True, min_size: floa
 
 
 def relative_geometry(
-    boxes: torch.Tensor, mask: torch.Tensor | None = None, plus_one: bool = True, clamp: float = 1e-3, signed: bool = False
+    boxes: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    plus_one: bool = True,
+    clamp: float = 1e-3,
+    signed: bool = False,
 ) -> torch.Tensor:
     """Relative geometry ``f^g`` ``(B, N, N, 4)`` of every box pair, row = query box i, column = key box j (Eq. 8).
 
@@ -70,7 +74,12 @@ def relative_geometry(
 
 
 def absolute_box_encoding(
-    boxes: torch.Tensor, sizes: torch.Tensor, d_model: int, plus_one: bool = True, scale: float = 100.0, wave_len: float = 1000.0
+    boxes: torch.Tensor,
+    sizes: torch.Tensor,
+    d_model: int,
+    plus_one: bool = True,
+    scale: float = 100.0,
+    wave_len: float = 1000.0,
 ) -> torch.Tensor:
     """Sinusoidal embedding ``(B, N, d_model)`` of ``(cx/W, cy/H, w/W, h/H)`` (Table 4, "absolute").
 

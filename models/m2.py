@@ -59,8 +59,17 @@ def sinusoid_table(num_positions: int, d_model: int) -> torch.Tensor:
 class MemoryAugmentedEncoder(nn.Module):
     """Input projection + ``num_layers`` memory-augmented layers; returns all levels ``(B, L, N, d)``."""
 
-    def __init__(self, feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, num_memory: int,
-                 dropout: float, official_mask: bool) -> None:
+    def __init__(
+        self,
+        feat_dim: int,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        num_layers: int,
+        num_memory: int,
+        dropout: float,
+        official_mask: bool,
+    ) -> None:
         super().__init__()
         self.fc = nn.Linear(feat_dim, d_model)
         self.dropout = Dropout(dropout)
@@ -97,8 +106,14 @@ class MeshedDecoderLayer(nn.Module):
             nn.init.xavier_uniform_(gate.weight)
             nn.init.zeros_(gate.bias)
 
-    def meshed(self, s: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor, enc_allowed: torch.Tensor,
-               keep: torch.Tensor) -> torch.Tensor:
+    def meshed(
+        self,
+        s: torch.Tensor,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        enc_allowed: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
         """Eq. 6-8: ``sum_i sigmoid(W_i [S; C_i] + b_i) * C_i / sqrt(L)`` with ``C_i = LN(S + Drop(Attn(S, Y_i)))``.
 
         ``s`` ``(C, T, d)``, ``cross_k``/``cross_v`` ``(C, L, N, d)`` (levels projected once per image),
@@ -112,8 +127,15 @@ class MeshedDecoderLayer(nn.Module):
             total = total + alpha * c[:, i]
         return total / math.sqrt(len(self.gates)) * keep
 
-    def forward(self, x: torch.Tensor, self_allowed: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-                enc_allowed: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        self_allowed: torch.Tensor,
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        enc_allowed: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
         s = self.self_attn(x, x, self_allowed) * keep
         return self.ff(self.meshed(s, cross_k, cross_v, enc_allowed, keep)) * keep
 
@@ -141,13 +163,16 @@ class M2Transformer(Captioner):
         super().__init__(vocab_size)
         num_dec_layers = num_layers if num_dec_layers is None else num_dec_layers
         if num_layers < 1 or num_dec_layers < 1:
-            raise ConfigError(f"model m2: needs num_layers >= 1 and num_dec_layers >= 1, got {num_layers}, {num_dec_layers}")
+            raise ConfigError(
+                f"model m2: needs num_layers >= 1 and num_dec_layers >= 1, got {num_layers}, {num_dec_layers}"
+            )
         self.feat_dim, self.d_model, self.max_len = feat_dim, d_model, max_len
         if fixed_regions is not None and fixed_regions < 1:
             raise ConfigError(f"model m2: fixed_regions must be null or >= 1, got {fixed_regions}")
         self.fixed_regions = fixed_regions
-        self.encoder = MemoryAugmentedEncoder(feat_dim, d_model, num_heads, d_ff, num_layers, num_memory, dropout,
-                                              official_mask)
+        self.encoder = MemoryAugmentedEncoder(
+            feat_dim, d_model, num_heads, d_ff, num_layers, num_memory, dropout, official_mask
+        )
         self.word_emb = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
         self.pos_emb = nn.Embedding.from_pretrained(sinusoid_table(max_len + 1, d_model), freeze=True)
         self.layers = nn.ModuleList(

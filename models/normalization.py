@@ -65,7 +65,9 @@ class QueryNorm(nn.Module):
     region over the channels). ``affine`` adds a learnable per-channel ``gamma, beta`` (default off).
     """
 
-    def __init__(self, channels: int, kind: str = "instance", affine: bool = False, eps: float = 1e-5, momentum: float = 0.1) -> None:
+    def __init__(
+        self, channels: int, kind: str = "instance", affine: bool = False, eps: float = 1e-5, momentum: float = 0.1
+    ) -> None:
         super().__init__()
         if kind not in NORM_KINDS:
             raise ValueError(f"query norm kind must be one of {NORM_KINDS}, got {kind!r}")

@@ -58,7 +58,9 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if rows is None or not training or p == 0 or rows >= _SCOPE.total:
         return F.dropout(x, p, training)
     if x.shape[0] != _SCOPE.total:
-        raise RuntimeError(f"dropout input of {x.shape[0]} rows inside a {_SCOPE.total}-row split: dim 0 must be the batch")
+        raise RuntimeError(
+            f"dropout input of {x.shape[0]} rows inside a {_SCOPE.total}-row split: dim 0 must be the batch"
+        )
     if rows == 0:
         return x
     # F.dropout's own CPU computation (x * bernoulli(1 - p) / (1 - p)) with the noise drawn on the leading rows only

@@ -42,7 +42,9 @@ from pipeline.core.errors import ConfigError
 from models.transformer import Decoder, Encoder, EncoderLayer
 
 
-def trim_padding(feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def trim_padding(
+    feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Drop region columns that are padding in every image (they cannot change any output)."""
     used = mask.any(0).nonzero()
     n = int(used.max()) + 1 if used.numel() else 1
@@ -52,8 +54,15 @@ def trim_padding(feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor) -
 
 
 def _check_switches(
-    model: str, d_model: int, num_heads: int, num_layers: int, norm_kind: str | None, geometry: Sequence[str],
-    geometry_dim: int, geometry_head_proj: bool, absolute_position: bool,
+    model: str,
+    d_model: int,
+    num_heads: int,
+    num_layers: int,
+    norm_kind: str | None,
+    geometry: Sequence[str],
+    geometry_dim: int,
+    geometry_head_proj: bool,
+    absolute_position: bool,
 ) -> None:
     """Reject impossible settings with a :class:`ConfigError` naming the model key (CLI: one line, exit 2)."""
     problems = []
@@ -66,8 +75,15 @@ def _check_switches(
     bad = [v for v in geometry if v not in GEOMETRY_VARIANTS]
     if bad or len(set(geometry)) != len(geometry):
         problems.append(f"geometry must list distinct values of {list(GEOMETRY_VARIANTS)}, got {list(geometry)}")
-    elif any(v in ("query", "key") for v in geometry) and not geometry_head_proj and num_heads and geometry_dim != d_model // num_heads:
-        problems.append(f"geometry_head_proj: false needs geometry_dim == d_model / num_heads = {d_model // max(num_heads, 1)}")
+    elif (
+        any(v in ("query", "key") for v in geometry)
+        and not geometry_head_proj
+        and num_heads
+        and geometry_dim != d_model // num_heads
+    ):
+        problems.append(
+            f"geometry_head_proj: false needs geometry_dim == d_model / num_heads = {d_model // max(num_heads, 1)}"
+        )
     if absolute_position and d_model % 8:
         problems.append(f"absolute_position needs d_model divisible by 8, got {d_model}")
     if problems:
@@ -102,7 +118,17 @@ class SelfAttentionCaptioner(Captioner):
         absolute_position: bool = False,
     ) -> None:
         super().__init__(vocab_size)
-        _check_switches(self.name or "san", d_model, num_heads, num_layers, norm_kind, geometry, geometry_dim, geometry_head_proj, absolute_position)
+        _check_switches(
+            self.name or "san",
+            d_model,
+            num_heads,
+            num_layers,
+            norm_kind,
+            geometry,
+            geometry_dim,
+            geometry_head_proj,
+            absolute_position,
+        )
         self.feat_dim = feat_dim
         self.d_model = d_model
         self.geometry = tuple(geometry)
@@ -118,7 +144,13 @@ class SelfAttentionCaptioner(Captioner):
 
         def make_layer() -> EncoderLayer:
             attn = MultiHeadAttention(d_model, num_heads, dropout, make_norm(norm_queries), make_norm(norm_keys))
-            geo = GeometricBias(d_model, num_heads, self.geometry, geometry_dim, geometry_head_proj, geometry_scale, geometry_signed) if self.geometry else None
+            geo = (
+                GeometricBias(
+                    d_model, num_heads, self.geometry, geometry_dim, geometry_head_proj, geometry_scale, geometry_signed
+                )
+                if self.geometry
+                else None
+            )
             return EncoderLayer(attn, d_model, d_ff, dropout, geo)
 
         self.encoder = Encoder(make_layer, num_layers, d_model)
@@ -138,7 +170,11 @@ class SelfAttentionCaptioner(Captioner):
         x = self.att_embed(feats) * keep
         if self.absolute_position:
             x = x + absolute_box_encoding(boxes.float(), sizes, self.d_model, self.box_plus_one).to(x.dtype) * keep
-        rel = relative_geometry(boxes.float(), mask, self.box_plus_one, signed=self.geometry_signed).to(x.dtype) if self.geometry else None
+        rel = (
+            relative_geometry(boxes.float(), mask, self.box_plus_one, signed=self.geometry_signed).to(x.dtype)
+            if self.geometry
+            else None
+        )
         memory = self.encoder(x, mask, rel)
         return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
 
@@ -160,8 +196,18 @@ class SelfAttentionCaptioner(Captioner):
         return F.log_softmax(self.generator(h), dim=-1)
 
 
-def _base_kwargs(feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, dropout: float, embed_dropout: float) -> dict[str, Any]:
-    return dict(feat_dim=feat_dim, d_model=d_model, num_heads=num_heads, d_ff=d_ff, num_layers=num_layers, dropout=dropout, embed_dropout=embed_dropout)
+def _base_kwargs(
+    feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, dropout: float, embed_dropout: float
+) -> dict[str, Any]:
+    return dict(
+        feat_dim=feat_dim,
+        d_model=d_model,
+        num_heads=num_heads,
+        d_ff=d_ff,
+        num_layers=num_layers,
+        dropout=dropout,
+        embed_dropout=embed_dropout,
+    )
 
 
 @register_captioner("san")
@@ -173,48 +219,128 @@ class SAN(SelfAttentionCaptioner):
     its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
     """
 
-    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
-                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1) -> None:
-        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout))
+    def __init__(
+        self,
+        vocab_size: int,
+        feat_dim: int = 2048,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_layers: int = 4,
+        dropout: float = 0.1,
+        embed_dropout: float = 0.1,
+    ) -> None:
+        super().__init__(
+            vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout)
+        )
 
 
 @register_captioner("nsan")
 class NSAN(SelfAttentionCaptioner):
     """N-SAN: SAN with normalized self-attention in the encoder (§4.1; no extra parameters without affine)."""
 
-    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
-                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, norm_kind: str = "instance",
-                 norm_affine: bool = False, norm_queries: bool = True, norm_keys: bool = False, norm_eps: float = 1e-5) -> None:
-        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-                         norm_kind=norm_kind, norm_affine=norm_affine, norm_queries=norm_queries, norm_keys=norm_keys, norm_eps=norm_eps)
+    def __init__(
+        self,
+        vocab_size: int,
+        feat_dim: int = 2048,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_layers: int = 4,
+        dropout: float = 0.1,
+        embed_dropout: float = 0.1,
+        norm_kind: str = "instance",
+        norm_affine: bool = False,
+        norm_queries: bool = True,
+        norm_keys: bool = False,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__(
+            vocab_size,
+            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+            norm_kind=norm_kind,
+            norm_affine=norm_affine,
+            norm_queries=norm_queries,
+            norm_keys=norm_keys,
+            norm_eps=norm_eps,
+        )
 
 
 @register_captioner("gsan")
 class GSAN(SelfAttentionCaptioner):
     """G-SAN: SAN with geometry-aware self-attention in the encoder (§4.2; 41.5M at L = 4, query-dependent)."""
 
-    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
-                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, geometry: Sequence[str] = ("query",),
-                 geometry_dim: int = 128, geometry_head_proj: bool = True, geometry_scale: bool = True,
-                 geometry_signed: bool = False, box_plus_one: bool = True, absolute_position: bool = False) -> None:
-        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-                         geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
-                         geometry_scale=geometry_scale, geometry_signed=geometry_signed, box_plus_one=box_plus_one,
-                         absolute_position=absolute_position)
+    def __init__(
+        self,
+        vocab_size: int,
+        feat_dim: int = 2048,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_layers: int = 4,
+        dropout: float = 0.1,
+        embed_dropout: float = 0.1,
+        geometry: Sequence[str] = ("query",),
+        geometry_dim: int = 128,
+        geometry_head_proj: bool = True,
+        geometry_scale: bool = True,
+        geometry_signed: bool = False,
+        box_plus_one: bool = True,
+        absolute_position: bool = False,
+    ) -> None:
+        super().__init__(
+            vocab_size,
+            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+            geometry=geometry,
+            geometry_dim=geometry_dim,
+            geometry_head_proj=geometry_head_proj,
+            geometry_scale=geometry_scale,
+            geometry_signed=geometry_signed,
+            box_plus_one=box_plus_one,
+            absolute_position=absolute_position,
+        )
 
 
 @register_captioner("ngsan")
 class NGSAN(SelfAttentionCaptioner):
     """NG-SAN: GSA with the content query replaced by IN(Q) in every encoder self-attention (§4.3)."""
 
-    def __init__(self, vocab_size: int, feat_dim: int = 2048, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048,
-                 num_layers: int = 4, dropout: float = 0.1, embed_dropout: float = 0.1, norm_kind: str = "instance",
-                 norm_affine: bool = False, norm_queries: bool = True, norm_keys: bool = False, norm_eps: float = 1e-5,
-                 geometry: Sequence[str] = ("query",), geometry_dim: int = 128, geometry_head_proj: bool = True,
-                 geometry_scale: bool = True, geometry_signed: bool = False, box_plus_one: bool = True,
-                 absolute_position: bool = False) -> None:
-        super().__init__(vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-                         norm_kind=norm_kind, norm_affine=norm_affine, norm_queries=norm_queries, norm_keys=norm_keys,
-                         norm_eps=norm_eps, geometry=geometry, geometry_dim=geometry_dim, geometry_head_proj=geometry_head_proj,
-                         geometry_scale=geometry_scale, geometry_signed=geometry_signed, box_plus_one=box_plus_one,
-                         absolute_position=absolute_position)
+    def __init__(
+        self,
+        vocab_size: int,
+        feat_dim: int = 2048,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_layers: int = 4,
+        dropout: float = 0.1,
+        embed_dropout: float = 0.1,
+        norm_kind: str = "instance",
+        norm_affine: bool = False,
+        norm_queries: bool = True,
+        norm_keys: bool = False,
+        norm_eps: float = 1e-5,
+        geometry: Sequence[str] = ("query",),
+        geometry_dim: int = 128,
+        geometry_head_proj: bool = True,
+        geometry_scale: bool = True,
+        geometry_signed: bool = False,
+        box_plus_one: bool = True,
+        absolute_position: bool = False,
+    ) -> None:
+        super().__init__(
+            vocab_size,
+            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
+            norm_kind=norm_kind,
+            norm_affine=norm_affine,
+            norm_queries=norm_queries,
+            norm_keys=norm_keys,
+            norm_eps=norm_eps,
+            geometry=geometry,
+            geometry_dim=geometry_dim,
+            geometry_head_proj=geometry_head_proj,
+            geometry_scale=geometry_scale,
+            geometry_signed=geometry_signed,
+            box_plus_one=box_plus_one,
+            absolute_position=absolute_position,
+        )

@@ -53,7 +53,9 @@ def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:
 class EncoderLayer(nn.Module):
     """Pre-norm self-attention (+ optional geometric bias) and FFN over the regions."""
 
-    def __init__(self, attn: MultiHeadAttention, d_model: int, d_ff: int, dropout: float, geometry: GeometricBias | None = None) -> None:
+    def __init__(
+        self, attn: MultiHeadAttention, d_model: int, d_ff: int, dropout: float, geometry: GeometricBias | None = None
+    ) -> None:
         super().__init__()
         self.attn = attn
         self.geometry = geometry
@@ -120,7 +122,16 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Word embedding (scaled by sqrt(d)) + sinusoidal positions, ``num_layers`` layers, final LayerNorm."""
 
-    def __init__(self, vocab_size: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, dropout: float, max_positions: int = 512) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        num_layers: int,
+        dropout: float,
+        max_positions: int = 512,
+    ) -> None:
         super().__init__()
         self.d_model = d_model
         self.embed = nn.Embedding(vocab_size, d_model)
@@ -149,9 +160,14 @@ class Decoder(nn.Module):
     def empty_cache(self, rows: int, device: torch.device, dtype: torch.dtype) -> list[KV]:
         """Per-layer key/value caches holding no position yet."""
         shape = (rows, self.layers[0].self_attn.num_heads, 0, self.layers[0].self_attn.d_k)
-        return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)) for _ in self.layers]
+        return [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in self.layers
+        ]
 
-    def step(self, tokens: torch.Tensor, memory_kv: list[KV], memory_mask: torch.Tensor, cache: list[KV]) -> tuple[torch.Tensor, list[KV]]:
+    def step(
+        self, tokens: torch.Tensor, memory_kv: list[KV], memory_mask: torch.Tensor, cache: list[KV]
+    ) -> tuple[torch.Tensor, list[KV]]:
         """Hidden state ``(C, d)`` of one new token per row, and the extended caches.
 
         The token's position is the number of positions already in the cache.

@@ -43,8 +43,12 @@ class DemoReport:
     stages: list[StageResult] = field(default_factory=list)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # per row: mean over seeds
     grounding: dict[str, dict[str, Any]] = field(default_factory=dict)  # per row: mean over seeds
-    spread: dict[str, dict[str, float]] = field(default_factory=dict)  # per row: sample sd over seeds (metrics + grounding)
-    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per row: {seed, metrics, grounding, train_seconds}
+    spread: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # per row: sample sd over seeds (metrics + grounding)
+    runs: dict[str, list[dict[str, Any]]] = field(
+        default_factory=dict
+    )  # per row: {seed, metrics, grounding, train_seconds}
     detector: dict[str, Any] = field(default_factory=dict)
     pictures: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -82,8 +86,15 @@ def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool, decod
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.training.api import evaluate_checkpoint
 
-        rep = evaluate_checkpoint(checkpoint, store, data, split=str(cfg.split), out_dir=stage_dir, fast_only=fast_only,
-                                  decoding=decoding or None)
+        rep = evaluate_checkpoint(
+            checkpoint,
+            store,
+            data,
+            split=str(cfg.split),
+            out_dir=stage_dir,
+            fast_only=fast_only,
+            decoding=decoding or None,
+        )
         metrics = {k: float(v) for k, v in rep["metrics"].items() if isinstance(v, (int, float))}
         return {"predictions": Path(rep["predictions"]).name, "metrics": Path(rep["metrics_file"]).name}, {
             "metrics": metrics,
@@ -94,7 +105,9 @@ def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool, decod
     return work
 
 
-def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config, decoding: dict[str, Any]):
+def _pictures_work(
+    world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config, decoding: dict[str, Any]
+):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.captioning.run import caption_photos
         from pipeline.caption_data.prepared import PreparedCaptions
@@ -103,8 +116,14 @@ def _pictures_work(world_dir: Path, checkpoint: Path, weights: Path, data: Path,
         keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
         photos = [str(world_dir / "images" / k) for k in keys]
         caption_photos(
-            photos, checkpoint, str(weights), ccfg, output=stage_dir / "captions.jsonl", visualize=stage_dir / "pictures",
-            gallery=stage_dir / "gallery", decoding=decoding,
+            photos,
+            checkpoint,
+            str(weights),
+            ccfg,
+            output=stage_dir / "captions.jsonl",
+            visualize=stage_dir / "pictures",
+            gallery=stage_dir / "gallery",
+            decoding=decoding,
         )
         names = sorted(p.name for p in (stage_dir / "pictures").glob("*.png"))
         rows = [json.loads(line) for line in (stage_dir / "captions.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -120,8 +139,14 @@ def _oracle_work(world_dir: Path):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         from pipeline.world.oracle_features import write_oracle_store
 
-        summary = write_oracle_store(world_dir, stage_dir / "store", noise=float(cfg.noise), seed=int(cfg.seed),
-                                     box_features=bool(cfg.box_features), key="file_name")
+        summary = write_oracle_store(
+            world_dir,
+            stage_dir / "store",
+            noise=float(cfg.noise),
+            seed=int(cfg.seed),
+            box_features=bool(cfg.box_features),
+            key="file_name",
+        )
         return {"store": "store"}, summary
 
     return work
@@ -144,8 +169,17 @@ def mean_and_spread(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[
     """Mean and sample standard deviation (0 for one row) of every numeric key the rows share."""
     import statistics
 
-    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and all(isinstance(r.get(k), (int, float)) for r in rows)] if rows else []
+    keys = (
+        [
+            k
+            for k, v in rows[0].items()
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and all(isinstance(r.get(k), (int, float)) for r in rows)
+        ]
+        if rows
+        else []
+    )
     mean = {k: statistics.fmean(float(r[k]) for r in rows) for k in keys}
     spread = {k: statistics.stdev(float(r[k]) for r in rows) if len(rows) > 1 else 0.0 for k in keys}
     return mean, spread
@@ -186,7 +220,9 @@ def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
             )
         base = variants[name].get("model") if isinstance(variants[name], dict) else None
         if base not in known:
-            raise UsageError(f"demo.variants.{name}: 'model' must name a registered captioner ({', '.join(known)}), got {base!r}")
+            raise UsageError(
+                f"demo.variants.{name}: 'model' must name a registered captioner ({', '.join(known)}), got {base!r}"
+            )
         resolved[name] = str(base)
     return resolved
 
@@ -220,13 +256,27 @@ def demo_feature_kinds(cfg: Config, kinds: list[str] | None = None) -> list[str]
 def grid_extract_section(cfg: Config) -> Config:
     """The ``extract:`` section for grid features from the demo detector: ``--boxes grid`` pooled to
     ``demo.grid`` x ``demo.grid``, at the detector's own test scale (the recipe's ``null`` sizes and mean/std)."""
-    return cfg.extract.with_overrides({"boxes": "grid", "recipe": "grid-feats", "recipes.grid-feats.grid": int(cfg.demo.grid),
-                                       "recipes.grid-feats.min_size": None, "recipes.grid-feats.max_size": None,
-                                       "recipes.grid-feats.pixel_mean": None, "recipes.grid-feats.pixel_std": None})
+    return cfg.extract.with_overrides(
+        {
+            "boxes": "grid",
+            "recipe": "grid-feats",
+            "recipes.grid-feats.grid": int(cfg.demo.grid),
+            "recipes.grid-feats.min_size": None,
+            "recipes.grid-feats.max_size": None,
+            "recipes.grid-feats.pixel_mean": None,
+            "recipes.grid-feats.pixel_std": None,
+        }
+    )
 
 
-def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, generate_only: bool = False,
-             features: list[str] | None = None) -> DemoReport:
+def run_demo(
+    out: Path,
+    cfg: Config,
+    models: list[str],
+    force: bool = False,
+    generate_only: bool = False,
+    features: list[str] | None = None,
+) -> DemoReport:
     """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
     captioners = demo_captioners(cfg, models)
     kinds = demo_feature_kinds(cfg, features)
@@ -249,7 +299,13 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     stores: dict[str, tuple[StageResult, Path]] = {}
     if "oracle" in kinds:
-        feats = run_stage(out, "features-oracle", _with_inputs(cfg.demo.oracle, world=world), _oracle_work(world.directory), force=force)
+        feats = run_stage(
+            out,
+            "features-oracle",
+            _with_inputs(cfg.demo.oracle, world=world),
+            _oracle_work(world.directory),
+            force=force,
+        )
         report.stages.append(feats)
         stores["oracle"] = (feats, feats.directory / feats.outputs["store"])
     weights: Path | None = None
@@ -266,8 +322,14 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
 
     for kind in [k for k in kinds if k != "oracle"]:
         section = cfg.extract if kind == "region" else grid_extract_section(cfg)
-        feats = extract_features(out, "features" if kind == "region" else "features-grid", section,
-                                 ExtractJob(str(weights), (str(world.directory / "images"),)), config=_with_inputs(section, detector=detector), force=force)
+        feats = extract_features(
+            out,
+            "features" if kind == "region" else "features-grid",
+            section,
+            ExtractJob(str(weights), (str(world.directory / "images"),)),
+            config=_with_inputs(section, detector=detector),
+            force=force,
+        )
         report.stages.append(feats)
         stores[kind] = (feats, feats.directory / feats.outputs["store"])
 
@@ -295,30 +357,54 @@ def run_demo(out: Path, cfg: Config, models: list[str], force: bool = False, gen
         for k in range(seeds):
             seed = int(tcfg.train.seed) + k
             suffix = f"-seed{seed}" if k else ""  # the first seed keeps the single-run folder names
-            trained = train_captioner(out, tcfg.with_overrides({"train.seed": seed}), force=force, stage_name=f"train-{name}{suffix}")
+            trained = train_captioner(
+                out, tcfg.with_overrides({"train.seed": seed}), force=force, stage_name=f"train-{name}{suffix}"
+            )
             report.stages.append(trained)
             best = trained.directory / trained.outputs["best"]
             ev = run_stage(
-                out, f"eval-{name}{suffix}",
-                _with_inputs({"split": "test", "fast_only": bool(cfg.demo.fast_metrics_only),
-                              **({"decoding": decoding} if decoding else {})}, train=trained, features=features),
-                _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only), decoding), force=force,
+                out,
+                f"eval-{name}{suffix}",
+                _with_inputs(
+                    {
+                        "split": "test",
+                        "fast_only": bool(cfg.demo.fast_metrics_only),
+                        **({"decoding": decoding} if decoding else {}),
+                    },
+                    train=trained,
+                    features=features,
+                ),
+                _eval_work(best, store, data.directory, bool(cfg.demo.fast_metrics_only), decoding),
+                force=force,
             )
             report.stages.append(ev)
-            runs.append({"seed": seed, "metrics": dict(ev.summary.get("metrics", {})), "grounding": _grounding(test_scenes, ev),
-                         "train_seconds": _stage_seconds(trained)})
+            runs.append(
+                {
+                    "seed": seed,
+                    "metrics": dict(ev.summary.get("metrics", {})),
+                    "grounding": _grounding(test_scenes, ev),
+                    "train_seconds": _stage_seconds(trained),
+                }
+            )
             if k == 0 and int(cfg.demo.pictures) > 0 and kind == "region":
                 pics = run_stage(
-                    out, f"pictures-{name}", _with_inputs({"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict(),
-                                                              "decoding": decoding}, train=trained),
-                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption, decoding), force=force,
+                    out,
+                    f"pictures-{name}",
+                    _with_inputs(
+                        {"count": int(cfg.demo.pictures), "caption": cfg.caption.to_dict(), "decoding": decoding},
+                        train=trained,
+                    ),
+                    _pictures_work(world.directory, best, weights, data.directory, cfg.caption, decoding),
+                    force=force,
                 )
                 report.stages.append(pics)
                 report.pictures[name] = [str(pics.directory / "pictures" / p) for p in pics.summary.get("pictures", [])]
         report.runs[name] = runs
         report.metrics[name], metric_sd = mean_and_spread([r["metrics"] for r in runs])
         ground_mean, ground_sd = mean_and_spread([r["grounding"] for r in runs])
-        report.grounding[name] = {k: ground_mean.get(k) for k in runs[0]["grounding"]} if seeds > 1 else runs[0]["grounding"]
+        report.grounding[name] = (
+            {k: ground_mean.get(k) for k in runs[0]["grounding"]} if seeds > 1 else runs[0]["grounding"]
+        )
         report.spread[name] = {**metric_sd, **ground_sd}
     report.seconds = time.perf_counter() - t0
     from pipeline.core.fileio import atomic_write_text

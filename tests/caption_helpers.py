@@ -41,15 +41,29 @@ def tiny_run(root: Path, trainings: dict[str, list[str]]) -> Path:
     world = root / "world"
     generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     run = root / "run"
-    cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
+    cfg = load_config(
+        "prepare",
+        None,
+        [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"],
+    )
     run_stage(run, "data", cfg.prepare, prepare_captions)
     write_oracle_store(world, run / "features" / "store", extra_dims=tiny_spec().feature_dim - oracle_dim())
     for name, extra in trainings.items():
-        tcfg = load_config("train", None, [
-            "train.model=san", f"train.store={run / 'features/store'}", f"train.data={run / 'data'}", "train.device=cpu",
-            "train.preload=memory", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}",
-            *TINY, *extra,
-        ])
+        tcfg = load_config(
+            "train",
+            None,
+            [
+                "train.model=san",
+                f"train.store={run / 'features/store'}",
+                f"train.data={run / 'data'}",
+                "train.device=cpu",
+                "train.preload=memory",
+                "train.stages=[xe]",
+                "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}",
+                *TINY,
+                *extra,
+            ],
+        )
         train_captioner(run, tcfg, stage_name=f"train-{name}")
     return run
 
@@ -74,5 +88,11 @@ def small_photos(folder: Path, count: int, size: tuple[int, int] = (120, 90), se
 def cli_process(*args: str, **kw) -> subprocess.Popen:
     """``cli.py`` in a child process (one thread, no progress bars)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300")
-    return subprocess.Popen([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "cli.py"), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )

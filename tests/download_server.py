@@ -37,7 +37,7 @@ class FileServer:
                     return
                 start = 0
                 if rng and rng.startswith("bytes=") and rng.endswith("-"):
-                    start = int(rng[len("bytes="):-1])
+                    start = int(rng[len("bytes=") : -1])
                     if start >= len(body):
                         self.send_error(416, "Range Not Satisfiable")
                         return
@@ -54,7 +54,7 @@ class FileServer:
                     self.wfile.write(payload[: len(payload) // 2])
                     self.wfile.flush()
                     server.gate[path].wait(timeout=60)
-                    payload = payload[len(payload) // 2:]
+                    payload = payload[len(payload) // 2 :]
                 if cut is not None:
                     self.wfile.write(payload[:cut])
                     self.wfile.flush()
@@ -73,7 +73,7 @@ class FileServer:
         points); -> the server path."""
         path = "/" + url.split("://", 1)[1]
         if path.startswith("/huggingface.co/"):
-            path = path[len("/huggingface.co"):]
+            path = path[len("/huggingface.co") :]
         self.files[path] = body
         return path
 

@@ -12,8 +12,19 @@ import numpy as np
 from extractors.spec import BottomUpSpec
 
 TINY = dict(
-    stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4, stem_channels=8, num_classes=21, num_attributes=11,
-    attr_embed_dim=8, attr_hidden=16, rpn_channels=16, post_nms_topk=60, pre_nms_topk=600, min_size=200, max_size=333,
+    stage_blocks=(1, 1, 1),
+    res5_blocks=1,
+    res2_bottleneck=4,
+    stem_channels=8,
+    num_classes=21,
+    num_attributes=11,
+    attr_embed_dim=8,
+    attr_hidden=16,
+    rpn_channels=16,
+    post_nms_topk=60,
+    pre_nms_topk=600,
+    min_size=200,
+    max_size=333,
 )
 TINY_SET = (
     "extract.spec={stage_blocks: [1, 1, 1], res5_blocks: 1, res2_bottleneck: 4, stem_channels: 8, num_classes: 21, "
@@ -27,7 +38,18 @@ def tiny_spec(**kw) -> BottomUpSpec:
     return BottomUpSpec(**d)
 
 
-OBJ36_FIELDS = ["img_id", "img_h", "img_w", "objects_id", "objects_conf", "attrs_id", "attrs_conf", "num_boxes", "boxes", "features"]
+OBJ36_FIELDS = [
+    "img_id",
+    "img_h",
+    "img_w",
+    "objects_id",
+    "objects_conf",
+    "attrs_id",
+    "attrs_conf",
+    "num_boxes",
+    "boxes",
+    "features",
+]
 
 
 def read_obj36(path: Path) -> list[dict]:
@@ -39,7 +61,12 @@ def read_obj36(path: Path) -> list[dict]:
             d = dict(zip(OBJ36_FIELDS, r))
             n = int(d["num_boxes"])
             out = {"img_id": d["img_id"], "img_h": int(d["img_h"]), "img_w": int(d["img_w"]), "num_boxes": n}
-            for k, dt in (("objects_id", np.int64), ("objects_conf", np.float32), ("attrs_id", np.int64), ("attrs_conf", np.float32)):
+            for k, dt in (
+                ("objects_id", np.int64),
+                ("objects_conf", np.float32),
+                ("attrs_id", np.int64),
+                ("attrs_conf", np.float32),
+            ):
                 out[k] = np.frombuffer(base64.b64decode(d[k]), dtype=dt)
             out["boxes"] = np.frombuffer(base64.b64decode(d["boxes"]), dtype=np.float32).reshape(n, 4)
             out["features"] = np.frombuffer(base64.b64decode(d["features"]), dtype=np.float32).reshape(n, -1)
@@ -54,11 +81,16 @@ def read_trainval36(path: Path) -> list[dict]:
     with open(path, newline="") as fh:
         for r in csv.reader(fh, delimiter="\t"):
             n = int(r[3])
-            rows.append({
-                "image_id": int(r[0]), "image_w": int(r[1]), "image_h": int(r[2]), "num_boxes": n,
-                "boxes": np.frombuffer(base64.b64decode(r[4]), dtype=np.float32).reshape(n, 4),
-                "features": np.frombuffer(base64.b64decode(r[5]), dtype=np.float32).reshape(n, -1),
-            })
+            rows.append(
+                {
+                    "image_id": int(r[0]),
+                    "image_w": int(r[1]),
+                    "image_h": int(r[2]),
+                    "num_boxes": n,
+                    "boxes": np.frombuffer(base64.b64decode(r[4]), dtype=np.float32).reshape(n, 4),
+                    "features": np.frombuffer(base64.b64decode(r[5]), dtype=np.float32).reshape(n, -1),
+                }
+            )
     return rows
 
 

@@ -10,7 +10,15 @@ import torch
 
 from models.base import Captioner, State, index_state
 from models.base import state_device as _device, state_rows as _rows
-from models.decoding import NEG_INF, DecodeOptions, Generated, filter_logits, length_penalty, reachable_bound, trigram_block_mask
+from models.decoding import (
+    NEG_INF,
+    DecodeOptions,
+    Generated,
+    filter_logits,
+    length_penalty,
+    reachable_bound,
+    trigram_block_mask,
+)
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 
@@ -25,7 +33,9 @@ def constrain(logp: torch.Tensor, history: torch.Tensor, options: DecodeOptions)
     return logp.masked_fill(mask, NEG_INF)
 
 
-def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Callable[[torch.Tensor], torch.Tensor]) -> Generated:
+def _rollout(
+    model: Captioner, enc: State, options: DecodeOptions, choose: Callable[[torch.Tensor], torch.Tensor]
+) -> Generated:
     """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch."""
     rows = _rows(enc)
     device = _device(enc)
@@ -57,7 +67,9 @@ def _rollout(model: Captioner, enc: State, options: DecodeOptions, choose: Calla
     for idx, t, lp in picked:  # out-of-place so the log-probabilities keep their graph
         token_lp = token_lp.index_put((idx, torch.full_like(idx, t)), lp)
     total = token_lp.sum(1)
-    return Generated(out[:, :steps, None].transpose(1, 2), lengths[:, None], total[:, None], total[:, None], token_lp[:, None])
+    return Generated(
+        out[:, :steps, None].transpose(1, 2), lengths[:, None], total[:, None], total[:, None], token_lp[:, None]
+    )
 
 
 def greedy(model: Captioner, enc: State, options: DecodeOptions | None = None) -> Generated:
@@ -66,7 +78,9 @@ def greedy(model: Captioner, enc: State, options: DecodeOptions | None = None) -
     return _rollout(model, enc, options, lambda logp: logp.argmax(-1))
 
 
-def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None) -> Generated:
+def sample(
+    model: Captioner, enc: State, options: DecodeOptions, n: int | None = None, generator: torch.Generator | None = None
+) -> Generated:
     """``n`` sampled captions per image (default ``options.n_best``): ``(B, n, T)`` outputs."""
     n = n or options.n_best
     rows = _rows(enc)
@@ -78,10 +92,17 @@ def sample(model: Captioner, enc: State, options: DecodeOptions, n: int | None =
         return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
     g = _rollout(model, enc, options, choose)
-    return Generated(*(None if x is None else x.reshape(rows, n, *x.shape[2:]) for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)))
+    return Generated(
+        *(
+            None if x is None else x.reshape(rows, n, *x.shape[2:])
+            for x in (g.tokens, g.lengths, g.logprob, g.scores, g.token_logprobs)
+        )
+    )
 
 
-def _image_done(found: list[tuple[float, torch.Tensor, int, torch.Tensor]], bound: float, options: DecodeOptions) -> bool:
+def _image_done(
+    found: list[tuple[float, torch.Tensor, int, torch.Tensor]], bound: float, options: DecodeOptions
+) -> bool:
     """The stop rule for one image (see the module docstring)."""
     if options.stop_rule == "first_k":
         return len(found) >= options.beam_size
@@ -118,11 +139,13 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
         last = t == max_len - 1
         ends = (words == EOS) | last
         final = ends & (rank < k) & torch.isfinite(top_scores)
-        src_rows = (torch.arange(alive, device=device)[:, None] * k + src_beam)  # rows of the current batch
+        src_rows = torch.arange(alive, device=device)[:, None] * k + src_beam  # rows of the current batch
         for a, c in final.nonzero().tolist():
             seq = torch.cat([history[src_rows[a, c]], words[a, c : c + 1]])
             raw = top_scores[a, c]  # a 0-d tensor: keeps its graph when autograd is on (beam-based SCST)
-            norm = float(raw.detach()) / float(length_penalty(t + 1, options.length_penalty, options.length_penalty_kind))
+            norm = float(raw.detach()) / float(
+                length_penalty(t + 1, options.length_penalty, options.length_penalty_kind)
+            )
             finished[int(images[a])].append((norm, raw, t + 1, seq))
         if last:
             break
@@ -134,7 +157,9 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
         new_rows = src_rows.gather(1, pick)  # (alive, k)
         new_words = words.gather(1, pick)
         bounds = reachable_bound(new_scores.detach().max(1).values, t + 1, options).tolist()
-        done = torch.tensor([_image_done(finished[int(i)], b, options) for i, b in zip(images.tolist(), bounds)], device=device)
+        done = torch.tensor(
+            [_image_done(finished[int(i)], b, options) for i, b in zip(images.tolist(), bounds)], device=device
+        )
         if bool(done.all()):
             break
         if bool(done.any()):
@@ -148,7 +173,12 @@ def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generat
     return _collect(finished, n_best, options, device)
 
 
-def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]], n_best: int, options: DecodeOptions, device: torch.device) -> Generated:
+def _collect(
+    finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]],
+    n_best: int,
+    options: DecodeOptions,
+    device: torch.device,
+) -> Generated:
     """The ``n_best`` finished hypotheses of every image, best first (every image has >= n_best)."""
     num_images = len(finished)
     steps = max((h[2] for hyps in finished for h in hyps), default=1)
@@ -163,5 +193,3 @@ def _collect(finished: list[list[tuple[float, torch.Tensor, int, torch.Tensor]]]
     logprob = torch.stack(raws).view(num_images, n_best)
     scores = logprob / length_penalty(lengths, options.length_penalty, options.length_penalty_kind).to(device)
     return Generated(tokens, lengths, logprob, scores)
-
-

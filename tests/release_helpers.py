@@ -89,7 +89,9 @@ class _Decoder(nn.Module):
 class M2Layout(nn.Module):
     """``Transformer(bos, MemoryAugmentedEncoder(3, 0, m), MeshedDecoder(V, max_len, 3, pad))`` attribute tree."""
 
-    def __init__(self, vocab: int, d: int = 512, d_ff: int = 2048, m: int = 40, d_in: int = 2048, max_len: int = 54) -> None:
+    def __init__(
+        self, vocab: int, d: int = 512, d_ff: int = 2048, m: int = 40, d_in: int = 2048, max_len: int = 54
+    ) -> None:
         super().__init__()
         self.encoder = _Encoder(d, d_ff, m, d_in)
         self.decoder = _Decoder(vocab, max_len, d, d_ff)
@@ -107,9 +109,18 @@ def write_m2_checkpoint(path: Path, vocab: int, seed: int = 0, **sizes: int) -> 
     state = model.state_dict()
     np_state = np.random.RandomState(seed).get_state()
     payload = {
-        "torch_rng_state": torch.get_rng_state(), "numpy_rng_state": np_state, "random_rng_state": random.Random(seed).getstate(),
-        "epoch": 27, "val_loss": 2.1, "val_cider": np.float64(1.3), "state_dict": state, "optimizer": {"state": {}, "param_groups": []},
-        "scheduler": {"last_epoch": 10, "lr_lambdas": [None]}, "patience": 0, "best_cider": np.float64(1.31), "use_rl": True,
+        "torch_rng_state": torch.get_rng_state(),
+        "numpy_rng_state": np_state,
+        "random_rng_state": random.Random(seed).getstate(),
+        "epoch": 27,
+        "val_loss": 2.1,
+        "val_cider": np.float64(1.3),
+        "state_dict": state,
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"last_epoch": 10, "lr_lambdas": [None]},
+        "patience": 0,
+        "best_cider": np.float64(1.31),
+        "use_rl": True,
     }
     torch.save(payload, path, _use_new_zipfile_serialization=False)
     return state
@@ -227,14 +238,44 @@ class AoALayout(nn.Module):
         self.core = _Core(d)
 
 
-def aoanet_options(vocab: int, d: int = 1024, d_in: int = 2048, use_ff: int = 0, refine: int = 1, **extra) -> argparse.Namespace:
+def aoanet_options(
+    vocab: int, d: int = 1024, d_in: int = 2048, use_ff: int = 0, refine: int = 1, **extra
+) -> argparse.Namespace:
     """The train.sh options of the paper model (what ``infos['opt']`` holds)."""
-    opt = dict(caption_model="aoa", refine=refine, refine_aoa=1, use_ff=use_ff, decoder_type="AoA", use_multi_head=2,
-               num_heads=8, multi_head_scale=1, mean_feats=1, ctx_drop=1, dropout_aoa=0.3, label_smoothing=0.2,
-               input_encoding_size=d, rnn_size=d, att_feat_size=d_in, fc_feat_size=2048, att_hid_size=512, num_layers=2,
-               drop_prob_lm=0.5, use_bn=0, norm_att_feat=0, use_box=0, logit_layers=1, max_length=20, seq_length=16,
-               vocab_size=vocab, batch_size=10, learning_rate=2e-5, id="aoanet", checkpoint_path="log/log_aoanet_rl",
-               input_json="data/cocotalk.json", start_from=None)
+    opt = dict(
+        caption_model="aoa",
+        refine=refine,
+        refine_aoa=1,
+        use_ff=use_ff,
+        decoder_type="AoA",
+        use_multi_head=2,
+        num_heads=8,
+        multi_head_scale=1,
+        mean_feats=1,
+        ctx_drop=1,
+        dropout_aoa=0.3,
+        label_smoothing=0.2,
+        input_encoding_size=d,
+        rnn_size=d,
+        att_feat_size=d_in,
+        fc_feat_size=2048,
+        att_hid_size=512,
+        num_layers=2,
+        drop_prob_lm=0.5,
+        use_bn=0,
+        norm_att_feat=0,
+        use_box=0,
+        logit_layers=1,
+        max_length=20,
+        seq_length=16,
+        vocab_size=vocab,
+        batch_size=10,
+        learning_rate=2e-5,
+        id="aoanet",
+        checkpoint_path="log/log_aoanet_rl",
+        input_json="data/cocotalk.json",
+        start_from=None,
+    )
     opt.update(extra)
     return argparse.Namespace(**opt)
 
@@ -248,9 +289,13 @@ def write_aoanet(folder: Path, words: list[str], seed: int = 0, protocol: int = 
     state = model.state_dict()
     torch.save(state, folder / "model-best.pth")
     infos = {
-        "iter": 1234, "epoch": 40, "iterators": {"train": 5, "val": 0, "test": 0},
-        "split_ix": {"train": [0, 1, 2], "val": [3], "test": [4]}, "best_val_score": np.float64(1.2),
-        "opt": aoanet_options(len(words), **sizes), "vocab": {str(i + 1): w for i, w in enumerate(words)},
+        "iter": 1234,
+        "epoch": 40,
+        "iterators": {"train": 5, "val": 0, "test": 0},
+        "split_ix": {"train": [0, 1, 2], "val": [3], "test": [4]},
+        "best_val_score": np.float64(1.2),
+        "opt": aoanet_options(len(words), **sizes),
+        "vocab": {str(i + 1): w for i, w in enumerate(words)},
     }
     (folder / "infos_aoanet-best.pkl").write_bytes(pickle.dumps(infos, protocol=protocol))
     return state

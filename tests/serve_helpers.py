@@ -26,8 +26,14 @@ class Server:
     port: int
     tmp: Path | None = None  # the server's TMPDIR, when a test gives it one
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-                timeout: float = 120) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
@@ -36,10 +42,17 @@ class Server:
         finally:
             conn.close()
 
-    def post_images(self, files: Sequence[tuple[str, bytes]], fields: dict[str, Any] | None = None,
-                    headers: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, dict[str, str], Any]:
+    def post_images(
+        self,
+        files: Sequence[tuple[str, bytes]],
+        fields: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> tuple[int, dict[str, str], Any]:
         body, ctype = multipart(files, fields or {})
-        status, head, raw = self.request("POST", "/v1/captions", body, {"Content-Type": ctype, **(headers or {})}, timeout)
+        status, head, raw = self.request(
+            "POST", "/v1/captions", body, {"Content-Type": ctype, **(headers or {})}, timeout
+        )
         return status, head, json.loads(raw) if raw else None
 
     def metrics(self, headers: dict[str, str] | None = None) -> str:
@@ -76,17 +89,29 @@ def multipart(files: Sequence[tuple[str, bytes]], fields: dict[str, Any]) -> tup
     for name, value in fields.items():
         out.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode())
     for name, data in files:
-        out.append(f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{name}"\r\n'
-                   f"Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n")
+        out.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{name}"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n".encode()
+            + data
+            + b"\r\n"
+        )
     out.append(f"--{boundary}--\r\n".encode())
     return b"".join(out), f"multipart/form-data; boundary={boundary}"
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``cli.py serve --port 0 ARGS`` started (not yet waited for: several servers may boot at once)."""
-    penv = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="200", **(env or {}))
-    return subprocess.Popen([sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args], cwd=REPO, env=penv,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    penv = dict(
+        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="200", **(env or {})
+    )
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "cli.py"), "serve", "--port", "0", *args],
+        cwd=REPO,
+        env=penv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @contextmanager
@@ -155,8 +180,18 @@ class Chromium:
     def __init__(self, binary: str, profile: Path) -> None:
         r_cmd, w_cmd = os.pipe()  # we write commands -> chromium reads fd 3
         r_res, w_res = os.pipe()  # chromium writes results on fd 4 -> we read
-        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--remote-debugging-pipe",
-                f"--user-data-dir={profile}", "--no-first-run", "--window-size=1000,800", "about:blank"]
+        args = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "--no-first-run",
+            "--window-size=1000,800",
+            "about:blank",
+        ]
 
         def fds() -> None:
             import fcntl
@@ -165,8 +200,9 @@ class Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        self.proc = subprocess.Popen(args, preexec_fn=fds, pass_fds=(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     close_fds=False)
+        self.proc = subprocess.Popen(
+            args, preexec_fn=fds, pass_fds=(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False
+        )
         os.close(r_cmd)
         os.close(w_res)
         self.out, self.inp = os.fdopen(w_cmd, "wb", buffering=0), os.fdopen(r_res, "rb", buffering=0)

@@ -99,7 +99,9 @@ def test_refiner_layer_with_ff_adds_a_pre_norm_sublayer() -> None:
     xn = layer.norm(x[0])
     mid = x[0] + layer.aoa(_heads_attend(layer.q(xn), layer.k(xn), layer.v(xn), allowed[0], 2), xn)
     ff = layer.ff_norm(mid)
-    want = mid + (torch.relu(ff @ layer.ff.w_1.weight.T + layer.ff.w_1.bias) @ layer.ff.w_2.weight.T + layer.ff.w_2.bias)
+    want = mid + (
+        torch.relu(ff @ layer.ff.w_1.weight.T + layer.ff.w_1.bias) @ layer.ff.w_2.weight.T + layer.ff.w_2.bias
+    )
     torch.testing.assert_close(layer(x, allowed)[0], want, atol=1e-6, rtol=0)
 
 

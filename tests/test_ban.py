@@ -95,8 +95,12 @@ def reference_logprobs(model: BANCaptioner, feats, mask, caps) -> torch.Tensor:
             states.append(torch.zeros_like(q0[b]))
         for t in range(caps.shape[1]):
             for g in range(model.glimpses):
-                logits = torch.stack([torch.stack([(h[g] * xp[i] * yp[j]).sum() for j in range(t + 1)])
-                                      for i in range(len(real))]) + model.attention.h_bias[g]
+                logits = (
+                    torch.stack(
+                        [torch.stack([(h[g] * xp[i] * yp[j]).sum() for j in range(t + 1)]) for i in range(len(real))]
+                    )
+                    + model.attention.h_bias[g]
+                )
                 a = torch.softmax(logits.flatten(), 0).view_as(logits)  # joint over regions x prefix
                 x2 = model.pools[g].v_net(feats[b, real])  # X''
                 y2 = model.pools[g].q_net(states[g][: t + 1])  # Y'' from the updated states

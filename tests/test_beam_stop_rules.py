@@ -112,7 +112,9 @@ def test_exact_rule_never_worse_than_first_k_and_stops_early(alpha: float) -> No
         model = RandomLM(12, 3, seed)
         enc = model.encode(None, None, None, None)
         with torch.no_grad():
-            fk = beam_search(model, enc, DecodeOptions(beam_size=3, max_len=12, length_penalty=alpha, stop_rule="first_k"))
+            fk = beam_search(
+                model, enc, DecodeOptions(beam_size=3, max_len=12, length_penalty=alpha, stop_rule="first_k")
+            )
             ex = beam_search(model, enc, DecodeOptions(beam_size=3, max_len=12, length_penalty=alpha))
             full = beam_search(model, enc, DecodeOptions(beam_size=3, max_len=12, length_penalty=alpha, n_best=3))
         assert torch.all(ex.scores[:, 0] >= fk.scores[:, 0] - 1e-6)
@@ -143,8 +145,9 @@ def test_official_rules_refuse_options_their_searches_lack() -> None:
 # ------------------------------------------------------------------------------ official re-statements
 
 
-def m2_reference(model: Captioner, img: int, beam: int, max_len: int, bos: int = BOS, eos: int = EOS,
-                 carrier: int = UNK) -> tuple[list[list[int]], list[float]]:
+def m2_reference(
+    model: Captioner, img: int, beam: int, max_len: int, bos: int = BOS, eos: int = EOS, carrier: int = UNK
+) -> tuple[list[list[int]], list[float]]:
     """BeamSearch.apply/iter of meshed-memory-transformer, one image, written as the release reads.
 
     The release's index 0 (<unk>) carries finished beams; in this project's ids that word is UNK.
@@ -189,8 +192,16 @@ def m2_reference(model: Captioner, img: int, beam: int, max_len: int, bos: int =
     return caps, torch.sort(seq_logprob, 1, descending=True)[0].view(-1).tolist()
 
 
-def aoanet_reference(model: Captioner, img: int, beam: int, max_len: int, alpha: float = 0.0, bos: int = BOS, eos: int = EOS,
-                     unk: int = UNK) -> list[tuple[list[int], float]]:
+def aoanet_reference(
+    model: Captioner,
+    img: int,
+    beam: int,
+    max_len: int,
+    alpha: float = 0.0,
+    bos: int = BOS,
+    eos: int = EOS,
+    unk: int = UNK,
+) -> list[tuple[list[int], float]]:
     """CaptionModel.beam_search / beam_step of AoANet (group_size 1), one image, as the release reads
     (the release's ids: ``bos = eos = 0``, ``unk`` its last index)."""
     enc = {"img": model.encode(None, None, None, None)["img"][img : img + 1].expand(beam, -1)}
@@ -238,7 +249,9 @@ def test_official_m2_equals_the_release_search(beam: int) -> None:
         model = RandomLM(9, 3, seed, sharp=2.0)
         enc = model.encode(None, None, None, None)
         with torch.no_grad():
-            out = beam_search(model, enc, DecodeOptions(beam_size=beam, n_best=beam, max_len=7, stop_rule="official_m2"))
+            out = beam_search(
+                model, enc, DecodeOptions(beam_size=beam, n_best=beam, max_len=7, stop_rule="official_m2")
+            )
             for img in range(3):
                 caps, scores = m2_reference(model, img, beam, 7)
                 for j in range(beam):

@@ -27,7 +27,9 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_every_row_is_compared_before_its_ratio(capsys, tmp_path):
-    code, out, err = _run(capsys, "--only", "cider,nms,store", "--json", str(tmp_path / "r.json"), "--store-dir", str(tmp_path / "s"))
+    code, out, err = _run(
+        capsys, "--only", "cider,nms,store", "--json", str(tmp_path / "r.json"), "--store-dir", str(tmp_path / "s")
+    )
     assert code == 0, err
     data = json.loads((tmp_path / "r.json").read_text())
     rows = data["rows"]
@@ -130,7 +132,9 @@ def test_the_cuda_table_code_runs_on_cpu_at_tiny_size():
 def test_vinvl_rows_side_by_side(capsys, tmp_path, monkeypatch):
     """X-152 vs R-101 regions and grid vs regions: s/img on both sides and the ratio; a side whose output loses
     a photo reports no ratio."""
-    code, out, err = _run(capsys, "--only", "vinvl", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "v.json"))
+    code, out, err = _run(
+        capsys, "--only", "vinvl", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "v.json")
+    )
     assert code == 0, err
     rows = json.loads((tmp_path / "v.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["regions X-152 vs R-101", "grid vs regions (X-152)", "grid vs regions (R-101)"]
@@ -147,7 +151,9 @@ def test_proxies_count_operators_and_syncs(capsys, tmp_path):
     from bench.proxies import count
 
     assert count(lambda: (torch.ones(3).sum().item(), torch.ones(2).nonzero(), torch.ones(2).tolist()))["syncs"] == 3
-    code, out, err = _run(capsys, "--only", "proxies", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "p.json"))
+    code, out, err = _run(
+        capsys, "--only", "proxies", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "p.json")
+    )
     assert code == 0, err
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["unit"] for r in rows] == ["operators", "syncs"] and rows[0]["project_min"] > 50

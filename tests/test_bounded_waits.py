@@ -61,11 +61,23 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["shm", "dies", "hangs"])
 def test_photo_workers_never_leave_the_loop_waiting(folder: Path, mode: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), "BUTD_WORKER_WAIT": "8",
-           "COLUMNS": "400"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BUTD_NO_PROGRESS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "BUTD_WORKER_WAIT": "8",
+        "COLUMNS": "400",
+    }
     try:
-        res = subprocess.run([sys.executable, "-c", CHILD, mode, str(folder)], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=150)
+        res = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, str(folder)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{mode}: the photo loop was still waiting on its workers after 150 s")
     assert res.returncode == 0, res.stderr[-3000:]

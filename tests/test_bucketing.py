@@ -66,8 +66,16 @@ def test_extraction_batches_equal_shapes_across_the_folder_and_writes_in_input_o
     from extractors.selector import make_selector
     from extractors.spec import caffe_r101
 
-    spec = caffe_r101().with_(min_size=64, max_size=96, post_nms_topk=20, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
-                              stem_channels=8, rpn_channels=16)
+    spec = caffe_r101().with_(
+        min_size=64,
+        max_size=96,
+        post_nms_topk=20,
+        stage_blocks=(1, 1, 1),
+        res5_blocks=1,
+        res2_bottleneck=4,
+        stem_channels=8,
+        rpn_channels=16,
+    )
     model = random_detector(spec, seed=0).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rng = np.random.default_rng(0)
@@ -83,13 +91,17 @@ def test_extraction_batches_equal_shapes_across_the_folder_and_writes_in_input_o
     for window in (0, 4):  # 0: each loader batch as it comes; 4: across the folder
         store = _Store()
         batches.clear()
-        summary = run_extraction(model, items, store, make_selector(recipe, model.spec), batch_size=3, bucket_window=window)
+        summary = run_extraction(
+            model, items, store, make_selector(recipe, model.spec), batch_size=3, bucket_window=window
+        )
         runs[window] = (store, list(batches), summary)
     (one, b_one, s_one), (many, b_many, s_many) = runs[0], runs[4]
     # loader batches of 3 (k0 k1 k2 | missing k3 k4 | k5): 5 passes; across the folder: 60x80 x3, 80x60 x2, 90x90
     assert b_one == [2, 1, 1, 1, 1] and b_many == [3, 2, 1], (b_one, b_many)
     assert many.order == [f"k{i}" for i in range(6)] == one.order  # input order, the missing photo skipped
-    assert [f["key"] for f in s_many.failures] == ["missing"] == [f["key"] for f in s_one.failures] and s_many.extracted == 6
+    assert [f["key"] for f in s_many.failures] == ["missing"] == [
+        f["key"] for f in s_one.failures
+    ] and s_many.extracted == 6
     for k in many.order:  # the same regions (a CPU convolution over another batch differs in float rounding only)
         a, b = many.records[k], one.records[k]
         assert a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1e-3)
@@ -120,8 +132,16 @@ def test_channels_last_switch_gives_the_same_regions_to_rounding(tmp_path) -> No
     from extractors.spec import caffe_r101
     from extractors.to_host import use_channels_last
 
-    spec = caffe_r101().with_(min_size=64, max_size=96, post_nms_topk=20, stage_blocks=(1, 1, 1), res5_blocks=1, res2_bottleneck=4,
-                              stem_channels=8, rpn_channels=16)
+    spec = caffe_r101().with_(
+        min_size=64,
+        max_size=96,
+        post_nms_topk=20,
+        stage_blocks=(1, 1, 1),
+        res5_blocks=1,
+        res2_bottleneck=4,
+        stem_channels=8,
+        rpn_channels=16,
+    )
     model = random_detector(spec, seed=0).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)
@@ -131,7 +151,9 @@ def test_channels_last_switch_gives_the_same_regions_to_rounding(tmp_path) -> No
     plain = model.detect(blobs, frames, rule)
     use_channels_last(model, True)
     convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs) and any(not w.is_contiguous() for w in convs)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs) and any(
+        not w.is_contiguous() for w in convs
+    )
     nhwc = model.detect(blobs, frames, rule)
     for a, b in zip(plain, nhwc):
         assert a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1e-3)

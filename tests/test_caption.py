@@ -34,13 +34,27 @@ def checkpoint(tmp_path_factory) -> Path:
     world = root / "world"
     generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
     run = root / "run"
-    cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
+    cfg = load_config(
+        "prepare",
+        None,
+        [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"],
+    )
     run_stage(run, "data", cfg.prepare, prepare_captions)
     write_oracle_store(world, run / "features" / "store", extra_dims=R101_DIM - oracle_dim())
-    tcfg = load_config("train", None, [
-        "train.model=san", f"train.store={run / 'features/store'}", f"train.data={run / 'data'}", "train.device=cpu",
-        "train.preload=memory", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}", *TINY,
-    ])
+    tcfg = load_config(
+        "train",
+        None,
+        [
+            "train.model=san",
+            f"train.store={run / 'features/store'}",
+            f"train.data={run / 'data'}",
+            "train.device=cpu",
+            "train.preload=memory",
+            "train.stages=[xe]",
+            "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}",
+            *TINY,
+        ],
+    )
     return train_captioner(run, tcfg).directory / "best.pt"
 
 
@@ -62,8 +76,19 @@ def run_caption(*args: str):
 
 def test_captions_real_photos_and_reports_bad_files(checkpoint: Path, mixed_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "captions.jsonl"
-    res = run_caption(str(mixed_folder), "--model", str(checkpoint), "--weights", "random", "--output", str(out),
-                      "--n-best", "2", "--visualize", str(tmp_path / "pics"))
+    res = run_caption(
+        str(mixed_folder),
+        "--model",
+        str(checkpoint),
+        "--weights",
+        "random",
+        "--output",
+        str(out),
+        "--n-best",
+        "2",
+        "--visualize",
+        str(tmp_path / "pics"),
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6
@@ -86,14 +111,26 @@ def test_csv_output_and_cache_reuse(checkpoint: Path, shared_data: Path, tmp_pat
     photos = [str(shared_data / "photos" / "000456.jpg"), str(shared_data / "photos" / "004545.jpg")]
     out = tmp_path / "c.csv"
     cache = tmp_path / "cache"
-    first = run_caption(*photos, "--model", str(checkpoint), "--weights", "random", "--output", str(out), "--cache", str(cache))
+    first = run_caption(
+        *photos, "--model", str(checkpoint), "--weights", "random", "--output", str(out), "--cache", str(cache)
+    )
     assert first.exit_code == 0, first.output
     rows = list(csv.DictReader(out.open()))
     assert [Path(r["image"]).name for r in rows] == ["000456.jpg", "004545.jpg"] and all(r["caption"] for r in rows)
     from pipeline.store import FeatureStore
 
     assert sorted(FeatureStore(cache).keys()) == ["000456.jpg", "004545.jpg"]
-    again = run_caption(*photos, "--model", str(checkpoint), "--weights", "random", "--output", str(tmp_path / "d.csv"), "--cache", str(cache))
+    again = run_caption(
+        *photos,
+        "--model",
+        str(checkpoint),
+        "--weights",
+        "random",
+        "--output",
+        str(tmp_path / "d.csv"),
+        "--cache",
+        str(cache),
+    )
     assert again.exit_code == 0
     assert [r["caption"] for r in csv.DictReader((tmp_path / "d.csv").open())] == [r["caption"] for r in rows]
 

@@ -23,11 +23,19 @@ def test_bf16_captions_with_float32_relevance(shared_data):
     section = load_config("caption", None, ["caption.min_size=160", "caption.max_size=256"]).caption
     _, selector = configure_recipe(det, "random", section, where="caption")
     vocab = Vocab(("<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "blue", "circle", "square", "left"))
-    cap = models.build_captioner("san", len(vocab), feat_dim=det.spec.feature_dim,
-                                 d_model=32, num_heads=4, d_ff=64, num_layers=1).eval()
+    cap = models.build_captioner(
+        "san", len(vocab), feat_dim=det.spec.feature_dim, d_model=32, num_heads=4, d_ff=64, num_layers=1
+    ).eval()
     items = items_from_paths([str(shared_data / "photos" / "000456.jpg")])
-    engine = PhotoCaptioner(det, selector, cap, vocab, DecodeOptions.from_mapping({"method": "beam", "beam_size": 2, "max_len": 6}),
-                            torch.device("cpu"), precision="bf16")
+    engine = PhotoCaptioner(
+        det,
+        selector,
+        cap,
+        vocab,
+        DecodeOptions.from_mapping({"method": "beam", "beam_size": 2, "max_len": 6}),
+        torch.device("cpu"),
+        precision="bf16",
+    )
     res = list(engine.caption_paths(items, relevance=True))
     r = res[0]
     assert r.error is None and r.tokens and np.isfinite(r.score)

@@ -30,13 +30,22 @@ from pipeline.core.keys import key_from_text
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stream")
-    run = tiny_run(root, {"a": ["train.seed=1"], "b": ["train.seed=2", "train.xe={epochs: 8, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
+    run = tiny_run(
+        root,
+        {
+            "a": ["train.seed=1"],
+            "b": ["train.seed=2", "train.xe={epochs: 8, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"],
+        },
+    )
     return {"root": root, "run": run, "weights": tiny_detector(root / "tiny.pth"), "ckpt": run / "train-a" / "best.pt"}
 
 
 def caption(env: dict[str, Path], *args: str, model: str | None = None):
-    return CliRunner().invoke(app, ["caption", *args, "--model", model or str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL],
-                              env={"COLUMNS": "600"})  # wide enough that a long temp path (xdist basetemp) never folds inside a name
+    return CliRunner().invoke(
+        app,
+        ["caption", *args, "--model", model or str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL],
+        env={"COLUMNS": "600"},
+    )  # wide enough that a long temp path (xdist basetemp) never folds inside a name
 
 
 #: the most the peak RSS of `caption` on 400 small photos may exceed the peak on 40 (see the test below)
@@ -71,8 +80,21 @@ def alive(pid: int) -> bool:
 def test_kill_after_about_20_then_rerun_captions_each_photo_once(env: dict[str, Path], tmp_path: Path) -> None:
     photos = small_photos(tmp_path / "photos", 40, size=(200, 150))
     out = tmp_path / "out.jsonl"
-    args = ["caption", str(tmp_path / "photos"), "--model", str(env["ckpt"]), "--weights", str(env["weights"]), "--output", str(out),
-            *SMALL, "--set", "caption.batch_size=1", "--visualize", str(tmp_path / "pics")]
+    args = [
+        "caption",
+        str(tmp_path / "photos"),
+        "--model",
+        str(env["ckpt"]),
+        "--weights",
+        str(env["weights"]),
+        "--output",
+        str(out),
+        *SMALL,
+        "--set",
+        "caption.batch_size=1",
+        "--visualize",
+        str(tmp_path / "pics"),
+    ]
     proc = cli_process(*args)
     seen, deadline, workers = 0, time.monotonic() + 300, []
     while proc.poll() is None and time.monotonic() < deadline:
@@ -85,7 +107,9 @@ def test_kill_after_about_20_then_rerun_captions_each_photo_once(env: dict[str, 
                 break
         time.sleep(0.02)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed ({seen} rows): {proc.stderr.read().decode()[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run ended before it was killed ({seen} rows): {proc.stderr.read().decode()[-2000:]}"
+    )
     killed = read_jsonl(out)
     assert 20 <= len(killed) < 40
     if Path("/proc/self/stat").exists():  # Linux: the workers end with the killed run (none left behind)
@@ -142,11 +166,19 @@ def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, mo
     small_photos(tmp_path / "few", 40, size=(64, 48))
     small_photos(tmp_path / "many", 400, size=(64, 48), seed=1)
     caption(env, str(tmp_path / "warm"), "--quiet")  # imports and first-call caches before measuring
-    fast = ["--quiet", "--beam-size", "1", "--num-workers", "0"]  # batches of 2 (SMALL); decoded in this process, where tracemalloc sees it
+    fast = [
+        "--quiet",
+        "--beam-size",
+        "1",
+        "--num-workers",
+        "0",
+    ]  # batches of 2 (SMALL); decoded in this process, where tracemalloc sees it
     few = traced_peak_mb(env, str(tmp_path / "few"), "--output", str(tmp_path / "few.jsonl"), *fast)
     monkeypatch.setattr(PhotoCaptioner, "caption_batches", counting)
     many = traced_peak_mb(env, str(tmp_path / "many"), "--output", str(tmp_path / "many.jsonl"), *fast)
-    print(f"traced heap peak: {few:.1f} MB with 40 photos, {many:.1f} MB with 400; live results with regions: max {max(live)}")
+    print(
+        f"traced heap peak: {few:.1f} MB with 40 photos, {many:.1f} MB with 400; live results with regions: max {max(live)}"
+    )
     assert len(read_jsonl(tmp_path / "many.jsonl")) == 400 and len(live) == 25
     assert max(live) <= 2, f"{max(live)} results with regions alive after a batch (batch size 2)"
     assert many - few < 3, f"traced heap peak {many:.1f} MB for 400 photos vs {few:.1f} MB for 40"
@@ -177,9 +209,22 @@ finally:
 
 def peak_rss_mb(tmp_path: Path, *args: str, keep_everything: bool = False) -> float:
     """Peak RSS (MB) of one `caption` child process while its command ran (see RSS_CHILD)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300", KEEP=str(int(keep_everything)))
-    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, "caption", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, timeout=300)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        BUTD_NO_PROGRESS="1",
+        COLUMNS="300",
+        KEEP=str(int(keep_everything)),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, "caption", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=300,
+    )
     err = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0 and "peak-rss-kb" in err, err[-2000:]
     return int(err.split("peak-rss-kb ")[1].split()[0]) / 1024
@@ -200,18 +245,59 @@ def test_peak_rss_of_caption_on_400_photos_stays_within_the_bound(env: dict[str,
     """
     small_photos(tmp_path / "few", 40, size=(320, 240))
     small_photos(tmp_path / "many", 400, size=(320, 240), seed=1)
-    common = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), "--set", "caption.batch_size=2", "--set", "caption.min_size=48",
-              "--set", "caption.max_size=64", "--beam-size", "1", "--num-workers", "0", "--quiet"]
-    few = peak_rss_mb(tmp_path, str(tmp_path / "few"), "--output", str(tmp_path / "few.jsonl"), "--visualize", str(tmp_path / "p1"), *common)
-    many = peak_rss_mb(tmp_path, str(tmp_path / "many"), "--output", str(tmp_path / "many.jsonl"), "--visualize", str(tmp_path / "p2"), *common)
-    kept = peak_rss_mb(tmp_path, str(tmp_path / "many"), "--output", str(tmp_path / "kept.jsonl"), "--visualize", str(tmp_path / "p3"), *common,
-                       keep_everything=True)
+    common = [
+        "--model",
+        str(env["ckpt"]),
+        "--weights",
+        str(env["weights"]),
+        "--set",
+        "caption.batch_size=2",
+        "--set",
+        "caption.min_size=48",
+        "--set",
+        "caption.max_size=64",
+        "--beam-size",
+        "1",
+        "--num-workers",
+        "0",
+        "--quiet",
+    ]
+    few = peak_rss_mb(
+        tmp_path,
+        str(tmp_path / "few"),
+        "--output",
+        str(tmp_path / "few.jsonl"),
+        "--visualize",
+        str(tmp_path / "p1"),
+        *common,
+    )
+    many = peak_rss_mb(
+        tmp_path,
+        str(tmp_path / "many"),
+        "--output",
+        str(tmp_path / "many.jsonl"),
+        "--visualize",
+        str(tmp_path / "p2"),
+        *common,
+    )
+    kept = peak_rss_mb(
+        tmp_path,
+        str(tmp_path / "many"),
+        "--output",
+        str(tmp_path / "kept.jsonl"),
+        "--visualize",
+        str(tmp_path / "p3"),
+        *common,
+        keep_everything=True,
+    )
     print(f"peak RSS: {few:.1f} MB with 40 photos, {many:.1f} MB with 400, {kept:.1f} MB with 400 keeping every result")
     rows = read_jsonl(tmp_path / "many.jsonl")
     assert len(rows) == 400 and sum("caption" in r for r in rows) == 400 and read_jsonl(tmp_path / "kept.jsonl") == rows
     assert len(list((tmp_path / "p2").glob("*.png"))) == 400
     assert many - few < RSS_BOUND_MB, f"peak RSS {many:.1f} MB for 400 photos vs {few:.1f} MB for 40"
-    assert kept - few > RSS_BOUND_MB, f"keeping every result costs only {kept - few:.1f} MB: the bound would not notice it"
+    assert kept - few > RSS_BOUND_MB, (
+        f"keeping every result costs only {kept - few:.1f} MB: the bound would not notice it"
+    )
 
 
 def test_odd_images_and_names_never_cost_the_run(env: dict[str, Path], tmp_path: Path) -> None:
@@ -228,8 +314,18 @@ def test_odd_images_and_names_never_cost_the_run(env: dict[str, Path], tmp_path:
     res = caption(env, str(folder), "--output", str(out))
     assert res.exit_code == 0, res.output
     rows = {key_from_text(r["key"]): r for r in read_jsonl(out)}
-    assert set(rows) == {"0000.jpg", "0001.jpg", "0002.jpg", "thin.png", "[/x].jpg", "[bold]y.jpg", os.fsdecode(b"caf\xe9.jpg")}
-    assert "error" in rows["thin.png"] and "caption" in rows["[/x].jpg"] and "caption" in rows[os.fsdecode(b"caf\xe9.jpg")]
+    assert set(rows) == {
+        "0000.jpg",
+        "0001.jpg",
+        "0002.jpg",
+        "thin.png",
+        "[/x].jpg",
+        "[bold]y.jpg",
+        os.fsdecode(b"caf\xe9.jpg"),
+    }
+    assert (
+        "error" in rows["thin.png"] and "caption" in rows["[/x].jpg"] and "caption" in rows[os.fsdecode(b"caf\xe9.jpg")]
+    )
     assert os.fsencode(key_from_text(rows[os.fsdecode(b"caf\xe9.jpg")]["image"])) == latin1  # lossless
     failures = read_jsonl(tmp_path / "odd.failures.jsonl")
     assert [f["key"] for f in failures] == ["thin.png"] and failures[0]["reason"]
@@ -256,7 +352,11 @@ def test_file_list_and_coco_results(env: dict[str, Path], tmp_path: Path) -> Non
     assert sorted(r["image_id"] for r in results) == [42, 391895]
     assert all(set(r) == {"image_id", "caption"} and isinstance(r["caption"], str) for r in results)
     res = caption(env, str(c), "--output", str(tmp_path / "bad.json"), "--format", "coco")
-    assert res.exit_code == 2 and "--image-ids" in res.stderr and sum(line.startswith("error:") for line in res.stderr.splitlines()) == 1
+    assert (
+        res.exit_code == 2
+        and "--image-ids" in res.stderr
+        and sum(line.startswith("error:") for line in res.stderr.splitlines()) == 1
+    )
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps({c.name: 7}))
     res = caption(env, str(c), "--output", str(tmp_path / "mapped.json"), "--format", "coco", "--image-ids", str(ids))
@@ -279,7 +379,9 @@ def test_run_folder_picks_the_best_captioner_by_validation_cider(env: dict[str, 
     assert state["settings"]["captioner"].endswith(f"train-{best}/best.pt")
     res = caption(env, str(photo), "--output", str(tmp_path / "other.jsonl"), "--captioner", other, model=str(run))
     assert res.exit_code == 0, res.output
-    assert json.loads((tmp_path / "other.jsonl.committed").read_text())["settings"]["captioner"].endswith(f"train-{other}/best.pt")
+    assert json.loads((tmp_path / "other.jsonl.committed").read_text())["settings"]["captioner"].endswith(
+        f"train-{other}/best.pt"
+    )
     res = caption(env, str(photo), "--captioner", "nope", model=str(run))
     assert res.exit_code == 2 and "a, b" in res.stderr
     # an output made with one captioner is not silently extended with another

@@ -25,8 +25,13 @@ from pipeline.core import threads as thread_policy
 #: the decompression-bomb cap of these tests: the 64x48 photos pass, the 200x150 one is "too_large"
 MAX_PIXELS = "caption.max_pixels=20000"
 #: the error rows each odd input must give, with or without workers (reason: start of the detail)
-ERRORS = {"broken.jpg": "not_an_image: ", "empty.jpg": "empty: zero-byte file", "cut.jpg": "decode_error: OSError: Truncated",
-          "big.jpg": "too_large: 200x150 = 30000 pixels", "gone.jpg": "unreadable: no such file or directory"}
+ERRORS = {
+    "broken.jpg": "not_an_image: ",
+    "empty.jpg": "empty: zero-byte file",
+    "cut.jpg": "decode_error: OSError: Truncated",
+    "big.jpg": "too_large: 200x150 = 30000 pixels",
+    "gone.jpg": "unreadable: no such file or directory",
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,13 @@ def env(tmp_path_factory) -> dict[str, Path]:
     data = good[0].read_bytes()
     (folder / "cut.jpg").write_bytes(data[: len(data) // 2])  # a JPEG cut off half-way
     Image.fromarray(np.full((150, 200, 3), 77, np.uint8)).save(folder / "big.jpg")
-    return {"root": root, "ckpt": run / "train-a" / "best.pt", "weights": tiny_detector(root / "tiny.pth"), "photos": folder,
-            "gone": folder / "gone.jpg"}
+    return {
+        "root": root,
+        "ckpt": run / "train-a" / "best.pt",
+        "weights": tiny_detector(root / "tiny.pth"),
+        "photos": folder,
+        "gone": folder / "gone.jpg",
+    }
 
 
 def workers_available(requested: int = 2) -> int:
@@ -50,9 +60,24 @@ def workers_available(requested: int = 2) -> int:
 
 
 def caption(env: dict[str, Path], *args: str):
-    return CliRunner().invoke(app, ["caption", str(env["photos"]), str(env["gone"]), "--model", str(env["ckpt"]),
-                                    "--weights", str(env["weights"]), *SMALL, "--set", MAX_PIXELS, "--quiet", *args],
-                              env={"COLUMNS": "300"})
+    return CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(env["photos"]),
+            str(env["gone"]),
+            "--model",
+            str(env["ckpt"]),
+            "--weights",
+            str(env["weights"]),
+            *SMALL,
+            "--set",
+            MAX_PIXELS,
+            "--quiet",
+            *args,
+        ],
+        env={"COLUMNS": "300"},
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -81,9 +106,14 @@ def test_cli_results_and_error_rows_equal_with_and_without_workers(env: dict[str
     errors = {r["key"]: r["error"] for r in base if "error" in r}
     assert set(errors) == set(ERRORS) and all(errors[k].startswith(v) for k, v in ERRORS.items()), errors
     assert rows["workers"] == base  # captions, scores, errors, order
-    assert rows["workers+cache"] == rows["main+cache"] and [r["key"] for r in rows["main+cache"]] == [r["key"] for r in base]
+    assert rows["workers+cache"] == rows["main+cache"] and [r["key"] for r in rows["main+cache"]] == [
+        r["key"] for r in base
+    ]
     assert all(f == failures["main"] for f in failures.values()) and len(failures["main"]) == 5
-    pictures = {name: {p.name: p.read_bytes() for p in (tmp_path / name).glob("*.png")} for name in ("main+cache", "workers+cache")}
+    pictures = {
+        name: {p.name: p.read_bytes() for p in (tmp_path / name).glob("*.png")}
+        for name in ("main+cache", "workers+cache")
+    }
     assert len(pictures["main+cache"]) == 5 and pictures["workers+cache"] == pictures["main+cache"]
 
 
@@ -125,7 +155,9 @@ class Recording(PhotoDataset):
         return out
 
     def decoded(self) -> list[tuple[int, int]]:
-        return [tuple(map(int, line.split())) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+        return (
+            [tuple(map(int, line.split())) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+        )
 
 
 def photo_dataset(env: dict[str, Path], log: Path, count: int, **kw) -> Recording:
@@ -133,16 +165,27 @@ def photo_dataset(env: dict[str, Path], log: Path, count: int, **kw) -> Recordin
 
     photos = small_photos(env["root"] / f"many{count}", count, size=(64, 48))
     items = items_from_paths([str(p) for p in photos])
-    return Recording(items, Recipe("caffe", pixel_mean=(102.98, 115.95, 122.77), min_size=96, max_size=160), 10**8, 16,
-                     [Need.DETECT] * count, log=log, **kw)
+    return Recording(
+        items,
+        Recipe("caffe", pixel_mean=(102.98, 115.95, 122.77), min_size=96, max_size=160),
+        10**8,
+        16,
+        [Need.DETECT] * count,
+        log=log,
+        **kw,
+    )
 
 
-def test_decoding_runs_in_worker_processes_in_order_and_a_few_batches_ahead(env: dict[str, Path], tmp_path: Path) -> None:
+def test_decoding_runs_in_worker_processes_in_order_and_a_few_batches_ahead(
+    env: dict[str, Path], tmp_path: Path
+) -> None:
     """The photos are decoded in other processes than the caller's (0 workers: in the caller's), delivered in
     the input order, and the loader stays at most prefetch x workers batches ahead of a slow consumer."""
     granted = workers_available(2)
     if granted == 0:
-        pytest.skip("the thread policy grants no DataLoader worker here (one core, or explicit threads take the whole budget)")
+        pytest.skip(
+            "the thread policy grants no DataLoader worker here (one core, or explicit threads take the whole budget)"
+        )
     ds = photo_dataset(env, tmp_path / "w.log", 20, delay=0.01)
     assert pickle.loads(pickle.dumps(ds)).needs == ds.needs  # spawn-started workers (macOS, Windows) receive a copy
     seen = []

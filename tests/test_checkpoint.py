@@ -15,7 +15,13 @@ from pipeline.core.errors import PipelineError, UsageError
 
 
 def draws() -> tuple:
-    return (random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), torch.rand(3).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        float(np.random.randn()),
+        torch.rand(3).tolist(),
+    )
 
 
 def test_rng_state_round_trip_through_a_file(tmp_path: Path) -> None:
@@ -39,7 +45,13 @@ def test_weights_and_metadata_round_trip(tmp_path: Path) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    payload = {"model": model.state_dict(), "optimizer": opt.state_dict(), "vocab": ["<pad>", "a"], "epoch": 3, "config": {"lr": 1e-4}}
+    payload = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "vocab": ["<pad>", "a"],
+        "epoch": 3,
+        "config": {"lr": 1e-4},
+    }
     save_checkpoint(tmp_path / "c.pt", payload)
     back = load_checkpoint(tmp_path / "c.pt", required=("model", "optimizer"))
     assert back["epoch"] == 3 and back["vocab"] == ["<pad>", "a"] and back["config"] == {"lr": 1e-4}

@@ -27,11 +27,20 @@ def _random_corpus(rng: np.random.Generator, num_images: int, vocab_size: int, m
     def sentence() -> list[str]:
         return [words[i] for i in rng.integers(0, vocab_size, int(rng.integers(0, max_len + 1)))]
 
-    refs = {int(i): [sentence() for _ in range(int(rng.integers(1, 8)))] for i in rng.permutation(10 * num_images)[:num_images]}
+    refs = {
+        int(i): [sentence() for _ in range(int(rng.integers(1, 8)))]
+        for i in rng.permutation(10 * num_images)[:num_images]
+    }
     cands = {}
     for i, rs in refs.items():
         kind = rng.integers(3)
-        cands[i] = sentence() if kind == 0 else list(rs[int(rng.integers(len(rs)))]) if kind == 1 else rs[0][: len(rs[0]) // 2] + sentence()
+        cands[i] = (
+            sentence()
+            if kind == 0
+            else list(rs[int(rng.integers(len(rs)))])
+            if kind == 1
+            else rs[0][: len(rs[0]) // 2] + sentence()
+        )
     return refs, cands
 
 

@@ -11,7 +11,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["extract", "import-features", "prepare", "train", "train-encoder", "evaluate", "embed", "caption", "demo", "info"]
+COMMANDS = [
+    "extract",
+    "import-features",
+    "prepare",
+    "train",
+    "train-encoder",
+    "evaluate",
+    "embed",
+    "caption",
+    "demo",
+    "info",
+]
 
 
 def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -73,7 +84,9 @@ def test_demo_generate_only_is_resumable_and_skips_when_done(tmp_path: Path) -> 
     assert res.returncode == 0, res.stderr
     assert "num_images: 12" not in res.stderr and "+ 2 override(s)" in res.stderr  # one config line at info level
     loud = cli("demo", "--generate-only", "--out", str(tmp_path / "loud"), "--num-images", "3", "--verbose")
-    assert "num_images: 3" in loud.stderr and "num_images: 3" not in loud.stdout  # --verbose: the resolved config, on stderr
+    assert (
+        "num_images: 3" in loud.stderr and "num_images: 3" not in loud.stdout
+    )  # --verbose: the resolved config, on stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["summary"]["images"] == 12 and len(list((out / "images").iterdir())) == 12
     again = cli("demo", "--generate-only", "--out", str(out), "--num-images", "12", "--seed", "5")
@@ -123,9 +136,21 @@ def test_info_describes_a_sentence_encoder_checkpoint(tmp_path: Path) -> None:
     from pipeline.core.checkpoint import save_checkpoint
 
     path = tmp_path / "best.pt"  # the layout of pipeline/embedding/train.py's _payload
-    save_checkpoint(path, {"kind": "weights", "model": {"name": "sentence_encoder", "config": {}, "vocab_size": 3, "image_dim": 8},
-                           "vocab": ["<pad>", "a", "b"], "weights": {"w": torch.zeros(2)}, "epoch": 1, "position": 0,
-                           "global_step": 5, "best": {}, "history": [], "train_config": {}})
+    save_checkpoint(
+        path,
+        {
+            "kind": "weights",
+            "model": {"name": "sentence_encoder", "config": {}, "vocab_size": 3, "image_dim": 8},
+            "vocab": ["<pad>", "a", "b"],
+            "weights": {"w": torch.zeros(2)},
+            "epoch": 1,
+            "position": 0,
+            "global_step": 5,
+            "best": {},
+            "history": [],
+            "train_config": {},
+        },
+    )
     res = cli("info", str(path))
     assert res.returncode == 0, res.stderr
     assert "model: sentence_encoder" in res.stdout and "vocabulary: 3 words" in res.stdout

@@ -25,9 +25,19 @@ from pipeline.core.renamed import RENAMED_OPTIONS
 REPO = Path(__file__).resolve().parent.parent
 GROUP = typer.main.get_command(cli.app)
 #: the config stage each command resolves (``opts.resolve(STAGE)``), for checking the --set keys of its examples
-STAGES = {"caption": "caption", "serve": "serve", "evaluate": "evaluate", "extract": "extract", "prepare": "prepare",
-          "train": "train", "train-encoder": "embed", "embed": "embed", "train-detector": "train_detector",
-          "eval-detector": "train_detector", "demo": "demo"}
+STAGES = {
+    "caption": "caption",
+    "serve": "serve",
+    "evaluate": "evaluate",
+    "extract": "extract",
+    "prepare": "prepare",
+    "train": "train",
+    "train-encoder": "embed",
+    "embed": "embed",
+    "train-detector": "train_detector",
+    "eval-detector": "train_detector",
+    "demo": "demo",
+}
 
 
 def _help(name: str) -> str:
@@ -48,9 +58,13 @@ def test_each_long_option_and_short_flag_has_one_meaning() -> None:
             continue
         expected = {use.long, *meaning.aliases, *([meaning.short] if meaning.short else [])}
         if set(use.names) != expected:
-            problems.append(f"{use.command} {use.long}: spelled {sorted(use.names)}, the grammar says {sorted(expected)}")
+            problems.append(
+                f"{use.command} {use.long}: spelled {sorted(use.names)}, the grammar says {sorted(expected)}"
+            )
         if use.flag != meaning.flag:
-            problems.append(f"{use.command} {use.long}: {'a switch' if use.flag else 'takes a value'}, unlike its meaning")
+            problems.append(
+                f"{use.command} {use.long}: {'a switch' if use.flag else 'takes a value'}, unlike its meaning"
+            )
         for name in use.names:
             if not name.startswith("--"):
                 meaning_of_short[name].add(use.long)
@@ -60,7 +74,9 @@ def test_each_long_option_and_short_flag_has_one_meaning() -> None:
     assert problems == []
     # the grammar of the issue: the captioner, the detector, the run directory, a file, the evaluation flags
     assert (MEANINGS["--model"].short, MEANINGS["--weights"].short, MEANINGS["--out"].short) == ("-m", "-w", "-o")
-    assert MEANINGS["--output"].short is None and {MEANINGS[n].short for n in ("--metrics", "--predictions", "--port")} == {"-e", "-p", "-P"}
+    assert MEANINGS["--output"].short is None and {
+        MEANINGS[n].short for n in ("--metrics", "--predictions", "--port")
+    } == {"-e", "-p", "-P"}
 
 
 def test_the_grammar_check_catches_a_second_meaning() -> None:
@@ -95,8 +111,9 @@ def test_docs_cli_md_holds_the_generated_table() -> None:
     text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
     between = text.partition(TABLE_BEGIN)[2].partition(TABLE_END)[0].strip()
     assert between == options_table(GROUP), (
-        "docs/cli.md is out of step with the commands: python -c \"import typer, cli; from pathlib import Path; "
-        "from pipeline.commands.grammar import write_table; write_table(Path('docs/cli.md'), typer.main.get_command(cli.app))\"")
+        'docs/cli.md is out of step with the commands: python -c "import typer, cli; from pathlib import Path; '
+        "from pipeline.commands.grammar import write_table; write_table(Path('docs/cli.md'), typer.main.get_command(cli.app))\""
+    )
     assert "(not in MEANINGS)" not in between
 
 
@@ -114,7 +131,7 @@ def _examples() -> list[tuple[str, str]]:
 def _example_args(line: str) -> list[str]:
     tokens = shlex.split(line.split("   (")[0])  # a trailing "(comment)" is prose
     start = tokens.index("cli.py") if "cli.py" in tokens else tokens.index("butd-caption")
-    return tokens[start + 1:]
+    return tokens[start + 1 :]
 
 
 def _check_example(args: list[str]) -> str | None:
@@ -145,18 +162,27 @@ def _check_example(args: list[str]) -> str | None:
 def test_every_help_example_parses_against_its_command_and_the_schema() -> None:
     examples = _examples()
     assert len(examples) >= 30 and {n for n, _ in examples} >= set(GROUP.commands) - {"info"} | {"info"}
-    failures = [f"{name} help: {line}: {problem}" for name, line in examples
-                if (problem := _check_example(_example_args(line))) is not None]
+    failures = [
+        f"{name} help: {line}: {problem}"
+        for name, line in examples
+        if (problem := _check_example(_example_args(line))) is not None
+    ]
     assert failures == []
 
 
-@pytest.mark.parametrize("args,problem", [
-    (["caption", "photo.jpg", "-o", "x.jsonl"], "does not parse"),  # -o is the run directory, caption writes --output
-    (["evaluate", "--metrics", "bleu", "--nope"], "does not parse"),
-    (["embed", "--input", "s.txt"], "does not parse"),  # --checkpoint and --output are required
-    (["train", "--set", "train.nope=1"], "refused"),
-    (["demo", "--config", "configs/none.yaml"], "not found"),
-])
+@pytest.mark.parametrize(
+    "args,problem",
+    [
+        (
+            ["caption", "photo.jpg", "-o", "x.jsonl"],
+            "does not parse",
+        ),  # -o is the run directory, caption writes --output
+        (["evaluate", "--metrics", "bleu", "--nope"], "does not parse"),
+        (["embed", "--input", "s.txt"], "does not parse"),  # --checkpoint and --output are required
+        (["train", "--set", "train.nope=1"], "refused"),
+        (["demo", "--config", "configs/none.yaml"], "not found"),
+    ],
+)
 def test_the_example_check_catches_bad_examples(args: list[str], problem: str) -> None:
     found = _check_example(args)
     assert found is not None and problem in found
@@ -164,8 +190,11 @@ def test_the_example_check_catches_bad_examples(args: list[str], problem: str) -
 
 @pytest.mark.parametrize("command,old", [(c, o) for c, spellings in RENAMED_OPTIONS.items() for o in spellings])
 def test_an_old_spelling_is_refused_naming_the_new_one(command: str, old: str, tmp_path: Path) -> None:
-    args = {"convert-captioner": [str(tmp_path / "m.pth")], "export-features": [str(tmp_path / "s")],
-            "merge-features": [str(tmp_path / "a")]}.get(command, [])
+    args = {
+        "convert-captioner": [str(tmp_path / "m.pth")],
+        "export-features": [str(tmp_path / "s")],
+        "merge-features": [str(tmp_path / "a")],
+    }.get(command, [])
     res = _invoke(command, *args, old, str(tmp_path / "x"))
     errors = [ln for ln in res.output.splitlines() if ln.strip()]
     assert res.exit_code == 2 and len(errors) == 1, res.output
@@ -176,13 +205,24 @@ def test_an_old_spelling_is_refused_naming_the_new_one(command: str, old: str, t
 
 def test_parse_errors_are_one_line() -> None:
     env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="200")
-    for args, text in ((["embed"], "Missing option '--checkpoint'"), (["caption", "--nope"], "No such option: --nope"),
-                       (["serve", "-P", "many"], "Invalid value for '--port'"),
-                       (["evaluate", "-m", "bleu,cider"], "give the metrics with --metrics/-e bleu,cider")):
-        res = subprocess.run([sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True, env=env, cwd=REPO,
-                             timeout=120)
+    for args, text in (
+        (["embed"], "Missing option '--checkpoint'"),
+        (["caption", "--nope"], "No such option: --nope"),
+        (["serve", "-P", "many"], "Invalid value for '--port'"),
+        (["evaluate", "-m", "bleu,cider"], "give the metrics with --metrics/-e bleu,cider"),
+    ):
+        res = subprocess.run(
+            [sys.executable, str(REPO / "cli.py"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+        )
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], res.stderr
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], (
+            res.stderr
+        )
 
 
 def test_help_lists_the_registries_own_choices() -> None:
@@ -196,7 +236,9 @@ def test_help_lists_the_registries_own_choices() -> None:
     assert all(name in helps["extract --recipe"] for name in RECIPES) and "vinvl" in helps["extract --recipe"]
     assert "grid-feats" in helps["extract --recipe"]
     assert all(name in helps["extract --preset"] for name in extractors.BUILTIN_PRESETS)
-    assert all(name in helps["train --model"] and name in helps["info --model"] for name in models.available_captioners())
+    assert all(
+        name in helps["train --model"] and name in helps["info --model"] for name in models.available_captioners()
+    )
     assert all(name in helps["import-features --release"] for name in RELEASES)
     assert all(name in helps["evaluate --metrics"] for name in METRICS)
 
@@ -212,15 +254,25 @@ def test_no_help_tells_the_history_of_the_project() -> None:
 
 def test_required_options_are_marked_required() -> None:
     required = {(u.command, u.long) for u in option_uses(GROUP) if u.required}
-    assert {("embed", "--checkpoint"), ("embed", "--input"), ("embed", "--output"), ("convert-captioner", "--output"),
-            ("export-features", "--output"), ("merge-features", "--store"), ("import-features", "--format"),
-            ("import-features", "--store"), ("eval-detector", "--annotations")} <= required
+    assert {
+        ("embed", "--checkpoint"),
+        ("embed", "--input"),
+        ("embed", "--output"),
+        ("convert-captioner", "--output"),
+        ("export-features", "--output"),
+        ("merge-features", "--store"),
+        ("import-features", "--format"),
+        ("import-features", "--store"),
+        ("eval-detector", "--annotations"),
+    } <= required
 
 
 def test_each_stage_writes_where_the_next_reads() -> None:
     defaults = {(u.command, u.long): GROUP.commands[u.command].params for u in option_uses(GROUP)}
-    value = {key: next(p.default for p in params if p.param_type_name == "option" and key[1] in p.opts)
-             for key, params in defaults.items()}
+    value = {
+        key: next(p.default for p in params if p.param_type_name == "option" and key[1] in p.opts)
+        for key, params in defaults.items()
+    }
     for name in ("demo", "prepare", "train", "train-encoder", "train-detector"):
         assert Path(value[(name, "--out")]) == DEFAULT_RUN, name
     assert Path(value[("caption", "--model")]) == DEFAULT_RUN and Path(value[("serve", "--model")]) == DEFAULT_RUN
@@ -228,9 +280,23 @@ def test_each_stage_writes_where_the_next_reads() -> None:
 
 
 def _karpathy(path: Path) -> Path:
-    words = ["a red circle", "two blue squares", "a green square", "one red circle", "a big blue circle", "small squares"]
-    images = [{"cocoid": i, "filename": f"{i}.jpg", "split": ("train", "train", "train", "val", "test", "test")[i],
-               "sentences": [{"tokens": w.split(), "raw": w} for w in (words[i], words[(i + 1) % 6])]} for i in range(6)]
+    words = [
+        "a red circle",
+        "two blue squares",
+        "a green square",
+        "one red circle",
+        "a big blue circle",
+        "small squares",
+    ]
+    images = [
+        {
+            "cocoid": i,
+            "filename": f"{i}.jpg",
+            "split": ("train", "train", "train", "val", "test", "test")[i],
+            "sentences": [{"tokens": w.split(), "raw": w} for w in (words[i], words[(i + 1) % 6])],
+        }
+        for i in range(6)
+    ]
     path.write_text(json.dumps({"images": images}))
     return path
 
@@ -241,8 +307,14 @@ def test_prepare_train_evaluate_chain_through_the_default_run(tmp_path: Path) ->
     env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="300")
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True, cwd=tmp_path,
-                              env=env, timeout=300)
+        return subprocess.run(
+            [sys.executable, str(REPO / "cli.py"), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=300,
+        )
 
     prepared = run("prepare", str(_karpathy(tmp_path / "dataset.json")))
     assert prepared.returncode == 0, prepared.stderr

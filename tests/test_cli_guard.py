@@ -25,7 +25,9 @@ def _run(fn) -> tuple[int, str]:
 
 def test_os_errors_are_one_line_with_action_path_and_hint(tmp_path) -> None:
     def full() -> None:
-        raise annotate_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "write feature segment", tmp_path / "s.h5")
+        raise annotate_os_error(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "write feature segment", tmp_path / "s.h5"
+        )
 
     code, out = _run(full)
     assert code == 1 and out.count("\n") == 1 and "Traceback" not in out
@@ -46,7 +48,9 @@ def test_os_errors_are_one_line_with_action_path_and_hint(tmp_path) -> None:
 
 
 def test_h5py_style_errno_in_text_is_recognised() -> None:
-    exc = OSError("Can't write data (file write failed: time = x, filename = 'a.h5', errno = 28, error message = 'No space')")
+    exc = OSError(
+        "Can't write data (file write failed: time = x, filename = 'a.h5', errno = 28, error message = 'No space')"
+    )
     assert "disk full" in os_error_message(annotate_os_error(exc, "write feature segment", "a.h5"))
 
 

@@ -154,8 +154,11 @@ def _java_found() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _java_found(), reason="Java is not installed: scoring reports SPICE as 'Java not found' before "
-                    "it looks for the CoreNLP jars, so the jar check cannot be reached")
+@pytest.mark.skipif(
+    not _java_found(),
+    reason="Java is not installed: scoring reports SPICE as 'Java not found' before "
+    "it looks for the CoreNLP jars, so the jar check cannot be reached",
+)
 def test_spice_is_detected_without_downloading(data) -> None:
     available, reason = spice_available()
     if available:
@@ -165,7 +168,9 @@ def test_spice_is_detected_without_downloading(data) -> None:
     refs, preds, _ = data
     result = score_captions(refs, preds, EvalOptions(metrics=("bleu", "spice"), tokenizer="simple"))
     assert "SPICE" not in result.metrics and "Bleu_4" in result.metrics
-    assert "stanford-corenlp-3.6.0.jar" in result.skipped["spice"] and "nothing was downloaded" in result.skipped["spice"]
+    assert (
+        "stanford-corenlp-3.6.0.jar" in result.skipped["spice"] and "nothing was downloaded" in result.skipped["spice"]
+    )
     assert "\n" not in result.skipped["spice"]
     after = sorted(p.name for p in lib.iterdir()) if lib.is_dir() else []
     assert before == after
@@ -173,9 +178,23 @@ def test_spice_is_detected_without_downloading(data) -> None:
 
 @needs_java
 def test_ptb_tokenizer_matches_pycocoevalcap_conventions() -> None:
-    caps = ["A man riding a horse.", "The dog's \"ball\" -- isn't red!", "(a) café, 5:30 pm", "", "trailing empty next", ""]
+    caps = [
+        "A man riding a horse.",
+        "The dog's \"ball\" -- isn't red!",
+        "(a) café, 5:30 pm",
+        "",
+        "trailing empty next",
+        "",
+    ]
     out = ptb_tokenize(caps, JAVA)
-    assert out == ["a man riding a horse", "the dog 's ball is n't red", "-lrb- a -rrb- café 5:30 pm", "", "trailing empty next", ""]
+    assert out == [
+        "a man riding a horse",
+        "the dog 's ball is n't red",
+        "-lrb- a -rrb- café 5:30 pm",
+        "",
+        "trailing empty next",
+        "",
+    ]
     assert simple_tokenize(caps) == out
 
 
@@ -200,19 +219,30 @@ def _write(path: Path, obj) -> Path:
 
 @pytest.fixture()
 def ref_file(tmp_path: Path) -> Path:
-    anns = [{"image_id": i, "id": 10 * i + k, "caption": c} for i in (1, 2, 3) for k, c in enumerate(["a red circle", "one red circle"])]
+    anns = [
+        {"image_id": i, "id": 10 * i + k, "caption": c}
+        for i in (1, 2, 3)
+        for k, c in enumerate(["a red circle", "one red circle"])
+    ]
     anns.append({"image_id": 3, "id": 99, "caption": "  "})
     return _write(tmp_path / "refs.json", {"images": [{"id": i} for i in (1, 2, 3)], "annotations": anns})
 
 
 def test_reference_file_validation(tmp_path: Path, ref_file: Path) -> None:
     refs, notes = load_references(ref_file)
-    assert refs == {1: ["a red circle", "one red circle"], 2: ["a red circle", "one red circle"], 3: ["a red circle", "one red circle"]}
+    assert refs == {
+        1: ["a red circle", "one red circle"],
+        2: ["a red circle", "one red circle"],
+        3: ["a red circle", "one red circle"],
+    }
     assert notes == [f"1 empty reference captions in {ref_file} were ignored"]
     cases = [
         ({"images": []}, "not in COCO captions format"),
         ({"annotations": [{"image_id": 1}]}, "annotation 0: expected an object with 'image_id' and 'caption'"),
-        ({"annotations": [{"image_id": 1.5, "caption": "x"}]}, "annotation 0: 'image_id' must be an integer or a string"),
+        (
+            {"annotations": [{"image_id": 1.5, "caption": "x"}]},
+            "annotation 0: 'image_id' must be an integer or a string",
+        ),
         ({"annotations": [{"image_id": 1, "caption": 3}]}, "annotation 0: 'caption' must be a string"),
         ({"annotations": []}, "holds no reference captions"),
         ("{not json", "is not valid JSON"),
@@ -270,7 +300,10 @@ def test_match_policies() -> None:
 
 
 def test_evaluate_files_end_to_end_without_java(tmp_path: Path, ref_file: Path) -> None:
-    preds = _write(tmp_path / "res.json", [{"image_id": 1, "caption": "A red circle."}, {"image_id": 2, "caption": "two blue squares"}])
+    preds = _write(
+        tmp_path / "res.json",
+        [{"image_id": 1, "caption": "A red circle."}, {"image_id": 2, "caption": "two blue squares"}],
+    )
     result = evaluate_files(preds, ref_file, EvalOptions(metrics=("bleu", "rouge", "cider"), tokenizer="simple"))
     assert result.image_ids == [1, 2]
     per = dict(zip(result.image_ids, result.per_image["ROUGE_L"]))

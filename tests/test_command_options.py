@@ -47,14 +47,26 @@ def test_every_command_has_verbose_and_quiet_and_no_everyday_options_where_no_mo
 
 
 def test_train_options_map_onto_both_stages_and_the_precision_key():
-    opts = CommandOptions(device="cpu", batch_size=7, precision="fp32", num_workers=0, overrides=("train.xe.lr=0.5",),
-                          everyday=Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
-                                            precision="train.precision", num_workers="train.num_workers"))
+    opts = CommandOptions(
+        device="cpu",
+        batch_size=7,
+        precision="fp32",
+        num_workers=0,
+        overrides=("train.xe.lr=0.5",),
+        everyday=Everyday(
+            device="train.device",
+            batch_size=("train.xe.batch_size", "train.scst.batch_size"),
+            precision="train.precision",
+            num_workers="train.num_workers",
+        ),
+    )
     cfg = opts.resolve("train", show=False).train
     assert cfg.device == "cpu" and cfg.num_workers == 0 and cfg.precision == "fp32"
     assert cfg.xe.batch_size == 7 and cfg.scst.batch_size == 7 and cfg.xe.lr == 0.5
     # the everyday options win over --set, --set over the defaults
-    opts = CommandOptions(batch_size=3, overrides=("train.xe.batch_size=9",), everyday=Everyday(batch_size="train.xe.batch_size"))
+    opts = CommandOptions(
+        batch_size=3, overrides=("train.xe.batch_size=9",), everyday=Everyday(batch_size="train.xe.batch_size")
+    )
     assert opts.resolve("train", show=False).train.xe.batch_size == 3
 
 
@@ -66,11 +78,18 @@ def test_precision_is_one_vocabulary_with_one_line_refusals():
     res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", "s", "--precision", "fp64"])
     assert res.exit_code == 2 and "--precision must be one of auto, fp32, tf32, bf16, fp16, not 'fp64'" in res.output
     assert "Traceback" not in res.output
-    for command in (["caption", "x.jpg"], ["extract", "x.jpg", "--weights", "random", "--store", "s"],
-                    ["eval-detector", "w.pth", "-a", "a.json"]):
+    for command in (
+        ["caption", "x.jpg"],
+        ["extract", "x.jpg", "--weights", "random", "--store", "s"],
+        ["eval-detector", "w.pth", "-a", "a.json"],
+    ):
         res = CliRunner().invoke(app, [*command, "--precision", "fp16"])
         errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-        assert res.exit_code == 2 and len(errors) == 1 and "precision=fp16 cannot apply: the detector has no fp16 path" in errors[0], res.output
+        assert (
+            res.exit_code == 2
+            and len(errors) == 1
+            and "precision=fp16 cannot apply: the detector has no fp16 path" in errors[0]
+        ), res.output
         assert "Traceback" not in res.output
     from pipeline.core.precision import resolve_precision
 
@@ -81,10 +100,16 @@ def test_precision_is_one_vocabulary_with_one_line_refusals():
 
 def test_command_flags_reach_the_config(tmp_path):
     """`evaluate` maps its everyday options onto evaluate.* (checked through a bad device value's error)."""
-    res = CliRunner().invoke(app, ["extract", "x.jpg", "--weights", "random", "--store", str(tmp_path / "s"), "--batch-size", "0"])
+    res = CliRunner().invoke(
+        app, ["extract", "x.jpg", "--weights", "random", "--store", str(tmp_path / "s"), "--batch-size", "0"]
+    )
     assert res.exit_code == 2  # min=1 on the shared option
-    opts = CommandOptions(device="cuda:3", batch_size=8, precision="bf16",
-                          everyday=Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision"))
+    opts = CommandOptions(
+        device="cuda:3",
+        batch_size=8,
+        precision="bf16",
+        everyday=Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision"),
+    )
     section = opts.resolve("evaluate", show=False).evaluate
     assert (section.device, section.batch_size, section.precision) == ("cuda:3", 8, "bf16")
 
@@ -93,6 +118,7 @@ def test_a_common_option_cannot_be_declared_twice():
     from pipeline.commands.options import command
 
     with pytest.raises(TypeError, match="device is a common option"):
+
         @command(typer.Typer(), "x", help="x", everyday=Everyday(device="extract.device"))
         def x(opts: CommandOptions, device: str = "cpu") -> None:  # noqa: ARG001
             pass

@@ -17,8 +17,31 @@ from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases
 REPO = Path(__file__).resolve().parents[1]
 #: a backticked config key, with or without ``--set`` and ``=value``: ``extract.num_workers``, ``--set train.xe.lr=1e-4``
 KEY = re.compile(r"^(?:--set\s+)?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
-FILE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".jsonl", ".md", ".pt", ".pth", ".csv", ".html", ".png", ".txt", ".h5", ".tsv",
-                 ".npy", ".npz", ".pkl", ".hdf5", ".sh", ".toml", ".jpg", ".log", ".prototxt")
+FILE_SUFFIXES = (
+    ".py",
+    ".yaml",
+    ".yml",
+    ".json",
+    ".jsonl",
+    ".md",
+    ".pt",
+    ".pth",
+    ".csv",
+    ".html",
+    ".png",
+    ".txt",
+    ".h5",
+    ".tsv",
+    ".npy",
+    ".npz",
+    ".pkl",
+    ".hdf5",
+    ".sh",
+    ".toml",
+    ".jpg",
+    ".log",
+    ".prototxt",
+)
 
 
 def schemas() -> list[dict[str, Any]]:
@@ -62,16 +85,26 @@ def named_keys(text: str, known_sections: set[str]) -> set[str]:
 
 
 def doc_texts() -> dict[str, str]:
-    return {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8") for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+    return {
+        p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8")
+        for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    }
 
 
 def test_every_config_key_named_in_the_docs_exists():
     trees = schemas()
     known = sections(trees)
-    missing = sorted(f"{doc}: {key}" for doc, text in doc_texts().items() for key in named_keys(text, known) if not key_exists(key, trees))
+    missing = sorted(
+        f"{doc}: {key}"
+        for doc, text in doc_texts().items()
+        for key in named_keys(text, known)
+        if not key_exists(key, trees)
+    )
     assert not missing, "config keys named in the docs but in no schema:\n" + "\n".join(missing)
     named = {key for text in doc_texts().values() for key in named_keys(text, known)}
-    assert {"eval.num_workers", "caption.precision", "serve.max_batch"} <= named and len(named) >= 40  # the scan does find them
+    assert {"eval.num_workers", "caption.precision", "serve.max_batch"} <= named and len(
+        named
+    ) >= 40  # the scan does find them
 
 
 def test_a_planted_unknown_key_is_found():
@@ -83,17 +116,27 @@ def test_a_planted_unknown_key_is_found():
     assert sorted(k for k in keys if not key_exists(k, trees)) == ["extract.workers", "train.no_such_key"]
 
 
-@pytest.mark.parametrize("old,new,where", [("extract.workers", "extract.num_workers", "extract"), ("world.workers", "world.num_workers", "demo"),
-                                           ("train.amp", "train.precision", "train"), ("train.num_threads", "--threads", "train"),
-                                           ("train.threads", "--threads", "train-detector"),
-                                           ("train.max_iter", "detector_train.max_iter", "train-detector"),
-                                           ("demo.detector_overrides", "detector_train", "demo"),
-                                           ("encoder.epochs", "sentence_encoder.epochs", "train-encoder")])
+@pytest.mark.parametrize(
+    "old,new,where",
+    [
+        ("extract.workers", "extract.num_workers", "extract"),
+        ("world.workers", "world.num_workers", "demo"),
+        ("train.amp", "train.precision", "train"),
+        ("train.num_threads", "--threads", "train"),
+        ("train.threads", "--threads", "train-detector"),
+        ("train.max_iter", "detector_train.max_iter", "train-detector"),
+        ("demo.detector_overrides", "detector_train", "demo"),
+        ("encoder.epochs", "sentence_encoder.epochs", "train-encoder"),
+    ],
+)
 def test_an_old_key_is_refused_naming_the_new_one(old, new, where, tmp_path):
-    command = {"extract": ["extract", str(tmp_path), "--weights", "random", "--store", str(tmp_path / "s")],
-               "demo": ["demo", "--out", str(tmp_path / "run")], "train": ["train", "--out", str(tmp_path / "run")],
-               "train-detector": ["train-detector", "--out", str(tmp_path / "det")],
-               "train-encoder": ["train-encoder", "--out", str(tmp_path / "run")]}[where]
+    command = {
+        "extract": ["extract", str(tmp_path), "--weights", "random", "--store", str(tmp_path / "s")],
+        "demo": ["demo", "--out", str(tmp_path / "run")],
+        "train": ["train", "--out", str(tmp_path / "run")],
+        "train-detector": ["train-detector", "--out", str(tmp_path / "det")],
+        "train-encoder": ["train-encoder", "--out", str(tmp_path / "run")],
+    }[where]
     res = CliRunner().invoke(app, [*command, "--set", f"{old}=1"])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1, res.output
@@ -131,5 +174,7 @@ def test_without_the_configs_folder_every_command_fails_in_one_line(monkeypatch,
 def test_the_demo_checks_its_detector_train_keys_before_any_stage(tmp_path):
     res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "run"), "--set", "detector_train.max_iters=5"])
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert res.exit_code == 2 and len(errors) == 1 and "unknown config key 'detector_train.max_iters'" in errors[0], res.output
+    assert res.exit_code == 2 and len(errors) == 1 and "unknown config key 'detector_train.max_iters'" in errors[0], (
+        res.output
+    )
     assert not (tmp_path / "run" / "world").exists()  # refused before the world stage

@@ -25,7 +25,9 @@ def _run(columns: str | None) -> subprocess.CompletedProcess:
     if columns:
         env["COLUMNS"] = columns
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=120, check=True)
+    return subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
 
 
 def test_a_piped_log_line_and_table_row_stay_on_one_line() -> None:

@@ -39,12 +39,20 @@ def old_training_payload() -> dict[str, Any]:
         "vocab": list(WORDS),
         "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "decoding": {"method": "beam", "beam_size": 3, "max_len": 16},
-        "stage": "scst", "stage_done": False, "epoch": 2, "position": 5, "iteration": 41, "global_step": 97, "bad_epochs": 1,
+        "stage": "scst",
+        "stage_done": False,
+        "epoch": 2,
+        "position": 5,
+        "iteration": 41,
+        "global_step": 97,
+        "bad_epochs": 1,
         "best": {"metric": "CIDEr", "value": 0.5, "stage": "xe", "epoch": 3},
         "history": [{"stage": "xe", "epoch": 3, "global_step": 56, "CIDEr": 0.5}],
         "train_config": {"model": "san", "max_boxes": 36, "seed": 1},
         "store_identity": {"name": "bua-caffe", "weights_sha256": "ab" * 32, "recipe": {"min_size": 600}},
-        "schedule": {"name": "step", "step": 41}, "optimizer": opt.state_dict(), "scaler": {},
+        "schedule": {"name": "step", "step": 41},
+        "optimizer": opt.state_dict(),
+        "scaler": {},
         "rng": [{"torch": torch.get_rng_state()}],
     }
 
@@ -54,11 +62,18 @@ def old_release_payload() -> dict[str, Any]:
     return {
         "kind": "weights",
         "model": {"name": "m2", "config": {"d_model": 16, "fixed_regions": 50}, "vocab_size": len(WORDS)},
-        "vocab": list(WORDS), "weights": {"w": torch.arange(6.0)},
+        "vocab": list(WORDS),
+        "weights": {"w": torch.arange(6.0)},
         "decoding": {"method": "beam", "beam_size": 5, "stop_rule": "official_m2"},
         "train_config": {"max_boxes": None},
-        "release": {"kind": "m2", "title": "M2", "weights_file": "m2.pth", "vocab_file": "vocab.pkl",
-                    "features": {"recipe": "caffe", "boxes": "adaptive", "max_boxes": 50}, "converter_version": 1},
+        "release": {
+            "kind": "m2",
+            "title": "M2",
+            "weights_file": "m2.pth",
+            "vocab_file": "vocab.pkl",
+            "features": {"recipe": "caffe", "boxes": "adaptive", "max_boxes": 50},
+            "converter_version": 1,
+        },
     }
 
 
@@ -75,34 +90,47 @@ def test_a_checkpoint_written_by_the_old_code_loads_and_saves_back_the_same_keys
 
 def test_round_trip_equals(tmp_path: Path) -> None:
     ckpt = CaptionerCheckpoint(
-        model_name="aoa", model_config={"d_model": 4}, vocab=tuple(WORDS), weights={"x": torch.randn(2, 2)},
-        decoding={"beam_size": 2}, progress=Progress(stage="xe", epoch=1, best={"metric": "CIDEr", "value": 1.0}),
+        model_name="aoa",
+        model_config={"d_model": 4},
+        vocab=tuple(WORDS),
+        weights={"x": torch.randn(2, 2)},
+        decoding={"beam_size": 2},
+        progress=Progress(stage="xe", epoch=1, best={"metric": "CIDEr", "value": 1.0}),
         state=TrainingState(optimizer={"state": {}, "param_groups": []}, schedule={"step": 3}, scaler={}, rng=[{}]),
-        train_config={"max_boxes": 20}, store_identity={"name": "x"},
+        train_config={"max_boxes": 20},
+        store_identity={"name": "x"},
         release=ReleaseInfo("aoanet", "AoANet", "model-best.pth", "infos.pkl", {"recipe": "caffe"}, 1),
     )
     back = CaptionerCheckpoint.load(ckpt.save(tmp_path / "c.pt"))
     assert same(back.to_dict(), ckpt.to_dict())
-    assert back.progress == ckpt.progress and back.release == ckpt.release and back.kind == "train" and back.max_boxes == 20
+    assert (
+        back.progress == ckpt.progress
+        and back.release == ckpt.release
+        and back.kind == "train"
+        and back.max_boxes == 20
+    )
 
 
-@pytest.mark.parametrize("plant,message", [
-    (lambda d: d.update(surprise=1), "unknown field"),
-    (lambda d: d.pop("weights"), "lacks weights"),
-    (lambda d: d.pop("epoch"), "lacks epoch"),
-    (lambda d: d.pop("optimizer"), "lacks optimizer"),
-    (lambda d: d.update(kind="resume"), "kind 'resume'"),
-    (lambda d: d["model"].update(vocab_size=99), "vocab_size"),
-    (lambda d: d.update(vocab=["a", 3]), "vocabulary"),
-    (lambda d: d.update(weights={"w": [1.0]}), "weights are not"),
-    (lambda d: d.update(release={"kind": "m2"}), "malformed release"),
-    (lambda d: d.update(release={**old_release_payload()["release"], "features": None}), "malformed release"),
-    (lambda d: d.update(release={**old_release_payload()["release"], "title": ["M2"]}), "malformed release"),
-    (lambda d: d.update(decoding=[1]), "decoding is not a mapping"),
-    (lambda d: d.update(epoch="2"), "malformed progress"),
-    (lambda d: d.update(stage_done=1), "malformed progress"),
-    (lambda d: d.update(best=[0.5]), "malformed progress"),
-])
+@pytest.mark.parametrize(
+    "plant,message",
+    [
+        (lambda d: d.update(surprise=1), "unknown field"),
+        (lambda d: d.pop("weights"), "lacks weights"),
+        (lambda d: d.pop("epoch"), "lacks epoch"),
+        (lambda d: d.pop("optimizer"), "lacks optimizer"),
+        (lambda d: d.update(kind="resume"), "kind 'resume'"),
+        (lambda d: d["model"].update(vocab_size=99), "vocab_size"),
+        (lambda d: d.update(vocab=["a", 3]), "vocabulary"),
+        (lambda d: d.update(weights={"w": [1.0]}), "weights are not"),
+        (lambda d: d.update(release={"kind": "m2"}), "malformed release"),
+        (lambda d: d.update(release={**old_release_payload()["release"], "features": None}), "malformed release"),
+        (lambda d: d.update(release={**old_release_payload()["release"], "title": ["M2"]}), "malformed release"),
+        (lambda d: d.update(decoding=[1]), "decoding is not a mapping"),
+        (lambda d: d.update(epoch="2"), "malformed progress"),
+        (lambda d: d.update(stage_done=1), "malformed progress"),
+        (lambda d: d.update(best=[0.5]), "malformed progress"),
+    ],
+)
 def test_a_planted_bad_field_is_refused_naming_the_file(tmp_path: Path, plant, message: str) -> None:
     data = old_training_payload()
     plant(data)
@@ -117,20 +145,35 @@ def test_a_planted_bad_field_is_refused_naming_the_file(tmp_path: Path, plant, m
 #: a store identity exactly as ``extract`` wrote it before the contract (extractors/factory.py built the dict,
 #: configure_recipe changed it in place, extractors/run.py's record_settings extended it)
 OLD_EXTRACT_IDENTITY = {
-    "name": "bottom-up-caffe", "weights_sha256": "c" * 64, "layout": "caffe",
-    "config": {"spec": {"min_size": 600, "max_size": 1000, "num_classes": 1601}, "labelmap_sha256": "d" * 64,
-               "recipe": {"name": "caffe", "rescale": "caffe", "conf_thresh": 0.2}, "precision": "tf32",
-               "boxes": {"mode": "adaptive", "min": 10, "max": 100, "conf": 0.2, "nms": 0.3}},
+    "name": "bottom-up-caffe",
+    "weights_sha256": "c" * 64,
+    "layout": "caffe",
+    "config": {
+        "spec": {"min_size": 600, "max_size": 1000, "num_classes": 1601},
+        "labelmap_sha256": "d" * 64,
+        "recipe": {"name": "caffe", "rescale": "caffe", "conf_thresh": 0.2},
+        "precision": "tf32",
+        "boxes": {"mode": "adaptive", "min": 10, "max": 100, "conf": 0.2, "nms": 0.3},
+    },
 }
 OTHER_PRODUCERS = [
     {"name": "imported:m2", "config": {"format": "m2"}, "release": {"recipe": "m2", "source": "x"}},
-    {"name": "oracle", "source": "synthetic-world ground truth", "noise": 0.1, "extra_dims": 0, "seed": 3, "box_features": False},
+    {
+        "name": "oracle",
+        "source": "synthetic-world ground truth",
+        "noise": 0.1,
+        "extra_dims": 0,
+        "seed": 3,
+        "box_features": False,
+    },
     {"name": "test-extractor", "weights_sha256": "0" * 64, "config": {"boxes": [10, 30]}},
     {"name": "odd", "config": {}, "layout": None, "recipe": {"rescale": "d2"}},
 ]
 
 
-@pytest.mark.parametrize("record", [OLD_EXTRACT_IDENTITY, *OTHER_PRODUCERS], ids=["extract", "import", "oracle", "helper", "odd"])
+@pytest.mark.parametrize(
+    "record", [OLD_EXTRACT_IDENTITY, *OTHER_PRODUCERS], ids=["extract", "import", "oracle", "helper", "odd"]
+)
 def test_every_stored_identity_reads_back_to_the_same_record(record: dict) -> None:
     from pipeline.core.identity import FeatureIdentity
 
@@ -156,15 +199,19 @@ def test_the_builder_gives_the_record_the_old_code_wrote_and_the_same_store_byte
             return dict(OLD_EXTRACT_IDENTITY["config"]["recipe"])
 
     model, selector = type("M", (), {"spec": Spec()})(), type("S", (), {"recipe": Recipe()})()
-    base = FeatureIdentity(name="bottom-up-caffe", weights_sha256="c" * 64, layout="caffe", spec={"min_size": 1},
-                           labelmap_sha256="d" * 64)
+    base = FeatureIdentity(
+        name="bottom-up-caffe", weights_sha256="c" * 64, layout="caffe", spec={"min_size": 1}, labelmap_sha256="d" * 64
+    )
     built = record_settings(base, model, selector, "tf32")
     assert built.to_dict() == OLD_EXTRACT_IDENTITY
     for name, identity in (("old", OLD_EXTRACT_IDENTITY), ("new", built)):
         with open_writer(tmp_path / name, identity, "float32") as w:
             add_image(w, synthetic_image(0))
     assert (tmp_path / "old" / "store.json").read_bytes() == (tmp_path / "new" / "store.json").read_bytes()
-    with h5py.File(tmp_path / "old" / "seg-000000.h5", "r") as a, h5py.File(tmp_path / "new" / "seg-000000.h5", "r") as b:
+    with (
+        h5py.File(tmp_path / "old" / "seg-000000.h5", "r") as a,
+        h5py.File(tmp_path / "new" / "seg-000000.h5", "r") as b,
+    ):
         assert a.attrs["identity"] == b.attrs["identity"]
     assert FeatureIdentity.from_dict(FeatureStore(tmp_path / "old").identity) == built
     # a cache opened with the typed identity accepts the store written from the dict (match on feature settings)
@@ -181,8 +228,12 @@ def test_the_typed_comparison_names_the_differing_field(tmp_path: Path) -> None:
     stored = FeatureIdentity.from_dict(OLD_EXTRACT_IDENTITY)
     assert stored.settings_diff(replace(stored, name="renamed", layout="other", labelmap_sha256=None)) == []
     assert stored.settings_diff(replace(stored, precision="bf16")) == ['config.precision (stored "tf32", given "bf16")']
-    assert stored.settings_diff(replace(stored, boxes={**stored.boxes, "max": 36})) == ["config.boxes.max (stored 100, given 36)"]
-    assert stored.settings_diff(replace(stored, weights_sha256=None)) == [f'weights_sha256 (stored "{"c" * 64}", given (not recorded))']
+    assert stored.settings_diff(replace(stored, boxes={**stored.boxes, "max": 36})) == [
+        "config.boxes.max (stored 100, given 36)"
+    ]
+    assert stored.settings_diff(replace(stored, weights_sha256=None)) == [
+        f'weights_sha256 (stored "{"c" * 64}", given (not recorded))'
+    ]
     assert stored.settings_diff(replace(stored, recipe=None, boxes=None)) == []  # recorded by one side only: agree
     with open_writer(tmp_path / "s", OLD_EXTRACT_IDENTITY, "float32"):
         pass

@@ -40,9 +40,14 @@ def _detector_rank(rank: int, init: Path, out: Path) -> None:
     ctx = _join(rank, init)
     torch.manual_seed(0)
     net = torch.nn.parallel.DistributedDataParallel(_TinyDetector())
-    cfg = types.SimpleNamespace(detector_train=types.SimpleNamespace(base_lr=0.1, warmup_iters=0, warmup_factor=1.0, gamma=0.1, clip_grad_norm=0.0))
-    me = types.SimpleNamespace(cfg=cfg, ctx=ctx, precision="fp32", scaler=None, steps=[],
-                               optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    cfg = types.SimpleNamespace(
+        detector_train=types.SimpleNamespace(
+            base_lr=0.1, warmup_iters=0, warmup_factor=1.0, gamma=0.1, clip_grad_norm=0.0
+        )
+    )
+    me = types.SimpleNamespace(
+        cfg=cfg, ctx=ctx, precision="fp32", scaler=None, steps=[], optimizer=torch.optim.SGD(net.parameters(), lr=0.1)
+    )
     image = lambda: types.SimpleNamespace(blob=torch.randn(3, 8, 8))  # noqa: E731 (a TrainImage's blob)
     images = [] if rank == 1 else [image()]  # rank 1: every image of the batch failed to decode
     losses = []
@@ -77,7 +82,10 @@ def test_a_rank_with_nothing_to_train_on_takes_the_same_collectives(tmp_path) ->
 
     run = make_world_run(tmp_path / "world", num_images=30)
     n = len(EncoderTrainer(tmp_path / "probe", _encoder_cfg(run).sentence_encoder, DistContext()).train.positions)
-    extra = [f"sentence_encoder.batch_size={n - 1}", "sentence_encoder.validation.max_images=4"]  # the last batch has 1 row
+    extra = [
+        f"sentence_encoder.batch_size={n - 1}",
+        "sentence_encoder.validation.max_images=4",
+    ]  # the last batch has 1 row
     mp.spawn(_both, args=(tmp_path, run, extra), nprocs=2, join=True)
     # detector iteration 0: every rank skipped (one had no image); iteration 1: both trained
     assert (tmp_path / "det0").read_text() == (tmp_path / "det1").read_text() == "[[], ['loss_a']]"

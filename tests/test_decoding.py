@@ -110,7 +110,12 @@ def test_top_k_one_sampling_equals_greedy(name: str) -> None:
     with torch.no_grad():
         enc = model.encode(*batch())
         g = greedy(model, enc, DecodeOptions(method="greedy", max_len=12))
-        s = sample(model, enc, DecodeOptions(method="sample", top_k=1, temperature=0.7, max_len=12, n_best=2), generator=torch.Generator().manual_seed(3))
+        s = sample(
+            model,
+            enc,
+            DecodeOptions(method="sample", top_k=1, temperature=0.7, max_len=12, n_best=2),
+            generator=torch.Generator().manual_seed(3),
+        )
     assert s.tokens.shape[:2] == (4, 2)
     for j in range(2):
         assert torch.equal(s.tokens[:, j], g.tokens[:, 0])
@@ -164,7 +169,8 @@ def test_wide_beam_equals_exhaustive_search(alpha: float) -> None:
         out = beam_search(model, model.encode(torch.zeros(3, 1, 7), None, None, None), opts)
     for img in range(3):
         ranked = sorted(
-            ((seq_logprob(model, img, c) / ((5 + len(c)) / 6) ** alpha, c) for c in _all_captions(7, max_len)), key=lambda x: -x[0]
+            ((seq_logprob(model, img, c) / ((5 + len(c)) / 6) ** alpha, c) for c in _all_captions(7, max_len)),
+            key=lambda x: -x[0],
         )
         for j in range(4):
             assert words(out.tokens[img, j])[: int(out.lengths[img, j])] == ranked[j][1]
@@ -192,7 +198,9 @@ def test_length_penalty_changes_ranking_as_its_formula_says() -> None:
         assert abs(float(out.scores[0, 0]) - max(s_short, s_long)) < 1e-5
     # the formula flips the ranking somewhere between alpha = 0 and 8
     assert short / float(length_penalty(1, 8.0)) < long_ / float(length_penalty(2, 8.0))
-    avg = beam_search(model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=1.0, length_penalty_kind="avg"))
+    avg = beam_search(
+        model, enc, DecodeOptions(beam_size=2, n_best=2, max_len=4, length_penalty=1.0, length_penalty_kind="avg")
+    )
     assert abs(float(avg.scores[0, 0].detach()) - max(short / 1, long_ / 2)) < 1e-5
     avg.logprob[0, 0].backward()  # beam scores keep their graph (beam-based SCST)
     assert model.table.grad is not None and float(model.table.grad[BOS].abs().sum()) > 0.1

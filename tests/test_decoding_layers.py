@@ -22,14 +22,18 @@ from pipeline.core import precision as precision_module
 from pipeline.core.errors import ConfigError
 
 TRAINED = {"decoding": {"method": "beam", "beam_size": 3, "max_len": 16, "n_best": 1, "length_penalty": 0.0}}
-RELEASED = {"release": "m2", "decoding": {"method": "beam", "beam_size": 5, "max_len": 20, "stop_rule": "official_m2",
-                                          "collapse_repeats": True}}
+RELEASED = {
+    "release": "m2",
+    "decoding": {"method": "beam", "beam_size": 5, "max_len": 20, "stop_rule": "official_m2", "collapse_repeats": True},
+}
 
 
 def as_checkpoint(ckpt: dict) -> CaptionerCheckpoint:
     """The typed checkpoint (models/checkpoints.py) holding ``ckpt``'s decoding and, for a release, its record."""
     release = ReleaseInfo("m2", "M2", "m2.pth", "vocab.pkl", {}, 1) if "release" in ckpt else None
-    return CaptionerCheckpoint(model_name="m2", model_config={}, vocab=(), weights={}, decoding=ckpt["decoding"], release=release)
+    return CaptionerCheckpoint(
+        model_name="m2", model_config={}, vocab=(), weights={}, decoding=ckpt["decoding"], release=release
+    )
 
 
 def _roots(**given):
@@ -41,8 +45,15 @@ def _roots(**given):
 
 
 @pytest.mark.parametrize("device", ["cpu", "bf16-cuda"])
-@pytest.mark.parametrize("given", [{}, {"precision": "auto"}, {"precision": "bf16", "decoding": {"beam_size": 2}},
-                                   {"decoding": {"n_best": 4, "max_len": 9}}])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"precision": "auto"},
+        {"precision": "bf16", "decoding": {"beam_size": 2}},
+        {"decoding": {"n_best": 4, "max_len": 9}},
+    ],
+)
 def test_caption_and_evaluate_resolve_the_same_precision_and_decoding(given, device, monkeypatch):
     if device == "bf16-cuda":  # an A100/H100 as resolve_precision sees it (no GPU needed to resolve)
         monkeypatch.setattr(precision_module, "native_bf16", lambda dev: True)
@@ -50,8 +61,12 @@ def test_caption_and_evaluate_resolve_the_same_precision_and_decoding(given, dev
     cap, ev = _roots(**dict(given))
     assert cap.caption.precision == ev.evaluate.precision
     for ckpt in (TRAINED, RELEASED):
-        by_caption = decoding_for(as_checkpoint(ckpt), cap.decoding.to_dict(), cap.caption.precision, dev, "caption.precision", fp16=False)
-        by_evaluate = decoding_for(as_checkpoint(ckpt), ev.decoding.to_dict(), ev.evaluate.precision, dev, "evaluate.precision")
+        by_caption = decoding_for(
+            as_checkpoint(ckpt), cap.decoding.to_dict(), cap.caption.precision, dev, "caption.precision", fp16=False
+        )
+        by_evaluate = decoding_for(
+            as_checkpoint(ckpt), ev.decoding.to_dict(), ev.evaluate.precision, dev, "evaluate.precision"
+        )
         assert by_caption == by_evaluate
         options, resolved = by_caption
         flags = given.get("decoding", {})
@@ -79,7 +94,9 @@ def test_the_decoding_layers_in_one_order(monkeypatch):
         layered_decoding(None, {"beam_size": "wide"})
 
 
-@pytest.mark.parametrize("old,new", [("caption.beam_size", "decoding.beam_size"), ("caption.n_best", "decoding.n_best")])
+@pytest.mark.parametrize(
+    "old,new", [("caption.beam_size", "decoding.beam_size"), ("caption.n_best", "decoding.n_best")]
+)
 def test_a_moved_decoding_key_is_refused_naming_its_home(old, new):
     res = CliRunner().invoke(app, ["caption", "x.jpg", "--set", f"{old}=2"])
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
@@ -97,22 +114,58 @@ def test_beam_size_flag_decodes_alike_under_caption_and_evaluate(tmp_path):
     flags = ["--beam-size", "2", "--max-len", "7", "--device", "cpu", "--quiet"]
     photos = small_photos(tmp_path / "photos", 2)
     out = tmp_path / "captions.jsonl"
-    res = CliRunner().invoke(app, ["caption", *map(str, photos), "--model", str(ckpt), "--weights", str(tiny_detector(tmp_path / "d.pth")),
-                                   "--output", str(out), "--num-workers", "0", *SMALL, *flags])
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            *map(str, photos),
+            "--model",
+            str(ckpt),
+            "--weights",
+            str(tiny_detector(tmp_path / "d.pth")),
+            "--output",
+            str(out),
+            "--num-workers",
+            "0",
+            *SMALL,
+            *flags,
+        ],
+    )
     assert res.exit_code == 0, res.output
     caption_decoding = json.loads(Path(str(out) + ".committed").read_text())["settings"]["decoding"]
     metrics = tmp_path / "metrics.json"
-    res = CliRunner().invoke(app, ["evaluate", "--model", str(ckpt), "--store", str(run / "features/store"), "--data", str(run / "data"),
-                                   "--metrics", "cider", "--output", str(metrics), *flags])
+    res = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--model",
+            str(ckpt),
+            "--store",
+            str(run / "features/store"),
+            "--data",
+            str(run / "data"),
+            "--metrics",
+            "cider",
+            "--output",
+            str(metrics),
+            *flags,
+        ],
+    )
     assert res.exit_code == 0, res.output
     evaluate_decoding = json.loads(metrics.read_text())["decoding"]
-    assert caption_decoding == evaluate_decoding and caption_decoding["beam_size"] == 2 and caption_decoding["max_len"] == 7
+    assert (
+        caption_decoding == evaluate_decoding
+        and caption_decoding["beam_size"] == 2
+        and caption_decoding["max_len"] == 7
+    )
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)["decoding"]
     assert asdict(layered_decoding(saved, {"beam_size": 2, "max_len": 7})) == caption_decoding
 
 
-@pytest.mark.parametrize("command", [["caption", "x.jpg", "--model", "none.pt"],
-                                     ["evaluate", "--model", "none.pt", "--store", "s", "--data", "d"]])
+@pytest.mark.parametrize(
+    "command",
+    [["caption", "x.jpg", "--model", "none.pt"], ["evaluate", "--model", "none.pt", "--store", "s", "--data", "d"]],
+)
 def test_an_unknown_decoding_key_is_refused_before_any_work(command):
     res = CliRunner().invoke(app, [*command, "--set", "decoding.beam=2"])
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]

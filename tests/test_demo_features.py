@@ -24,5 +24,7 @@ def test_grid_section_and_kinds():
 
 
 def test_cli_refuses_an_unknown_feature_kind(tmp_path):
-    res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "d"), "--features", "region,pixels", "--num-images", "20"])
+    res = CliRunner().invoke(
+        app, ["demo", "--out", str(tmp_path / "d"), "--features", "region,pixels", "--num-images", "20"]
+    )
     assert res.exit_code == 2 and "demo features" in res.output

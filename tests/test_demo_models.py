@@ -25,11 +25,15 @@ def test_variants_resolve_to_their_captioner_and_layer_their_keys_over_its_cpu_s
     assert signed.model_overrides.to_dict() == {**plain.model_overrides.to_dict(), "geometry_signed": True}
     assert "geometry_signed" not in plain.model_overrides
     m2 = demo_train_config(cfg, "m2", "m2", Path("s"), Path("d")).train
-    assert m2.xe.lr == pytest.approx(3e-4) and m2.xe.lr_schedule == "step" and m2.xe.epochs == cfg.train.xe.epochs  # merged, not replaced
+    assert (
+        m2.xe.lr == pytest.approx(3e-4) and m2.xe.lr_schedule == "step" and m2.xe.epochs == cfg.train.xe.epochs
+    )  # merged, not replaced
 
 
 def test_user_variants_are_accepted_and_bad_names_are_usage_errors() -> None:
-    cfg = load_config("demo", None, ["demo.variants.san-deep={model: san, model_overrides: {num_layers: 3}, xe: {epochs: 1}}"])
+    cfg = load_config(
+        "demo", None, ["demo.variants.san-deep={model: san, model_overrides: {num_layers: 3}, xe: {epochs: 1}}"]
+    )
     assert demo_captioners(cfg, ["san-deep"]) == {"san-deep": "san"}
     train = demo_train_config(cfg, "san-deep", "san", Path("s"), Path("d")).train
     assert train.model_overrides.num_layers == 3 and train.model_overrides.d_model == 256 and train.xe.epochs == 1
@@ -43,7 +47,9 @@ def test_user_variants_are_accepted_and_bad_names_are_usage_errors() -> None:
 def test_cli_refuses_an_unknown_model_before_running_any_stage(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "d"), "--models", "san,nope", "--quiet"])
     assert res.exit_code == 2 and "Traceback" not in res.output
-    assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [res.stderr.strip().splitlines()[0]]
+    assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [
+        res.stderr.strip().splitlines()[0]
+    ]
     assert "unknown captioner 'nope'" in res.stderr
     assert not (tmp_path / "d" / "world").exists()
 
@@ -51,10 +57,17 @@ def test_cli_refuses_an_unknown_model_before_running_any_stage(tmp_path: Path) -
 def test_a_variant_trains_into_its_own_stage_folder(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     run = make_world_run(tmp_path, num_images=60)
-    sets = train_overrides(run, "gsan", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}")
+    sets = train_overrides(
+        run, "gsan", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"
+    )
     plain = train_captioner(run, load_config("train", None, sets))
-    signed = train_captioner(run, load_config("train", None, [*sets, "train.model_overrides.geometry_signed=true"]), stage_name="train-gsan-signed")
+    signed = train_captioner(
+        run,
+        load_config("train", None, [*sets, "train.model_overrides.geometry_signed=true"]),
+        stage_name="train-gsan-signed",
+    )
     assert plain.directory.name == "train-gsan" and signed.directory.name == "train-gsan-signed"
+
     def geometry_inputs(result) -> list[int]:
         ckpt = torch.load(result.directory / "best.pt", weights_only=True)
         return [v.shape[1] for k, v in ckpt["weights"].items() if k.endswith("geometry.embed.weight")]
@@ -71,7 +84,9 @@ def test_the_eval_stage_decodes_under_the_demos_decoding_section(tmp_path: Path)
 
     torch.set_num_threads(1)
     run = make_world_run(tmp_path, num_images=60)
-    sets = train_overrides(run, "san", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}")
+    sets = train_overrides(
+        run, "san", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"
+    )
     best = train_captioner(run, load_config("train", None, sets)).directory / "best.pt"
     cfg = load_config("evaluate").evaluate.with_overrides({"split": "test"}, source="test")
 

@@ -18,7 +18,11 @@ from pipeline.core.training.determinism import CUBLAS_SETTING, deterministic_mod
 
 
 def _state() -> tuple:
-    return (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
 
 
 def test_mode_sets_and_restores_the_settings(monkeypatch):
@@ -42,7 +46,10 @@ def test_an_op_without_a_deterministic_kernel_is_refused_in_one_line():
         with deterministic_mode(True, "train.deterministic"):
             torch.zeros(3).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
     msg = str(exc.value)
-    assert msg.startswith("train.deterministic=true: put_ has no deterministic implementation in torch") and "\n" not in msg
+    assert (
+        msg.startswith("train.deterministic=true: put_ has no deterministic implementation in torch")
+        and "\n" not in msg
+    )
     assert "set train.deterministic=false" in msg and not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="unrelated"):  # other errors pass through unchanged
         with deterministic_mode(True):
@@ -55,8 +62,16 @@ def test_deterministic_roi_pool_equals_torchvision_forward_and_backward():
     index_add_ backward must equal torchvision's atomic-add backward exactly."""
     g = torch.Generator().manual_seed(0)
     feat = torch.randn(2, 3, 12, 16, generator=g)
-    rois = torch.tensor([[0, 0, 0, 100, 80], [0, 16, 16, 120, 100], [1, 30, 10, 200, 150], [1, 32, 12, 190, 140],
-                         [0, 250, 180, 255, 190]], dtype=torch.float32)  # the last one mostly outside: empty bins
+    rois = torch.tensor(
+        [
+            [0, 0, 0, 100, 80],
+            [0, 16, 16, 120, 100],
+            [1, 30, 10, 200, 150],
+            [1, 32, 12, 190, 140],
+            [0, 250, 180, 255, 190],
+        ],
+        dtype=torch.float32,
+    )  # the last one mostly outside: empty bins
     upstream = torch.randint(-3, 4, (5, 3, 7, 7), generator=g).float()
     a = feat.clone().requires_grad_(True)
     b = feat.clone().requires_grad_(True)
@@ -81,10 +96,21 @@ def test_detector_trained_deterministic_equals_the_default_on_cpu(tmp_path, monk
     from pipeline.world.generate import generate_world
 
     world = tmp_path / "world"
-    generate_world(world, load_config("world", None, ["world.num_images=6", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                      "world.num_workers=1"]).world)
-    sets = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
-            "detector_train.max_iter=3", "detector_train.steps=[2]", "detector_train.device=cpu"]
+    generate_world(
+        world,
+        load_config(
+            "world",
+            None,
+            ["world.num_images=6", "world.image_size=[64, 96]", "world.max_objects=3", "world.num_workers=1"],
+        ).world,
+    )
+    sets = [
+        f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
+        f"data.train_images={world / 'images'}",
+        "detector_train.max_iter=3",
+        "detector_train.steps=[2]",
+        "detector_train.device=cpu",
+    ]
     monkeypatch.setenv("BUTD_THREADS", "1")  # the one thread policy (--threads from the CLI)
     tiny = load_detector_config(os.path.join(os.path.dirname(__file__), "..", "configs", "detector", "tiny.yaml"), sets)
     plain = train(tmp_path / "a", tiny)

@@ -58,7 +58,9 @@ def readme_docker_commands() -> list[list[str]]:
 
 
 def dockerignored(rel: str) -> bool:
-    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     return any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(rel, p.removeprefix("**/")) for p in patterns)
 
 
@@ -89,7 +91,20 @@ def test_dockerfile_copies_what_exists_and_is_slim():
 
 def _options(tokens: list[str]) -> tuple[dict[str, list[str]], int]:
     """docker run options (name -> values) and the index of the image name."""
-    takes_value = {"-v", "--volume", "--user", "-u", "--entrypoint", "--gpus", "--shm-size", "-e", "--env", "--cpus", "-p", "--publish"}
+    takes_value = {
+        "-v",
+        "--volume",
+        "--user",
+        "-u",
+        "--entrypoint",
+        "--gpus",
+        "--shm-size",
+        "-e",
+        "--env",
+        "--cpus",
+        "-p",
+        "--publish",
+    }
     opts: dict[str, list[str]] = {}
     i = 2
     while tokens[i].startswith("-"):
@@ -123,7 +138,9 @@ def test_readme_docker_commands_use_what_the_image_has():
             assert "--ipc" in opts or "--shm-size" in opts
         mounts = [PurePosixPath(v.split(":")[1]) for v in opts.get("-v", [])]
         assert mounts and all(m.is_relative_to(workdir) for m in mounts), "mounts land under the working folder"
-        assert all(v.startswith("$PWD/runs") for v in opts["-v"]), "host folders lie under ./runs (made by mkdir -p runs)"
+        assert all(v.startswith("$PWD/runs") for v in opts["-v"]), (
+            "host folders lie under ./runs (made by mkdir -p runs)"
+        )
         outputs = [a for a in args if "/" in a and not a.startswith("-")]
         for rel in outputs:  # every path the command writes lies inside a mount, so it reaches the host
             assert any((workdir / rel).is_relative_to(m) for m in mounts), rel
@@ -226,7 +243,9 @@ def test_constraints_pin_what_the_image_installs_and_the_tests_run_on():
     except md.PackageNotFoundError:
         pytest.skip("butd-caption is not installed here (pip install -e .)")
     if f"{sys.version_info.major}.{sys.version_info.minor}" != image_python:
-        pytest.skip(f"these tests run on Python {sys.version_info.major}.{sys.version_info.minor}; the image uses {image_python}")
+        pytest.skip(
+            f"these tests run on Python {sys.version_info.major}.{sys.version_info.minor}; the image uses {image_python}"
+        )
     seen, todo = set(), [("butd-caption", {"dev"})]
     while todo:
         name, extras = todo.pop()
@@ -236,7 +255,9 @@ def test_constraints_pin_what_the_image_installs_and_the_tests_run_on():
         dist = md.distribution(name)
         if name != "butd-caption":
             assert _norm(name) in pins, f"{name} (needed, installed {dist.version}) is not pinned in constraints.txt"
-            assert pins[_norm(name)] == dist.version, f"{name}: constraints.txt pins {pins[_norm(name)]}, the tests run on {dist.version}"
+            assert pins[_norm(name)] == dist.version, (
+                f"{name}: constraints.txt pins {pins[_norm(name)]}, the tests run on {dist.version}"
+            )
         for text in dist.requires or []:
             req = Requirement(text)
             if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
@@ -248,7 +269,9 @@ def test_image_check_builds_the_dockerfile_s_base_and_stays_out_of_ci() -> None:
     """`.ci/image-check` (the real build, slow) stands in for the Dockerfile's own FROM image, runs the README's
     commands as a non-root uid, and is not part of `.ci/run` (CI must stay fast)."""
     script = (REPO / ".ci" / "image-check").read_text()
-    default = next(rest.split("=", 1)[1] for word, rest in instructions() if word == "ARG" and rest.startswith("PYTHON_IMAGE="))
+    default = next(
+        rest.split("=", 1)[1] for word, rest in instructions() if word == "ARG" and rest.startswith("PYTHON_IMAGE=")
+    )
     assert f'FROM_IMAGE="${{FROM_IMAGE:-docker.io/library/{default}}}"' in script
     py = re.search(r"python:(\d+\.\d+)-slim-(\w+)", default)
     assert py and py.group(2) == "bookworm" and "debootstrap" in script and f"Python {py.group(1)}" in script

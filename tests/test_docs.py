@@ -47,8 +47,21 @@ def tracked_files() -> list[str]:
         out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
         names = [n for n in out.splitlines() if n]
     except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", "shared", ".whl", ".gl"}  # shared: fixtures copied in
-        names = [p.relative_to(REPO).as_posix() for p in REPO.rglob("*") if p.is_file() and not skip & set(p.relative_to(REPO).parts)]
+        skip = {
+            ".git",
+            ".venv",
+            "runs",
+            "__pycache__",
+            ".pytest_cache",
+            "shared",
+            ".whl",
+            ".gl",
+        }  # shared: fixtures copied in
+        names = [
+            p.relative_to(REPO).as_posix()
+            for p in REPO.rglob("*")
+            if p.is_file() and not skip & set(p.relative_to(REPO).parts)
+        ]
     return [n for n in names if (REPO / n).is_file()]
 
 
@@ -194,11 +207,15 @@ def test_model_and_extractor_docs_cover_every_captioner_and_switch(repo_files: d
         keys = load_yaml_with_bases(CONFIG_DIR / "models" / f"{name}.yaml")["model"]
         missing = [k for k in keys if f"`{k}`" not in text]
         assert missing == [], f"docs/models.md does not document the {name} switches {missing}"
-    assert {"weights-layouts", "layout-detection", "feature-store", "roi-head"} <= anchors(repo_files["docs/extractor.md"])
+    assert {"weights-layouts", "layout-detection", "feature-store", "roi-head"} <= anchors(
+        repo_files["docs/extractor.md"]
+    )
 
 
 #: a repository path in prose: a known top-level folder, then a file name (templates like <name> are skipped)
-REPO_PATH = re.compile(r"(?<![\w/.<-])((?:pipeline|extractors|models|bench|configs|tests|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_])(?![/<\w])")
+REPO_PATH = re.compile(
+    r"(?<![\w/.<-])((?:pipeline|extractors|models|bench|configs|tests|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_])(?![/<\w])"
+)
 
 
 #: file names that stand for the reader's own file, not one of the repository's
@@ -238,6 +255,10 @@ def test_paths_named_in_the_docs_exist(repo_files: dict[str, str], tmp_path: Pat
         "x.md:2: pipeline/captions/prepare.py does not exist",
         "x.md:2: configs/models/gone.yaml does not exist",
     ]
-    pages = {rel: text for rel, text in repo_files.items() if rel == "README.md" or (rel.startswith("docs/") and rel.endswith(".md"))}
+    pages = {
+        rel: text
+        for rel, text in repo_files.items()
+        if rel == "README.md" or (rel.startswith("docs/") and rel.endswith(".md"))
+    }
     missing = [m for rel, text in sorted(pages.items()) for m in missing_paths(rel, text, REPO)]
     assert missing == [], "\n".join(missing)

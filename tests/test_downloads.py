@@ -36,7 +36,7 @@ def one_error_line(res) -> str:
     lines = [line for line in res.output.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1, res.output
-    return " ".join(res.output[res.output.index("error:"):].split())
+    return " ".join(res.output[res.output.index("error:") :].split())
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +44,25 @@ def release_files(tmp_path_factory, shared_data) -> dict[str, bytes]:
     """Random weights in each release's exact layout, and M2's real vocab.pkl."""
     d = tmp_path_factory.mktemp("releases")
     save_vinvl(random_detector(narrow_spec(), seed=3), d / "vinvl.pth")
-    labelmap = {"label_to_idx": {f"class{i}": i for i in range(1, 41)},
-                "attribute_to_idx": {f"attr{i}": i for i in range(1, 31)}}
+    labelmap = {
+        "label_to_idx": {f"class{i}": i for i in range(1, 41)},
+        "attribute_to_idx": {f"attr{i}": i for i in range(1, 31)},
+    }
     W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", d / "bua.pth")
     W.save_layout(random_detector(tiny_spec(flavor="d2"), 1).state_dict(), "hf", d / "hf.bin")
     from models.released.m2 import read_vocab
 
     itos = read_vocab(shared_data / "m2" / "vocab.pkl")
     write_m2_checkpoint(d / "m2.pth", len(itos), d=16, d_ff=24, m=3, d_in=FEAT)
-    return {"vinvl-x152c4": (d / "vinvl.pth").read_bytes(), "vinvl-labelmap": json.dumps(labelmap).encode(),
-            "bua-r101": (d / "bua.pth").read_bytes(), "frcnn-vg-finetuned": (d / "hf.bin").read_bytes(),
-            "frcnn-vg-finetuned-config": b"model:\n  max_detections: 36\n",
-            "m2-coco": (d / "m2.pth").read_bytes(), "m2-vocab": (shared_data / "m2" / "vocab.pkl").read_bytes()}
+    return {
+        "vinvl-x152c4": (d / "vinvl.pth").read_bytes(),
+        "vinvl-labelmap": json.dumps(labelmap).encode(),
+        "bua-r101": (d / "bua.pth").read_bytes(),
+        "frcnn-vg-finetuned": (d / "hf.bin").read_bytes(),
+        "frcnn-vg-finetuned-config": b"model:\n  max_detections: 36\n",
+        "m2-coco": (d / "m2.pth").read_bytes(),
+        "m2-vocab": (shared_data / "m2" / "vocab.pkl").read_bytes(),
+    }
 
 
 @pytest.fixture
@@ -81,9 +88,25 @@ def photos(tmp_path: Path, shared_data: Path) -> Path:
 
 
 def extract(photos: Path, weights: str, store: Path):
-    return CliRunner().invoke(app, ["extract", "--device", "cpu", str(photos), "--weights", weights,
-                                    "--store", str(store),
-                                    "--workers", "0", "--set", "extract.min_size=160", "--set", "extract.max_size=256"])
+    return CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            str(photos),
+            "--weights",
+            weights,
+            "--store",
+            str(store),
+            "--workers",
+            "0",
+            "--set",
+            "extract.min_size=160",
+            "--set",
+            "extract.max_size=256",
+        ],
+    )
 
 
 def cached_files(tmp_path: Path) -> list[str]:
@@ -103,9 +126,12 @@ def test_extract_by_catalogue_name_downloads_caches_and_runs_offline(tmp_path, s
     import hashlib
 
     assert record["sha256"] == hashlib.sha256(release_files["vinvl-x152c4"]).hexdigest()
-    assert cached_files(tmp_path) == ["vinvl/VG-SGG-dicts-vgoi6-clipped.json",
-                                      "vinvl/VG-SGG-dicts-vgoi6-clipped.json.sha256",
-                                      "vinvl/vinvl_vg_x152c4.pth", "vinvl/vinvl_vg_x152c4.pth.sha256"]
+    assert cached_files(tmp_path) == [
+        "vinvl/VG-SGG-dicts-vgoi6-clipped.json",
+        "vinvl/VG-SGG-dicts-vgoi6-clipped.json.sha256",
+        "vinvl/vinvl_vg_x152c4.pth",
+        "vinvl/vinvl_vg_x152c4.pth.sha256",
+    ]
     manifest = json.loads((tmp_path / "s1" / "manifest.json").read_text())
     assert manifest["config"]["job"]["weights"] == str(cached)
     server.stop()  # offline: the cache answers
@@ -115,16 +141,30 @@ def test_extract_by_catalogue_name_downloads_caches_and_runs_offline(tmp_path, s
 
 
 def test_caption_with_the_released_m2_and_milvlg_by_name(tmp_path, server, photos):
-    args = ["caption", str(photos), "--model", "m2-coco", "--weights", "bua-r101", "--set", "caption.min_size=160",
-            "--set", "caption.max_size=256"]
+    args = [
+        "caption",
+        str(photos),
+        "--model",
+        "m2-coco",
+        "--weights",
+        "bua-r101",
+        "--set",
+        "caption.min_size=160",
+        "--set",
+        "caption.max_size=256",
+    ]
     res = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "a.jsonl")])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["caption"] for r in rows)
-    assert cached_files(tmp_path) == ["m2/meshed_memory_transformer.pth", "m2/meshed_memory_transformer.pth.sha256",
-                                      "m2/vocab.pkl", "m2/vocab.pkl.sha256",
-                                      "milvlg/bua-caffe-frcn-r101_with_attributes.pth",
-                                      "milvlg/bua-caffe-frcn-r101_with_attributes.pth.sha256"]
+    assert cached_files(tmp_path) == [
+        "m2/meshed_memory_transformer.pth",
+        "m2/meshed_memory_transformer.pth.sha256",
+        "m2/vocab.pkl",
+        "m2/vocab.pkl.sha256",
+        "milvlg/bua-caffe-frcn-r101_with_attributes.pth",
+        "milvlg/bua-caffe-frcn-r101_with_attributes.pth.sha256",
+    ]
     n = len(server.requests)
     assert n == 3
     server.stop()
@@ -271,7 +311,7 @@ def test_info_takes_a_catalogue_name_as_its_file(tmp_path, server):
     cached = tmp_path / "cache" / "downloads" / "milvlg" / "bua-caffe-frcn-r101_with_attributes.pth"
     assert cached.is_file()
     by_path = CliRunner().invoke(app, ["info", str(cached)])
-    report = by_name.output[by_name.output.index("file: "):]  # after the download's log lines
+    report = by_name.output[by_name.output.index("file: ") :]  # after the download's log lines
     assert by_path.exit_code == 0 and by_path.output == report
     assert "layout: milvlg" in report
     server.stop()  # offline: the cached file answers

@@ -20,8 +20,14 @@ SETTINGS = ("COLUMNS", "LINES", "BUTD_THREADS", "OMP_NUM_THREADS", "BUTD_WORKER_
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env={**base, **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "cli.py"), *args],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def warnings_about(stderr: str, name: str) -> list[str]:
@@ -64,8 +70,9 @@ def test_the_threads_option_itself_is_still_checked() -> None:
     assert res.returncode == 2 and len(errors) == 1 and "--threads" in errors[0], res.stderr
 
 
-def test_the_thread_policy_falls_back_to_its_default(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_the_thread_policy_falls_back_to_its_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from pipeline.core import environment, threads
 
     monkeypatch.setattr(environment, "_warned", set())

@@ -32,11 +32,25 @@ def trained(tmp_path_factory):
     """(world folder, weights file, config): 24 iterations of the tiny preset on 16 images of 64-65 px, on the CPU
     (the tolerances below were measured on these weights; CUDA training is not repeatable, see docs/gpu.md)."""
     world = tmp_path_factory.mktemp("world")
-    generate_world(world, load_config("world", None, ["world.num_images=20", "world.image_size=[64, 65]", "world.max_objects=3",
-                                                      "world.num_workers=1"]).world)
-    cfg = load_detector_config(TINY, [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
-                                      f"data.train_images={world / 'images'}", "data.eval_annotations=null",
-                                      "detector_train.max_iter=24", "detector_train.steps=[20]", "detector_train.device=cpu"])
+    generate_world(
+        world,
+        load_config(
+            "world",
+            None,
+            ["world.num_images=20", "world.image_size=[64, 65]", "world.max_objects=3", "world.num_workers=1"],
+        ).world,
+    )
+    cfg = load_detector_config(
+        TINY,
+        [
+            f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
+            f"data.train_images={world / 'images'}",
+            "data.eval_annotations=null",
+            "detector_train.max_iter=24",
+            "detector_train.steps=[20]",
+            "detector_train.device=cpu",
+        ],
+    )
     stage = tmp_path_factory.mktemp("det")
     outputs, _ = train_detector(stage, cfg)
     return world, stage / outputs["weights"], cfg
@@ -54,8 +68,12 @@ def four_cores(monkeypatch):
 
 def _evaluate(trained, *overrides: str) -> dict:
     world, weights, cfg = trained
-    return evaluate_detector(weights, world / "annotations" / "instances_train.json", world / "images",
-                             cfg.with_overrides(["eval.device=cpu", *overrides]))
+    return evaluate_detector(
+        weights,
+        world / "annotations" / "instances_train.json",
+        world / "images",
+        cfg.with_overrides(["eval.device=cpu", *overrides]),
+    )
 
 
 def test_batch_size_and_workers_leave_the_scores_unchanged(trained, four_cores):
@@ -85,7 +103,9 @@ def test_batched_detection_and_attribute_head_match_one_by_one(trained):
         assert np.array_equal(one.class_ids, batch[i].class_ids)  # same selection, same classes
         np.testing.assert_allclose(one.boxes, batch[i].boxes, rtol=0, atol=1e-3)  # measured: <= 2e-5 px
         np.testing.assert_allclose(one.features, batch[i].features, rtol=0, atol=1e-4)  # measured: <= 2e-6
-        torch.testing.assert_close(attribute_probs(model, blobs[i : i + 1], boxes[i : i + 1])[0], probs[i], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            attribute_probs(model, blobs[i : i + 1], boxes[i : i + 1])[0], probs[i], rtol=0, atol=1e-6
+        )
 
 
 def test_bf16_autocasts_the_network_and_scores_in_range(trained):
@@ -111,8 +131,20 @@ def _names(weights: Path) -> tuple[list[str], list[str]]:
 
 def _cli(trained, *extra: str):
     world, weights, _ = trained
-    return CliRunner().invoke(app, ["eval-detector", str(weights), "-a", str(world / "annotations" / "instances_train.json"),
-                                    "--images", str(world / "images"), "--json", "-q", *extra])
+    return CliRunner().invoke(
+        app,
+        [
+            "eval-detector",
+            str(weights),
+            "-a",
+            str(world / "annotations" / "instances_train.json"),
+            "--images",
+            str(world / "images"),
+            "--json",
+            "-q",
+            *extra,
+        ],
+    )
 
 
 def test_cli_options_reach_the_evaluation(trained):
@@ -124,15 +156,18 @@ def test_cli_options_reach_the_evaluation(trained):
     assert json.loads(res.stdout)["images"] == 16
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--batch-size", "0"], "--batch-size must be 1 or more, not 0"),
-    (["--set", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, not 0"),
-    (["--num-workers", "-1"], "--num-workers must be 0 (load in this process) or more, not -1"),
-    (["--set", "eval.num_workers=-1"], "eval.num_workers must be an integer >= 0, not -1"),
-    (["--precision", "fp16"], "eval.precision=fp16 cannot apply: the detector has no fp16 path"),
-    (["--set", "eval.precision=fp64"], "eval.precision must be one of auto, fp32, tf32, bf16, fp16, not 'fp64'"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--batch-size", "0"], "--batch-size must be 1 or more, not 0"),
+        (["--set", "eval.batch_size=0"], "eval.batch_size must be an integer >= 1, not 0"),
+        (["--num-workers", "-1"], "--num-workers must be 0 (load in this process) or more, not -1"),
+        (["--set", "eval.num_workers=-1"], "eval.num_workers must be an integer >= 0, not -1"),
+        (["--precision", "fp16"], "eval.precision=fp16 cannot apply: the detector has no fp16 path"),
+        (["--set", "eval.precision=fp64"], "eval.precision must be one of auto, fp32, tf32, bf16, fp16, not 'fp64'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+    ],
+)
 def test_bad_values_are_one_error_line(trained, extra, message):
     res = _cli(trained, *extra)
     lines = res.stderr.strip().splitlines()
@@ -159,8 +194,15 @@ def test_batches_reach_the_detector_and_workers_decode(trained, tmp_path, monkey
 
     monkeypatch.setattr(run, "load_rgb", load_and_sign)
     _, rule = configure_recipe(model, "butd", cfg.eval, "eval")
-    evaluate_model(model, world / "annotations" / "instances_train.json", world / "images", *_names(weights), rule=rule,
-                   batch_size=3, workers=2)
+    evaluate_model(
+        model,
+        world / "annotations" / "instances_train.json",
+        world / "images",
+        *_names(weights),
+        rule=rule,
+        batch_size=3,
+        workers=2,
+    )
     assert sizes == [3, 3, 3, 3, 3, 1]
     pids = {int(p.name) for p in tmp_path.iterdir()}
     assert len(pids) == 2 and os.getpid() not in pids

@@ -15,7 +15,9 @@ from pipeline.metrics.coco import EvalOptions, score_captions
 from pipeline.world.captions import make_captions
 from pipeline.world.scene import SceneParams, sample_scene
 
-needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed (the PTB tokenizer needs it)")
+needs_java = pytest.mark.skipif(
+    shutil.which("java") is None, reason="Java is not installed (the PTB tokenizer needs it)"
+)
 FAST = ["--metrics", "bleu,rouge,cider"]
 
 
@@ -55,7 +57,9 @@ def test_scores_a_results_file_and_writes_json(files, tmp_path: Path) -> None:
     assert payload["predictions"] == str(pred_path) and "per_image" not in payload
     assert 0.2 < payload["metrics"]["Bleu_4"] < 1.0
     # per-image scores on request
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "--output", str(out), *FAST, "--set", "evaluate.per_image=true")
+    result = _run(
+        "-p", str(pred_path), "-r", str(ref_path), "--output", str(out), *FAST, "--set", "evaluate.per_image=true"
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(out.read_text())["per_image"]
     assert [r["image_id"] for r in rows] == list(preds) and rows[0]["ROUGE_L"] == pytest.approx(1.0)
@@ -65,14 +69,34 @@ def test_without_java_still_reports_the_other_metrics(files, tmp_path: Path) -> 
     pred_path, ref_path, _, _ = files
     out = tmp_path / "m.json"
     missing = str(tmp_path / "nowhere" / "java")
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "--output", str(out), "--metrics", "bleu,meteor,cider", "--set", f"evaluate.java={missing}")
+    result = _run(
+        "-p",
+        str(pred_path),
+        "-r",
+        str(ref_path),
+        "--output",
+        str(out),
+        "--metrics",
+        "bleu,meteor,cider",
+        "--set",
+        f"evaluate.java={missing}",
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(out.read_text())
     assert payload["tokenizer"] == "simple" and set(payload["skipped"]) == {"meteor"}
     assert set(payload["metrics"]) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "CIDEr"}
     assert "Java not found" in result.stderr and "METEOR" in result.stdout
     # with java_missing=error: one line, exit 1 (an environment problem, not a usage error)
-    result = _run("-p", str(pred_path), "-r", str(ref_path), "--set", f"evaluate.java={missing}", "--set", "evaluate.java_missing=error")
+    result = _run(
+        "-p",
+        str(pred_path),
+        "-r",
+        str(ref_path),
+        "--set",
+        f"evaluate.java={missing}",
+        "--set",
+        "evaluate.java_missing=error",
+    )
     assert result.exit_code == 1
     lines = _error_lines(result)
     assert len(lines) == 1 and "Java not found" in lines[0]

@@ -31,16 +31,28 @@ def documented_files(dest: Path) -> list[str]:
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "cli.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def plugin_env(tmp_path_factory) -> dict[str, str]:
     plugins = tmp_path_factory.mktemp("plugins")
     assert sorted(documented_files(plugins)) == ["toy.yaml", "toy_captioner.py", "toy_importer.py"]
-    return dict(os.environ, BUTD_PLUGINS="toy_captioner,toy_importer", PYTHONPATH=os.pathsep.join([str(plugins), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                BUTD_NO_PROGRESS="1", OMP_NUM_THREADS="1", BUTD_THREADS="1")
+    return dict(
+        os.environ,
+        BUTD_PLUGINS="toy_captioner,toy_importer",
+        PYTHONPATH=os.pathsep.join([str(plugins), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        BUTD_NO_PROGRESS="1",
+        OMP_NUM_THREADS="1",
+        BUTD_THREADS="1",
+    )
 
 
 def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
@@ -58,7 +70,9 @@ def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
         np.savez(src / f"{key}.npz", features=feats, boxes=boxes, size=np.array([60, 40]))
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
-    res = cli(plugin_env, "import-features", str(src), "--format", "toy-npz", "--store", str(store), "--dtype", "float32")
+    res = cli(
+        plugin_env, "import-features", str(src), "--format", "toy-npz", "--store", str(store), "--dtype", "float32"
+    )
     assert res.returncode == 0, res.stderr
     assert "imported: 3" in res.stdout
     st = FeatureStore(store)
@@ -84,20 +98,56 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, 
     assert "parameters: 364416 " in cli(plugin_env, "info", "--model", "toy", "--set", "hidden=16").stdout
 
     run = make_world_run(tmp_path, num_images=40)
-    res = cli(plugin_env, "train", "--out", str(tmp_path / "out"), "--set", "train.model=toy", "--set", f"train.store={run / 'features/store'}",
-              "--set", f"train.data={run / 'data'}", "--set", "train.stages=[xe]", "--set", "train.preload=memory",
-              "--device", "cpu", "--num-workers", "0", timeout=600)
+    res = cli(
+        plugin_env,
+        "train",
+        "--out",
+        str(tmp_path / "out"),
+        "--set",
+        "train.model=toy",
+        "--set",
+        f"train.store={run / 'features/store'}",
+        "--set",
+        f"train.data={run / 'data'}",
+        "--set",
+        "train.stages=[xe]",
+        "--set",
+        "train.preload=memory",
+        "--device",
+        "cpu",
+        "--num-workers",
+        "0",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     stage = tmp_path / "out" / "train-toy"
     log = [json.loads(line) for line in (stage / "log.jsonl").read_text().splitlines()]
     epochs = sorted({r["epoch"] for r in log if r.get("stage") == "xe" and "epoch" in r})
     assert epochs == [0, 1]  # the card's schedule: xe epochs 2
     metrics = tmp_path / "metrics.json"
-    res = cli(plugin_env, "evaluate", "--model", str(stage / "best.pt"), "--store", str(run / "features/store"), "--data", str(run / "data"),
-              "--split", "test", "--metrics", "bleu,cider", "--set", "evaluate.tokenizer=simple", "--output", str(metrics))
+    res = cli(
+        plugin_env,
+        "evaluate",
+        "--model",
+        str(stage / "best.pt"),
+        "--store",
+        str(run / "features/store"),
+        "--data",
+        str(run / "data"),
+        "--split",
+        "test",
+        "--metrics",
+        "bleu,cider",
+        "--set",
+        "evaluate.tokenizer=simple",
+        "--output",
+        str(metrics),
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(metrics.read_text())
-    assert report["model"] == "toy" and report["decoding"]["beam_size"] == 2 and report["decoding"]["max_len"] == 16  # the card's decoding
+    assert (
+        report["model"] == "toy" and report["decoding"]["beam_size"] == 2 and report["decoding"]["max_len"] == 16
+    )  # the card's decoding
     assert 0.0 <= report["metrics"]["CIDEr"] and report["num_images"] > 0
 
 

@@ -39,7 +39,9 @@ def _png_header(w: int, h: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    )
 
 
 def _corpus(root: Path, photo: Path) -> dict[str, str | None]:
@@ -62,9 +64,19 @@ def _corpus(root: Path, photo: Path) -> dict[str, str | None]:
     Image.fromarray(np.full((1, 1, 3), 200, np.uint8)).save(root / "one.png")
     (root / "bomb.png").write_bytes(_png_header(30000, 30000))
     shutil.copy(photo, root / "good.jpg")
-    return {"zero.jpg": "empty", "text.jpg": "not_an_image", "truncated.jpg": "truncated", "bomb.png": "too_large",
-            "cmyk.jpg": None, "gray16.png": None, "rgba.png": None, "palette.gif": None, "exif.jpg": None,
-            "one.png": None, "good.jpg": None}
+    return {
+        "zero.jpg": "empty",
+        "text.jpg": "not_an_image",
+        "truncated.jpg": "truncated",
+        "bomb.png": "too_large",
+        "cmyk.jpg": None,
+        "gray16.png": None,
+        "rgba.png": None,
+        "palette.gif": None,
+        "exif.jpg": None,
+        "one.png": None,
+        "good.jpg": None,
+    }
 
 
 def test_loader_normalises_modes(tmp_path, shared_data):
@@ -86,11 +98,15 @@ def test_loader_normalises_modes(tmp_path, shared_data):
 def test_robustness_corpus_failures_manifest_and_strict(tmp_path, shared_data):
     expected = _corpus(tmp_path / "imgs", shared_data / "photos" / "000456.jpg")
     listing = tmp_path / "list.txt"
-    listing.write_text("\n".join([str(tmp_path / "imgs" / n) for n in expected] + [str(tmp_path / "imgs" / "missing.jpg")]))
+    listing.write_text(
+        "\n".join([str(tmp_path / "imgs" / n) for n in expected] + [str(tmp_path / "imgs" / "missing.jpg")])
+    )
     store = tmp_path / "store"
     res = _extract("--file-list", str(listing), "--weights", "random", "--store", str(store), *SMALL)
     assert res.exit_code == 0, res.output
-    fails = {Path(r["path"]).name: r["reason"] for r in map(json.loads, (store / "failures.jsonl").read_text().splitlines())}
+    fails = {
+        Path(r["path"]).name: r["reason"] for r in map(json.loads, (store / "failures.jsonl").read_text().splitlines())
+    }
     want_fail = {n: r for n, r in expected.items() if r} | {"missing.jpg": "unreadable"}
     assert len(want_fail) == 5
     assert fails == want_fail
@@ -98,7 +114,10 @@ def test_robustness_corpus_failures_manifest_and_strict(tmp_path, shared_data):
     good = sorted(f"imgs/{n}" for n, r in expected.items() if r is None)  # keys: paths relative to the list's folder
     assert sorted(st.keys()) == good
     assert st.image_size("imgs/exif.jpg") == (40, 80)  # (w, h) after EXIF rotation
-    assert st.image_size("imgs/one.png") == (1, 1) and st.get("imgs/one.png")["boxes"].shape == (1, 4)  # whole-image fallback
+    assert st.image_size("imgs/one.png") == (1, 1) and st.get("imgs/one.png")["boxes"].shape == (
+        1,
+        4,
+    )  # whole-image fallback
     for k in good:
         rec = st.get(k)
         assert (1 if k == "imgs/one.png" else 10) <= rec["features"].shape[0] <= 100 and rec["features"].shape[1] == 128
@@ -128,7 +147,7 @@ def _subset(tmp_path: Path, shared_data: Path, n: int) -> Path:
     d.mkdir()
     numbered = sorted((shared_data / "photos").glob("0*.jpg"))
     coco = sorted((shared_data / "photos").glob("COCO_*.jpg"))
-    mixed = [p for pair in zip(numbered, coco) for p in pair] + numbered[len(coco):] + coco[len(numbered):]
+    mixed = [p for pair in zip(numbered, coco) for p in pair] + numbered[len(coco) :] + coco[len(numbered) :]
     for p in mixed[:n]:
         shutil.copy(p, d / p.name)
     return d
@@ -137,8 +156,24 @@ def _subset(tmp_path: Path, shared_data: Path, n: int) -> Path:
 def test_killed_extraction_resumes_without_duplicates_or_losses(tmp_path, shared_data):
     photos = _subset(tmp_path, shared_data, 6)
     store = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO / "cli.py"), "extract", "--device", "cpu", str(photos), "--weights", "random", "--store", str(store),
-           *SMALL, "--batch-size", "1", "--set", "extract.commit_every=1", "-q"]
+    cmd = [
+        sys.executable,
+        str(REPO / "cli.py"),
+        "extract",
+        "--device",
+        "cpu",
+        str(photos),
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        *SMALL,
+        "--batch-size",
+        "1",
+        "--set",
+        "extract.commit_every=1",
+        "-q",
+    ]
     env = dict(os.environ, BUTD_NO_PROGRESS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -167,7 +202,9 @@ def test_killed_extraction_resumes_without_duplicates_or_losses(tmp_path, shared
     a, b = FeatureStore(store), FeatureStore(clean)
     assert sorted(a.keys()) == sorted(b.keys()) and len(a.keys()) == len(set(a.keys())) == 6
     for k in b.keys():
-        np.testing.assert_allclose(a.get(k)["features"].astype(np.float32), b.get(k)["features"].astype(np.float32), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(
+            a.get(k)["features"].astype(np.float32), b.get(k)["features"].astype(np.float32), rtol=2e-3, atol=2e-3
+        )
         np.testing.assert_allclose(a.get(k)["boxes"], b.get(k)["boxes"], atol=1e-2)
 
 
@@ -178,7 +215,9 @@ def test_shards_cover_every_image_exactly_once_and_merge(tmp_path, shared_data):
         workers = ["--workers", "2"] if i == 0 else []  # decode in DataLoader worker processes for one shard
         res = _extract(str(photos), "--weights", "random", "--store", str(store), "--shard", f"{i}/2", *SMALL, *workers)
         assert res.exit_code == 0, res.output
-    shards = sorted(p for p in (tmp_path / "feats.shards").iterdir() if p.is_dir())  # beside them: each writer's .lock file
+    shards = sorted(
+        p for p in (tmp_path / "feats.shards").iterdir() if p.is_dir()
+    )  # beside them: each writer's .lock file
     assert [p.name for p in shards] == ["0-of-2", "1-of-2"]
     assert [len(FeatureStore(p).keys()) for p in shards] == [3, 2]
     res = _extract("--store", str(store), "--merge-shards")
@@ -191,15 +230,31 @@ def test_shards_cover_every_image_exactly_once_and_merge(tmp_path, shared_data):
 
 def test_coco_given_boxes(tmp_path, shared_data):
     ann = {
-        "images": [{"id": 150367, "file_name": "COCO_train2014_000000150367.jpg", "width": 640, "height": 480},
-                   {"id": 456, "file_name": "000456.jpg", "width": 500, "height": 375}],
-        "annotations": [{"id": 1, "image_id": 150367, "bbox": [10, 20, 100, 50], "category_id": 1},
-                        {"id": 2, "image_id": 150367, "bbox": [300, 200, 340, 280], "category_id": 2}],
+        "images": [
+            {"id": 150367, "file_name": "COCO_train2014_000000150367.jpg", "width": 640, "height": 480},
+            {"id": 456, "file_name": "000456.jpg", "width": 500, "height": 375},
+        ],
+        "annotations": [
+            {"id": 1, "image_id": 150367, "bbox": [10, 20, 100, 50], "category_id": 1},
+            {"id": 2, "image_id": 150367, "bbox": [300, 200, 340, 280], "category_id": 2},
+        ],
     }
     f = tmp_path / "instances.json"
     f.write_text(json.dumps(ann))
     store = tmp_path / "given"
-    res = _extract("--coco", str(f), "--image-root", str(shared_data / "photos"), "--boxes", "given", "--weights", "random", "--store", str(store), *SMALL)
+    res = _extract(
+        "--coco",
+        str(f),
+        "--image-root",
+        str(shared_data / "photos"),
+        "--boxes",
+        "given",
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        *SMALL,
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(store)
     assert st.keys() == ["150367"]
@@ -215,8 +270,23 @@ def test_full_r101_on_two_real_photos_writes_a_valid_store(tmp_path, shared_data
     names = ["COCO_train2014_000000132417", "COCO_train2014_000000131486"]
     files = [str(shared_data / "photos" / f"{n}.jpg") for n in names]
     store = tmp_path / "r101"
-    res = _extract(*files, "--weights", "random", "--store", str(store), "--preset", "bottom-up-caffe-r101", "--workers", "0",
-                   "--set", "extract.spec={post_nms_topk: 12}", "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    res = _extract(
+        *files,
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        "--preset",
+        "bottom-up-caffe-r101",
+        "--workers",
+        "0",
+        "--set",
+        "extract.spec={post_nms_topk: 12}",
+        "--set",
+        "extract.min_size=200",
+        "--set",
+        "extract.max_size=333",
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(store)
     assert st.feature_dim == 2048 and st.identity["config"]["spec"]["stage_blocks"] == [3, 4, 23]
@@ -239,9 +309,25 @@ def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, l
     spec = tiny_spec(flavor="caffe" if layout == "milvlg" else "d2")
     weights = save_layout(random_detector(spec, 3).state_dict(), layout, tmp_path / f"w{suffix}")
     store = tmp_path / "s"
-    photos = [str(shared_data / "photos" / "000456.jpg"), str(shared_data / "photos" / "COCO_train2014_000000207647.jpg")]
-    res = _extract(*photos, "--weights", str(weights), "--store", str(store), "--boxes", "36", "--workers", "0",
-                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    photos = [
+        str(shared_data / "photos" / "000456.jpg"),
+        str(shared_data / "photos" / "COCO_train2014_000000207647.jpg"),
+    ]
+    res = _extract(
+        *photos,
+        "--weights",
+        str(weights),
+        "--store",
+        str(store),
+        "--boxes",
+        "36",
+        "--workers",
+        "0",
+        "--set",
+        "extract.min_size=200",
+        "--set",
+        "extract.max_size=333",
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(store)
     assert st.identity["name"] == f"bottom-up-{layout}" and st.identity["weights_sha256"] == sha256_file(weights)
@@ -251,8 +337,21 @@ def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, l
     assert n == [36, 36] if layout == "milvlg" else all(10 <= x <= 36 for x in n)
     # the same store refuses other weights (identity check) with a one-line usage error
     other = save_layout(random_detector(spec, 4).state_dict(), layout, tmp_path / f"o{suffix}")
-    res = _extract(*photos, "--weights", str(other), "--store", str(store), "--boxes", "36", "--workers", "0",
-                   "--set", "extract.min_size=200", "--set", "extract.max_size=333")
+    res = _extract(
+        *photos,
+        "--weights",
+        str(other),
+        "--store",
+        str(store),
+        "--boxes",
+        "36",
+        "--workers",
+        "0",
+        "--set",
+        "extract.min_size=200",
+        "--set",
+        "extract.max_size=333",
+    )
     assert res.exit_code == 2 and "different extractor" in res.output
 
 

@@ -87,8 +87,14 @@ def test_guarded_detect_on_a_batch_with_a_malformed_blob():
     bad = Photo(1, ImageItem("bad", Path("bad")), blob=torch.zeros(4, 200, 266), frame=frame, size=(200, 266))
     failed = []
     with torch.no_grad():
-        out = detect_guarded(model, [good, bad], selector_for(model.spec, boxes="adaptive"), "fp32", torch.device("cpu"),
-                             lambda photo, failure: failed.append((photo.item.key, failure.reason)))
+        out = detect_guarded(
+            model,
+            [good, bad],
+            selector_for(model.spec, boxes="adaptive"),
+            "fp32",
+            torch.device("cpu"),
+            lambda photo, failure: failed.append((photo.item.key, failure.reason)),
+        )
     assert [p.item.key for p, _ in out] == ["good"] and out[0][1].boxes.shape[0] >= 1
     assert failed == [("bad", "detector_failed")]
 
@@ -146,7 +152,17 @@ def test_missing_dangling_looping_and_non_file_inputs_are_reported(tmp_path):
     other = _photo(tmp_path / "other.png", seed=3)
     missing = tmp_path / "missing.jpg"
     store = tmp_path / "s"
-    args = [str(d), str(other), str(missing), str(tmp_path / "none-*.png"), "--weights", "random", "--store", str(store), *SMALL]
+    args = [
+        str(d),
+        str(other),
+        str(missing),
+        str(tmp_path / "none-*.png"),
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        *SMALL,
+    ]
     warnings = _Lines()
     logging.getLogger("butd").addHandler(warnings)
     try:
@@ -157,8 +173,13 @@ def test_missing_dangling_looping_and_non_file_inputs_are_reported(tmp_path):
     assert sorted(FeatureStore(store).keys()) == ["good.png", "other.png"]
     fails = _failures(store)
     assert {k: v["reason"] for k, v in fails.items()} == {
-        "dangling.jpg": "unreadable", "loop1.jpg": "unreadable", "loop2.jpg": "unreadable", "folder.jpg": "not_a_file",
-        "pipe.jpg": "not_a_file", "missing.jpg": "unreadable", "none-*.png": "unreadable",
+        "dangling.jpg": "unreadable",
+        "loop1.jpg": "unreadable",
+        "loop2.jpg": "unreadable",
+        "folder.jpg": "not_a_file",
+        "pipe.jpg": "not_a_file",
+        "missing.jpg": "unreadable",
+        "none-*.png": "unreadable",
     }
     assert "dangling symbolic link" in fails["dangling.jpg"]["detail"] and "loop" in fails["loop1.jpg"]["detail"]
     assert "no such file" in fails["missing.jpg"]["detail"] and "matches" in fails["none-*.png"]["detail"]
@@ -170,9 +191,17 @@ def test_missing_dangling_looping_and_non_file_inputs_are_reported(tmp_path):
     assert res.exit_code == 2 and "missing.jpg" in res.output and "dangling.jpg" in res.output
 
 
-@pytest.mark.parametrize("opt", [["--workers", "-1"], ["--batch-size", "0"], ["--limit", "-1"],
-                                 ["--set", "extract.commit_every=-5"], ["--set", "extract.conf_thresh=1.5"],
-                                 ["--set", "extract.max_pixels=0"]])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        ["--workers", "-1"],
+        ["--batch-size", "0"],
+        ["--limit", "-1"],
+        ["--set", "extract.commit_every=-5"],
+        ["--set", "extract.conf_thresh=1.5"],
+        ["--set", "extract.max_pixels=0"],
+    ],
+)
 def test_bad_numbers_are_one_line_exit_2(tmp_path, opt):
     _photo(tmp_path / "a.png")
     res = _extract(str(tmp_path / "a.png"), "--weights", "random", "--store", str(tmp_path / "s"), *SMALL, *opt)
@@ -199,8 +228,18 @@ def test_disk_full_mid_run_is_one_line_and_keeps_committed_images(tmp_path, monk
 
     monkeypatch.setattr(segment, "_write_segment_file", fills_up)
     store = tmp_path / "s"
-    res = _extract(str(d), "--weights", "random", "--store", str(store), "--batch-size", "1",
-                   "--set", "extract.commit_every=1", *SMALL)
+    res = _extract(
+        str(d),
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        "--batch-size",
+        "1",
+        "--set",
+        "extract.commit_every=1",
+        *SMALL,
+    )
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output
     assert "cannot write feature segment" in res.output and "No space left on device" in res.output
@@ -224,8 +263,21 @@ def test_sigterm_commits_finished_images_and_the_rerun_resumes(tmp_path):
         _photo(d / f"{i:02d}.png", 333, 200, seed=i)
     store = tmp_path / "s"
     repo = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(repo / "cli.py"), "extract", str(d), "--weights", "random", "--store", str(store),
-           "--batch-size", "1", "--set", "extract.commit_every=5", *SMALL]
+    cmd = [
+        sys.executable,
+        str(repo / "cli.py"),
+        "extract",
+        str(d),
+        "--weights",
+        "random",
+        "--store",
+        str(store),
+        "--batch-size",
+        "1",
+        "--set",
+        "extract.commit_every=5",
+        *SMALL,
+    ]
     env = dict(os.environ, BUTD_NO_PROGRESS="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240

@@ -42,7 +42,10 @@ def test_cli_and_demo_path_write_the_same_store_through_run_stage(tmp_path, shar
     assert "extracted 3, skipped (already in store) 0, failed 0 of 3 images" in res.output
     manifest = json.loads((cli_store / "manifest.json").read_text())  # the CLI went through run_stage
     assert manifest["stage"] == "cli-store" and manifest["summary"]["extracted"] == 3
-    assert manifest["config"]["job"]["paths"] == [str(photos.absolute())] and manifest["config"]["job"]["weights"] == "random"
+    assert (
+        manifest["config"]["job"]["paths"] == [str(photos.absolute())]
+        and manifest["config"]["job"]["weights"] == "random"
+    )
     assert not (cli_store / "running.json").exists()
 
     section = load_config("extract", None, SETTINGS).extract
@@ -81,6 +84,8 @@ def test_usage_errors_leave_no_stage_folder(tmp_path, shared_data):
     for args in (["--boxes", "17"], ["--boxes", "given"]):
         res = _cli(str(photos), "--store", str(tmp_path / "s"), *args)
         assert res.exit_code == 2 and res.output.count("error:") == 1
-    res = CliRunner().invoke(app, ["extract", str(photos), "--weights", str(tmp_path / "nope.pth"), "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(
+        app, ["extract", str(photos), "--weights", str(tmp_path / "nope.pth"), "--store", str(tmp_path / "s")]
+    )
     assert res.exit_code == 2 and "weights file not found" in res.output
     assert not (tmp_path / "s").exists()

@@ -17,9 +17,18 @@ from extractors.random_weights import random_detector
 from extract_helpers import tiny_spec
 
 CAFFE_TABLE = [
-    [-38, -16, 53, 31], [-84, -40, 99, 55], [-176, -88, 191, 103], [-360, -184, 375, 199],
-    [-24, -24, 39, 39], [-56, -56, 71, 71], [-120, -120, 135, 135], [-248, -248, 263, 263],
-    [-14, -36, 29, 51], [-36, -80, 51, 95], [-80, -168, 95, 183], [-168, -344, 183, 359],
+    [-38, -16, 53, 31],
+    [-84, -40, 99, 55],
+    [-176, -88, 191, 103],
+    [-360, -184, 375, 199],
+    [-24, -24, 39, 39],
+    [-56, -56, 71, 71],
+    [-120, -120, 135, 135],
+    [-248, -248, 263, 263],
+    [-14, -36, 29, 51],
+    [-36, -80, 51, 95],
+    [-80, -168, 95, 183],
+    [-168, -344, 183, 359],
 ]
 
 
@@ -44,7 +53,9 @@ def test_grid_anchor_order_is_h_w_a_with_a_fastest():
     assert g.shape == (3 * 5 * 12, 4)
     # anchor index (h, w, a) = (h * W + w) * A + a, shifted by (16 w, 16 h)
     h, w, a = 2, 3, 7
-    assert g[(h * 5 + w) * 12 + a].tolist() == (cell[a] + torch.tensor([16.0 * w, 16.0 * h, 16.0 * w, 16.0 * h])).tolist()
+    assert (
+        g[(h * 5 + w) * 12 + a].tolist() == (cell[a] + torch.tensor([16.0 * w, 16.0 * h, 16.0 * w, 16.0 * h])).tolist()
+    )
 
 
 def test_legacy_box_coding_matches_py_faster_rcnn_and_roundtrips_with_its_plus_one():
@@ -75,7 +86,9 @@ def test_d2_box_coding_roundtrips_exactly_and_clamps():
     w = (10.0, 10.0, 5.0, 5.0)
     d = box_coding.encode(src, tgt, w, legacy=False)
     assert torch.allclose(box_coding.decode(d, src, w, legacy=False), tgt, atol=1e-4)
-    big = box_coding.decode(torch.tensor([[0.0, 0.0, 100.0, 0.0]]), torch.tensor([[0.0, 0.0, 16.0, 16.0]]), legacy=False)
+    big = box_coding.decode(
+        torch.tensor([[0.0, 0.0, 100.0, 0.0]]), torch.tensor([[0.0, 0.0, 16.0, 16.0]]), legacy=False
+    )
     assert math.isclose(float(big[0, 2] - big[0, 0]), 1000.0, rel_tol=1e-4)  # exp(log(1000/16)) * 16
 
 
@@ -145,7 +158,14 @@ def test_roi_pool_matches_the_caffe_definition():
     heads = Res5ROIHeads(spec, spec.c4_channels)
     g = torch.Generator().manual_seed(3)
     feat = torch.randn(2, spec.c4_channels, 20, 30, generator=g)
-    rois = torch.tensor([[0, 0.0, 0.0, 100.0, 60.0], [1, 37.3, 12.9, 250.2, 301.7], [0, 400.0, 300.0, 470.0, 330.0], [1, 5.0, 5.0, 6.0, 7.0]])
+    rois = torch.tensor(
+        [
+            [0, 0.0, 0.0, 100.0, 60.0],
+            [1, 37.3, 12.9, 250.2, 301.7],
+            [0, 400.0, 300.0, 470.0, 330.0],
+            [1, 5.0, 5.0, 6.0, 7.0],
+        ]
+    )
     got = heads.pool(feat, rois).numpy()
     assert got.shape == (4, spec.c4_channels, 14, 14)
     for k, r in enumerate(rois.numpy()):
@@ -187,7 +207,9 @@ def test_frozen_bn_and_its_folding_are_the_caffe_batchnorm_scale():
     x = torch.randn(2, 4, 9, 9, generator=g)
     y = F.conv2d(x, cn.weight, padding=1)
     n = cn.norm
-    want = (y - n.running_mean.view(1, -1, 1, 1)) / torch.sqrt(n.running_var.view(1, -1, 1, 1) + 1e-5) * n.weight.view(1, -1, 1, 1) + n.bias.view(1, -1, 1, 1)
+    want = (y - n.running_mean.view(1, -1, 1, 1)) / torch.sqrt(n.running_var.view(1, -1, 1, 1) + 1e-5) * n.weight.view(
+        1, -1, 1, 1
+    ) + n.bias.view(1, -1, 1, 1)
     assert torch.allclose(cn(x), want, atol=1e-5)
     cn.fold()
     assert torch.allclose(cn(x), want, atol=1e-4)
@@ -202,7 +224,11 @@ def test_attribute_head_uses_argmax_class_embedding_including_background():
     assert logits.shape == (7, 21) and deltas.shape == (7, 21 * 4) and attr.shape == (7, 11)
     labels = logits.argmax(1)
     h = torch.cat([x, pred.cls_embed.weight[labels]], 1)
-    want = F.linear(F.relu(F.linear(h, pred.attr_linear1.weight, pred.attr_linear1.bias)), pred.attr_linear2.weight, pred.attr_linear2.bias)
+    want = F.linear(
+        F.relu(F.linear(h, pred.attr_linear1.weight, pred.attr_linear1.bias)),
+        pred.attr_linear2.weight,
+        pred.attr_linear2.bias,
+    )
     assert torch.allclose(attr, want, atol=1e-5)
     probs = model.attr_probs(attr)
     assert torch.allclose(probs, torch.softmax(attr, 1)[:, 1:])  # caffe: softmax over 401, "no attribute" dropped
@@ -219,7 +245,9 @@ def _random_case(g: torch.Generator, r: int, k: int):
 def test_vectorized_per_class_nms_equals_the_loop(r, k, t):
     g = torch.Generator().manual_seed(r * 31 + k)
     boxes, scores = _random_case(g, r, k)
-    torch.testing.assert_close(selector.max_conf_vectorized(boxes, scores, t), selector.max_conf_loop(boxes, scores, t), rtol=0, atol=0)
+    torch.testing.assert_close(
+        selector.max_conf_vectorized(boxes, scores, t), selector.max_conf_loop(boxes, scores, t), rtol=0, atol=0
+    )
 
 
 def test_vectorized_nms_equals_the_loop_at_real_size_300x1600_and_batched():

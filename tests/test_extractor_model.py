@@ -10,7 +10,12 @@ from extract_helpers import caffe_frames, selector_for, tiny_spec
 from extractors.preprocess import load_rgb
 from extractors.random_weights import random_detector
 
-PHOTOS = ["COCO_train2014_000000084002.jpg", "COCO_train2014_000000150367.jpg", "COCO_train2014_000000131486.jpg", "000456.jpg"]
+PHOTOS = [
+    "COCO_train2014_000000084002.jpg",
+    "COCO_train2014_000000150367.jpg",
+    "COCO_train2014_000000131486.jpg",
+    "000456.jpg",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,9 @@ def _check(out, size, n_range, spec):
     assert (out.image_w, out.image_h) == (w, h)
     assert out.class_ids.dtype == np.int64 and ((0 <= out.class_ids) & (out.class_ids < spec.num_classes - 1)).all()
     assert out.attr_ids.dtype == np.int64 and ((0 <= out.attr_ids) & (out.attr_ids < spec.num_attributes - 1)).all()
-    assert ((0 < out.class_scores) & (out.class_scores <= 1)).all() and ((0 < out.attr_scores) & (out.attr_scores <= 1)).all()
+    assert ((0 < out.class_scores) & (out.class_scores <= 1)).all() and (
+        (0 < out.attr_scores) & (out.attr_scores <= 1)
+    ).all()
 
 
 def test_adaptive_and_fixed_36_outputs(model, inputs):
@@ -100,5 +107,7 @@ def test_d2_preset_runs_maxnms_on_regressed_boxes(inputs):
     outs = model.detect(blobs[:2], scales[:2], selector_for(spec, "airsplay", min_boxes=10))
     for o, size in zip(outs, sizes):
         _check(o, size, (10, 36), spec)
-    probs = model.class_probs(torch.zeros(1, spec.num_classes).index_fill_(1, torch.tensor([spec.num_classes - 1]), 10.0))
+    probs = model.class_probs(
+        torch.zeros(1, spec.num_classes).index_fill_(1, torch.tensor([spec.num_classes - 1]), 10.0)
+    )
     assert probs.shape == (1, spec.num_classes - 1) and probs.max() < 0.01  # background is the last logit in d2

@@ -52,7 +52,9 @@ def test_container_formats_are_the_public_ones(tmp_path):
     assert not any(k.endswith("num_batches_tracked") for k in raw["model"])
     _, binf = _write(tmp_path, "hf")
     sd = torch.load(binf, weights_only=True)
-    assert "model" not in sd and sum(k.endswith("num_batches_tracked") for k in sd) == 1 + 4 * 4  # tiny: stem + 4 blocks x (3 convs + shortcut)
+    assert (
+        "model" not in sd and sum(k.endswith("num_batches_tracked") for k in sd) == 1 + 4 * 4
+    )  # tiny: stem + 4 blocks x (3 convs + shortcut)
     assert sd["proposal_generator.rpn_head.objectness_logits.weight"].shape[0] == 12
     _, pth = _write(tmp_path, "milvlg")
     sd = torch.load(pth, weights_only=True)["model"]

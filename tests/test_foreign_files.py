@@ -19,8 +19,13 @@ import pytest
 from pipeline.core.errors import PipelineError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "300",
-       "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "BUTD_NO_PROGRESS": "1",
+    "COLUMNS": "300",
+    "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
 PRECIOUS = b"the user's thesis, chapter 1\n" * 50
 
 
@@ -38,8 +43,14 @@ def plant_link(at: Path, target: Path) -> Path:
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "cli.py"), *args],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path) -> str:
@@ -121,8 +132,12 @@ def test_a_fifo_a_folder_or_a_file_of_someone_else_at_a_lock_path_is_refused(tmp
     notes.write_bytes(PRECIOUS)
     foreign_json = tmp_path / "json.lock"
     foreign_json.write_text(json.dumps({"pid": 1, "my": "settings"}))
-    cases = ((fifo, "not a regular file"), (folder, "folder"), (notes, "not a lock file"),
-             (foreign_json, "not a lock file"))
+    cases = (
+        (fifo, "not a regular file"),
+        (folder, "folder"),
+        (notes, "not a lock file"),
+        (foreign_json, "not a lock file"),
+    )
     for path, says in cases:
         before = path.read_bytes() if path.is_file() else None
         with pytest.raises(UsageError, match=says) as info:
@@ -179,8 +194,9 @@ def m2_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
 
 
 @pytest.mark.parametrize("planted,force", [("out.failures.jsonl", False), ("out.jsonl", True)])
-def test_a_link_at_a_journal_file(tmp_path: Path, shared_data: Path, m2_release: tuple[Path, Path], planted: str,
-                                  force: bool) -> None:
+def test_a_link_at_a_journal_file(
+    tmp_path: Path, shared_data: Path, m2_release: tuple[Path, Path], planted: str, force: bool
+) -> None:
     """The results journal and the failures manifest of ``caption --output``: a link there is refused, ``--force``
     included, before any photo is captioned."""
     model, bua = m2_release
@@ -189,9 +205,21 @@ def test_a_link_at_a_journal_file(tmp_path: Path, shared_data: Path, m2_release:
     shutil.copy(shared_data / "photos" / "000456.jpg", photos / "000456.jpg")
     target = precious(tmp_path)
     link = plant_link(tmp_path / planted, target)
-    res = cli("caption", str(photos), "--model", str(model), "--weights", str(bua), "--output",
-              str(tmp_path / "out.jsonl"), "--set", "caption.min_size=96", "--set", "caption.max_size=160",
-              *(["--force"] if force else []))
+    res = cli(
+        "caption",
+        str(photos),
+        "--model",
+        str(model),
+        "--weights",
+        str(bua),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--set",
+        "caption.min_size=96",
+        "--set",
+        "caption.max_size=160",
+        *(["--force"] if force else []),
+    )
     line = refused_in_one_line(res, link)
     assert "symbolic link" in line
     assert target.read_bytes() == PRECIOUS and link.is_symlink()

@@ -29,8 +29,23 @@ def gallery(tmp_path_factory) -> Path:
     small_photos(photos, 5, size=(240, 180))
     (photos / "0004.jpg").rename(photos / "a<b>&c.jpg")  # HTML in a file name
     (photos / "broken.jpg").write_bytes(b"not an image")
-    res = CliRunner().invoke(app, ["caption", str(photos), "--model", str(run), "--weights", str(tiny_detector(root / "tiny.pth")),
-                                   "--gallery", str(root / "g"), "--n-best", "2", *SMALL], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(photos),
+            "--model",
+            str(run),
+            "--weights",
+            str(tiny_detector(root / "tiny.pth")),
+            "--gallery",
+            str(root / "g"),
+            "--n-best",
+            "2",
+            *SMALL,
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     return root / "g"
 
@@ -40,7 +55,15 @@ def records(gallery: Path) -> list[dict]:
 
 
 def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={cwd / 'profile'}", *args]
+    cmd = [
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={cwd / 'profile'}",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, timeout=120)
 
 
@@ -75,11 +98,21 @@ def test_gallery_renders_in_headless_chromium(gallery: Path, tmp_path: Path) -> 
     assert '<span id="count">0 of 6 photos</span>' in filtered
     some = chromium("--dump-dom", f"{url}?q={word}", cwd=tmp_path).stdout.decode("utf-8")
     shown = int(re.search(r'<span id="count">(\d+) of 6 photos</span>', some).group(1))
-    assert 1 <= shown == sum(f" {word}" in " " + " ".join([r["caption"]] + [c for c, _ in r["nbest"]] + [g["label"] for g in r["regions"]]).lower()
-                             for r in records(gallery) if "error" not in r)
+    assert (
+        1
+        <= shown
+        == sum(
+            f" {word}"
+            in " " + " ".join([r["caption"]] + [c for c, _ in r["nbest"]] + [g["label"] for g in r["regions"]]).lower()
+            for r in records(gallery)
+            if "error" not in r
+        )
+    )
     shot = tmp_path / "shot.png"
     res = chromium(f"--screenshot={shot}", "--window-size=1000,800", url, cwd=tmp_path)
     assert res.returncode == 0 and shot.is_file(), res.stderr.decode()[-2000:]
     pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=np.float32)
     assert pixels.shape[:2] == (800, 1000)
-    assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500  # photos and text, not a blank page
+    assert (
+        pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500
+    )  # photos and text, not a blank page

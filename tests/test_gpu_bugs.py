@@ -48,7 +48,7 @@ def test_auto_precision_does_not_pick_emulated_bf16(monkeypatch) -> None:
 def test_one_tf32_rule_fp32_is_strict_everywhere() -> None:
     """``fp32`` turns TF32 off for matmuls AND cuDNN in the trainers as in extraction (PyTorch's default leaves
     cuDNN TF32 on); ``tf32``/``bf16`` allow it; the flags come back after the block; extraction defaults to tf32."""
-    
+
     from pipeline.core.config import load_config
     from pipeline.core.precision import autocast
 

@@ -31,7 +31,10 @@ GIVEN = [[10, 10, 120, 90], [100, 60, 200, 180], [250, 150, 220, 200], [0, 0, 37
 
 
 def _extract(store: Path, paths: list[str], *extra: str) -> FeatureStore:
-    res = CliRunner().invoke(app, ["extract", *paths, "--weights", "random", "--store", str(store), "--num-workers", "0", "-q", *SIZE, *extra])
+    res = CliRunner().invoke(
+        app,
+        ["extract", *paths, "--weights", "random", "--store", str(store), "--num-workers", "0", "-q", *SIZE, *extra],
+    )
     assert res.exit_code == 0, res.output
     return FeatureStore(store)
 
@@ -41,13 +44,19 @@ def coco(shared_data, tmp_path_factory) -> Path:
     """A COCO file naming three shared photos with the same five given boxes each."""
     path = tmp_path_factory.mktemp("given") / "given.json"
     images = [{"id": i + 1, "file_name": name, "width": 500, "height": 375} for i, name in enumerate(PHOTOS)]
-    anns = [{"id": 10 * im["id"] + j, "image_id": im["id"], "bbox": box, "category_id": 1} for im in images for j, box in enumerate(GIVEN)]
+    anns = [
+        {"id": 10 * im["id"] + j, "image_id": im["id"], "bbox": box, "category_id": 1}
+        for im in images
+        for j, box in enumerate(GIVEN)
+    ]
     path.write_text(json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}))
     return path
 
 
 def _given(store: Path, coco: Path, shared_data: Path, *extra: str) -> FeatureStore:
-    return _extract(store, [], "--coco", str(coco), "--image-root", str(shared_data / "photos"), "--boxes", "given", *extra)
+    return _extract(
+        store, [], "--coco", str(coco), "--image-root", str(shared_data / "photos"), "--boxes", "given", *extra
+    )
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -138,14 +147,37 @@ def released(tmp_path_factory, shared_data) -> dict[str, Path]:
     write_m2_vocab(root / "m2" / "vocab.pkl", WORDS)
     write_m2_checkpoint(root / "m2" / "meshed_memory_transformer.pth", 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=128)
     write_aoanet(root / "aoa", WORDS + ["UNK"], d=16, d_in=128)
-    return {"photos": photos, "bua": W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", root / "bua.pth"),
-            "m2": root / "m2" / "meshed_memory_transformer.pth", "aoa": root / "aoa" / "model-best.pth"}
+    return {
+        "photos": photos,
+        "bua": W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", root / "bua.pth"),
+        "m2": root / "m2" / "meshed_memory_transformer.pth",
+        "aoa": root / "aoa" / "model-best.pth",
+    }
 
 
 def _captions(released: dict[str, Path], model: str, out: Path, device: str, *extra: str) -> dict[str, str]:
-    res = CliRunner().invoke(app, ["caption", str(released["photos"]), "--model", str(released[model]), "--weights", str(released["bua"]),
-                                   "--output", str(out), "--device", device, "--precision", "fp32", "--set", "caption.min_size=160",
-                                   "--set", "caption.max_size=256", *extra])
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(released["photos"]),
+            "--model",
+            str(released[model]),
+            "--weights",
+            str(released["bua"]),
+            "--output",
+            str(out),
+            "--device",
+            device,
+            "--precision",
+            "fp32",
+            "--set",
+            "caption.min_size=160",
+            "--set",
+            "caption.max_size=256",
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(PHOTOS)
@@ -201,9 +233,25 @@ ONE_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "B
 
 
 def test_torchrun_training_with_more_processes_than_gpus_is_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"), "--out", str(tmp_path / "det"),
-           "--set", "data.train_annotations=missing.json", "--set", "detector_train.device=cuda"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "cli.py"),
+        "train-detector",
+        "-c",
+        str(ROOT / "configs" / "detector" / "tiny.yaml"),
+        "--out",
+        str(tmp_path / "det"),
+        "--set",
+        "data.train_annotations=missing.json",
+        "--set",
+        "detector_train.device=cuda",
+    ]
     proc = subprocess.run(cmd, env=ONE_GPU, cwd=ROOT, capture_output=True, text=True, timeout=300)
     # torchrun itself prints a traceback of its own (ChildFailedError) whenever a rank exits non-zero: the claim is
     # that no traceback runs through this project's code, and that each rank says its one line
@@ -218,13 +266,48 @@ def test_torchrun_extraction_shares_one_gpu(shared_data, tmp_path):
     the merged store holds the one-process CUDA run's boxes and features (same batches on the same GPU; the
     tolerances of test_extraction_on_cuda_matches_the_cpu, since another process may get other cuDNN kernels)."""
     paths = [str(shared_data / "photos" / p) for p in PHOTOS]
-    args = ["extract", *paths, "--weights", "random", "--num-workers", "0", "--batch-size", "1", "--device", "cuda", *SIZE]
-    one = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args, "--store", str(tmp_path / "one")], env=ONE_GPU, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    args = [
+        "extract",
+        *paths,
+        "--weights",
+        "random",
+        "--num-workers",
+        "0",
+        "--batch-size",
+        "1",
+        "--device",
+        "cuda",
+        *SIZE,
+    ]
+    one = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *args, "--store", str(tmp_path / "one")],
+        env=ONE_GPU,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-                          str(ROOT / "cli.py"), *args, "--store", str(tmp_path / "two")], env=ONE_GPU, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(ROOT / "cli.py"),
+            *args,
+            "--store",
+            str(tmp_path / "two"),
+        ],
+        env=ONE_GPU,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0 and "Traceback" not in two.stderr, two.stderr[-3000:]
     assert "2 processes share 1 visible GPU: local rank r extracts on cuda:(r mod 1)" in " ".join(two.stderr.split())
     a, b = FeatureStore(tmp_path / "one"), FeatureStore(tmp_path / "two")
@@ -249,15 +332,37 @@ def test_serve_on_cuda_answers_caption_s_captions(shared_data, tmp_path):
     rows = {}
     for device in ("cuda", "cpu"):
         out = tmp_path / f"{device}.jsonl"
-        res = CliRunner().invoke(app, ["caption", *(str(shared_data / "photos" / n) for n in names), "--model", str(ckpt),
-                                       "--weights", str(weights), *SMALL, "--output", str(out), "--device", device,
-                                       "--precision", "fp32", "--quiet"])
+        res = CliRunner().invoke(
+            app,
+            [
+                "caption",
+                *(str(shared_data / "photos" / n) for n in names),
+                "--model",
+                str(ckpt),
+                "--weights",
+                str(weights),
+                *SMALL,
+                "--output",
+                str(out),
+                "--device",
+                device,
+                "--precision",
+                "fp32",
+                "--quiet",
+            ],
+        )
         assert res.exit_code == 0, res.output
         rows[device] = {Path(r["image"]).name: r for r in map(json.loads, out.read_text().splitlines())}
     assert {n: r["caption"] for n, r in rows["cuda"].items()} == {n: r["caption"] for n, r in rows["cpu"].items()}
-    with running_server("--model", str(ckpt), "--weights", str(weights), *SMALL, "--device", "cuda", "--precision", "fp32") as srv:
-        status, _, body = srv.post_images([(n, (shared_data / "photos" / n).read_bytes()) for n in names], {"regions": "false"})
+    with running_server(
+        "--model", str(ckpt), "--weights", str(weights), *SMALL, "--device", "cuda", "--precision", "fp32"
+    ) as srv:
+        status, _, body = srv.post_images(
+            [(n, (shared_data / "photos" / n).read_bytes()) for n in names], {"regions": "false"}
+        )
     assert status == 200, body
     assert [a["name"] for a in body["images"]] == names
     for a in body["images"]:
-        assert a["caption"] == rows["cuda"][a["name"]]["caption"] and a["score"] == pytest.approx(rows["cuda"][a["name"]]["score"], abs=2e-4)
+        assert a["caption"] == rows["cuda"][a["name"]]["caption"] and a["score"] == pytest.approx(
+            rows["cuda"][a["name"]]["score"], abs=2e-4
+        )

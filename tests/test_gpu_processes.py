@@ -20,7 +20,12 @@ def _simulate(monkeypatch, gpus: int, local_rank: int = 0, local_world: int = 1)
     """``gpus`` visible CUDA devices (nothing touches a real one before the refusal) and torchrun's environment."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    for key, val in (("WORLD_SIZE", local_world), ("RANK", local_rank), ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world)):
+    for key, val in (
+        ("WORLD_SIZE", local_world),
+        ("RANK", local_rank),
+        ("LOCAL_RANK", local_rank),
+        ("LOCAL_WORLD_SIZE", local_world),
+    ):
         monkeypatch.setenv(key, str(val))
 
 
@@ -52,7 +57,9 @@ def test_training_refuses_every_rank_on_one_pinned_gpu(monkeypatch):
 
 def test_resolve_device_names_the_missing_gpu_in_one_line(monkeypatch):
     _simulate(monkeypatch, gpus=1, local_rank=1, local_world=2)
-    with pytest.raises(UsageError, match=r"^2 processes but 1 visible GPU: process 1 on this machine has no GPU of its own"):
+    with pytest.raises(
+        UsageError, match=r"^2 processes but 1 visible GPU: process 1 on this machine has no GPU of its own"
+    ):
         distributed.resolve_device("cuda")  # was cuda:1, and "invalid device ordinal" at its first use
     with pytest.raises(UsageError, match=r"^device cuda:3 requested but there is 1 visible GPU \(cuda:0 to cuda:0\)"):
         distributed.resolve_device("cuda:3", 0)
@@ -65,7 +72,9 @@ def test_train_detector_command_refuses_before_any_work(monkeypatch, tmp_path, r
     res = CliRunner().invoke(app, ["train-detector", "--out", str(out), "--set", "data.train_annotations=missing.json"])
     assert res.exit_code == 2, res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: 2 processes but 1 visible GPU: training needs one GPU per process"), res.output
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: 2 processes but 1 visible GPU: training needs one GPU per process"
+    ), res.output
     assert "Traceback" not in res.output and not out.exists()
 
 
@@ -74,11 +83,25 @@ def test_train_command_refuses_before_any_work(monkeypatch, tmp_path):
     (tmp_path / "store").mkdir()
     (tmp_path / "data").mkdir()
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--out", str(out), "--set", f"train.store={tmp_path / 'store'}",
-                                   "--set", f"train.data={tmp_path / 'data'}"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--out",
+            str(out),
+            "--set",
+            f"train.store={tmp_path / 'store'}",
+            "--set",
+            f"train.data={tmp_path / 'data'}",
+        ],
+    )
     assert res.exit_code == 2, res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: 2 processes but 1 visible GPU") and "Traceback" not in res.output, res.output
+    assert (
+        len(errors) == 1
+        and errors[0].startswith("error: 2 processes but 1 visible GPU")
+        and "Traceback" not in res.output
+    ), res.output
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -116,7 +139,10 @@ def test_extraction_shares_the_gpus_and_logs_it(monkeypatch, name):
     job = ExtractJob("random", ("x.jpg",), None, None, None, (3, 4), None, store=".", shard_block=2)
     dev, text = _logged_device(section, job)
     assert dev == torch.device("cuda", 1)
-    assert "4 processes share 2 visible GPUs: local rank r extracts on cuda:(r mod 2) (this process: local rank 3 on cuda:1)" in text
+    assert (
+        "4 processes share 2 visible GPUs: local rank r extracts on cuda:(r mod 2) (this process: local rank 3 on cuda:1)"
+        in text
+    )
     _simulate(monkeypatch, gpus=2, local_rank=1, local_world=2)  # one process per GPU: nothing to say
     dev, text = _logged_device(section, ExtractJob("random", ("x.jpg",), None, None, None, (1, 2), None, store="."))
     assert dev == torch.device("cuda", 1) and "share" not in text

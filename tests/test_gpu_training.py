@@ -72,13 +72,17 @@ def test_one_xe_and_one_scst_step_on_cuda(name, precision, scoring):
     ref_model, _, ref_batches, _ = prepare_stage(name, "xe", 2, ref_device, "fp32", scorer, vocab, 1)
     ref = _eval_xe(ref_model, ref_batches[0], ref_device, "fp32")
     del ref_model
-    assert math.isfinite(nll) and abs(nll - ref) <= rtol * abs(ref), f"{name} {precision} on CUDA: NLL {nll} vs fp32 on {ref_device}: {ref}"
+    assert math.isfinite(nll) and abs(nll - ref) <= rtol * abs(ref), (
+        f"{name} {precision} on CUDA: NLL {nll} vs fp32 on {ref_device}: {ref}"
+    )
     before = [p.detach().clone() for p in model.parameters()]
     loss = float(step(batches[0]))
     assert math.isfinite(loss) and loss > 0
     with_grad, bad = _finite_grads(model)
     assert with_grad > 0 and bad == 0, f"{bad} of {with_grad} gradients not finite"
-    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), "the XE step left the weights unchanged"
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), (
+        "the XE step left the weights unchanged"
+    )
     model, step, batches, _ = prepare_stage(name, "scst", 2, CUDA, precision, scorer, vocab, 1)
     loss = float(step(batches[0]))
     with_grad, bad = _finite_grads(model)
@@ -110,37 +114,79 @@ def det_world(tmp_path_factory) -> Path:
     from pipeline.world.generate import generate_world
 
     out = tmp_path_factory.mktemp("world")
-    generate_world(out, load_config("world", None, ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                    "world.num_workers=1"]).world)
+    generate_world(
+        out,
+        load_config(
+            "world",
+            None,
+            ["world.num_images=16", "world.image_size=[64, 96]", "world.max_objects=3", "world.num_workers=1"],
+        ).world,
+    )
     return out
 
 
 def _detector_cli(out: Path, world: Path) -> list[str]:
     """train-detector writing the stage ``out`` (RUN/detector: --out is the run directory)."""
-    return [sys.executable, str(ROOT / "cli.py"), "train-detector", "-c", str(ROOT / "configs" / "detector" / "tiny.yaml"),
-            "--world", str(world), "--out", str(out.parent), "-q", "--set", "detector_train.max_iter=40", "--set", "detector_train.steps=[30]",
-            "--set", "detector_train.checkpoint_every=2", "--set", "data.eval_annotations=null", "--set", "detector_train.device=cuda",
-            "--set", "detector_train.deterministic=true"]
+    return [
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "train-detector",
+        "-c",
+        str(ROOT / "configs" / "detector" / "tiny.yaml"),
+        "--world",
+        str(world),
+        "--out",
+        str(out.parent),
+        "-q",
+        "--set",
+        "detector_train.max_iter=40",
+        "--set",
+        "detector_train.steps=[30]",
+        "--set",
+        "detector_train.checkpoint_every=2",
+        "--set",
+        "data.eval_annotations=null",
+        "--set",
+        "detector_train.device=cuda",
+        "--set",
+        "detector_train.deterministic=true",
+    ]
 
 
 def test_detector_deterministic_on_cuda_two_runs_and_sigkill_resume_bitwise(det_world, tmp_path):
     from pipeline.core.checkpoint import load_checkpoint
 
     for name in ("a", "b"):
-        done = subprocess.run(_detector_cli(tmp_path / name / "detector", det_world), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            _detector_cli(tmp_path / name / "detector", det_world),
+            env=ENV,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-    weights = {n: torch.load(tmp_path / n / "detector" / "detector.pth", map_location="cpu", weights_only=True)["model"] for n in ("a", "b")}
+    weights = {
+        n: torch.load(tmp_path / n / "detector" / "detector.pth", map_location="cpu", weights_only=True)["model"]
+        for n in ("a", "b")
+    }
     assert _equal_tensors(weights["a"], weights["b"]) == [], "two deterministic CUDA runs differ"
     killed = tmp_path / "killed" / "detector"
     ckpt = killed / "checkpoints" / "last.pt"
-    proc = subprocess.Popen(_detector_cli(killed, det_world), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _detector_cli(killed, det_world), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     _kill_when(proc, ckpt.exists)
     at = int(load_checkpoint(ckpt)["iteration"])
     assert 0 < at < 40 and not (killed / "detector.pth").exists()
-    done = subprocess.run(_detector_cli(killed, det_world), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        _detector_cli(killed, det_world), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = torch.load(killed / "detector.pth", map_location="cpu", weights_only=True)["model"]
-    assert _equal_tensors(weights["a"], resumed) == [], f"resumed at iteration {at}: weights differ from the uninterrupted run"
+    assert _equal_tensors(weights["a"], resumed) == [], (
+        f"resumed at iteration {at}: weights differ from the uninterrupted run"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +199,19 @@ def caption_run(tmp_path_factory) -> Path:
 def _train_cli(run: Path, out: Path) -> list[str]:
     from train_helpers import train_overrides
 
-    sets = [s for s in train_overrides(run, "san", "train.checkpoint_every=3", "train.validation.decoding={method: greedy}",
-                                       "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
-                                       "train.xe={epochs: 2, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
-                                       "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}")
-            if s != "train.device=cpu"] + ["train.device=cuda", "train.deterministic=true", "train.preload=cuda"]
+    sets = [
+        s
+        for s in train_overrides(
+            run,
+            "san",
+            "train.checkpoint_every=3",
+            "train.validation.decoding={method: greedy}",
+            "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
+            "train.xe={epochs: 2, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
+            "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}",
+        )
+        if s != "train.device=cpu"
+    ] + ["train.device=cuda", "train.deterministic=true", "train.preload=cuda"]
     return [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), *[a for s in sets for a in ("--set", s)]]
 
 
@@ -173,17 +227,25 @@ def test_captioner_deterministic_on_cuda_two_runs_and_sigkill_resume_bitwise(cap
     from models.checkpoints import CaptionerCheckpoint
 
     for name in ("a", "b"):
-        done = subprocess.run(_train_cli(caption_run, tmp_path / name), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            _train_cli(caption_run, tmp_path / name), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     wa = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "last.pt").weights
     wb = CaptionerCheckpoint.load(tmp_path / "b" / "train-san" / "last.pt").weights
     assert _equal_tensors(wa, wb) == [], "two deterministic CUDA runs differ"
     stage_dir = tmp_path / "k" / "train-san"
-    proc = subprocess.Popen(_train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _kill_when(proc, lambda: _steps(stage_dir) >= 26)  # mid XE epoch 1 (20 batches per epoch, a checkpoint every 3 steps)
+    proc = subprocess.Popen(
+        _train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    _kill_when(
+        proc, lambda: _steps(stage_dir) >= 26
+    )  # mid XE epoch 1 (20 batches per epoch, a checkpoint every 3 steps)
     ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
     assert ck.progress.stage == "xe" and not (stage_dir / "manifest.json").exists()
-    done = subprocess.run(_train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        _train_cli(caption_run, tmp_path / "k"), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("last.pt", "best.pt", "xe.pt"):
         a = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / name).weights

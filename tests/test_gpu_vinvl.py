@@ -22,8 +22,26 @@ pytestmark = pytest.mark.gpu
 def _both(tmp_path, weights, paths, *extra):
     out = []
     for dev in ("cuda", "cpu"):
-        res = CliRunner().invoke(app, ["extract", *paths, "--weights", str(weights), "--store", str(tmp_path / dev), "--device", dev,
-                                       "--precision", "fp32", "--num-workers", "0", "--set", "extract.feature_dtype=float32", *extra])
+        res = CliRunner().invoke(
+            app,
+            [
+                "extract",
+                *paths,
+                "--weights",
+                str(weights),
+                "--store",
+                str(tmp_path / dev),
+                "--device",
+                dev,
+                "--precision",
+                "fp32",
+                "--num-workers",
+                "0",
+                "--set",
+                "extract.feature_dtype=float32",
+                *extra,
+            ],
+        )
         assert res.exit_code == 0, res.output
         out.append(FeatureStore(tmp_path / dev))
     return out
@@ -53,5 +71,7 @@ def test_vinvl_regions_on_cuda_match_the_cpu(shared_data, tmp_path, mode):
 def test_grid_on_cuda_matches_the_cpu(shared_data, tmp_path, deform):
     w = tmp_path / "X-152.pth"
     random_grid_feats_file(grid_spec(deform_stages=deform), w, seed=4)
-    gpu, cpu = _both(tmp_path, w, [str(shared_data / "photos" / PHOTOS[0])], "--set", "extract.recipes.grid-feats.grid=7")
+    gpu, cpu = _both(
+        tmp_path, w, [str(shared_data / "photos" / PHOTOS[0])], "--set", "extract.recipes.grid-feats.grid=7"
+    )
     _close(gpu.get("132417"), cpu.get("132417"), classes=False)

@@ -23,13 +23,28 @@ from extractors.spec import BottomUpSpec
 from pipeline.store import FeatureStore
 from test_vinvl import _Net, narrow_spec
 
-PHOTOS = ["COCO_train2014_000000132417.jpg", "COCO_train2014_000000131486.jpg"]  # 500x333 -> 901x600; 407x640 -> 600x943
+PHOTOS = [
+    "COCO_train2014_000000132417.jpg",
+    "COCO_train2014_000000131486.jpg",
+]  # 500x333 -> 901x600; 407x640 -> 600x943
 MEAN = torch.tensor([103.530, 116.280, 123.675]).view(1, 3, 1, 1)
 
 
 def grid_spec(**kw) -> BottomUpSpec:
-    base = dict(flavor="d2", stem_channels=16, res2_bottleneck=16, expansion=2, stage_blocks=(1, 2, 2), res5_blocks=2, res5_dilation=1,
-                groups=4, stride_in_1x1=False, stem_pool="pad1", has_attributes=False, pixel_means=(103.530, 116.280, 123.675))
+    base = dict(
+        flavor="d2",
+        stem_channels=16,
+        res2_bottleneck=16,
+        expansion=2,
+        stage_blocks=(1, 2, 2),
+        res5_blocks=2,
+        res5_dilation=1,
+        groups=4,
+        stride_in_1x1=False,
+        stem_pool="pad1",
+        has_attributes=False,
+        pixel_means=(103.530, 116.280, 123.675),
+    )
     base.update(kw)
     return BottomUpSpec(**base)
 
@@ -62,7 +77,9 @@ def _d2_backbone(sd, x):
     def conv_bn(x, p, stride=1, pad=0, groups=1, dilation=1):
         y = F.conv2d(x, sd[p + ".weight"], None, stride, pad, dilation, groups)
         scale = sd[p + ".norm.weight"] * (sd[p + ".norm.running_var"] + 1e-5).rsqrt()
-        return y * scale.view(1, -1, 1, 1) + (sd[p + ".norm.bias"] - sd[p + ".norm.running_mean"] * scale).view(1, -1, 1, 1)
+        return y * scale.view(1, -1, 1, 1) + (sd[p + ".norm.bias"] - sd[p + ".norm.running_mean"] * scale).view(
+            1, -1, 1, 1
+        )
 
     x = F.max_pool2d(F.relu(conv_bn(x, "backbone.stem.conv1", 2, 3)), 3, 2, 1)
     groups = sd["backbone.res2.0.conv1.weight"].shape[0] // sd["backbone.res2.0.conv2.weight"].shape[1]
@@ -81,11 +98,26 @@ def _d2_backbone(sd, x):
 
 def _cell_boxes(h, w, k, stride, resized, orig):
     def edges(n):
-        return [(i, i + 1) for i in range(n)] if k == 0 else [(int(np.floor(i * n / k)), int(np.ceil((i + 1) * n / k))) for i in range(k)]
+        return (
+            [(i, i + 1) for i in range(n)]
+            if k == 0
+            else [(int(np.floor(i * n / k)), int(np.ceil((i + 1) * n / k))) for i in range(k)]
+        )
 
     (rw, rh), (ow, oh) = resized, orig
-    return np.array([[x0 * stride * ow / rw, y0 * stride * oh / rh, min(x1 * stride, rw) * ow / rw, min(y1 * stride, rh) * oh / rh]
-                     for y0, y1 in edges(h) for x0, x1 in edges(w)], dtype=np.float32)
+    return np.array(
+        [
+            [
+                x0 * stride * ow / rw,
+                y0 * stride * oh / rh,
+                min(x1 * stride, rw) * ow / rw,
+                min(y1 * stride, rh) * oh / rh,
+            ]
+            for y0, y1 in edges(h)
+            for x0, x1 in edges(w)
+        ],
+        dtype=np.float32,
+    )
 
 
 def _rows(fmap, k):
@@ -94,8 +126,23 @@ def _rows(fmap, k):
 
 
 def _extract(tmp_path, name, weights, *args):
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", *args, "--weights", str(weights), "--store", str(tmp_path / name), "--workers", "0",
-                                   "--set", "extract.feature_dtype=float32"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            *args,
+            "--weights",
+            str(weights),
+            "--store",
+            str(tmp_path / name),
+            "--workers",
+            "0",
+            "--set",
+            "extract.feature_dtype=float32",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return FeatureStore(tmp_path / name)
 
@@ -103,7 +150,9 @@ def _extract(tmp_path, name, weights, *args):
 @pytest.mark.parametrize("k", [0, 7])
 def test_grid_feats_layout_equals_the_release(tmp_path, shared_data, files, k):
     photos = [shared_data / "photos" / p for p in PHOTOS]
-    st = _extract(tmp_path, "s", files / "X-152.pth", *map(str, photos), "--set", f"extract.recipes.grid-feats.grid={k}")
+    st = _extract(
+        tmp_path, "s", files / "X-152.pth", *map(str, photos), "--set", f"extract.recipes.grid-feats.grid={k}"
+    )
     assert st.identity["layout"] == "grid-feats" and st.identity["config"]["recipe"]["name"] == "grid-feats"
     sd = {kk: v.float() for kk, v in torch.load(files / "X-152.pth", weights_only=True)["model"].items()}
     for f in photos:
@@ -115,12 +164,16 @@ def test_grid_feats_layout_equals_the_release(tmp_path, shared_data, files, k):
         ref = _rows(fmap, k)
         assert got["features"].shape == ref.shape
         np.testing.assert_allclose(got["features"], ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-        np.testing.assert_allclose(got["boxes"], _cell_boxes(fmap.shape[2], fmap.shape[3], k, 32, resized, orig), rtol=0, atol=1e-3)
+        np.testing.assert_allclose(
+            got["boxes"], _cell_boxes(fmap.shape[2], fmap.shape[3], k, 32, resized, orig), rtol=0, atol=1e-3
+        )
 
 
 def test_vinvl_grid_is_the_res5_head_on_the_whole_map(tmp_path, shared_data, files):
     f = shared_data / "photos" / PHOTOS[0]
-    st = _extract(tmp_path, "v", files / "vinvl.pth", str(f), "--boxes", "grid", "--set", "extract.recipes.grid-feats.grid=7")
+    st = _extract(
+        tmp_path, "v", files / "vinvl.pth", str(f), "--boxes", "grid", "--set", "extract.recipes.grid-feats.grid=7"
+    )
     net = _Net(files / "vinvl.pth")
     x, orig, resized = _d2_image(f)
     with torch.no_grad():
@@ -139,14 +192,30 @@ def test_caffe_r101_grid_geometry_and_refusals(tmp_path, shared_data, files):
     w = save_layout(random_detector(tiny_spec(), seed=1).state_dict(), "milvlg", tmp_path / "bua.pth")
     f = str(shared_data / "photos" / PHOTOS[1])  # 407x640 -> 600x943 (d2 rule)
     a = _extract(tmp_path, "a", w, f, "--boxes", "grid").get("131486")
-    b = _extract(tmp_path, "b", w, f, "--boxes", "grid", "--set", "extract.recipes.grid-feats.res5_dilation=2").get("131486")
+    b = _extract(tmp_path, "b", w, f, "--boxes", "grid", "--set", "extract.recipes.grid-feats.res5_dilation=2").get(
+        "131486"
+    )
     assert a["boxes"].shape[0] == 19 * 30 and b["boxes"].shape[0] == 38 * 59
     sd = torch.load(files / "X-152.pth", weights_only=True)
     sd["model"]["backbone.res4.0.conv2_offset.weight"] = torch.zeros(27, 32, 3, 3)  # DCNv2 (modulated): 27 channels
     torch.save(sd, tmp_path / "X-152pp.pth")
     res = CliRunner().invoke(app, ["info", str(tmp_path / "X-152pp.pth")])
     assert res.exit_code != 0 and "27 offset channels" in res.output and "Traceback" not in res.output
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", f, "--weights", str(files / "X-152.pth"), "--store", str(tmp_path / "r"), "--recipe", "vinvl"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            f,
+            "--weights",
+            str(files / "X-152.pth"),
+            "--store",
+            str(tmp_path / "r"),
+            "--recipe",
+            "vinvl",
+        ],
+    )
     assert res.exit_code == 2 and "grid features only" in res.output
     res = CliRunner().invoke(app, ["info", str(files / "X-152.pth")])
     assert res.exit_code == 0 and "layout: grid-feats" in res.output and "recipe: grid-feats" in res.output
@@ -175,9 +244,13 @@ def _deform_ref(x, w, off_w, off_b, stride, groups):
 def _d2_backbone_deform(sd, x):
     def bn(y, p):
         scale = sd[p + ".norm.weight"] * (sd[p + ".norm.running_var"] + 1e-5).rsqrt()
-        return y * scale.view(1, -1, 1, 1) + (sd[p + ".norm.bias"] - sd[p + ".norm.running_mean"] * scale).view(1, -1, 1, 1)
+        return y * scale.view(1, -1, 1, 1) + (sd[p + ".norm.bias"] - sd[p + ".norm.running_mean"] * scale).view(
+            1, -1, 1, 1
+        )
 
-    x = F.max_pool2d(F.relu(bn(F.conv2d(x, sd["backbone.stem.conv1.weight"], None, 2, 3), "backbone.stem.conv1")), 3, 2, 1)
+    x = F.max_pool2d(
+        F.relu(bn(F.conv2d(x, sd["backbone.stem.conv1.weight"], None, 2, 3), "backbone.stem.conv1")), 3, 2, 1
+    )
     groups = sd["backbone.res2.0.conv1.weight"].shape[0] // sd["backbone.res2.0.conv2.weight"].shape[1]
     for s in (2, 3, 4, 5):
         i = 0
@@ -185,12 +258,23 @@ def _d2_backbone_deform(sd, x):
             p, stride = f"backbone.res{s}.{i}", (1 if s == 2 or i > 0 else 2)
             out = F.relu(bn(F.conv2d(x, sd[p + ".conv1.weight"]), p + ".conv1"))
             if p + ".conv2_offset.weight" in sd:
-                out = _deform_ref(out, sd[p + ".conv2.weight"], sd[p + ".conv2_offset.weight"], sd[p + ".conv2_offset.bias"], stride, groups)
+                out = _deform_ref(
+                    out,
+                    sd[p + ".conv2.weight"],
+                    sd[p + ".conv2_offset.weight"],
+                    sd[p + ".conv2_offset.bias"],
+                    stride,
+                    groups,
+                )
             else:
                 out = F.conv2d(out, sd[p + ".conv2.weight"], None, stride, 1, 1, groups)
             out = F.relu(bn(out, p + ".conv2"))
             out = bn(F.conv2d(out, sd[p + ".conv3.weight"]), p + ".conv3")
-            short = bn(F.conv2d(x, sd[p + ".shortcut.weight"], None, stride), p + ".shortcut") if p + ".shortcut.weight" in sd else x
+            short = (
+                bn(F.conv2d(x, sd[p + ".shortcut.weight"], None, stride), p + ".shortcut")
+                if p + ".shortcut.weight" in sd
+                else x
+            )
             x = F.relu(out + short)
             i += 1
     return x
@@ -229,7 +313,10 @@ def test_a_batch_of_grid_maps_reaches_the_host_in_one_copy_with_the_per_image_ar
     model = GridFeatsModel(spec).eval()
     g = torch.Generator().manual_seed(1)
     blobs = [torch.rand(3, 96, 160, generator=g) * 255 - 120, torch.rand(3, 128, 96, generator=g) * 255 - 120]
-    frames = [Frame(height=60, width=100, blob_h=96, blob_w=160, im_scale=1.6), Frame(height=200, width=150, blob_h=128, blob_w=96, im_scale=0.64)]
+    frames = [
+        Frame(height=60, width=100, blob_h=96, blob_w=160, im_scale=1.6),
+        Frame(height=200, width=150, blob_h=128, blob_w=96, im_scale=0.64),
+    ]
     cells = GridCells(SimpleNamespace(res5_dilation=1, grid=k), spec)
     got = cells.detect(model, blobs, frames)
     assert len(got) == 2

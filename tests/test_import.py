@@ -39,7 +39,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_decode_real_butd_row(shared_data):
-    (where, fields), = list(iter_lines(shared_data / "butd/caffe_trainval36_150367.tsv"))
+    ((where, fields),) = list(iter_lines(shared_data / "butd/caffe_trainval36_150367.tsv"))
     rec = decode_butd(fields, where)
     assert rec["key"] == "150367" and (rec["image_w"], rec["image_h"]) == (640, 480)
     f, b = rec["features"], rec["boxes"]
@@ -48,7 +48,14 @@ def test_decode_real_butd_row(shared_data):
     assert b[:, 2].max() == pytest.approx(639.2, abs=1e-4) and b[:, 3].max() == pytest.approx(479.2, abs=1e-4)
     assert np.isfinite(f).all() and f.min() == 0.0 and f.max() == pytest.approx(37.08, abs=0.01)
     assert f.mean() == pytest.approx(0.665, abs=0.001) and (f == 0).mean() == pytest.approx(0.388, abs=0.001)
-    assert ((b[:, 0] >= 0) & (b[:, 0] < b[:, 2]) & (b[:, 2] <= 640) & (b[:, 1] >= 0) & (b[:, 1] < b[:, 3]) & (b[:, 3] <= 480)).all()
+    assert (
+        (b[:, 0] >= 0)
+        & (b[:, 0] < b[:, 2])
+        & (b[:, 2] <= 640)
+        & (b[:, 1] >= 0)
+        & (b[:, 1] < b[:, 3])
+        & (b[:, 3] <= 480)
+    ).all()
 
 
 def test_decode_real_obj36_rows(shared_data):
@@ -59,23 +66,50 @@ def test_decode_real_obj36_rows(shared_data):
     for r in rows:
         w, h, (id_lo, id_hi), (c_lo, c_hi), fmax, zeros = OBJ36_ROWS[r["key"]]
         assert (r["image_w"], r["image_h"]) == (w, h)
-        assert r["features"].shape == (36, 2048) and r["class_ids"].dtype == np.int64 and r["class_scores"].dtype == np.float32
+        assert (
+            r["features"].shape == (36, 2048)
+            and r["class_ids"].dtype == np.int64
+            and r["class_scores"].dtype == np.float32
+        )
         assert (r["class_ids"].min(), r["class_ids"].max()) == (id_lo, id_hi)
-        assert r["class_scores"].min() == pytest.approx(c_lo, abs=6e-4) and r["class_scores"].max() == pytest.approx(c_hi, abs=6e-4)
+        assert r["class_scores"].min() == pytest.approx(c_lo, abs=6e-4) and r["class_scores"].max() == pytest.approx(
+            c_hi, abs=6e-4
+        )
         assert 0 <= r["attr_ids"].min() and r["attr_ids"].max() < 400
         f, b = r["features"], r["boxes"]
         assert np.isfinite(f).all() and f.min() >= 0 and f.max() == pytest.approx(fmax, abs=0.006)
         assert (f == 0).mean() == pytest.approx(zeros, abs=0.0006)
-        assert ((b[:, 0] >= 0) & (b[:, 0] < b[:, 2]) & (b[:, 2] <= w) & (b[:, 1] >= 0) & (b[:, 1] < b[:, 3]) & (b[:, 3] <= h)).all()
+        assert (
+            (b[:, 0] >= 0)
+            & (b[:, 0] < b[:, 2])
+            & (b[:, 2] <= w)
+            & (b[:, 1] >= 0)
+            & (b[:, 1] < b[:, 3])
+            & (b[:, 3] <= h)
+        ).all()
     first = rows[0]
     assert [objects[i] for i in first["class_ids"][:7]] == ["sky", "tree", "tree", "tree", "field", "pole", "water"]
     assert [attrs[i] for i in first["attr_ids"][:2]] == ["blue", "white"]
 
 
-@pytest.mark.parametrize("fmt,name,keys", [("butd-tsv", "caffe_trainval36_150367.tsv", "raw"), ("obj36-tsv", "caffe_obj36_train2014.tsv", "raw")])
+@pytest.mark.parametrize(
+    "fmt,name,keys",
+    [("butd-tsv", "caffe_trainval36_150367.tsv", "raw"), ("obj36-tsv", "caffe_obj36_train2014.tsv", "raw")],
+)
 def test_tsv_round_trip_is_byte_exact_via_cli(shared_data, tmp_path, fmt, name, keys):
     src = shared_data / "butd" / name
-    proc = cli("import-features", "--format", fmt, str(src), "--store", str(tmp_path / "s"), "--dtype", "float32", "--keys", keys)
+    proc = cli(
+        "import-features",
+        "--format",
+        fmt,
+        str(src),
+        "--store",
+        str(tmp_path / "s"),
+        "--dtype",
+        "float32",
+        "--keys",
+        keys,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = 1 if fmt == "butd-tsv" else 10
     assert f"imported: {rows}" in proc.stdout and "bad rows: 0" in proc.stdout
@@ -121,10 +155,19 @@ def _set_boxes(fields, mutate):
 
 BAD_ROWS = {
     "truncated": (lambda line: line[: len(line) // 2] + b"\r\n", "column features is not valid base64"),
-    "columns": (lambda line: b"\t".join(line.split(b"\t")[:4]) + b"\r\n", "expected 6 tab-separated columns (BUTD TSV), found 4"),
-    "b64-length": (lambda line: _corrupt(line, lambda f: f.__setitem__(4, f[4][:-8])), "decodes to 570 bytes, expected 576"),
+    "columns": (
+        lambda line: b"\t".join(line.split(b"\t")[:4]) + b"\r\n",
+        "expected 6 tab-separated columns (BUTD TSV), found 4",
+    ),
+    "b64-length": (
+        lambda line: _corrupt(line, lambda f: f.__setitem__(4, f[4][:-8])),
+        "decodes to 570 bytes, expected 576",
+    ),
     "nan": (lambda line: _corrupt(line, lambda f: _set_features(f, lambda a: a.__setitem__((3, 5), np.nan))), "NaN"),
-    "outside": (lambda line: _corrupt(line, lambda f: _set_boxes(f, lambda b: b.__setitem__((2, 2), 700.0))), "outside the 640x480 image"),
+    "outside": (
+        lambda line: _corrupt(line, lambda f: _set_boxes(f, lambda b: b.__setitem__((2, 2), 700.0))),
+        "outside the 640x480 image",
+    ),
 }
 
 
@@ -216,7 +259,16 @@ def test_m2_hdf5(tmp_path):
     foreign = tmp_path / "foreign.h5"
     with h5py.File(foreign, "w") as fh:
         fh["data"] = np.zeros(3)
-    proc = cli("import-features", "--format", "m2-hdf5", str(foreign), "--store", str(tmp_path / "t"), "--sizes", str(tmp_path / "inst.json"))
+    proc = cli(
+        "import-features",
+        "--format",
+        "m2-hdf5",
+        str(foreign),
+        "--store",
+        str(tmp_path / "t"),
+        "--sizes",
+        str(tmp_path / "inst.json"),
+    )
     assert proc.returncode == 2 and "foreign.h5 is an HDF5 file but not M2 detections" in " ".join(proc.stderr.split())
 
 
@@ -224,13 +276,17 @@ def test_export_float16_store_and_identity_mismatch(shared_data, tmp_path):
     src = shared_data / "butd/caffe_trainval36_150367.tsv"
     import_features("butd-tsv", [src], tmp_path / "s", feature_dtype="float16")
     assert export_tsv(tmp_path / "s", tmp_path / "o.tsv") == 1
-    (where, fields), = list(iter_lines(tmp_path / "o.tsv"))
+    ((where, fields),) = list(iter_lines(tmp_path / "o.tsv"))
     rec = decode_butd(fields, where)
     assert rec["features"].dtype == np.float32 and rec["key"] == "150367"
     ident = tmp_path / "ident.json"
     ident.write_text(json.dumps({"name": "butd-caffe", "weights_sha256": "ab" * 32}))
-    proc = cli("import-features", "--format", "butd-tsv", str(src), "--store", str(tmp_path / "s"), "--identity", str(ident))
-    assert proc.returncode == 2 and "different extractor" in proc.stderr and "butd-caffe" in " ".join(proc.stderr.split())
+    proc = cli(
+        "import-features", "--format", "butd-tsv", str(src), "--store", str(tmp_path / "s"), "--identity", str(ident)
+    )
+    assert (
+        proc.returncode == 2 and "different extractor" in proc.stderr and "butd-caffe" in " ".join(proc.stderr.split())
+    )
 
 
 def test_adaptive_box_counts_round_trip(tmp_path):
@@ -241,8 +297,15 @@ def test_adaptive_box_counts_round_trip(tmp_path):
     recs = []
     for key, k in (("1", 10), ("2", 100), ("3", 57)):
         x1 = rng.uniform(0, 300, k)
-        recs.append({"key": key, "image_w": 640, "image_h": 480, "features": rng.uniform(0, 9, (k, 2048)).astype(np.float32),
-                     "boxes": np.stack([x1, x1 / 2, x1 + 5, x1 / 2 + 9], 1).astype(np.float32)})
+        recs.append(
+            {
+                "key": key,
+                "image_w": 640,
+                "image_h": 480,
+                "features": rng.uniform(0, 9, (k, 2048)).astype(np.float32),
+                "boxes": np.stack([x1, x1 / 2, x1 + 5, x1 / 2 + 9], 1).astype(np.float32),
+            }
+        )
     src = tmp_path / "karpathy_val_resnet101_faster_rcnn_genome.tsv"
     with src.open("wb") as fh:
         assert write_tsv(fh, iter(recs), "butd") == 3

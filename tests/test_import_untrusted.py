@@ -66,6 +66,7 @@ def assert_same_store(got: Path, want: Path) -> None:
 
 # -- vinvl-tsv ---------------------------------------------------------------------------------------------
 
+
 def b64(a) -> str:
     return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode()
 
@@ -74,8 +75,17 @@ def released_row(key: int, k: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     xy = rng.random((k, 2)) * 200
     boxes = np.concatenate([xy, xy + 20], 1)
-    pos = np.stack([boxes[:, 0] / 640, boxes[:, 1] / 480, boxes[:, 2] / 640, boxes[:, 3] / 480,
-                    np.full(k, 20 / 640), np.full(k, 20 / 480)], 1)
+    pos = np.stack(
+        [
+            boxes[:, 0] / 640,
+            boxes[:, 1] / 480,
+            boxes[:, 2] / 640,
+            boxes[:, 3] / 480,
+            np.full(k, 20 / 640),
+            np.full(k, 20 / 480),
+        ],
+        1,
+    )
     return f"{key}\t{k}\t{b64(np.concatenate([rng.random((k, 2048)), pos], 1))}\n"
 
 
@@ -135,6 +145,7 @@ def test_json_brackets_inside_strings_do_not_count_as_depth(tmp_path):
 
 # -- grid-hdf5 ---------------------------------------------------------------------------------------------
 
+
 def write_grids(path: Path, good: dict[str, np.ndarray], bad: bool) -> None:
     with h5py.File(path, "w") as fh:
         for key, arr in good.items():
@@ -178,6 +189,7 @@ def test_grid_hdf5_bad_datasets_are_bad_rows_named_by_key(tmp_path):
 
 # -- m2-hdf5 -----------------------------------------------------------------------------------------------
 
+
 def test_m2_hdf5_bad_datasets_are_bad_rows_named_by_key(tmp_path):
     sizes = write_sizes(tmp_path / "sizes.json")
     rng = np.random.default_rng(6)
@@ -210,6 +222,7 @@ def test_m2_hdf5_bad_datasets_are_bad_rows_named_by_key(tmp_path):
 
 # -- cocobu ------------------------------------------------------------------------------------------------
 
+
 def test_cocobu_bad_arrays_are_bad_rows_named_by_file(tmp_path):
     sizes = write_sizes(tmp_path / "sizes.json")
     rng = np.random.default_rng(7)
@@ -222,8 +235,12 @@ def test_cocobu_bad_arrays_are_bad_rows_named_by_file(tmp_path):
         box.mkdir()
         feats = dict(good)
         if bad:
-            feats |= {"1": np.zeros((4, 0), np.float32), "2": np.array([["a"] * 8] * 4),
-                      "3": np.zeros((4, 8), dtype=[("a", "<f4")]), "5": good["4"]}
+            feats |= {
+                "1": np.zeros((4, 0), np.float32),
+                "2": np.array([["a"] * 8] * 4),
+                "3": np.zeros((4, 8), dtype=[("a", "<f4")]),
+                "5": good["4"],
+            }
         for key, arr in feats.items():
             np.savez(att / f"{key}.npz", feat=arr)
             np.save(box / f"{key}.npy", np.array([["x"] * 4] * 4) if key == "5" else boxes)
@@ -274,6 +291,7 @@ def test_an_over_long_tsv_row_is_a_bad_row_and_the_next_row_is_read(shared_data,
 
 # -- butd-tsv and image sizes ------------------------------------------------------------------------------
 
+
 def test_butd_image_size_out_of_range_is_a_bad_row(shared_data, tmp_path):
     good = (shared_data / "butd/caffe_trainval36_150367.tsv").read_bytes()
     first = good.replace(b"150367\t", b"150368\t", 1)
@@ -315,11 +333,15 @@ def test_a_row_past_the_float16_range_does_not_shape_the_store(tmp_path):
     from pipeline.importers.tsv import write_tsv
 
     boxes = np.array([[1, 2, 30, 40]] * 3, np.float32)
-    rows = [{"key": "1", "image_w": 64, "image_h": 48, "features": np.full((3, 8), 1e6, np.float32), "boxes": boxes},
-            {"key": "2", "image_w": 64, "image_h": 48, "features": np.ones((3, 16), np.float32), "boxes": boxes}]
+    rows = [
+        {"key": "1", "image_w": 64, "image_h": 48, "features": np.full((3, 8), 1e6, np.float32), "boxes": boxes},
+        {"key": "2", "image_w": 64, "image_h": 48, "features": np.ones((3, 16), np.float32), "boxes": boxes},
+    ]
     with (tmp_path / "wide.tsv").open("wb") as fh:
         write_tsv(fh, iter(rows), "butd")
-    report = import_features("butd-tsv", [tmp_path / "wide.tsv"], tmp_path / "s", feature_dtype="float16", skip_bad=True)
+    report = import_features(
+        "butd-tsv", [tmp_path / "wide.tsv"], tmp_path / "s", feature_dtype="float16", skip_bad=True
+    )
     assert (report.imported, len(report.bad)) == (1, 1) and "float16 range" in report.bad[0][1]
     store = FeatureStore(tmp_path / "s")
     assert store.keys() == ["2"] and store.feature_dim == 16 and verify_store(tmp_path / "s").ok

@@ -47,5 +47,7 @@ def test_unknown_formats_are_one_line_usage_errors(tmp_path):
     src.write_text("")
     res = CliRunner().invoke(app, ["import-features", str(src), "--format", "npy", "--store", str(tmp_path / "s")])
     assert res.exit_code == 2 and "unknown feature format 'npy'" in res.output
-    res = CliRunner().invoke(app, ["export-features", str(tmp_path / "s"), "--format", "cocobu", "--output", str(tmp_path / "o")])
+    res = CliRunner().invoke(
+        app, ["export-features", str(tmp_path / "s"), "--format", "cocobu", "--output", str(tmp_path / "o")]
+    )
     assert res.exit_code == 2 and "cannot export to 'cocobu'; choose one of butd-tsv, obj36-tsv" in res.output

@@ -43,7 +43,9 @@ def unit_of(path: str) -> str:
     """The unit (key of :data:`LEVELS`) a repository path belongs to."""
     best = ""
     for unit in LEVELS:
-        if (path == unit or path.startswith(unit + "/") or path == unit.removesuffix(".py") + ".py") and len(unit) > len(best):
+        if (path == unit or path.startswith(unit + "/") or path == unit.removesuffix(".py") + ".py") and len(
+            unit
+        ) > len(best):
             best = unit
     if not best:
         raise AssertionError(f"{path} belongs to no layer of docs/architecture.md")
@@ -77,13 +79,23 @@ def upward_imports(path: str, source: str) -> list[str]:
     for line, module in imports_of(source):
         target = unit_of(module_path(module))
         if target != unit and LEVELS[target] >= LEVELS[unit]:
-            bad.append(f"{path}:{line}: {unit} (level {LEVELS[unit]}) imports {module} ({target}, level {LEVELS[target]})")
+            bad.append(
+                f"{path}:{line}: {unit} (level {LEVELS[unit]}) imports {module} ({target}, level {LEVELS[target]})"
+            )
     return bad
 
 
 def test_the_checker_catches_upward_imports() -> None:
-    assert upward_imports("models/m2.py", "import torch\nfrom pipeline.core.errors import ConfigError\nfrom models.base import Captioner\n") == []
-    bad = upward_imports("models/x.py", "def f():\n    from pipeline.store import open_writer\n    from pipeline.training.xe import y\n")
+    assert (
+        upward_imports(
+            "models/m2.py",
+            "import torch\nfrom pipeline.core.errors import ConfigError\nfrom models.base import Captioner\n",
+        )
+        == []
+    )
+    bad = upward_imports(
+        "models/x.py", "def f():\n    from pipeline.store import open_writer\n    from pipeline.training.xe import y\n"
+    )
     assert [b.split(": ", 1)[0] for b in bad] == ["models/x.py:2", "models/x.py:3"], bad
     assert upward_imports("extractors/stage.py", "from pipeline.store import open_writer\n") == []
     assert len(upward_imports("pipeline/embedding/train.py", "from pipeline.training.engine import x\n")) == 1
@@ -91,7 +103,10 @@ def test_the_checker_catches_upward_imports() -> None:
 
 
 def test_imports_only_go_down_the_stack() -> None:
-    files = [REPO / "cli.py", *[p for root in ("pipeline", "models", "extractors") for p in (REPO / root).rglob("*.py")]]
+    files = [
+        REPO / "cli.py",
+        *[p for root in ("pipeline", "models", "extractors") for p in (REPO / root).rglob("*.py")],
+    ]
     bad = []
     for f in sorted(files):
         rel = f.relative_to(REPO).as_posix()

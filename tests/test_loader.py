@@ -28,8 +28,12 @@ def image_features(key: str, w: int, h: int) -> dict:
     n = int(rng.integers(3, 25))
     x1, y1 = rng.uniform(0, w / 2, n), rng.uniform(0, h / 2, n)
     boxes = np.stack([x1, y1, x1 + rng.uniform(1, w / 2, n), y1 + rng.uniform(1, h / 2, n)], 1).astype(np.float32)
-    return {"features": rng.uniform(0, 4, (n, DIM)).astype(np.float32), "boxes": boxes,
-            "class_scores": rng.uniform(0, 1, n).astype(np.float32), "class_ids": rng.integers(0, 50, n)}
+    return {
+        "features": rng.uniform(0, 4, (n, DIM)).astype(np.float32),
+        "boxes": boxes,
+        "class_scores": rng.uniform(0, 1, n).astype(np.float32),
+        "class_ids": rng.integers(0, 50, n),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,12 @@ def world_data(tmp_path_factory):
     with open_writer(root / "store", {"name": "synthetic-test"}, commit_every=9) as w:
         for key, (wd, ht) in sizes.items():
             f = image_features(key, wd, ht)
-            w.add(key, RegionRecord(f["features"], f["boxes"], wd, ht, class_ids=f["class_ids"], class_scores=f["class_scores"]))
+            w.add(
+                key,
+                RegionRecord(
+                    f["features"], f["boxes"], wd, ht, class_ids=f["class_ids"], class_scores=f["class_scores"]
+                ),
+            )
     return root / "store", root / "run" / "data"
 
 
@@ -87,8 +96,12 @@ def _all_batches(loader) -> dict[str, dict]:
         for j, key in enumerate(batch["keys"]):
             k = int(batch["num_boxes"][j])
             caps = batch["captions"][batch["caption_image"] == j]
-            out[key] = {"feats": batch["feats"][j, :k].cpu().clone(), "boxes": batch["boxes"][j, :k].cpu().clone(),
-                        "caps": caps.cpu().clone(), "pad_ok": bool((batch["feats"][j, k:] == 0).all())}
+            out[key] = {
+                "feats": batch["feats"][j, :k].cpu().clone(),
+                "boxes": batch["boxes"][j, :k].cpu().clone(),
+                "caps": caps.cpu().clone(),
+                "pad_ok": bool((batch["feats"][j, k:] == 0).all()),
+            }
     return out
 
 
@@ -168,8 +181,17 @@ def test_missing_features_are_an_error_not_random_features(world_data, tmp_path)
     with open_writer(tmp_path / "partial", src.identity) as w:
         for key in src.keys()[:20]:
             rec = src.get(key)
-            w.add(key, RegionRecord(rec["features"], rec["boxes"], rec["image_w"], rec["image_h"],
-                                    class_ids=rec["class_ids"], class_scores=rec["class_scores"]))
+            w.add(
+                key,
+                RegionRecord(
+                    rec["features"],
+                    rec["boxes"],
+                    rec["image_w"],
+                    rec["image_h"],
+                    class_ids=rec["class_ids"],
+                    class_scores=rec["class_scores"],
+                ),
+            )
     with pytest.raises(PipelineError, match=r"of 32 train images have no features in .*partial"):
         CaptionDataset(tmp_path / "partial", data_dir, "train")
     ds = CaptionDataset(tmp_path / "partial", data_dir, "train", allow_missing=True)
@@ -207,6 +229,7 @@ def test_feature_bank_for_a_gpu_never_holds_the_table_in_host_memory(world_data,
             if not torch.is_tensor(t) or t.device.type == "cpu":
                 host.append(t.nbytes)
             return t
+
         return spy
 
     monkeypatch.setattr(torch, "empty", spying(torch.empty))

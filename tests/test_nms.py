@@ -30,7 +30,10 @@ def _random(g: torch.Generator, r: int, k: int, spread: float = 500.0) -> tuple[
 
 
 @pytest.mark.parametrize("legacy", [True, False])
-@pytest.mark.parametrize("r,k,t,spread", [(1, 3, 0.3, 500.0), (40, 70, 0.3, 500.0), (90, 65, 0.5, 150.0), (120, 9, 0.1, 300.0), (60, 64, 0.7, 50.0)])
+@pytest.mark.parametrize(
+    "r,k,t,spread",
+    [(1, 3, 0.3, 500.0), (40, 70, 0.3, 500.0), (90, 65, 0.5, 150.0), (120, 9, 0.1, 300.0), (60, 64, 0.7, 50.0)],
+)
 def test_random_cases_equal_the_torchvision_loop(r, k, t, spread, legacy):
     g = torch.Generator().manual_seed(r * 7 + k)
     boxes, scores = _random(g, r, k, spread)

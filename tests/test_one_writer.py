@@ -19,12 +19,19 @@ from pipeline.core.errors import UsageError
 from pipeline.core.stages import MANIFEST, RUNNING, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "BUTD_NO_PROGRESS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
 
 
 def holder(code: str, ready: Path) -> subprocess.Popen:
     """A child process that runs ``code`` (which must create ``ready`` once it holds the artifact) then sleeps."""
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 60
     while not ready.exists():
         assert proc.poll() is None, proc.stderr.read()[-2000:]
@@ -40,7 +47,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.endswith(".lock")}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock")
+    }
 
 
 STAGE_HOLDER = """
@@ -116,8 +127,10 @@ def test_caption_refuses_a_second_writer_of_each_artifact(tmp_path: Path) -> Non
 
     out, gallery, pics, ready = tmp_path / "out.jsonl", tmp_path / "gallery", tmp_path / "pics", tmp_path / "ready"
     locks = [out.with_name("out.jsonl.lock"), gallery / ".lock", pics / ".lock"]
-    code = (f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
-            f"ls = [acquire_lock(Path(p), 'x') for p in {[str(p) for p in locks]!r}]; Path({str(ready)!r}).write_text('x'); time.sleep(60)")
+    code = (
+        f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
+        f"ls = [acquire_lock(Path(p), 'x') for p in {[str(p) for p in locks]!r}]; Path({str(ready)!r}).write_text('x'); time.sleep(60)"
+    )
     photo = tmp_path / "a.jpg"
     Image.new("RGB", (32, 32)).save(photo)
     proc = holder(code, ready)
@@ -125,8 +138,23 @@ def test_caption_refuses_a_second_writer_of_each_artifact(tmp_path: Path) -> Non
         for kw in ({"output": out}, {"gallery": gallery}, {"visualize": pics}):
             with pytest.raises(UsageError, match=f"another process: pid {proc.pid}"):
                 caption_photos([str(photo)], tmp_path / "no-model.pt", None, None, **kw)
-        res = subprocess.run([sys.executable, str(REPO / "cli.py"), "caption", str(photo), "--model", str(tmp_path / "no-model.pt"),
-                              "--output", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "cli.py"),
+                "caption",
+                str(photo),
+                "--model",
+                str(tmp_path / "no-model.pt"),
+                "--output",
+                str(out),
+            ],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         stop(proc)
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
@@ -139,8 +167,10 @@ def test_a_lock_left_by_a_killed_process_never_blocks(tmp_path: Path) -> None:
     from pipeline.core.locks import acquire_lock, read_holder
 
     lock, ready = tmp_path / "x.lock", tmp_path / "ready"
-    code = (f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
-            f"l = acquire_lock(Path({str(lock)!r}), 'x'); Path({str(ready)!r}).write_text('x'); time.sleep(60)")
+    code = (
+        f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
+        f"l = acquire_lock(Path({str(lock)!r}), 'x'); Path({str(ready)!r}).write_text('x'); time.sleep(60)"
+    )
     proc = holder(code, ready)
     assert read_holder(lock)["pid"] == proc.pid
     os.kill(proc.pid, signal.SIGKILL)
@@ -163,10 +193,14 @@ def test_the_converted_checkpoint_cache_has_one_writer(tmp_path: Path, monkeypat
     monkeypatch.setenv("BUTD_CACHE", str(tmp_path / "cache"))
     weights = folder / "model-best.pth"
     kind, obj = released.load_release(weights)
-    target = released._cache_target(kind, weights, released._sha256(weights), released.find_companion(weights, kind, None))
+    target = released._cache_target(
+        kind, weights, released._sha256(weights), released.find_companion(weights, kind, None)
+    )
     ready = tmp_path / "ready"
-    code = (f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
-            f"l = acquire_lock(Path({str(target) + '.lock'!r}), 'x'); Path({str(ready)!r}).write_text('x'); time.sleep(60)")
+    code = (
+        f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
+        f"l = acquire_lock(Path({str(target) + '.lock'!r}), 'x'); Path({str(ready)!r}).write_text('x'); time.sleep(60)"
+    )
     proc = holder(code, ready)
     try:
         with pytest.raises(UsageError, match=f"pid {proc.pid}"):

@@ -12,6 +12,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.training.engine import build_optimizer
 from pipeline.training.recipe import stage_recipe
 
+
 def _recipe(**over):
     return stage_recipe("xe", {"xe": {"lr": 1e-3, "lr_schedule": "constant", **over}}, None, 1, "test")
 
@@ -34,7 +35,10 @@ def test_a_fused_update_is_the_foreach_update_to_rounding_in_one_operator(optimi
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (32,), (16, 16, 3), (7,)] * 10
     init = [torch.randn(s, generator=g) * 0.05 for s in shapes]
-    grads = [[torch.randn(s, generator=g) * 10.0 ** float(torch.randint(-8, 0, (1,), generator=g)) for s in shapes] for _ in range(3)]
+    grads = [
+        [torch.randn(s, generator=g) * 10.0 ** float(torch.randint(-8, 0, (1,), generator=g)) for s in shapes]
+        for _ in range(3)
+    ]
     lr = 1e-3
     weights, ops = {}, {}
     for impl in ("foreach", "fused"):

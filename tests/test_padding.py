@@ -37,9 +37,17 @@ def test_tensor_inputs_and_the_caption_batch_give_the_same_padding():
     flat_f = torch.from_numpy(np.concatenate([f for f, _ in imgs]))
     flat_b = torch.from_numpy(np.concatenate([b for _, b in imgs]))
     starts = np.cumsum([0] + [len(f) for f, _ in imgs])
-    views = pad_regions([flat_f[s:e] for s, e in zip(starts[:-1], starts[1:])], [flat_b[s:e] for s, e in zip(starts[:-1], starts[1:])])
+    views = pad_regions(
+        [flat_f[s:e] for s, e in zip(starts[:-1], starts[1:])], [flat_b[s:e] for s, e in zip(starts[:-1], starts[1:])]
+    )
     for a, b in zip(ref, views):
         assert torch.equal(a, b)
-    cap = batch_tensors([{"features": f, "boxes": b, "image_w": 60, "image_h": 40} for f, b in imgs], torch.device("cpu"))
+    cap = batch_tensors(
+        [{"features": f, "boxes": b, "image_w": 60, "image_h": 40} for f, b in imgs], torch.device("cpu")
+    )
     assert cap["feats"].dtype == torch.float32 and torch.equal(cap["feats"], ref[0].float())
-    assert torch.equal(cap["mask"], ref[2]) and torch.equal(cap["boxes"], ref[1]) and cap["sizes"].tolist() == [[60, 40]] * 3
+    assert (
+        torch.equal(cap["mask"], ref[2])
+        and torch.equal(cap["boxes"], ref[1])
+        and cap["sizes"].tolist() == [[60, 40]] * 3
+    )

@@ -28,9 +28,16 @@ def random_captioner(path: Path, feat_dim: int) -> Path:
     torch.manual_seed(0)
     config = dict(feat_dim=feat_dim, d_model=32, num_heads=4, d_ff=64, num_layers=1)
     model = models.build_captioner("san", len(WORDS), **config)
-    save_checkpoint(path, {"kind": "weights", "model": {"name": "san", "config": config, "vocab_size": len(WORDS)},
-                           "vocab": list(WORDS), "weights": model.state_dict(),
-                           "decoding": {"method": "beam", "beam_size": 2, "max_len": 6}})
+    save_checkpoint(
+        path,
+        {
+            "kind": "weights",
+            "model": {"name": "san", "config": config, "vocab_size": len(WORDS)},
+            "vocab": list(WORDS),
+            "weights": model.state_dict(),
+            "decoding": {"method": "beam", "beam_size": 2, "max_len": 6},
+        },
+    )
     return path
 
 
@@ -46,14 +53,43 @@ def env(tmp_path_factory) -> dict[str, Path]:
 
 def test_a_2000x2_photo_fails_alike_under_extract_and_caption(env, tmp_path):
     store, out = tmp_path / "store", tmp_path / "caps.jsonl"
-    res = CliRunner().invoke(app, ["extract", str(env["photos"]), "--weights", str(env["weights"]), "--store", str(store),
-                                   "--set", "extract.min_size=96", "--set", "extract.max_size=160", "--workers", "0"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            str(env["photos"]),
+            "--weights",
+            str(env["weights"]),
+            "--store",
+            str(store),
+            "--set",
+            "extract.min_size=96",
+            "--set",
+            "extract.max_size=160",
+            "--workers",
+            "0",
+        ],
+    )
     assert res.exit_code == 0, res.output
     extracted = {Path(r["path"]).name: r for r in map(json.loads, (store / "failures.jsonl").read_text().splitlines())}
-    res = CliRunner().invoke(app, ["caption", str(env["photos"]), "--model", str(env["ckpt"]), "--weights", str(env["weights"]),
-                                   "--output", str(out), *SMALL])
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(env["photos"]),
+            "--model",
+            str(env["ckpt"]),
+            "--weights",
+            str(env["weights"]),
+            "--output",
+            str(out),
+            *SMALL,
+        ],
+    )
     assert res.exit_code == 0, res.output
-    captioned = {Path(r["path"]).name: r for r in map(json.loads, (tmp_path / "caps.failures.jsonl").read_text().splitlines())}
+    captioned = {
+        Path(r["path"]).name: r for r in map(json.loads, (tmp_path / "caps.failures.jsonl").read_text().splitlines())
+    }
     assert set(extracted) == set(captioned) == {"thin.png"}
     assert captioned["thin.png"]["reason"] == extracted["thin.png"]["reason"] == "too_thin"
     assert captioned["thin.png"]["detail"] == extracted["thin.png"]["detail"]
@@ -90,7 +126,9 @@ def test_caption_photos_from_python_honours_caption_precision(env, tmp_path, pre
     (and the detector) compute in bf16 under ``caption.precision=bf16`` and in float32 under fp32."""
     from pipeline.captioning.run import caption_photos
 
-    cfg = load_config("caption", None, ["caption.min_size=96", "caption.max_size=160", f"caption.precision={precision}"]).caption
+    cfg = load_config(
+        "caption", None, ["caption.min_size=96", "caption.max_size=160", f"caption.precision={precision}"]
+    ).caption
     out = tmp_path / "caps.jsonl"
     seen = _dtypes_seen(lambda: caption_photos([str(env["photos"])], env["ckpt"], str(env["weights"]), cfg, output=out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -36,7 +36,16 @@ def prep(tmp_path: Path, *overrides: str, name: str = "run"):
 
 
 def test_tokenize_like_prepro():
-    assert tokenize("A Man, riding a horse.  On the beach!") == ["a", "man", "riding", "a", "horse", "on", "the", "beach"]
+    assert tokenize("A Man, riding a horse.  On the beach!") == [
+        "a",
+        "man",
+        "riding",
+        "a",
+        "horse",
+        "on",
+        "the",
+        "beach",
+    ]
 
 
 def test_karpathy_prepare_on_world(world, tmp_path):
@@ -45,7 +54,11 @@ def test_karpathy_prepare_on_world(world, tmp_path):
     data = PreparedCaptions.load(result.directory)
     raw = json.loads(src.read_text())["images"]
     assert len(data) == 100 and [im["key"] for im in data.images] == [str(im["cocoid"]) for im in raw]
-    assert (len(data.split_indices("train")), len(data.split_indices("val")), len(data.split_indices("test"))) == (80, 10, 10)
+    assert (len(data.split_indices("train")), len(data.split_indices("val")), len(data.split_indices("test"))) == (
+        80,
+        10,
+        10,
+    )
     # vocabulary: words seen more than 5 times over all splits, by frequency
     counts = Counter(w for im in raw for s in im["sentences"] for w in s["tokens"])
     assert set(data.vocab.words[4:]) == {w for w, c in counts.items() if c > 5}
@@ -73,22 +86,39 @@ def test_restval_threshold_and_coco_route(world, tmp_path):
     path = tmp_path / "karpathy.json"
     path.write_text(json.dumps(src))
     merged = PreparedCaptions.load(prep(tmp_path, f"prepare.karpathy_json={path}", name="a").directory)
-    kept = PreparedCaptions.load(prep(tmp_path, f"prepare.karpathy_json={path}", "prepare.restval_to_train=false", name="b").directory)
+    kept = PreparedCaptions.load(
+        prep(tmp_path, f"prepare.karpathy_json={path}", "prepare.restval_to_train=false", name="b").directory
+    )
     assert len(merged.split_indices("train")) == 80 and len(merged.split_indices("restval")) == 0
     assert len(kept.split_indices("restval")) == 20 and len(kept.split_indices("train")) == 60
-    every = PreparedCaptions.load(prep(tmp_path, f"prepare.karpathy_json={path}", "prepare.word_count_threshold=0", name="c").directory)
+    every = PreparedCaptions.load(
+        prep(tmp_path, f"prepare.karpathy_json={path}", "prepare.word_count_threshold=0", name="c").directory
+    )
     assert len(every.vocab) == 4 + len({w for im in src["images"] for s in im["sentences"] for w in s["tokens"]})
     # the same world through its COCO caption files gives the same images, vocabulary and labels
     ann = world / "annotations"
-    coco = PreparedCaptions.load(prep(
-        tmp_path, *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")), name="d"
-    ).directory)
-    karp = PreparedCaptions.load(prep(tmp_path, f"prepare.karpathy_json={ann / 'dataset_coco.json'}", name="e").directory)
+    coco = PreparedCaptions.load(
+        prep(
+            tmp_path,
+            *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")),
+            name="d",
+        ).directory
+    )
+    karp = PreparedCaptions.load(
+        prep(tmp_path, f"prepare.karpathy_json={ann / 'dataset_coco.json'}", name="e").directory
+    )
     # COCO files + a split file: every image listed as train in the files, splits taken from the split file
-    resplit = PreparedCaptions.load(prep(
-        tmp_path, *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")),
-        f"prepare.split_file={path}", name="f").directory)
-    assert len(resplit.split_indices("train")) == 80 and {im["key"] for im in resplit.images} == {im["key"] for im in karp.images}
+    resplit = PreparedCaptions.load(
+        prep(
+            tmp_path,
+            *(f"prepare.coco_captions.{s}={ann / f'captions_{s}.json'}" for s in ("train", "val", "test")),
+            f"prepare.split_file={path}",
+            name="f",
+        ).directory
+    )
+    assert len(resplit.split_indices("train")) == 80 and {im["key"] for im in resplit.images} == {
+        im["key"] for im in karp.images
+    }
     assert coco.vocab.words == karp.vocab.words
     assert {im["key"]: im["split"] for im in coco.images} == {im["key"]: im["split"] for im in karp.images}
     assert coco.images[0]["width"] > 0

@@ -33,11 +33,21 @@ def warnings():
 
 
 def test_empty_captions_and_non_string_tokens(tmp_path: Path, warnings) -> None:
-    data = {"images": [
-        _image(1, [{"tokens": ["a", "dog", 5, None, ["x"]], "raw": "A dog."}, {"tokens": [], "raw": ""}]),
-        _image(2, [{"tokens": [".", ","], "raw": ". ,"}, {"tokens": ["two", "cats"], "raw": "two cats"}]),
-        _image(3, [{"tokens": ["ok"], "raw": "ok"}, {"tokens": [], "raw": ""}, {"tokens": [], "raw": ""}, {"tokens": [], "raw": ""}]),
-    ]}
+    data = {
+        "images": [
+            _image(1, [{"tokens": ["a", "dog", 5, None, ["x"]], "raw": "A dog."}, {"tokens": [], "raw": ""}]),
+            _image(2, [{"tokens": [".", ","], "raw": ". ,"}, {"tokens": ["two", "cats"], "raw": "two cats"}]),
+            _image(
+                3,
+                [
+                    {"tokens": ["ok"], "raw": "ok"},
+                    {"tokens": [], "raw": ""},
+                    {"tokens": [], "raw": ""},
+                    {"tokens": [], "raw": ""},
+                ],
+            ),
+        ]
+    }
     path = tmp_path / "k.json"
     path.write_text(json.dumps(data))
     entries = read_karpathy(path, "cocoid", True)
@@ -60,7 +70,13 @@ def test_clean_file_warns_nothing(tmp_path: Path, warnings) -> None:
 
 def test_coco_captions_empty_caption_warned(tmp_path: Path, warnings) -> None:
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"images": [{"id": 1, "file_name": "1.jpg"}],
-                                "annotations": [{"image_id": 1, "caption": "a dog"}, {"image_id": 1, "caption": " . "}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "1.jpg"}],
+                "annotations": [{"image_id": 1, "caption": "a dog"}, {"image_id": 1, "caption": " . "}],
+            }
+        )
+    )
     read_coco_captions({"train": str(path)}, None, "cocoid")
     assert any("1 captions are empty" in line and "annotations[1]" in line for line in warnings)

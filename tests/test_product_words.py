@@ -57,7 +57,10 @@ def scanned_files(root: Path) -> list[str]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-            cwd=root, capture_output=True, text=True, check=True,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         git_top = ["git", "rev-parse", "--show-toplevel"]
         top = subprocess.run(git_top, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
@@ -74,30 +77,34 @@ def scanned_files(root: Path) -> list[str]:
 
 
 def test_history_phrases_are_found_and_product_phrases_pass() -> None:
-    planted = "\n".join([
-        "The fifth sess" "ion re-measured the demo.",  # 1
-        "# six other engin" "eers' jobs ran beside it",  # 2
-        "A review" "er asked for this; see issue 27.",  # 3
-        "(not measured: no download was possible while this was " "written)",  # 4
-        "Keys are stored as " "before.",  # 5
-        "# the greedy baseline in its own loop (the old " "way)",  # 6
-        "Before this change the loader copied the table.",  # 7
-        "The num_threads key is no longer supported.",  # 8
-        "Bitwise those of the previous loops.",  # 9
-        "float32 is now the default.",  # 10
-    ])
+    planted = "\n".join(
+        [
+            "The fifth session re-measured the demo.",  # 1
+            "# six other engineers' jobs ran beside it",  # 2
+            "A reviewer asked for this; see issue 27.",  # 3
+            "(not measured: no download was possible while this was written)",  # 4
+            "Keys are stored as before.",  # 5
+            "# the greedy baseline in its own loop (the old way)",  # 6
+            "Before this change the loader copied the table.",  # 7
+            "The num_threads key is no longer supported.",  # 8
+            "Bitwise those of the previous loops.",  # 9
+            "float32 is now the default.",  # 10
+        ]
+    )
     hits = narrations("x.md", planted)
     assert [int(h.split(":")[1]) for h in hits] == [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10], hits  # line 3 holds two
-    product = "\n".join([
-        "a lock whose recorded holder on this host no longer runs is retried",
-        "gone = ' (no longer running; a process it started still holds the lock)'",
-        "Whether torch is already imported (then OMP_WAIT_POLICY can no longer take effect).",
-        '@pytest.fixture(scope="session")',
-        "self.session = self.send('Target.attachToTarget')",
-        "SIGTERM/SIGINT: draining starts now",
-        "METEOR's decimal-comma failure (salaniz/pycocoevalcap#15); transformers issues #8333, #11042",
-        "the first 50 regions; the second stage trains with SCST",
-    ])
+    product = "\n".join(
+        [
+            "a lock whose recorded holder on this host no longer runs is retried",
+            "gone = ' (no longer running; a process it started still holds the lock)'",
+            "Whether torch is already imported (then OMP_WAIT_POLICY can no longer take effect).",
+            '@pytest.fixture(scope="session")',
+            "self.session = self.send('Target.attachToTarget')",
+            "SIGTERM/SIGINT: draining starts now",
+            "METEOR's decimal-comma failure (salaniz/pycocoevalcap#15); transformers issues #8333, #11042",
+            "the first 50 regions; the second stage trains with SCST",
+        ]
+    )
     assert narrations("y.py", product) == []
 
 
@@ -105,7 +112,7 @@ def test_the_file_selection_reads_every_prose_kind_and_skips_git(tmp_path: Path)
     names = ["a.py", "b.md", "c.yaml", "d.toml", "e.html", "f.txt", "g.yml", "sub/h.py"]
     for name in [*names, "i.json", "j.png", ".git/k.md", ".venv/l.py"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("as " "before\n")
+        (tmp_path / name).write_text("as before\n")
     assert scanned_files(tmp_path) == names
     found = [h for rel in scanned_files(tmp_path) for h in narrations(rel, (tmp_path / rel).read_text())]
     assert len(found) == 8

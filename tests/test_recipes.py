@@ -51,7 +51,9 @@ def _hf_blob(path, short=800, max_size=1333):
     """HF ``Preprocess.__call__`` on a BGR image: float tensor, interpolate, normalise; sizes, scales_yx."""
     img = torch.as_tensor(cv2.imread(str(path))).float()  # BGR: what the model was trained on
     newh, neww = _shortest_edge(img.shape[0], img.shape[1], short, max_size)
-    x = torch.nn.functional.interpolate(img.permute(2, 0, 1).unsqueeze(0), (newh, neww), mode="bilinear", align_corners=False).squeeze(0)
+    x = torch.nn.functional.interpolate(
+        img.permute(2, 0, 1).unsqueeze(0), (newh, neww), mode="bilinear", align_corners=False
+    ).squeeze(0)
     x = (x - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor([1.0, 1.0, 1.0]).view(3, 1, 1)
     raw, size = torch.tensor([img.shape[:2]]), torch.tensor([x.shape[-2:]])
     return x, tuple(x.shape[-2:]), torch.true_divide(raw, size)[0]
@@ -149,7 +151,10 @@ def weights(tmp_path_factory):
     spec = tiny_spec(flavor="d2", rpn_min_size=0.0, box_reg_weights=(10.0, 10.0, 5.0, 5.0))
     sd = random_detector(spec, seed=5).state_dict()
     d = tmp_path_factory.mktemp("weights")
-    return {"hf": save_layout(sd, "hf", d / "pytorch_model.bin"), "airsplay": save_layout(sd, "airsplay", d / "faster_rcnn_from_caffe_attr.pkl")}
+    return {
+        "hf": save_layout(sd, "hf", d / "pytorch_model.bin"),
+        "airsplay": save_layout(sd, "airsplay", d / "faster_rcnn_from_caffe_attr.pkl"),
+    }
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -163,8 +168,17 @@ def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_recipe_equals_the_release_pipeline(tmp_path, shared_data, weights, layout, reference):
     files = [shared_data / "photos" / p for p in PHOTOS]
     store = tmp_path / "s"
-    res = _extract(*map(str, files), "--weights", str(weights[layout]), "--store", str(store), "--workers", "0",
-                   "--set", "extract.feature_dtype=float32")
+    res = _extract(
+        *map(str, files),
+        "--weights",
+        str(weights[layout]),
+        "--store",
+        str(store),
+        "--workers",
+        "0",
+        "--set",
+        "extract.feature_dtype=float32",
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(store)
     assert st.identity["config"]["recipe"]["name"] == layout  # chosen from the layout
@@ -177,7 +191,9 @@ def test_recipe_equals_the_release_pipeline(tmp_path, shared_data, weights, layo
             assert got["boxes"].shape == ref_boxes.shape and ref_boxes.shape[0] >= 30
             assert _iou(got["boxes"], ref_boxes).min() >= 0.999  # same boxes, same order
             np.testing.assert_allclose(got["boxes"], ref_boxes, rtol=0, atol=1e-3)
-            np.testing.assert_allclose(got["features"], ref_feats, rtol=1e-5, atol=1e-5 * float(np.abs(ref_feats).max()))
+            np.testing.assert_allclose(
+                got["features"], ref_feats, rtol=1e-5, atol=1e-5 * float(np.abs(ref_feats).max())
+            )
 
 
 def test_hf_colour_switch_reproduces_the_local_file_bug(tmp_path, shared_data, weights):
@@ -185,8 +201,19 @@ def test_hf_colour_switch_reproduces_the_local_file_bug(tmp_path, shared_data, w
     f = str(shared_data / "photos" / PHOTOS[0])
     outs = []
     for colour in ("bgr", "rgb"):
-        res = _extract(f, "--weights", str(weights["hf"]), "--store", str(tmp_path / colour), "--workers", "0",
-                       "--set", f"extract.recipes.hf.colour={colour}", "--set", "extract.min_size=400")
+        res = _extract(
+            f,
+            "--weights",
+            str(weights["hf"]),
+            "--store",
+            str(tmp_path / colour),
+            "--workers",
+            "0",
+            "--set",
+            f"extract.recipes.hf.colour={colour}",
+            "--set",
+            "extract.min_size=400",
+        )
         assert res.exit_code == 0, res.output
         outs.append(FeatureStore(tmp_path / colour).get("306661"))
     assert not np.allclose(outs[0]["features"].astype(np.float32), outs[1]["features"].astype(np.float32))
@@ -216,18 +243,23 @@ def test_set_changes_the_ladder_and_the_per_class_nms(tmp_path, weights, photo):
     assert a["boxes"].shape != b["boxes"].shape or not np.array_equal(a["boxes"], b["boxes"])
 
 
-@pytest.mark.parametrize("setting,needle", [
-    ("extract.recipes.hf.ladder=[0.5, x]", "ladder"),
-    ("extract.recipes.hf.ladder=0.5", "ladder"),
-    ("extract.recipes.hf.nms_threshold=0.5", "nms_threshold"),
-    ("extract.recipes.caffe.nms_thresh=high", "nms_thresh"),
-    ("extract.recipes.caffe.pixel_mean=[1, 2]", "pixel_mean"),
-    ("extract.recipes.airsplay.selector=best", "selector"),
-    ("extract.nms_thresh=[0.3]", "nms_thresh"),
-    ("extract.recipe=detectron", "recipe"),
-])
+@pytest.mark.parametrize(
+    "setting,needle",
+    [
+        ("extract.recipes.hf.ladder=[0.5, x]", "ladder"),
+        ("extract.recipes.hf.ladder=0.5", "ladder"),
+        ("extract.recipes.hf.nms_threshold=0.5", "nms_threshold"),
+        ("extract.recipes.caffe.nms_thresh=high", "nms_thresh"),
+        ("extract.recipes.caffe.pixel_mean=[1, 2]", "pixel_mean"),
+        ("extract.recipes.airsplay.selector=best", "selector"),
+        ("extract.nms_thresh=[0.3]", "nms_thresh"),
+        ("extract.recipe=detectron", "recipe"),
+    ],
+)
 def test_bad_recipe_fields_are_one_line_usage_errors(tmp_path, weights, photo, setting, needle):
-    res = _extract(str(photo), "--weights", str(weights["hf"]), "--store", str(tmp_path / "s"), "--workers", "0", "--set", setting)
+    res = _extract(
+        str(photo), "--weights", str(weights["hf"]), "--store", str(tmp_path / "s"), "--workers", "0", "--set", setting
+    )
     assert res.exit_code == 2, res.output
     err = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and needle in err[0] and "Traceback" not in res.output
@@ -240,8 +272,22 @@ def test_info_prints_the_recipe_and_the_store_records_it(tmp_path, weights, phot
     res = CliRunner().invoke(app, ["info", str(weights["airsplay"]), "--set", "extract.recipe=caffe"])
     assert res.exit_code == 0 and "recipe: caffe" in res.output and "per-class NMS 0.3" in res.output
     assert '"min_size": 600' in res.output  # the weights' own test scale fills the caffe recipe's nulls
-    _run(tmp_path, photo, "s", weights["airsplay"], "extract.recipes.airsplay.ladder=[0.4, 0.8]", "extract.min_size=300")
+    _run(
+        tmp_path, photo, "s", weights["airsplay"], "extract.recipes.airsplay.ladder=[0.4, 0.8]", "extract.min_size=300"
+    )
     st = FeatureStore(tmp_path / "s")
     rec = st.identity["config"]["recipe"]
-    assert rec["name"] == "airsplay" and rec["ladder"] == [0.4, 0.8] and rec["min_size"] == 300 and rec["interpolation"] == "pil-bilinear"
-    assert st.identity["weights_sha256"] and set(rec) >= {"colour", "pixel_mean", "pre_nms_topk", "selector", "rescale", "clip"}
+    assert (
+        rec["name"] == "airsplay"
+        and rec["ladder"] == [0.4, 0.8]
+        and rec["min_size"] == 300
+        and rec["interpolation"] == "pil-bilinear"
+    )
+    assert st.identity["weights_sha256"] and set(rec) >= {
+        "colour",
+        "pixel_mean",
+        "pre_nms_topk",
+        "selector",
+        "rescale",
+        "clip",
+    }

@@ -33,16 +33,28 @@ def world(tmp_path_factory) -> Path:
 
 def test_relation_captions_name_two_objects_and_state_a_true_relation(world: Path) -> None:
     karpathy = json.loads((world / "annotations" / "dataset_coco.json").read_text())
-    scenes = {**load_scenes(world / "annotations" / "instances_train.json"), **load_scenes(world / "annotations" / "instances_val.json"),
-              **load_scenes(world / "annotations" / "instances_test.json")}
-    vocab = {"shapes": {o.shape for s in scenes.values() for o in s.objects}, "colours": {o.colour for s in scenes.values() for o in s.objects},
-             "sizes": {"small", "large"}}
+    scenes = {
+        **load_scenes(world / "annotations" / "instances_train.json"),
+        **load_scenes(world / "annotations" / "instances_val.json"),
+        **load_scenes(world / "annotations" / "instances_test.json"),
+    }
+    vocab = {
+        "shapes": {o.shape for s in scenes.values() for o in s.objects},
+        "colours": {o.colour for s in scenes.values() for o in s.objects},
+        "sizes": {"small", "large"},
+    }
     with_relation = 0
     for im in karpathy["images"]:
         scene = scenes[im["cocoid"]]
         assert len(scene.objects) == 2
-        rec = {"objects": [{"shape": o.shape, "colour": o.colour, "size": o.size, "box": list(o.box)} for o in scene.objects],
-               "width": scene.width, "height": scene.height, "background": None}
+        rec = {
+            "objects": [
+                {"shape": o.shape, "colour": o.colour, "size": o.size, "box": list(o.box)} for o in scene.objects
+            ],
+            "width": scene.width,
+            "height": scene.height,
+            "background": None,
+        }
         kinds = set()
         for s in im["sentences"]:
             verdict = judge_caption(s["raw"], scene, vocab)
@@ -54,7 +66,9 @@ def test_relation_captions_name_two_objects_and_state_a_true_relation(world: Pat
     assert with_relation >= 0.8 * len(karpathy["images"])
     refs = [{"image_id": im["cocoid"], "caption": s["raw"]} for im in karpathy["images"] for s in im["sentences"]]
     scores = grounding_scores(refs, scenes)
-    assert scores["relation_accuracy"] == 1.0 and 0.25 <= scores["relation_chance"] < 0.5  # one or two of four words hold
+    assert (
+        scores["relation_accuracy"] == 1.0 and 0.25 <= scores["relation_chance"] < 0.5
+    )  # one or two of four words hold
 
 
 def _background(world: Path, image_id: int) -> str:
@@ -71,11 +85,15 @@ def test_oracle_regions_without_box_features_carry_no_position(world: Path, tmp_
     assert with_box["feature_dim"] == oracle_dim() == oracle_dim(box_features=False) + 5 == without["feature_dim"] + 5
     with FeatureStore(tmp_path / "a") as sa, FeatureStore(tmp_path / "b") as sb:
         assert sb.identity["box_features"] is False and "box_features" not in sa.identity
-        assert sorted(sb.keys()) == sorted(f"world_{int(k):06d}.jpg" for k in sa.keys())  # keyed by file name, as the demo's stores
+        assert sorted(sb.keys()) == sorted(
+            f"world_{int(k):06d}.jpg" for k in sa.keys()
+        )  # keyed by file name, as the demo's stores
         key = sorted(sa.keys())[0]
         other = f"world_{int(key):06d}.jpg"
         a, b = np.asarray(sa.get(key)["features"]), np.asarray(sb.get(other)["features"])
-        np.testing.assert_array_equal(np.asarray(sa.get(key)["boxes"]), np.asarray(sb.get(other)["boxes"]))  # the geometry input stays
+        np.testing.assert_array_equal(
+            np.asarray(sa.get(key)["boxes"]), np.asarray(sb.get(other)["boxes"])
+        )  # the geometry input stays
     # the same one-hot content, and without the box columns the rows are identical for objects of the same kind
     np.testing.assert_allclose(a[:, : b.shape[1]], b)
     assert set(np.unique(b)) <= {0.0, 1.0}
@@ -83,10 +101,28 @@ def test_oracle_regions_without_box_features_carry_no_position(world: Path, tmp_
 
 def test_comparison_trains_every_seed_and_reports_mean_and_spread(tmp_path: Path) -> None:
     out = tmp_path / "rel"
-    args = ["demo", "--config", str(CONFIG), "--out", str(out), "--models", "san,ngsan-signed", "--seeds", "2", "--quiet",
-            "--set", "world.num_images=40", "--set", "world.num_workers=1", "--set", "demo.fast_metrics_only=true",
-            "--set", "train.xe={epochs: 1, batch_size: 16, lr: 0.002, warmup_iters: 0}",
-            "--set", "train.model_overrides={d_model: 32, num_heads: 4, d_ff: 64, num_layers: 1}"]
+    args = [
+        "demo",
+        "--config",
+        str(CONFIG),
+        "--out",
+        str(out),
+        "--models",
+        "san,ngsan-signed",
+        "--seeds",
+        "2",
+        "--quiet",
+        "--set",
+        "world.num_images=40",
+        "--set",
+        "world.num_workers=1",
+        "--set",
+        "demo.fast_metrics_only=true",
+        "--set",
+        "train.xe={epochs: 1, batch_size: 16, lr: 0.002, warmup_iters: 0}",
+        "--set",
+        "train.model_overrides={d_model: 32, num_heads: 4, d_ff: 64, num_layers: 1}",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
@@ -95,7 +131,11 @@ def test_comparison_trains_every_seed_and_reports_mean_and_spread(tmp_path: Path
     for name in ("san+oracle", "ngsan-signed+oracle"):
         runs = summary["runs"][name]
         assert [r["seed"] for r in runs] == [1234, 1235]
-        assert (out / f"train-{name}").is_dir() and (out / f"train-{name}-seed1235").is_dir() and (out / f"eval-{name}-seed1235").is_dir()
+        assert (
+            (out / f"train-{name}").is_dir()
+            and (out / f"train-{name}-seed1235").is_dir()
+            and (out / f"eval-{name}-seed1235").is_dir()
+        )
         cider = [r["metrics"]["CIDEr"] for r in runs]
         assert summary["metrics"][name]["CIDEr"] == pytest.approx(statistics.fmean(cider))
         assert summary["spread"][name]["CIDEr"] == pytest.approx(statistics.stdev(cider))
@@ -114,8 +154,11 @@ def test_the_default_world_keeps_its_stage_config_and_the_relations_world_record
     default = world_stage_config(load_config("demo").world)
     assert "captions" not in default  # worlds generated before world.captions existed keep their digest
     relations = world_stage_config(load_config("demo", CONFIG).world)
-    assert relations.captions == "relations" and relations.digest() != world_stage_config(
-        load_config("demo", CONFIG, ["world.captions=mixed"]).world).digest()
+    assert (
+        relations.captions == "relations"
+        and relations.digest()
+        != world_stage_config(load_config("demo", CONFIG, ["world.captions=mixed"]).world).digest()
+    )
 
 
 def test_stage_seconds_are_the_same_number_whether_the_stage_ran_or_was_skipped(tmp_path: Path) -> None:

@@ -61,7 +61,9 @@ def test_m2_conversion_maps_names_shapes_and_vocabulary_rows(m2_files) -> None:
     payload = convert_release(path, vocab)
     assert payload.model_name == "m2" and list(payload.vocab)[:5] == ["<pad>", "<bos>", "<eos>", "<unk>", "a"]
     cfg = payload.model_config
-    assert cfg["official_mask"] is True and cfg["fixed_regions"] == 50 and cfg["max_len"] == 10 and cfg["num_memory"] == 3
+    assert (
+        cfg["official_mask"] is True and cfg["fixed_regions"] == 50 and cfg["max_len"] == 10 and cfg["num_memory"] == 3
+    )
     w = payload.weights
     emb, out = state["decoder.word_emb.weight"], state["decoder.fc.weight"]
     for ours, theirs in ((PAD, 1), (BOS, 2), (EOS, 3), (UNK, 0), (4, 4), (11, 11)):
@@ -127,7 +129,9 @@ def test_aoanet_layout_conversion_and_rows(aoa_files) -> None:
     model.eval()
     assert ckpt.decoding["stop_rule"] == "official_aoanet" and ckpt.decoding["beam_size"] == 2
     with torch.no_grad():  # the log-softmax over the release's rows is unchanged by the two impossible rows
-        enc = model.encode(torch.rand(1, 5, 12), torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 5, 4), torch.ones(1, 2))
+        enc = model.encode(
+            torch.rand(1, 5, 12), torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 5, 4), torch.ones(1, 2)
+        )
         logp, _ = model.step(torch.tensor([BOS]), enc, model.init_state(enc))
     assert float(logp[0, PAD].exp()) == 0.0 and abs(float(logp[0, 2:].exp().sum()) - 1) < 1e-5
 
@@ -158,8 +162,10 @@ def test_aoanet_unsupported_option_is_one_clear_error(tmp_path) -> None:
 
     write_aoanet(tmp_path, WORDS + ["UNK"], **SMALL_AOA)
     infos = tmp_path / "infos_aoanet-best.pkl"
-    obj = {"opt": aoanet_options(len(WORDS) + 1, d=16, d_in=12, norm_att_feat=1),
-           "vocab": {str(i + 1): w for i, w in enumerate(WORDS + ["UNK"])}}
+    obj = {
+        "opt": aoanet_options(len(WORDS) + 1, d=16, d_in=12, norm_att_feat=1),
+        "vocab": {str(i + 1): w for i, w in enumerate(WORDS + ["UNK"])},
+    }
     infos.write_bytes(pickle.dumps(obj, protocol=2))
     with pytest.raises(UsageError, match="norm_att_feat=1"):
         convert_release(tmp_path / "model-best.pth", infos)
@@ -185,10 +191,14 @@ def test_tampered_infos_refused_and_cli_prints_one_line(aoa_files) -> None:
     raw = infos.read_bytes()
     assert b"cargparse\nNamespace\n" in raw
     infos.write_bytes(raw.replace(b"cargparse\nNamespace\n", b"cposix\nsystem\n"))
-    result = CliRunner().invoke(cli.app, ["convert-captioner", str(path), "--vocab", str(infos), "--output", str(path.parent / "x.pt")])
+    result = CliRunner().invoke(
+        cli.app, ["convert-captioner", str(path), "--vocab", str(infos), "--output", str(path.parent / "x.pt")]
+    )
     assert result.exit_code == 2
     lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "refused" in lines[0] and "posix.system" in lines[0] and "infos_aoanet-best.pkl" in lines[0]
+    assert (
+        len(lines) == 1 and "refused" in lines[0] and "posix.system" in lines[0] and "infos_aoanet-best.pkl" in lines[0]
+    )
     assert not (path.parent / "x.pt").exists()
 
 

@@ -51,7 +51,15 @@ def test_caption_help_shows_the_released_model_path() -> None:
     assert res.exit_code == 0
     text = " ".join(res.output.split())
     assert "meshed_memory_transformer.pth --vocab vocab.pkl --weights bua.pth" in text
-    for flag in ("--vocab", "--stop-rule", "--length-penalty", "--block-trigrams", "--max-len", "--n-best", "--beam-size"):
+    for flag in (
+        "--vocab",
+        "--stop-rule",
+        "--length-penalty",
+        "--block-trigrams",
+        "--max-len",
+        "--n-best",
+        "--beam-size",
+    ):
         assert flag in text
 
 
@@ -61,8 +69,17 @@ def test_caption_photos_with_the_released_m2(tmp_path: Path, bua: Path, photos: 
     write_m2_vocab(models / "vocab.pkl", WORDS)
     write_m2_checkpoint(models / "meshed_memory_transformer.pth", 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=FEAT)
     out = tmp_path / "captions.jsonl"
-    res = caption(str(photos), "--model", str(models / "meshed_memory_transformer.pth"), "--vocab", str(models / "vocab.pkl"),
-                  "--weights", str(bua), "--output", str(out))
+    res = caption(
+        str(photos),
+        "--model",
+        str(models / "meshed_memory_transformer.pth"),
+        "--vocab",
+        str(models / "vocab.pkl"),
+        "--weights",
+        str(bua),
+        "--output",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all("caption" in r for r in rows)
@@ -73,8 +90,21 @@ def test_caption_photos_with_the_released_m2(tmp_path: Path, bua: Path, photos: 
     assert "caffe recipe" in " ".join(res.output.split()) or "caffe recipe" in (res.stderr if res.stderr_bytes else "")
     converted = list((tmp_path / "cache" / "released").glob("m2-*.pt"))
     assert len(converted) == 1  # converted once; the second run reads the native file
-    again = caption(str(photos), "--model", str(models / "meshed_memory_transformer.pth"), "--weights", str(bua),
-                    "--output", str(tmp_path / "again.jsonl"), "--stop-rule", "exact", "--n-best", "2", "--cache", str(tmp_path / "feats"))
+    again = caption(
+        str(photos),
+        "--model",
+        str(models / "meshed_memory_transformer.pth"),
+        "--weights",
+        str(bua),
+        "--output",
+        str(tmp_path / "again.jsonl"),
+        "--stop-rule",
+        "exact",
+        "--n-best",
+        "2",
+        "--cache",
+        str(tmp_path / "feats"),
+    )
     assert again.exit_code == 0, again.output  # vocab.pkl found next to the weights
     from pipeline.store import FeatureStore
 
@@ -89,8 +119,19 @@ def test_caption_photos_with_the_released_aoanet(tmp_path: Path, bua: Path, phot
     models.mkdir()
     write_aoanet(models, WORDS + ["UNK"], d=16, d_in=FEAT)
     out = tmp_path / "captions.jsonl"
-    res = caption(str(photos), "--model", str(models / "model-best.pth"), "--vocab", str(models / "infos_aoanet-best.pkl"),
-                  "--weights", str(bua), "--output", str(out), "--max-len", "8")
+    res = caption(
+        str(photos),
+        "--model",
+        str(models / "model-best.pth"),
+        "--vocab",
+        str(models / "infos_aoanet-best.pkl"),
+        "--weights",
+        str(bua),
+        "--output",
+        str(out),
+        "--max-len",
+        "8",
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2
@@ -124,23 +165,43 @@ def test_evaluate_the_released_m2_on_a_prepared_split(tmp_path: Path) -> None:
 
     world, run = tmp_path / "world", tmp_path / "run"
     generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
-    cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
+    cfg = load_config(
+        "prepare",
+        None,
+        [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"],
+    )
     run_stage(run, "data", cfg.prepare, prepare_captions)
     write_oracle_store(world, run / "features" / "store", extra_dims=64 - oracle_dim())
     models = tmp_path / "m2"
     models.mkdir()
     write_m2_vocab(models / "vocab.pkl", WORDS)
     write_m2_checkpoint(models / "meshed_memory_transformer.pth", 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=64)
-    base = ["evaluate", "--model", str(models / "meshed_memory_transformer.pth"), "--vocab", str(models / "vocab.pkl"),
-            "--store", str(run / "features/store"), "--data", str(run / "data"), "--split", "test", "--metrics", "cider",
-            "--set", "evaluate.tokenizer=simple"]
+    base = [
+        "evaluate",
+        "--model",
+        str(models / "meshed_memory_transformer.pth"),
+        "--vocab",
+        str(models / "vocab.pkl"),
+        "--store",
+        str(run / "features/store"),
+        "--data",
+        str(run / "data"),
+        "--split",
+        "test",
+        "--metrics",
+        "cider",
+        "--set",
+        "evaluate.tokenizer=simple",
+    ]
     res = CliRunner().invoke(app, [*base, "--output", str(tmp_path / "out" / "metrics.json")])
     assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "out" / "metrics.json").read_text())
     dec = report["decoding"]
     assert (dec["beam_size"], dec["max_len"], dec["stop_rule"], dec["collapse_repeats"]) == (5, 20, "official_m2", True)
     assert report["model"] == "m2" and report["num_images"] > 0 and "CIDEr" in report["metrics"]
-    res = CliRunner().invoke(app, [*base, "--beam-size", "3", "--stop-rule", "exact", "--output", str(tmp_path / "o2" / "m.json")])
+    res = CliRunner().invoke(
+        app, [*base, "--beam-size", "3", "--stop-rule", "exact", "--output", str(tmp_path / "o2" / "m.json")]
+    )
     assert res.exit_code == 0, res.output
     dec = json.loads((tmp_path / "o2" / "m.json").read_text())["decoding"]
     assert (dec["beam_size"], dec["stop_rule"]) == (3, "exact")
@@ -149,4 +210,6 @@ def test_evaluate_the_released_m2_on_a_prepared_split(tmp_path: Path) -> None:
     write_m2_vocab(other / "vocab.pkl", WORDS)
     write_m2_checkpoint(other / "meshed_memory_transformer.pth", 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=32)
     res = CliRunner().invoke(app, ["evaluate", "--model", str(other / "meshed_memory_transformer.pth"), *base[3:]])
-    assert res.exit_code == 2 and "64-d region features" in " ".join(res.output.split()) and "Traceback" not in res.output
+    assert (
+        res.exit_code == 2 and "64-d region features" in " ".join(res.output.split()) and "Traceback" not in res.output
+    )

@@ -78,10 +78,24 @@ def m2_release_logprobs(s, feats, caps, heads=8):
     h = s["decoder.word_emb.weight"][caps] + s["decoder.pos_emb.weight"][pos]
     for i in range(3):
         p = f"decoder.layers.{i}."
-        sa = _ln(s, p + "self_att.layer_norm.", h + _m2_attention(s, p + "self_att.attention.", h, h, self_masked, heads, False)) * keep
+        sa = (
+            _ln(
+                s,
+                p + "self_att.layer_norm.",
+                h + _m2_attention(s, p + "self_att.attention.", h, h, self_masked, heads, False),
+            )
+            * keep
+        )
         total = 0
         for j in range(3):
-            c = _ln(s, p + "enc_att.layer_norm.", sa + _m2_attention(s, p + "enc_att.attention.", sa, levels[j], mask_enc, heads, False)) * keep
+            c = (
+                _ln(
+                    s,
+                    p + "enc_att.layer_norm.",
+                    sa + _m2_attention(s, p + "enc_att.attention.", sa, levels[j], mask_enc, heads, False),
+                )
+                * keep
+            )
             total = total + c * torch.sigmoid(_lin(s, p + f"fc_alpha{j + 1}.", torch.cat([sa, c], -1)))
         m = total / math.sqrt(3) * keep
         h = _ln(s, p + "pwff.layer_norm.", m + _lin(s, p + "pwff.fc2.", torch.relu(_lin(s, p + "pwff.fc1.", m)))) * keep
@@ -143,8 +157,13 @@ def aoanet_release_logprobs(s, feats, mask, seq, heads=8):
     for i in range(6):
         p = f"refiner.layers.{i}."
         xn = _hln(s, p + "sublayer.0.norm.", x)
-        att = _aoa_mha(_lin(s, p + "self_attn.linears.0.", xn), _lin(s, p + "self_attn.linears.1.", xn),
-                       _lin(s, p + "self_attn.linears.2.", xn), mask, heads)
+        att = _aoa_mha(
+            _lin(s, p + "self_attn.linears.0.", xn),
+            _lin(s, p + "self_attn.linears.1.", xn),
+            _lin(s, p + "self_attn.linears.2.", xn),
+            mask,
+            heads,
+        )
         x = x + _glu(s, p + "self_attn.aoa_layer.0.", torch.cat([att, xn], -1))
     x = _hln(s, "refiner.norm.", x)
     mean = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
@@ -157,7 +176,12 @@ def aoanet_release_logprobs(s, feats, mask, seq, heads=8):
     for t in range(seq.shape[1] - 1):
         xt = torch.relu(s["embed.0.weight"][seq[:, t]])
         inp = torch.cat([xt, mean + ctx], -1)
-        gates = inp @ s["core.att_lstm.weight_ih"].T + s["core.att_lstm.bias_ih"] + h @ s["core.att_lstm.weight_hh"].T + s["core.att_lstm.bias_hh"]
+        gates = (
+            inp @ s["core.att_lstm.weight_ih"].T
+            + s["core.att_lstm.bias_ih"]
+            + h @ s["core.att_lstm.weight_hh"].T
+            + s["core.att_lstm.bias_hh"]
+        )
         i_g, f_g, g_g, o_g = gates.chunk(4, -1)
         c = torch.sigmoid(f_g) * c + torch.sigmoid(i_g) * torch.tanh(g_g)
         h = torch.sigmoid(o_g) * torch.tanh(c)

@@ -25,12 +25,18 @@ def _strings(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("folder,section,old", [("extractors/training", "detector_train", "train"),
-                                                ("pipeline/embedding", "sentence_encoder", "encoder")])
+@pytest.mark.parametrize(
+    "folder,section,old",
+    [("extractors/training", "detector_train", "train"), ("pipeline/embedding", "sentence_encoder", "encoder")],
+)
 def test_no_string_names_a_renamed_section_key(folder: str, section: str, old: str) -> None:
     cfg = load_config("train_detector" if section == "detector_train" else "embed")
     keys = sorted(cfg[section].to_dict())
     pattern = re.compile(rf"(?<![\w.]){old}\.({'|'.join(keys)})\b")
-    found = [f"{p.relative_to(REPO)}:{line}: {m.group(0)}" for p in sorted((REPO / folder).glob("*.py"))
-             for line, text in _strings(p) for m in pattern.finditer(text)]
+    found = [
+        f"{p.relative_to(REPO)}:{line}: {m.group(0)}"
+        for p in sorted((REPO / folder).glob("*.py"))
+        for line, text in _strings(p)
+        for m in pattern.finditer(text)
+    ]
     assert found == [], f"refused {old}.* keys named (use {section}.*): {found}"

@@ -20,13 +20,23 @@ from models.checkpoints import CaptionerCheckpoint
 from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "BUTD_NO_PROGRESS": "1",
+    "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
 #: 4 batches per XE epoch, 3 per SCST epoch, last.pt every 2 steps; the rate halves at every epoch of both stages
-SETS = ["train.checkpoint_every=2", "train.validation.decoding={method: greedy}",
-        "train.validation.batch_size=2", "train.validation.max_images=6", "train.batching=random",
-        "train.model_overrides={d_model: 32, num_heads: 2, d_ff: 64, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
-        "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0, decay_start_epoch: 1, decay_every_epochs: 1, decay_rate: 0.5}",
-        "train.scst={epochs: 2, batch_size: 12, lr: 1.0e-4, num_samples: 2, lr_schedule: step, lr_decay_every: 1, lr_decay_rate: 0.5}"]
+SETS = [
+    "train.checkpoint_every=2",
+    "train.validation.decoding={method: greedy}",
+    "train.validation.batch_size=2",
+    "train.validation.max_images=6",
+    "train.batching=random",
+    "train.model_overrides={d_model: 32, num_heads: 2, d_ff: 64, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
+    "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0, decay_start_epoch: 1, decay_every_epochs: 1, decay_rate: 0.5}",
+    "train.scst={epochs: 2, batch_size: 12, lr: 1.0e-4, num_samples: 2, lr_schedule: step, lr_decay_every: 1, lr_decay_rate: 0.5}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +77,14 @@ def test_kill_at_every_boundary_then_resume_is_bitwise_identical(run: Path, tmp_
     out = tmp_path / "b"
     last = out / "train-san" / "last.pt"
     checks = [
-        ("epoch_end:xe:0", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 0)),  # the rate changes here
-        ("step:xe:8", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 2)),  # step 7 is lost and redone
+        (
+            "epoch_end:xe:0",
+            lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 0),
+        ),  # the rate changes here
+        (
+            "step:xe:8",
+            lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 2),
+        ),  # step 7 is lost and redone
         ("validation:xe:1", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("xe", 1, 4)),
         ("epoch_end:scst:0", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("scst", 1, 0)),
         ("step:scst:6", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("scst", 1, 1)),
@@ -77,15 +93,26 @@ def test_kill_at_every_boundary_then_resume_is_bitwise_identical(run: Path, tmp_
         res = train(run, out, kill)
         assert res.returncode == -signal.SIGKILL, f"{kill}: {res.stderr[-3000:]}"
         ck = CaptionerCheckpoint.load(last)
-        assert where(ck), f"{kill}: last.pt at {ck.progress.stage} epoch {ck.progress.epoch} position {ck.progress.position}"
+        assert where(ck), (
+            f"{kill}: last.pt at {ck.progress.stage} epoch {ck.progress.epoch} position {ck.progress.position}"
+        )
     done = train(run, out)
     assert done.returncode == 0, done.stderr[-3000:]
-    rates = [r["lr"] for r in map(json.loads, (tmp_path / "a" / "train-san" / "log.jsonl").read_text().splitlines())
-             if r["event"] == "train" and r["stage"] == "xe"]
+    rates = [
+        r["lr"]
+        for r in map(json.loads, (tmp_path / "a" / "train-san" / "log.jsonl").read_text().splitlines())
+        if r["event"] == "train" and r["stage"] == "xe"
+    ]
     assert rates == [1e-3] * 4 + [5e-4] * 4 + [2.5e-4] * 4  # every step of an epoch at that epoch's rate
-    a, b = CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "last.pt").to_dict(), CaptionerCheckpoint.load(last).to_dict()
+    a, b = (
+        CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "last.pt").to_dict(),
+        CaptionerCheckpoint.load(last).to_dict(),
+    )
     assert a["stage"] == b["stage"] == "scst" and a["stage_done"] and b["stage_done"]
     for key in ("weights", "optimizer", "schedule", "global_step", "iteration", "epoch"):
         assert_bitwise_equal(a[key], b[key], key)
-    assert_bitwise_equal(CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "xe.pt").weights,
-                         CaptionerCheckpoint.load(out / "train-san" / "xe.pt").weights, "xe.pt weights")
+    assert_bitwise_equal(
+        CaptionerCheckpoint.load(tmp_path / "a" / "train-san" / "xe.pt").weights,
+        CaptionerCheckpoint.load(out / "train-san" / "xe.pt").weights,
+        "xe.pt weights",
+    )

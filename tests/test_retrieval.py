@@ -27,12 +27,14 @@ from train_helpers import make_world_run
 
 def test_recall_on_a_hand_built_matrix() -> None:
     # 4 captions x 3 images; captions 0, 1 belong to image 0, caption 2 to image 1, caption 3 to image 2
-    sim = np.array([
-        [0.9, 0.1, 0.2],   # own image first            -> rank 0
-        [0.5, 0.7, 0.6],   # own image third            -> rank 2
-        [0.3, 0.2, 0.8],   # own image (1) third        -> rank 2
-        [0.1, 0.4, 0.3],   # own image (2) second       -> rank 1
-    ])
+    sim = np.array(
+        [
+            [0.9, 0.1, 0.2],  # own image first            -> rank 0
+            [0.5, 0.7, 0.6],  # own image third            -> rank 2
+            [0.3, 0.2, 0.8],  # own image (1) third        -> rank 2
+            [0.1, 0.4, 0.3],  # own image (2) second       -> rank 1
+        ]
+    )
     own = np.array([0, 0, 1, 2])
     assert caption_to_image_ranks(sim, own).tolist() == [0, 2, 2, 1]
     # image 0: best own caption 0 (0.9), nobody above -> 0; image 1: own caption 2 (0.2), captions 0.4/0.7 above -> 2
@@ -68,9 +70,19 @@ TINY = "{objective: cap2img, word_dim: 32, hidden_size: 48, attn_hidden: 24, att
 
 
 def _cfg(run: Path, *extra: str):
-    return load_config("embed", None, [f"sentence_encoder.model_overrides={TINY}", f"sentence_encoder.store={run / 'features/store'}",
-                                       f"sentence_encoder.data={run / 'data'}", "sentence_encoder.device=cpu", "sentence_encoder.batch_size=32",
-                                       "sentence_encoder.lr=3.0e-3", *extra])
+    return load_config(
+        "embed",
+        None,
+        [
+            f"sentence_encoder.model_overrides={TINY}",
+            f"sentence_encoder.store={run / 'features/store'}",
+            f"sentence_encoder.data={run / 'data'}",
+            "sentence_encoder.device=cpu",
+            "sentence_encoder.batch_size=32",
+            "sentence_encoder.lr=3.0e-3",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +99,9 @@ def test_cap2img_training_beats_chance_by_far(trained) -> None:
     history = res.summary["history"]
     best = res.summary["best"]
     chance = history[0]["c2i_chance_R@1"]
-    print(f"\nval caption-to-image R@1 {best['value']:.1f} (chance {chance:.1f}); per epoch {[round(h['c2i_R@1'], 1) for h in history]}")
+    print(
+        f"\nval caption-to-image R@1 {best['value']:.1f} (chance {chance:.1f}); per epoch {[round(h['c2i_R@1'], 1) for h in history]}"
+    )
     assert best["value"] > 5 * chance
     assert history[-1]["c2i_R@1"] > history[0]["c2i_R@1"] or best["epoch"] > 0
     records = [json.loads(line) for line in (enc / "log.jsonl").read_text().splitlines()]
@@ -98,8 +112,13 @@ def test_cap2img_training_beats_chance_by_far(trained) -> None:
 def test_resume_is_exact(trained, tmp_path) -> None:
     """Two epochs in one go == one epoch, a new process-like trainer resuming last.pt, one more epoch."""
     run, _, _ = trained
-    two = _cfg(run, "sentence_encoder.epochs=2", "sentence_encoder.batch_size=64", "sentence_encoder.validation.split=null",
-               "sentence_encoder.model_overrides.image_head_dropout=0.3").sentence_encoder
+    two = _cfg(
+        run,
+        "sentence_encoder.epochs=2",
+        "sentence_encoder.batch_size=64",
+        "sentence_encoder.validation.split=null",
+        "sentence_encoder.model_overrides.image_head_dropout=0.3",
+    ).sentence_encoder
     one = two.with_overrides({"epochs": 1})
     EncoderTrainer(tmp_path / "a", two, DistContext()).run()
     EncoderTrainer(tmp_path / "b", one, DistContext()).run()
@@ -132,7 +151,17 @@ def test_embed_writes_npy_jsonl_and_heatmap(trained, tmp_path) -> None:
     _, enc, _ = trained
     sents = tmp_path / "s.txt"
     sents.write_text("a red circle above a blue square\n\na small green triangle\nwords nobody knows\n")
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(sents), "--output", str(tmp_path / "e.npy"), "--visualize", str(tmp_path / "a.png"))
+    r = invoke(
+        "embed",
+        "-k",
+        str(enc / "best.pt"),
+        "-i",
+        str(sents),
+        "--output",
+        str(tmp_path / "e.npy"),
+        "--visualize",
+        str(tmp_path / "a.png"),
+    )
     assert r.exit_code == 0, r.output
     arr = np.load(tmp_path / "e.npy")
     assert arr.shape == (3, 96) and np.isfinite(arr).all() and not np.allclose(arr[0], arr[1])
@@ -142,21 +171,36 @@ def test_embed_writes_npy_jsonl_and_heatmap(trained, tmp_path) -> None:
     assert (pixels[..., 1] < 200).sum() > 1000  # shaded cells are drawn
     jl = tmp_path / "s.jsonl"
     jl.write_text('{"text": "a red circle"}\n{"caption": "two squares"}\n')
-    r = invoke("embed", "-k", str(enc / "best.pt"), "-i", str(jl), "--output", str(tmp_path / "e.jsonl"), "--set", "embed.output=image")
+    r = invoke(
+        "embed",
+        "-k",
+        str(enc / "best.pt"),
+        "-i",
+        str(jl),
+        "--output",
+        str(tmp_path / "e.jsonl"),
+        "--set",
+        "embed.output=image",
+    )
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
-    assert [x["text"] for x in rows] == ["a red circle", "two squares"] and len(rows[0]["embedding"]) == 22  # the oracle feature size
+    assert [x["text"] for x in rows] == ["a red circle", "two squares"] and len(
+        rows[0]["embedding"]
+    ) == 22  # the oracle feature size
 
 
-@pytest.mark.parametrize("case,message", [
-    ("no_args", "Missing option '--checkpoint'"),
-    ("missing_input", "input file not found"),
-    ("bad_suffix", "--output must end in .npy or .jsonl"),
-    ("bad_png", "--visualize must name a .png"),
-    ("bad_jsonl", "not a JSON line"),
-    ("empty", "holds no sentence"),
-    ("missing_ckpt", "checkpoint not found"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("no_args", "Missing option '--checkpoint'"),
+        ("missing_input", "input file not found"),
+        ("bad_suffix", "--output must end in .npy or .jsonl"),
+        ("bad_png", "--visualize must name a .png"),
+        ("bad_jsonl", "not a JSON line"),
+        ("empty", "holds no sentence"),
+        ("missing_ckpt", "checkpoint not found"),
+    ],
+)
 def test_embed_bad_inputs_exit_2_with_one_line(trained, tmp_path, case: str, message: str) -> None:
     _, enc, _ = trained
     good = tmp_path / "s.txt"
@@ -191,9 +235,25 @@ def test_evaluate_retrieval_ground_truth_and_generated(trained, tmp_path) -> Non
     results = tmp_path / "results.json"
     results.write_text(json.dumps([{"image_id": im["cocoid"], "caption": refs[im["key"]][0]} for im in test]))
     out = tmp_path / "m.json"
-    r = invoke("evaluate", "-p", str(results), "-r", str(run.parent / "world/annotations/captions_test.json"), "-e", "bleu",
-               "--set", "evaluate.tokenizer=simple", "--retrieval", str(enc / "best.pt"), "--store", str(run / "features/store"),
-               "--data", str(run / "data"), "--output", str(out))
+    r = invoke(
+        "evaluate",
+        "-p",
+        str(results),
+        "-r",
+        str(run.parent / "world/annotations/captions_test.json"),
+        "-e",
+        "bleu",
+        "--set",
+        "evaluate.tokenizer=simple",
+        "--retrieval",
+        str(enc / "best.pt"),
+        "--store",
+        str(run / "features/store"),
+        "--data",
+        str(run / "data"),
+        "--output",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     payload = json.loads(out.read_text())
     assert "Bleu_4" in payload["metrics"] and payload["retrieval"]["generated_captions"] == len(test)
@@ -202,13 +262,16 @@ def test_evaluate_retrieval_ground_truth_and_generated(trained, tmp_path) -> Non
     assert "c2i_R@10" in r.output and "generated" in r.output
 
 
-@pytest.mark.parametrize("case,message", [
-    ("no_store", "--retrieval needs --store"),
-    ("store_alone", "--store and --data are used with"),
-    ("cap2cap", "has no image head"),
-    ("captioner_file", "holds a 'san' model, not a sentence encoder"),
-    ("junk_file", "cannot read checkpoint"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("no_store", "--retrieval needs --store"),
+        ("store_alone", "--store and --data are used with"),
+        ("cap2cap", "has no image head"),
+        ("captioner_file", "holds a 'san' model, not a sentence encoder"),
+        ("junk_file", "cannot read checkpoint"),
+    ],
+)
 def test_evaluate_retrieval_bad_inputs(trained, tmp_path, case: str, message: str) -> None:
     run, enc, _ = trained
     store, data = str(run / "features/store"), str(run / "data")
@@ -226,7 +289,9 @@ def test_evaluate_retrieval_bad_inputs(trained, tmp_path, case: str, message: st
         torch.save(ck, tmp_path / "c.pt")
         args[2] = str(tmp_path / "c.pt")
     elif case == "captioner_file":
-        save_checkpoint(tmp_path / "san.pt", {"kind": "weights", "model": {"name": "san", "config": {}}, "vocab": [], "weights": {}})
+        save_checkpoint(
+            tmp_path / "san.pt", {"kind": "weights", "model": {"name": "san", "config": {}}, "vocab": [], "weights": {}}
+        )
         args[2] = str(tmp_path / "san.pt")
     elif case == "junk_file":
         (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")

@@ -31,12 +31,30 @@ def env(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("same_numbers")
     photos = root / "photos"
     small_photos(photos, 6)
-    return {"root": root, "photos": photos, "weights": tiny_detector(root / "tiny.pth"), "ckpt": random_captioner(root / "san.pt", 128)}
+    return {
+        "root": root,
+        "photos": photos,
+        "weights": tiny_detector(root / "tiny.pth"),
+        "ckpt": random_captioner(root / "san.pt", 128),
+    }
 
 
 def caption(env, *args: str):
-    res = CliRunner().invoke(app, ["caption", str(env["photos"]), "--model", str(env["ckpt"]), "--weights", str(env["weights"]),
-                                   "--n-best", "2", *SMALL, *args])
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(env["photos"]),
+            "--model",
+            str(env["ckpt"]),
+            "--weights",
+            str(env["weights"]),
+            "--n-best",
+            "2",
+            *SMALL,
+            *args,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return res
 
@@ -77,16 +95,24 @@ def test_released_m2_on_features_imported_by_the_readme_command(tmp_path, monkey
     torch.set_num_threads(1)
     world, run = tmp_path / "world", tmp_path / "run"
     generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
-    cfg = load_config("prepare", None, [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"])
+    cfg = load_config(
+        "prepare",
+        None,
+        [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"],
+    )
     run_stage(run, "data", cfg.prepare, prepare_captions)
     sizes = world / "annotations" / "captions_test.json"
     test_ids = [str(im["id"]) for im in json.loads(sizes.read_text())["images"]]
     rng = np.random.default_rng(0)
     src = tmp_path / "coco_detections.hdf5"
-    with h5py.File(src, "w") as fh:  # M2's layout: <id>_features (K, D) float32, <id>_boxes (K, 4); train ids lack sizes
+    with h5py.File(
+        src, "w"
+    ) as fh:  # M2's layout: <id>_features (K, D) float32, <id>_boxes (K, 4); train ids lack sizes
         for key in range(1, 41):
             k = int(rng.integers(8, 20))
-            fh[f"{key}_features"] = rng.gamma(0.6, 1.2, (k, 64)).astype(np.float32)  # sparse, non-negative, like ReLU features
+            fh[f"{key}_features"] = rng.gamma(0.6, 1.2, (k, 64)).astype(
+                np.float32
+            )  # sparse, non-negative, like ReLU features
             fh[f"{key}_boxes"] = np.tile(np.array([[2, 3, 30, 40]], np.float32), (k, 1))
     models = tmp_path / "m2"
     models.mkdir()
@@ -95,17 +121,47 @@ def test_released_m2_on_features_imported_by_the_readme_command(tmp_path, monkey
     captions = {}
     for name, extra in (("readme", []), ("float32", ["--dtype", "float32"])):
         store = tmp_path / f"feats-{name}"
-        res = CliRunner().invoke(app, ["import-features", "--format", "m2-hdf5", str(src), "--sizes", str(sizes), "--skip-bad",
-                                       "--store", str(store), *extra])
+        res = CliRunner().invoke(
+            app,
+            [
+                "import-features",
+                "--format",
+                "m2-hdf5",
+                str(src),
+                "--sizes",
+                str(sizes),
+                "--skip-bad",
+                "--store",
+                str(store),
+                *extra,
+            ],
+        )
         assert res.exit_code == 0, res.output
         st = FeatureStore(store)
         assert st.feature_dtype == "float32" and sorted(st.keys()) == sorted(test_ids)
         with h5py.File(src, "r") as fh:
             assert all(np.array_equal(st.get(k)["features"], fh[f"{k}_features"][()]) for k in test_ids)
         out = tmp_path / f"eval-{name}"
-        res = CliRunner().invoke(app, ["evaluate", "--model", str(models / "meshed_memory_transformer.pth"), "--vocab",
-                                       str(models / "vocab.pkl"), "--store", str(store), "--data", str(run / "data"), "--split", "test",
-                                       "--metrics", "bleu", "--output", str(out / "metrics.json")])
+        res = CliRunner().invoke(
+            app,
+            [
+                "evaluate",
+                "--model",
+                str(models / "meshed_memory_transformer.pth"),
+                "--vocab",
+                str(models / "vocab.pkl"),
+                "--store",
+                str(store),
+                "--data",
+                str(run / "data"),
+                "--split",
+                "test",
+                "--metrics",
+                "bleu",
+                "--output",
+                str(out / "metrics.json"),
+            ],
+        )
         assert res.exit_code == 0, res.output
         captions[name] = json.loads((out / "predictions_test.json").read_text())
     assert len(captions["readme"]) == len(test_ids) and captions["readme"] == captions["float32"]

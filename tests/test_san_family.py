@@ -67,7 +67,9 @@ def test_permuting_regions_changes_nothing(name: str) -> None:
     model = small(name)
     feats, mask, boxes, sizes, caps = batch()
     perm = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i)) for i in range(3)])
-    take = lambda x: torch.gather(x, 1, perm[..., None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 else torch.gather(x, 1, perm)
+    take = lambda x: (
+        torch.gather(x, 1, perm[..., None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 else torch.gather(x, 1, perm)
+    )
     with torch.no_grad():
         a = model(feats, mask, boxes, sizes, caps)
         b = model(take(feats), take(mask), take(boxes), sizes, caps)
@@ -89,8 +91,10 @@ def test_moving_a_box_changes_gsan_not_san() -> None:
         assert float((a[1:] - b[1:]).abs().max()) == 0.0  # other images untouched
     absolute = small("gsan", geometry=[], absolute_position=True)
     with torch.no_grad():
-        assert float((absolute(feats, mask, boxes, sizes, caps) - absolute(feats, mask, moved, sizes, caps)).abs().max()) > 1e-4
-
+        assert (
+            float((absolute(feats, mask, boxes, sizes, caps) - absolute(feats, mask, moved, sizes, caps)).abs().max())
+            > 1e-4
+        )
 
 
 def test_mirroring_the_image_is_invisible_to_eq_8_but_not_to_signed_geometry() -> None:
@@ -101,9 +105,12 @@ def test_mirroring_the_image_is_invisible_to_eq_8_but_not_to_signed_geometry() -
     for signed in (False, True):
         model = small("gsan", geometry_signed=signed)
         with torch.no_grad():
-            diff = float((model(feats, mask, boxes, sizes, caps) - model(feats, mask, mirrored, sizes, caps)).abs().max())
+            diff = float(
+                (model(feats, mask, boxes, sizes, caps) - model(feats, mask, mirrored, sizes, caps)).abs().max()
+            )
         assert (diff > 1e-4) == signed, f"geometry_signed={signed}: max change {diff}"
     assert count("gsan", geometry_signed=True) - count("gsan") == 4 * 2 * 128  # two more inputs of Eq. 9's FC per layer
+
 
 # --- NSA ------------------------------------------------------------------------------------------------
 
@@ -135,7 +142,9 @@ def test_query_norm_variants() -> None:
     torch.testing.assert_close(out[mask], (real - mu) / torch.sqrt(var + 1e-5), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(bn.running_mean, 0.1 * mu)
     ln = QueryNorm(4, "layer")
-    torch.testing.assert_close(ln(x, mask)[mask], torch.nn.functional.layer_norm(real, (4,), eps=1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ln(x, mask)[mask], torch.nn.functional.layer_norm(real, (4,), eps=1e-5), atol=1e-5, rtol=1e-5
+    )
     affine = QueryNorm(4, "instance", affine=True)
     with torch.no_grad():
         affine.weight.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -217,7 +226,13 @@ def _naive_phi(bias: GeometricBias, x: torch.Tensor, rel: torch.Tensor) -> torch
 
 @pytest.mark.parametrize(
     ("variants", "head_proj", "dim"),
-    [(("content",), True, 6), (("query",), True, 6), (("key",), True, 6), (("query",), False, 2), (("content", "query", "key"), True, 5)],
+    [
+        (("content",), True, 6),
+        (("query",), True, 6),
+        (("key",), True, 6),
+        (("query",), False, 2),
+        (("content", "query", "key"), True, 5),
+    ],
 )
 def test_geometric_bias_matches_equations(variants, head_proj: bool, dim: int) -> None:
     torch.manual_seed(0)
@@ -263,7 +278,7 @@ def test_absolute_box_encoding_formula() -> None:
     enc = absolute_box_encoding(BOXES, sizes, 16)  # 4 coordinates x 4 channels
     assert enc.shape == (1, 3, 16)
     cx = 4.5 / 40 * 100  # box A, coordinate 0 (centre x / W, scaled by 100)
-    expect = [math.sin(cx), math.cos(cx), math.sin(cx / 1000 ** 0.5), math.cos(cx / 1000 ** 0.5)]
+    expect = [math.sin(cx), math.cos(cx), math.sin(cx / 1000**0.5), math.cos(cx / 1000**0.5)]
     torch.testing.assert_close(enc[0, 0, :4], torch.tensor(expect), atol=1e-5, rtol=1e-5)
 
 

@@ -58,8 +58,12 @@ def test_rewards_from_cider_and_advantage_signs() -> None:
     }
     scorer = CiderD(refs)
     samples = [
-        ["a", "red", "circle"], ["a", "blue", "square"], ["a", "red", "circle", "on", "the", "left"],
-        ["two", "blue", "squares"], ["a", "red", "circle"], ["blue", "squares"],
+        ["a", "red", "circle"],
+        ["a", "blue", "square"],
+        ["a", "red", "circle", "on", "the", "left"],
+        ["two", "blue", "squares"],
+        ["a", "red", "circle"],
+        ["blue", "squares"],
     ]
     rewards = sample_rewards(scorer, samples, [10, 20], per_image=3)
     assert rewards.shape == (2, 3)

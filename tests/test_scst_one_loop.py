@@ -36,7 +36,9 @@ def _scst(model, joint: bool, monkeypatch) -> dict:
     scorer, vocab = _scorer_and_vocab()
     seen: dict = {"samples": [], "greedy": [], "steps": 0}
     real_rewards, real_scores, real_step = scst_step.sample_rewards, scorer.scores, model.step
-    monkeypatch.setattr(scst_step, "sample_rewards", lambda sc, words, *a: seen["samples"].append(words) or real_rewards(sc, words, *a))
+    monkeypatch.setattr(
+        scst_step, "sample_rewards", lambda sc, words, *a: seen["samples"].append(words) or real_rewards(sc, words, *a)
+    )
     monkeypatch.setattr(scorer, "scores", lambda words, keys: seen["greedy"].append(words) or real_scores(words, keys))
 
     def counted(*a):
@@ -49,13 +51,27 @@ def _scst(model, joint: bool, monkeypatch) -> dict:
     torch.manual_seed(11)
     batch = _batch()
     base = None if joint else scst_step.greedy_rewards(model, batch, scorer, vocab, 9)
-    out = scst_step.scst_loss(model, batch, scorer, vocab, method="sample", num_samples=3, max_len=9, baseline="greedy",
-                              normalize="tokens", baseline_rewards=base)
+    out = scst_step.scst_loss(
+        model,
+        batch,
+        scorer,
+        vocab,
+        method="sample",
+        num_samples=3,
+        max_len=9,
+        baseline="greedy",
+        normalize="tokens",
+        baseline_rewards=base,
+    )
     out.loss_sum.backward()
     model.step = real_step
     monkeypatch.undo()
-    seen.update(loss=out.loss_sum.detach(), numbers=(out.count, out.reward, out.baseline_reward), after=torch.rand(4),
-                grads=[p.grad.clone() for p in model.parameters() if p.grad is not None])
+    seen.update(
+        loss=out.loss_sum.detach(),
+        numbers=(out.count, out.reward, out.baseline_reward),
+        after=torch.rand(4),
+        grads=[p.grad.clone() for p in model.parameters() if p.grad is not None],
+    )
     return seen
 
 
@@ -109,7 +125,9 @@ def test_row_dropout_in_half_types_scales_in_float32_and_rounds_once(dtype) -> N
     want = (x.float() / 0.9).to(dtype)
     assert y.dtype == dtype and kept.any() and torch.equal(y[:4][kept], want[:4][kept])
     assert torch.equal(y[4:], x[4:])
-    assert not torch.equal((x * torch.tensor(1 / 0.9, dtype=dtype))[:4][kept], want[:4][kept])  # the rounded scale differs
+    assert not torch.equal(
+        (x * torch.tensor(1 / 0.9, dtype=dtype))[:4][kept], want[:4][kept]
+    )  # the rounded scale differs
 
 
 def test_baseline_loop_is_a_recipe_key_joint_by_default() -> None:
@@ -139,6 +157,10 @@ def test_one_loop_on_cuda(name) -> None:
     model = _tiny_any(name).cuda().train()
     scorer, vocab = _scorer_and_vocab()
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch().items()}
-    out = scst_step.scst_loss(model, batch, scorer, vocab, method="sample", num_samples=3, max_len=9, baseline="greedy", normalize="tokens")
+    out = scst_step.scst_loss(
+        model, batch, scorer, vocab, method="sample", num_samples=3, max_len=9, baseline="greedy", normalize="tokens"
+    )
     out.loss_sum.backward()
-    assert torch.isfinite(out.loss_sum) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert torch.isfinite(out.loss_sum) and all(
+        torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+    )

@@ -32,10 +32,15 @@ def first_batch(t: Trainer, stage: str = "scst") -> dict:
 
 
 def test_greedy_baseline_runs_under_the_samples_autocast(run, tmp_path) -> None:
-    t = trainer(run, tmp_path, "ngsan", "train.precision=bf16", "train.scst={batch_size: 4, baseline: greedy, num_samples: 2}")
+    t = trainer(
+        run, tmp_path, "ngsan", "train.precision=bf16", "train.scst={batch_size: 4, baseline: greedy, num_samples: 2}"
+    )
     seen: list[bool] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(torch.is_autocast_enabled("cpu")))
-             for m in t.model.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: seen.append(torch.is_autocast_enabled("cpu")))
+        for m in t.model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     optimizer, _, scaler = t._new_stage("scst")
     t._step("scst", t.recipes["scst"], first_batch(t), Progress(stage="scst"), optimizer, scaler)
     for h in hooks:
@@ -45,12 +50,15 @@ def test_greedy_baseline_runs_under_the_samples_autocast(run, tmp_path) -> None:
 
 # --- the sync-free decoding loops against the plain per-step loops (tests/reference_decoding.py) -------------
 
+
 def _tiny(name: str):
     import models
 
-    kw = {"m2": dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, num_memory=4, dropout=0.1),
-          "ngsan": dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, dropout=0.1, embed_dropout=0.1),
-          "aoa": dict(d_model=32, num_heads=4, num_layers=1)}[name]
+    kw = {
+        "m2": dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, num_memory=4, dropout=0.1),
+        "ngsan": dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, dropout=0.1, embed_dropout=0.1),
+        "aoa": dict(d_model=32, num_heads=4, num_layers=1),
+    }[name]
     torch.manual_seed(0)
     model = models.build_captioner(name, 40, feat_dim=24, **kw)
     step = model.step
@@ -69,8 +77,13 @@ def _batch(images: int = 6) -> dict:
     g = torch.Generator().manual_seed(3)
     mask = torch.arange(7)[None] < torch.randint(3, 8, (images, 1), generator=g)
     xy = torch.rand(images, 7, 2, generator=g) * 100
-    return {"feats": torch.rand(images, 7, 24, generator=g) * mask[..., None], "mask": mask,
-            "boxes": torch.cat([xy, xy + 20], -1), "sizes": torch.full((images, 2), 200.0), "keys": list(range(images))}
+    return {
+        "feats": torch.rand(images, 7, 24, generator=g) * mask[..., None],
+        "mask": mask,
+        "boxes": torch.cat([xy, xy + 20], -1),
+        "sizes": torch.full((images, 2), 200.0),
+        "keys": list(range(images)),
+    }
 
 
 def _scorer_and_vocab():
@@ -79,8 +92,16 @@ def _scorer_and_vocab():
 
     vocab = Vocab(("<pad>", "<bos>", "<eos>", "<unk>") + tuple(f"w{i}" for i in range(36)))
     rng = torch.Generator().manual_seed(5)
-    refs = {i: [[f"w{int(w)}" for w in torch.randint(0, 36, (int(torch.randint(3, 8, (1,), generator=rng)),), generator=rng)]
-                for _ in range(3)] for i in range(6)}
+    refs = {
+        i: [
+            [
+                f"w{int(w)}"
+                for w in torch.randint(0, 36, (int(torch.randint(3, 8, (1,), generator=rng)),), generator=rng)
+            ]
+            for _ in range(3)
+        ]
+        for i in range(6)
+    }
     return CiderD(refs, df_mode="corpus"), vocab
 
 
@@ -95,21 +116,35 @@ def _run_scst(model, method: str, baseline: str, monkeypatch, old: bool) -> tupl
         monkeypatch.setattr(scst_step, "beam_search", ref.beam_search)
     words: list = []
     real = scst_step.sample_rewards
-    monkeypatch.setattr(scst_step, "sample_rewards", lambda sc, samples, *a: words.append(samples) or real(sc, samples, *a))
+    monkeypatch.setattr(
+        scst_step, "sample_rewards", lambda sc, samples, *a: words.append(samples) or real(sc, samples, *a)
+    )
     model.zero_grad(set_to_none=True)
     model.train()
     torch.manual_seed(11)
     batch = _batch()
     base = scst_step.greedy_rewards(model, batch, scorer, vocab, 9) if baseline == "greedy" else None
-    out = scst_step.scst_loss(model, batch, scorer, vocab, method=method, num_samples=3, max_len=9, baseline=baseline,
-                              normalize="tokens", baseline_rewards=base)
+    out = scst_step.scst_loss(
+        model,
+        batch,
+        scorer,
+        vocab,
+        method=method,
+        num_samples=3,
+        max_len=9,
+        baseline=baseline,
+        normalize="tokens",
+        baseline_rewards=base,
+    )
     out.loss_sum.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     monkeypatch.undo()
     return words, out.loss_sum.detach(), out.count, out.reward, out.baseline_reward, base, grads
 
 
-@pytest.mark.parametrize(("name", "method", "baseline"), [("ngsan", "sample", "greedy"), ("m2", "beam", "mean"), ("aoa", "sample", "greedy")])
+@pytest.mark.parametrize(
+    ("name", "method", "baseline"), [("ngsan", "sample", "greedy"), ("m2", "beam", "mean"), ("aoa", "sample", "greedy")]
+)
 def test_scst_step_equals_the_old_decoding_loops(name, method, baseline, monkeypatch) -> None:
     """Same seed, dropout on, CPU fp32: the sampled captions, rewards, baseline, loss and gradients are bitwise the
     ones of the loops before the sync-free rewrite."""
@@ -134,8 +169,15 @@ def test_beam_search_equals_the_old_loop(rule, penalty) -> None:
     with torch.no_grad():
         enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
         for k, n in ((1, 1), (3, 2), (5, 5)):
-            opts = DecodeOptions(method="beam", beam_size=k, n_best=n, max_len=12, stop_rule=rule, length_penalty=penalty,
-                                 block_trigrams=k == 3)
+            opts = DecodeOptions(
+                method="beam",
+                beam_size=k,
+                n_best=n,
+                max_len=12,
+                stop_rule=rule,
+                length_penalty=penalty,
+                block_trigrams=k == 3,
+            )
             a, b = beam_search(model, enc, opts), ref.beam_search(model, enc, opts)
             for x, y in zip((a.tokens, a.lengths, a.logprob, a.scores), (b.tokens, b.lengths, b.logprob, b.scores)):
                 assert torch.equal(x, y)
@@ -153,11 +195,17 @@ def test_decoding_loops_sync_with_the_host_at_most_once_per_step() -> None:
     with torch.no_grad():
         enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
         beam = DecodeOptions(method="beam", beam_size=5, n_best=5, max_len=12)
-        for new, old in ((lambda: beam_search(model, enc, beam), lambda: ref.beam_search(model, enc, beam)),
-                         (lambda: sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5),
-                          lambda: ref.sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5)),
-                         (lambda: greedy(model, enc, DecodeOptions(method="greedy", max_len=12)),
-                          lambda: ref.greedy(model, enc, DecodeOptions(method="greedy", max_len=12)))):
+        for new, old in (
+            (lambda: beam_search(model, enc, beam), lambda: ref.beam_search(model, enc, beam)),
+            (
+                lambda: sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5),
+                lambda: ref.sample(model, enc, DecodeOptions(method="sample", max_len=12), n=5),
+            ),
+            (
+                lambda: greedy(model, enc, DecodeOptions(method="greedy", max_len=12)),
+                lambda: ref.greedy(model, enc, DecodeOptions(method="greedy", max_len=12)),
+            ),
+        ):
             torch.manual_seed(0)
             steps = int(new().lengths.max())
             torch.manual_seed(0)

@@ -44,15 +44,31 @@ def env(tmp_path_factory, shared_data: Path) -> dict:
     PHOTOS = shared_data / "photos"
     root = tmp_path_factory.mktemp("serve")
     run = tiny_run(root, {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
-    odd = {"broken.jpg": b"this is not a JPEG file\n" * 20, "empty.jpg": b"",
-           "cut.jpg": (PHOTOS / "input.jpg").read_bytes()[:5000]}
+    odd = {
+        "broken.jpg": b"this is not a JPEG file\n" * 20,
+        "empty.jpg": b"",
+        "cut.jpg": (PHOTOS / "input.jpg").read_bytes()[:5000],
+    }
     return {"root": root, "ckpt": run / "train-a" / "best.pt", "weights": tiny_detector(root / "tiny.pth"), "odd": odd}
 
 
 #: the server of test_bounds_token_and_sigterm: a token, small bounds (it is stopped by the test's SIGTERM)
-BOUNDS = ["--set", "serve.queue_limit=2", "--set", "serve.max_batch=4", "--set", "serve.max_wait_ms=1500",
-          "--set", "serve.max_body_bytes=200000", "--set", "serve.max_images=3", "--set", "serve.max_beam_size=3",
-          "--set", "serve.request_timeout_s=4"]
+BOUNDS = [
+    "--set",
+    "serve.queue_limit=2",
+    "--set",
+    "serve.max_batch=4",
+    "--set",
+    "serve.max_wait_ms=1500",
+    "--set",
+    "serve.max_body_bytes=200000",
+    "--set",
+    "serve.max_images=3",
+    "--set",
+    "serve.max_beam_size=3",
+    "--set",
+    "serve.request_timeout_s=4",
+]
 
 
 #: serve.header_timeout_s of the main server: short, so that the slow-header test takes seconds
@@ -69,9 +85,20 @@ def servers(env: dict):
     model = ["--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SIZES]
     bounds = start_server(*model, *BOUNDS, env={"BUTD_SERVE_TOKEN": "s3cret"})
     try:
-        with serving(start_server(*model, "--set", "serve.max_batch=16", "--set", "serve.max_wait_ms=1000",
-                                  "--set", "serve.max_images=8", "--set", f"serve.header_timeout_s={HEADER_TIMEOUT}",
-                                  env={"TMPDIR": str(tmp)})) as srv:
+        with serving(
+            start_server(
+                *model,
+                "--set",
+                "serve.max_batch=16",
+                "--set",
+                "serve.max_wait_ms=1000",
+                "--set",
+                "serve.max_images=8",
+                "--set",
+                f"serve.header_timeout_s={HEADER_TIMEOUT}",
+                env={"TMPDIR": str(tmp)},
+            )
+        ) as srv:
             srv.tmp = tmp
             yield {"main": srv, "bounds": bounds}
     finally:
@@ -98,8 +125,25 @@ def photos() -> list[Path]:
 
 def caption_rows(env: dict, folder: Path, *args: str) -> dict[str, dict]:
     out = env["root"] / f"caption-{len(list(env['root'].glob('caption-*')))}.jsonl"
-    res = CliRunner().invoke(app, ["caption", str(folder), "--model", str(env["ckpt"]), "--weights", str(env["weights"]), *SMALL,
-                                   "--set", "caption.device=cpu", "--output", str(out), "--quiet", *args], env={"COLUMNS": "300"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(folder),
+            "--model",
+            str(env["ckpt"]),
+            "--weights",
+            str(env["weights"]),
+            *SMALL,
+            "--set",
+            "caption.device=cpu",
+            "--output",
+            str(out),
+            "--quiet",
+            *args,
+        ],
+        env={"COLUMNS": "300"},
+    )
     assert res.exit_code == 0, res.output
     return {Path(r["image"]).name: r for r in map(json.loads, out.read_text().splitlines())}
 
@@ -113,13 +157,17 @@ def test_captions_equal_caption_and_bad_images_are_entries(env: dict, server) ->
         (folder / name).write_bytes(data)
     expected = caption_rows(env, folder, "--n-best", "2")
     names = sorted(expected)
-    assert sum("caption" in r for r in expected.values()) == len(photos()) and any(r.get("caption") for r in expected.values())
+    assert sum("caption" in r for r in expected.values()) == len(photos()) and any(
+        r.get("caption") for r in expected.values()
+    )
     groups = [names[i::3] for i in range(3)]  # three requests at once, each with good and bad images
     answers: dict[int, tuple] = {}
     before = server.metrics()
 
     def send(k: int) -> None:
-        answers[k] = server.post_images([(n, (folder / n).read_bytes()) for n in groups[k]], {"n_best": 2, "regions": "false"})
+        answers[k] = server.post_images(
+            [(n, (folder / n).read_bytes()) for n in groups[k]], {"n_best": 2, "regions": "false"}
+        )
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(3)]
     for t in threads:
@@ -144,17 +192,21 @@ def test_captions_equal_caption_and_bad_images_are_entries(env: dict, server) ->
             assert a["width"] > 0 and a["height"] > 0 and "regions" not in a
     assert seen == len(names)
     assert {expected[n]["error"].split(":")[0] for n in env["odd"]} == {"not_an_image", "empty", "decode_error"} or all(
-        "error" in expected[n] for n in env["odd"])
+        "error" in expected[n] for n in env["odd"]
+    )
     count = metric(metrics, "butd_batch_images_count") - metric(before, "butd_batch_images_count")
     total = metric(metrics, "butd_batch_images_sum") - metric(before, "butd_batch_images_sum")
     assert total == len(names) and count == 2, metrics  # 16 + 4: requests of at most 7 images shared batches
-    assert metric(metrics, 'butd_requests_total{status="200"}') - metric(before, 'butd_requests_total{status="200"}') == 3
+    assert (
+        metric(metrics, 'butd_requests_total{status="200"}') - metric(before, 'butd_requests_total{status="200"}') == 3
+    )
 
 
 def test_regions_and_raw_body(server) -> None:
     photo = photos()[0]
-    status, _, raw = server.request("POST", "/v1/captions?n_best=1&name=../../etc/" + photo.name, photo.read_bytes(),
-                                    {"Content-Type": "image/jpeg"})
+    status, _, raw = server.request(
+        "POST", "/v1/captions?n_best=1&name=../../etc/" + photo.name, photo.read_bytes(), {"Content-Type": "image/jpeg"}
+    )
     body = json.loads(raw)
     assert status == 200 and body["images"][0]["name"] == photo.name  # a label only, the path part dropped
     a = body["images"][0]
@@ -164,7 +216,9 @@ def test_regions_and_raw_body(server) -> None:
         assert 0 <= x1 < x2 <= a["width"] + 1 and 0 <= y1 < y2 <= a["height"] + 1 and r["label"]
     assert {w for r in a["regions"] for w in r["words"]} <= set(a["caption"].split())
     # a client's file name is a label: the bytes are decoded, the named server path is never opened
-    status, _, body = server.post_images([("/etc/hostname", photo.read_bytes()), ("/etc/passwd", b"root:x:0:0\n")], {"regions": "false"})
+    status, _, body = server.post_images(
+        [("/etc/hostname", photo.read_bytes()), ("/etc/passwd", b"root:x:0:0\n")], {"regions": "false"}
+    )
     assert status == 200 and [a["name"] for a in body["images"]] == ["hostname", "passwd"]
     assert body["images"][0]["caption"] == a["caption"] and body["images"][1]["reason"] == "not_an_image"
     # an upload of 2.5 MB (beyond the 1 MB a spooled form parser keeps in memory) leaves no file in its TMPDIR
@@ -184,10 +238,14 @@ def test_regions_and_raw_body(server) -> None:
     status, _, body = server.post_images([("again.jpg", photo.read_bytes())], {"regions": "false"})
     assert status == 200 and body["images"][0]["caption"] == a["caption"]
     after = server.metrics()
-    assert metric(after, 'butd_images_total{outcome="captioned"}') - metric(before, 'butd_images_total{outcome="captioned"}') == 1
+    assert (
+        metric(after, 'butd_images_total{outcome="captioned"}')
+        - metric(before, 'butd_images_total{outcome="captioned"}')
+        == 1
+    )
     assert metric(after, 'butd_requests_total{status="504"}') == 1
     page = server.request("GET", "/")[2].decode()
-    assert "<input id=\"files\"" in page and "http://" not in page and "https://" not in page  # nothing from a network
+    assert '<input id="files"' in page and "http://" not in page and "https://" not in page  # nothing from a network
     spec = json.loads(server.request("GET", "/openapi.json")[2])
     assert "/v1/captions" in spec["paths"] and "multipart/form-data" in json.dumps(spec["paths"]["/v1/captions"])
     assert "/v1/captions" in server.request("GET", "/docs")[2].decode()
@@ -220,13 +278,16 @@ def test_a_malformed_multipart_body_is_400(server) -> None:
     2046's 70 characters (120; 300, also beyond python-multipart's own 256) and a part header without a colon."""
     server.new_log()
     before = server.metrics()
-    bodies = {b: f'--{b}\r\nContent-Disposition: form-data; name="files"; filename="a.jpg"\r\n\r\nxx\r\n--{b}--\r\n'
-              for b in ("b" * 120, "c" * 300)}
+    bodies = {
+        b: f'--{b}\r\nContent-Disposition: form-data; name="files"; filename="a.jpg"\r\n\r\nxx\r\n--{b}--\r\n'
+        for b in ("b" * 120, "c" * 300)
+    }
     bodies["short"] = "--short\r\nContent-Disposition form-data\r\n\r\nxx\r\n--short--\r\n"
     errors = []
     for boundary, body in bodies.items():
-        status, head, raw = server.request("POST", "/v1/captions", body.encode(),
-                                           {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        status, head, raw = server.request(
+            "POST", "/v1/captions", body.encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        )
         assert status == 400 and head["content-type"] == "application/json", (len(boundary), status, raw[:300])
         errors.append(json.loads(raw)["error"])
     assert all(e.startswith("malformed multipart body: ") and "\n" not in e for e in errors), errors
@@ -275,7 +336,9 @@ def test_slow_headers_are_cut_off_and_health_answers(server) -> None:
                         s.send(b"x")
                     except OSError:
                         pass
-        assert len(closed) == n, f"{n - len(closed)} of {n} slow connections still open after {HEADER_TIMEOUT + margin} s"
+        assert len(closed) == n, (
+            f"{n - len(closed)} of {n} slow connections still open after {HEADER_TIMEOUT + margin} s"
+        )
         waited = [t - opened[s] for s, (t, _) in closed.items()]
         assert HEADER_TIMEOUT <= min(waited) and max(waited) <= HEADER_TIMEOUT + margin, (min(waited), max(waited))
         replies = [reply for _, reply in closed.values()]
@@ -297,7 +360,8 @@ def read_answer(sock: socket.socket) -> bytes:
     """One HTTP answer with a Content-Length, read whole from ``sock``."""
     data = b""
     while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
-            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
+        re.search(rb"(?i)content-length: *(\d+)", data).group(1)
+    ):
         chunk = sock.recv(65536)
         assert chunk, data
         data += chunk
@@ -324,8 +388,10 @@ def test_bounds_token_and_sigterm(env: dict, servers: dict) -> None:
 
         # a body that trickles in: 408 once the request's time is up, the connection is not held
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
-            raw.sendall(b"POST /v1/captions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: image/jpeg\r\n"
-                        b"Content-Length: 1000\r\n\r\n" + good[:100])
+            raw.sendall(
+                b"POST /v1/captions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Type: image/jpeg\r\n"
+                b"Content-Length: 1000\r\n\r\n" + good[:100]
+            )
             t0 = time.monotonic()
             reply = raw.recv(4096)
             assert reply.startswith(b"HTTP/1.1 408") and 3 < time.monotonic() - t0 < 20, reply[:200]
@@ -382,7 +448,9 @@ def test_page_uploads_a_photo_in_headless_chromium(server, tmp_path: Path) -> No
         doc = browser.send("DOM.getDocument")["root"]["nodeId"]
         node = browser.send("DOM.querySelector", {"nodeId": doc, "selector": "#files"})["nodeId"]
         browser.send("DOM.setFileInputFiles", {"nodeId": node, "files": [str(photo)]})
-        shown = browser.wait_for("(function(){var c=document.querySelector('.card .caption');return c&&c.textContent;})()")
+        shown = browser.wait_for(
+            "(function(){var c=document.querySelector('.card .caption');return c&&c.textContent;})()"
+        )
         assert shown == f"{want['caption']} {want['score']:.3f}"
         assert browser.evaluate("document.querySelectorAll('.card .box').length") == len(want["regions"]) >= 1
         assert browser.evaluate("document.getElementById('count').textContent") == "1 of 1 photos captioned"
@@ -391,7 +459,9 @@ def test_page_uploads_a_photo_in_headless_chromium(server, tmp_path: Path) -> No
     finally:
         browser.close()
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("RGB"), dtype=np.float32)
-    assert pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500  # the photo and text, not a blank page
+    assert (
+        pixels.std() > 20 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 500
+    )  # the photo and text, not a blank page
 
 
 def test_uploads_are_parsed_in_memory(monkeypatch) -> None:
@@ -475,11 +545,15 @@ def test_uploads_are_decoded_off_the_model_thread(env: dict, monkeypatch) -> Non
     big = Image.new("RGB", (600, 400), (90, 120, 30))  # 240 000 pixels > the 200 000 cap: too_large
     big.save(folder / "zbig.png")
     expected = {r.path.name: r for r in engine.caption_paths(items_from_paths([str(folder)]), 4)}
-    assert expected["zbig.png"].error.startswith("too_large") and expected["broken.jpg"].error.startswith("not_an_image")
+    assert expected["zbig.png"].error.startswith("too_large") and expected["broken.jpg"].error.startswith(
+        "not_an_image"
+    )
 
     threads: list[str] = []
     real = photos_mod.load_rgb
-    monkeypatch.setattr(photos_mod, "load_rgb", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    monkeypatch.setattr(
+        photos_mod, "load_rgb", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
+    )
     batcher = Batcher(engine, max_batch=8, max_wait_s=0.2, queue_limit=8, metrics=Metrics(8), decode_threads=2)
     uploads = [UploadItem(n, Path(n), (folder / n).read_bytes()) for n in sorted(expected)]
 
@@ -501,7 +575,9 @@ def test_uploads_are_decoded_off_the_model_thread(env: dict, monkeypatch) -> Non
     # no waiting for company (max_wait 0), yet a request admitted first whose decoding is slow still shares the
     # batch of one admitted after it and decoded at once: two requests arriving together make one batch of 2
     slow = uploads[0].data
-    monkeypatch.setattr(photos_mod, "load_rgb", lambda data, *a, **k: (time.sleep(0.5) if data == slow else None) or real(data, *a, **k))
+    monkeypatch.setattr(
+        photos_mod, "load_rgb", lambda data, *a, **k: (time.sleep(0.5) if data == slow else None) or real(data, *a, **k)
+    )
     metrics = Metrics(8)
     batcher = Batcher(engine, max_batch=8, max_wait_s=0.0, queue_limit=8, metrics=metrics, decode_threads=2)
 

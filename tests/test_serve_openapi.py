@@ -21,7 +21,9 @@ from pipeline.serving.settings import ServeSettings
 from pipeline.serving.uploads import MAX_FIELD_BYTES, BadRequest, BodyTooLarge, images_and_fields, read_body
 
 #: limits unlike the defaults, n_best's above the beam's: the document must follow the server, not the defaults
-SETTINGS = ServeSettings(max_beam_size=4, max_n_best=7, max_len=25, max_images=3, max_body_bytes=5000, request_timeout_s=12.5)
+SETTINGS = ServeSettings(
+    max_beam_size=4, max_n_best=7, max_len=25, max_images=3, max_body_bytes=5000, request_timeout_s=12.5
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +95,15 @@ def test_the_images_and_the_body_are_declared_with_their_limits(spec: dict) -> N
     assert body["required"] and multipart["required"] == ["files"] and multipart["additionalProperties"] is False
     assert (files["minItems"], files["maxItems"]) == (1, SETTINGS.max_images)
     assert body["content"]["image/*"]["schema"]["maxLength"] == SETTINGS.max_body_bytes
-    assert f"{SETTINGS.max_body_bytes} bytes" in body["description"] and f"{MAX_FIELD_BYTES} bytes" in body["description"]
+    assert (
+        f"{SETTINGS.max_body_bytes} bytes" in body["description"] and f"{MAX_FIELD_BYTES} bytes" in body["description"]
+    )
 
     def parts(n_images: int, field: str = "3") -> bytes:
-        rows = [f'--b\r\nContent-Disposition: form-data; name="files"; filename="{i}.jpg"\r\n\r\nx\r\n' for i in range(n_images)]
+        rows = [
+            f'--b\r\nContent-Disposition: form-data; name="files"; filename="{i}.jpg"\r\n\r\nx\r\n'
+            for i in range(n_images)
+        ]
         rows.append(f'--b\r\nContent-Disposition: form-data; name="beam_size"\r\n\r\n{field}\r\n--b--\r\n')
         return "".join(rows).encode()
 
@@ -112,7 +119,10 @@ def test_the_images_and_the_body_are_declared_with_their_limits(spec: dict) -> N
     async def chunks(n: int):  # noqa: ANN202
         yield b"x" * n
 
-    assert len(asyncio.run(read_body(chunks(SETTINGS.max_body_bytes), None, SETTINGS.max_body_bytes))) == SETTINGS.max_body_bytes
+    assert (
+        len(asyncio.run(read_body(chunks(SETTINGS.max_body_bytes), None, SETTINGS.max_body_bytes)))
+        == SETTINGS.max_body_bytes
+    )
     with pytest.raises(BodyTooLarge):
         asyncio.run(read_body(chunks(SETTINGS.max_body_bytes + 1), None, SETTINGS.max_body_bytes))
 

@@ -30,15 +30,23 @@ def old_spellings() -> list[tuple[str, Config, Config]]:
     old_ex = {k: v for k, v in ex.to_dict().items() if k not in ("bucket_window", "channels_last")}
     pictures = Config({"count": 2, "caption": demo.caption.to_dict(), "decoding": demo.decoding.to_dict()})
     old_pictures = Config({"count": 2, "caption": {**demo.caption.to_dict(), "beam_size": None, "n_best": 1}})
-    return [("detector", det, old_detector(det)),
-            ("train", Config({"train": train.to_dict()}), Config({"train": {**train.to_dict(), "num_threads": None}})),
-            ("extract", Config({"extract": ex.to_dict(), "job": {"weights": "random"}}), Config({"extract": old_ex, "job": {"weights": "random"}})),
-            ("features", ex, Config(old_ex)),
-            ("pictures", pictures, old_pictures)]
+    return [
+        ("detector", det, old_detector(det)),
+        ("train", Config({"train": train.to_dict()}), Config({"train": {**train.to_dict(), "num_threads": None}})),
+        (
+            "extract",
+            Config({"extract": ex.to_dict(), "job": {"weights": "random"}}),
+            Config({"extract": old_ex, "job": {"weights": "random"}}),
+        ),
+        ("features", ex, Config(old_ex)),
+        ("pictures", pictures, old_pictures),
+    ]
 
 
 @pytest.mark.parametrize("name,new,old", old_spellings(), ids=[n for n, _, _ in old_spellings()])
-def test_a_stage_recorded_under_the_old_spelling_is_the_same_config(tmp_path: Path, name: str, new: Config, old: Config) -> None:
+def test_a_stage_recorded_under_the_old_spelling_is_the_same_config(
+    tmp_path: Path, name: str, new: Config, old: Config
+) -> None:
     assert new.digest() != old.digest()
     calls: list[str] = []
 
@@ -54,7 +62,9 @@ def test_a_stage_recorded_under_the_old_spelling_is_the_same_config(tmp_path: Pa
     # interrupted under the old spelling (its marker and a partial file): resumed, not refused
     stage = tmp_path / f"{name}-2"
     stage.mkdir()
-    (stage / RUNNING).write_text(json.dumps({"stage": f"{name}-2", "config_digest": old.digest(), "config": old.to_dict()}))
+    (stage / RUNNING).write_text(
+        json.dumps({"stage": f"{name}-2", "config_digest": old.digest(), "config": old.to_dict()})
+    )
     (stage / "partial.bin").write_bytes(b"1")
     run_stage(tmp_path, f"{name}-2", new, work)
     assert calls[-1] == new.digest()

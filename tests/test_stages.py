@@ -57,8 +57,12 @@ def test_same_config_resumes_the_interrupted_stage(tmp_path):
     with pytest.raises(ConfigError):
         run_stage(tmp_path, "train", Config({"lr": "fast"}), _failing)
     seen = []
-    run_stage(tmp_path, "train", Config({"lr": "fast"}), lambda d, c: seen.append(sorted(p.name for p in d.iterdir())) or {})
-    assert seen == [[".stage.lock", "partial.bin", RUNNING]]  # the stage's lock (pipeline.core.locks) and its partial files  # re-entered with its partial files (no --force: nothing cleared)
+    run_stage(
+        tmp_path, "train", Config({"lr": "fast"}), lambda d, c: seen.append(sorted(p.name for p in d.iterdir())) or {}
+    )
+    assert (
+        seen == [[".stage.lock", "partial.bin", RUNNING]]
+    )  # the stage's lock (pipeline.core.locks) and its partial files  # re-entered with its partial files (no --force: nothing cleared)
 
 
 def test_train_detector_failed_on_a_config_error_then_force_with_another_config_passes(tmp_path):
@@ -66,18 +70,41 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
     from pipeline.world.generate import generate_world
 
     world = tmp_path / "world"
-    generate_world(world, load_config("world", None, ["world.num_images=8", "world.image_size=[64, 96]", "world.max_objects=3",
-                                                      "world.num_workers=1"]).world)
+    generate_world(
+        world,
+        load_config(
+            "world",
+            None,
+            ["world.num_images=8", "world.image_size=[64, 96]", "world.max_objects=3", "world.num_workers=1"],
+        ).world,
+    )
     out = tmp_path / "run" / "detector"  # --out is the run directory, the stage is RUN/detector
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, str(REPO / "cli.py"), "train-detector", "-c", str(REPO / "configs" / "detector" / "tiny.yaml"),
-               "--world", str(world), "--out", str(out.parent), "--set", "detector_train.max_iter=2", "--set", "detector_train.steps=[1]",
-               "--set", "data.eval_annotations=null", *extra]
+        cmd = [
+            sys.executable,
+            str(REPO / "cli.py"),
+            "train-detector",
+            "-c",
+            str(REPO / "configs" / "detector" / "tiny.yaml"),
+            "--world",
+            str(world),
+            "--out",
+            str(out.parent),
+            "--set",
+            "detector_train.max_iter=2",
+            "--set",
+            "detector_train.steps=[1]",
+            "--set",
+            "data.eval_annotations=null",
+            *extra,
+        ]
         return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
-    bad = cli("--set", "detector_train.precision=fp8")  # a config error inside the stage on every machine: no such precision
+    bad = cli(
+        "--set", "detector_train.precision=fp8"
+    )  # a config error inside the stage on every machine: no such precision
     assert bad.returncode == 2 and "detector_train.precision must be one of" in bad.stderr and "'fp8'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert (out / RUNNING).exists() and not (out / MANIFEST).exists()

@@ -35,7 +35,9 @@ def assert_image_equal(rec: dict, want: dict, dtype=np.float16) -> None:
     np.testing.assert_array_equal(rec["attr_scores"], want["attr_scores"])
 
 
-@pytest.mark.parametrize("dtype,chunk_rows,compression", [("float16", 0, None), ("float32", 0, None), ("float16", 64, "lzf")])
+@pytest.mark.parametrize(
+    "dtype,chunk_rows,compression", [("float16", 0, None), ("float32", 0, None), ("float16", 64, "lzf")]
+)
 def test_round_trip(tmp_path, dtype, chunk_rows, compression):
     write_store(tmp_path / "s", range(30), dtype=dtype, chunk_rows=chunk_rows, compression=compression)
     store = FeatureStore(tmp_path / "s")
@@ -227,7 +229,9 @@ def test_info_cli(tmp_path):
     info = store.info()
     assert info["images"] == 6 and info["boxes"] == sum(counts)
     assert info["boxes_per_image"] == {"min": min(counts), "mean": pytest.approx(np.mean(counts)), "max": max(counts)}
-    proc = subprocess.run([sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert "images: 6" in proc.stdout and f"boxes: {sum(counts)}" in proc.stdout
     assert "float16" in proc.stdout and "test-extractor" in proc.stdout and "size on disk" in proc.stdout
@@ -243,9 +247,13 @@ def test_info_cli_wrong_version_is_one_line_exit_2(tmp_path):
     data = json.loads(record.read_text())
     data["schema_version"] = 2
     record.write_text(json.dumps(data))
-    proc = subprocess.run([sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True
+    )
     err = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and "schema version 2; this butd-caption reads version 1" in err and "Traceback" not in err
+    assert (
+        proc.returncode == 2 and "schema version 2; this butd-caption reads version 1" in err and "Traceback" not in err
+    )
 
 
 def test_merge_cli(tmp_path):
@@ -253,13 +261,41 @@ def test_merge_cli(tmp_path):
     write_store(tmp_path / "shard-1", range(6, 9))
     ids = tmp_path / "ids.txt"
     ids.write_text("\n".join(f"img{i:05d}" for i in range(9)))
-    proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
-                           "--store", str(tmp_path / "all"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "cli.py",
+            "merge-features",
+            str(tmp_path / "shard-0"),
+            str(tmp_path / "shard-1"),
+            "--store",
+            str(tmp_path / "all"),
+            "--expect",
+            str(ids),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "images: 9" in proc.stdout, proc.stderr
     assert FeatureStore(tmp_path / "all").keys() == [f"img{i:05d}" for i in range(9)]
     ids.write_text("\n".join(f"img{i:05d}" for i in range(10)))
-    proc = subprocess.run([sys.executable, "cli.py", "merge-features", str(tmp_path / "shard-0"), str(tmp_path / "shard-1"),
-                           "--store", str(tmp_path / "all2"), "--expect", str(ids)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "cli.py",
+            "merge-features",
+            str(tmp_path / "shard-0"),
+            str(tmp_path / "shard-1"),
+            "--store",
+            str(tmp_path / "all2"),
+            "--expect",
+            str(ids),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "1 missing (e.g. ['img00009'])" in " ".join(proc.stderr.split())
 
 

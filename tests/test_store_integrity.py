@@ -187,14 +187,19 @@ def test_real_full_disk_and_read_only_disk(tmp_path):
     _write(tmp_path / "src", [f"k{i}" for i in range(40)])
     (tmp_path / "fill.py").write_text(FILL)
     py = sys.executable
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     shell = (
         f"mount -t tmpfs -o size=300k tmpfs {mnt} || exit 9; "
         f"{py} {tmp_path}/fill.py {mnt}/s; {py} {REPO}/cli.py info --verify {mnt}/s; echo VERIFY=$?; "
         f"{py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/x.tsv; echo FULL=$?; "
         f"mount -o remount,ro {mnt} && {py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/y.tsv; echo RO=$?"
     )
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
     out = proc.stdout + proc.stderr
     assert "ERRNO=28 ACTION=write feature segment" in out, out
     committed = int(out.split("COMMITTED=")[1].split()[0])
@@ -215,8 +220,9 @@ def test_export_import_round_trips_every_key(tmp_path, fmt):
     assert res.exit_code == 0, res.output
     assert out.read_bytes().count(b"\n") == len(keys)
     out.read_bytes().decode("utf-8")  # the file is valid UTF-8
-    res = CliRunner().invoke(app, ["import-features", str(out), "--format", fmt, "--store", str(tmp_path / "back"),
-                                   "--keys", "raw"])
+    res = CliRunner().invoke(
+        app, ["import-features", str(out), "--format", fmt, "--store", str(tmp_path / "back"), "--keys", "raw"]
+    )
     assert res.exit_code == 0, res.output
     back = FeatureStore(tmp_path / "back")
     assert sorted(back.keys()) == sorted(keys)
@@ -229,23 +235,43 @@ def test_import_of_a_malformed_key_escape_is_a_bad_row(tmp_path):
     out = tmp_path / "x.tsv"
     assert CliRunner().invoke(app, ["export-features", str(store), "--output", str(out)]).exit_code == 0
     out.write_bytes(out.read_bytes().replace(b"b\t", b"b\\q\t", 1))
-    res = CliRunner().invoke(app, ["import-features", str(out), "--format", "butd-tsv", "--store", str(tmp_path / "back"),
-                                   "--skip-bad"])
+    res = CliRunner().invoke(
+        app, ["import-features", str(out), "--format", "butd-tsv", "--store", str(tmp_path / "back"), "--skip-bad"]
+    )
     assert res.exit_code == 0 and "malformed escape" in res.output
     assert FeatureStore(tmp_path / "back").keys() == ["a"]
 
 
-@pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user namespaces (unshare -rm) to mount a read-only tmpfs")
+@pytest.mark.skipif(
+    not _unshare_ok(), reason="needs unprivileged user namespaces (unshare -rm) to mount a read-only tmpfs"
+)
 def test_every_writing_command_on_a_read_only_disk_is_one_line(tmp_path, shared_data):
     """extract, import-features, export-features, merge-features, prepare and demo writing to a read-only
     file system: each exits 1 with one `error: cannot ...` line naming the path, no traceback."""
     import json as _json
 
     _write(tmp_path / "src", ["a", "b"])
-    assert CliRunner().invoke(app, ["export-features", str(tmp_path / "src"), "--output", str(tmp_path / "x.tsv")]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(app, ["export-features", str(tmp_path / "src"), "--output", str(tmp_path / "x.tsv")])
+        .exit_code
+        == 0
+    )
     karpathy = tmp_path / "k.json"
-    karpathy.write_text(_json.dumps({"images": [{"cocoid": 1, "filename": "1.jpg", "split": "train",
-                                                 "sentences": [{"tokens": ["a", "dog"], "raw": "a dog"}]}]}))
+    karpathy.write_text(
+        _json.dumps(
+            {
+                "images": [
+                    {
+                        "cocoid": 1,
+                        "filename": "1.jpg",
+                        "split": "train",
+                        "sentences": [{"tokens": ["a", "dog"], "raw": "a dog"}],
+                    }
+                ]
+            }
+        )
+    )
     photo = shared_data / "photos" / "000456.jpg"
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -259,9 +285,12 @@ def test_every_writing_command_on_a_read_only_disk_is_one_line(tmp_path, shared_
         "demo": f"demo --out {ro}/demo --quick",
     }
     shell = f"mount -t tmpfs -o ro tmpfs {ro} || exit 9; " + "; ".join(
-        f"echo '<<{name}>>'; {cli} {cmd} 2>&1; echo \"<<rc=$?>>\"" for name, cmd in commands.items())
+        f"echo '<<{name}>>'; {cli} {cmd} 2>&1; echo \"<<rc=$?>>\"" for name, cmd in commands.items()
+    )
     env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="400")
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
     out = proc.stdout + proc.stderr
     for name in commands:
         part = out.split(f"<<{name}>>")[1].split("<<rc=")
@@ -370,14 +399,25 @@ def test_hdf5_runtime_error_of_a_full_disk_is_the_disk_full_os_error(tmp_path, m
 
     def full_disk(h5py, path, *args):
         path.write_bytes(b"partial")
-        raise RuntimeError("Can't decrement id ref count (file write failed: time = now, filename = 'x', "
-                           "file descriptor = 4, errno = 28, error message = 'No space left on device')")
+        raise RuntimeError(
+            "Can't decrement id ref count (file write failed: time = now, filename = 'x', "
+            "file descriptor = 4, errno = 28, error message = 'No space left on device')"
+        )
 
     monkeypatch.setattr(segment, "_write_segment_file", full_disk)
     target = tmp_path / "seg-000000.h5.tmp"
     with pytest.raises(OSError) as info:
-        segment.write_segment(target, [], num_images=0, num_rows=0, identity={}, feature_dtype="float32",
-                              feature_dim=4, fields=[], fsync=False)
+        segment.write_segment(
+            target,
+            [],
+            num_images=0,
+            num_rows=0,
+            identity={},
+            feature_dtype="float32",
+            feature_dim=4,
+            fields=[],
+            fsync=False,
+        )
     assert info.value.errno == 28 and info.value.butd_action == "write feature segment"
     assert info.value.filename == str(target) and not target.exists()
 
@@ -386,5 +426,14 @@ def test_hdf5_runtime_error_of_a_full_disk_is_the_disk_full_os_error(tmp_path, m
 
     monkeypatch.setattr(segment, "_write_segment_file", other)
     with pytest.raises(RuntimeError, match="unrelated"):
-        segment.write_segment(target, [], num_images=0, num_rows=0, identity={}, feature_dtype="float32",
-                              feature_dim=4, fields=[], fsync=False)
+        segment.write_segment(
+            target,
+            [],
+            num_images=0,
+            num_rows=0,
+            identity={},
+            feature_dtype="float32",
+            feature_dim=4,
+            fields=[],
+            fsync=False,
+        )

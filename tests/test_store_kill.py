@@ -40,7 +40,11 @@ def _start_writer(path: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.Popen(
         [sys.executable, str(TESTS / "store_kill_writer.py"), str(path), str(TOTAL), str(EVERY), str(DIM)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
     )
 
 

@@ -31,16 +31,32 @@ from pipeline.training.api import train_captioner
 from train_helpers import make_world_run, train_overrides
 
 ENC = "{objective: cap2img, word_dim: 16, hidden_size: 24, attn_hidden: 12, attn_rows: 3, image_head_hidden: 32, image_head_dropout: 0.0}"
-SENTENCES = ["a red circle above a blue square", "two green triangles", "   ", "a small circle", "words nobody knows",
-             "a blue square left of a red triangle and a green circle"]
+SENTENCES = [
+    "a red circle above a blue square",
+    "two green triangles",
+    "   ",
+    "a small circle",
+    "words nobody knows",
+    "a blue square left of a red triangle and a green circle",
+]
 #: workers the thread policy grants for a request of 2 on this machine (0 where the cores allow none)
 GRANTED = thread_policy.plan(workers=2).workers
 
 
 def _encoder_cfg(run: Path, *extra: str):
-    return load_config("embed", None, [f"sentence_encoder.model_overrides={ENC}", f"sentence_encoder.store={run / 'features/store'}",
-                                       f"sentence_encoder.data={run / 'data'}", "sentence_encoder.device=cpu", "sentence_encoder.batch_size=16",
-                                       "sentence_encoder.epochs=1", *extra])
+    return load_config(
+        "embed",
+        None,
+        [
+            f"sentence_encoder.model_overrides={ENC}",
+            f"sentence_encoder.store={run / 'features/store'}",
+            f"sentence_encoder.data={run / 'data'}",
+            "sentence_encoder.device=cpu",
+            "sentence_encoder.batch_size=16",
+            "sentence_encoder.epochs=1",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +65,13 @@ def world(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("storeworkers")
     run = make_world_run(root, num_images=60)
-    cfg = load_config("train", None, train_overrides(run, "san", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"))
+    cfg = load_config(
+        "train",
+        None,
+        train_overrides(
+            run, "san", "train.stages=[xe]", "train.xe={epochs: 1, batch_size: 16, lr: 2.0e-3, warmup_iters: 0}"
+        ),
+    )
     captioner = train_captioner(run, cfg).directory / "best.pt"
     torch.manual_seed(0)
     train_encoder(root / "out", _encoder_cfg(run))
@@ -88,10 +110,17 @@ def test_everyday_options_reach_the_config_keys() -> None:
     ev = CommandOptions(everyday=EVALUATE_EVERYDAY, **opts).resolve("evaluate", show=False).evaluate
     assert (ev.device, ev.batch_size, ev.precision, ev.num_workers) == ("cpu", 5, "bf16", 2)
     cfg = CommandOptions(everyday=ENCODER_EVERYDAY, **opts).resolve("embed", show=False)
-    assert (cfg.sentence_encoder.device, cfg.sentence_encoder.batch_size, cfg.sentence_encoder.precision, cfg.sentence_encoder.num_workers) == ("cpu", 5, "bf16", 2)
+    assert (
+        cfg.sentence_encoder.device,
+        cfg.sentence_encoder.batch_size,
+        cfg.sentence_encoder.precision,
+        cfg.sentence_encoder.num_workers,
+    ) == ("cpu", 5, "bf16", 2)
     cfg = CommandOptions(everyday=EMBED_EVERYDAY, **opts).resolve("embed", show=False)
     assert (cfg.embed.device, cfg.embed.batch_size, cfg.embed.precision, cfg.embed.num_workers) == ("cpu", 5, "bf16", 2)
-    assert cfg.sentence_encoder.num_workers == 0 and cfg.sentence_encoder.precision == "auto"  # embed's options leave the encoder alone
+    assert (
+        cfg.sentence_encoder.num_workers == 0 and cfg.sentence_encoder.precision == "auto"
+    )  # embed's options leave the encoder alone
 
 
 def test_image_table_is_identical_for_0_and_2_workers(world, tmp_path, monkeypatch) -> None:
@@ -114,7 +143,9 @@ def test_image_table_is_identical_for_0_and_2_workers(world, tmp_path, monkeypat
     torch.manual_seed(3)
     enc_data.image_table(store, keys[:5], None, num_workers=2)
     list(sentence_batches(SENTENCES, PreparedCaptions.load(run / "data").vocab, 5, 2, num_workers=2))
-    assert torch.equal(torch.rand(4), expected), "reading must leave the global RNG (the encoder's initial weights) alone"
+    assert torch.equal(torch.rand(4), expected), (
+        "reading must leave the global RNG (the encoder's initial weights) alone"
+    )
     with pytest.raises(Exception, match="num_workers must be >= 0"):
         enc_data.image_table(store, keys, None, num_workers=-1)
 
@@ -124,7 +155,9 @@ def test_train_encoder_reads_its_image_table_in_workers(world, tmp_path, monkeyp
     base = EncoderTrainer(tmp_path / "a", _encoder_cfg(run).sentence_encoder, DistContext())
     log = tmp_path / "pids"
     _record_pids(monkeypatch, enc_data.ImageMeans, log)
-    workers = EncoderTrainer(tmp_path / "b", _encoder_cfg(run, "sentence_encoder.num_workers=2").sentence_encoder, DistContext())
+    workers = EncoderTrainer(
+        tmp_path / "b", _encoder_cfg(run, "sentence_encoder.num_workers=2").sentence_encoder, DistContext()
+    )
     _assert_read_in_workers(log)
     assert torch.equal(base.train_images, workers.train_images) and base.train_images.shape[0] == len(base.train.keys)
     assert np.array_equal(base.val_images, workers.val_images)
@@ -132,9 +165,28 @@ def test_train_encoder_reads_its_image_table_in_workers(world, tmp_path, monkeyp
 
 def _evaluate(run: Path, captioner: Path, out: Path, *extra: str):
     out.mkdir()
-    res = invoke("evaluate", "--model", str(captioner), "--store", str(run / "features/store"), "--data", str(run / "data"),
-                 "--split", "test", "--metrics", "bleu,cider", "--set", "evaluate.tokenizer=simple", "--device", "cpu",
-                 "--batch-size", "3", "--output", str(out / "m.json"), *extra)
+    res = invoke(
+        "evaluate",
+        "--model",
+        str(captioner),
+        "--store",
+        str(run / "features/store"),
+        "--data",
+        str(run / "data"),
+        "--split",
+        "test",
+        "--metrics",
+        "bleu,cider",
+        "--set",
+        "evaluate.tokenizer=simple",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "3",
+        "--output",
+        str(out / "m.json"),
+        *extra,
+    )
     assert res.exit_code == 0, res.output
     return json.loads((out / "predictions_test.json").read_text()), json.loads((out / "m.json").read_text())
 
@@ -177,8 +229,19 @@ def test_evaluate_retrieval_is_the_same_with_store_workers(world, tmp_path) -> N
     outs = []
     for n in ("0", "2"):
         out = tmp_path / f"r{n}.json"
-        res = invoke("evaluate", "--retrieval", str(encoder), "--store", str(run / "features/store"), "--data", str(run / "data"),
-                     "--num-workers", n, "--output", str(out))
+        res = invoke(
+            "evaluate",
+            "--retrieval",
+            str(encoder),
+            "--store",
+            str(run / "features/store"),
+            "--data",
+            str(run / "data"),
+            "--num-workers",
+            n,
+            "--output",
+            str(out),
+        )
         assert res.exit_code == 0, res.output
         outs.append(json.loads(out.read_text())["retrieval"])
     assert outs[0] == outs[1] and outs[0]["split_images"] > 3
@@ -227,8 +290,24 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     rel = np.abs(fp32 - bf16).max(1) / np.abs(fp32).max(1)
     print(f"\nbf16 vs fp32: min cosine {cos.min():.6f}, max relative deviation {rel.max():.4f}")
     assert cos.min() > 0.999 and rel.max() < 0.02
-    res = invoke("embed", "-k", str(encoder), "-i", str(sents), "--output", str(tmp_path / "h.npy"), "--precision", "fp16", "--device", "cpu")
-    assert res.exit_code == 2 and "embed.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
+    res = invoke(
+        "embed",
+        "-k",
+        str(encoder),
+        "-i",
+        str(sents),
+        "--output",
+        str(tmp_path / "h.npy"),
+        "--precision",
+        "fp16",
+        "--device",
+        "cpu",
+    )
+    assert (
+        res.exit_code == 2
+        and "embed.precision=fp16 needs a CUDA device" in res.output
+        and "Traceback" not in res.output
+    )
 
 
 def test_evaluate_retrieval_encodes_under_the_precision_option(world, tmp_path, monkeypatch) -> None:
@@ -237,10 +316,23 @@ def test_evaluate_retrieval_encodes_under_the_precision_option(world, tmp_path, 
     from models.sentence_encoder import SentenceEncoder
 
     run, _, encoder = world
-    args = ("evaluate", "--retrieval", str(encoder), "--store", str(run / "features/store"), "--data", str(run / "data"),
-            "--device", "cpu")  # the CPU claim (fp16 refused) holds on a CUDA machine too
+    args = (
+        "evaluate",
+        "--retrieval",
+        str(encoder),
+        "--store",
+        str(run / "features/store"),
+        "--data",
+        str(run / "data"),
+        "--device",
+        "cpu",
+    )  # the CPU claim (fp16 refused) holds on a CUDA machine too
     res = invoke(*args, "--precision", "fp16")
-    assert res.exit_code == 2 and "evaluate.precision=fp16 needs a CUDA device" in res.output and "Traceback" not in res.output
+    assert (
+        res.exit_code == 2
+        and "evaluate.precision=fp16 needs a CUDA device" in res.output
+        and "Traceback" not in res.output
+    )
     dtypes: list[torch.dtype] = []
     real = SentenceEncoder.predict_image
 

@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 from pipeline.core.errors import ConfigError, UsageError, os_error_message
 
 
-
 def strict_loads(text: str):
     def refuse(name: str):
         raise ValueError(f"{name} in strict JSON")
@@ -34,22 +33,35 @@ def photo(path: Path) -> Path:
 
 
 # ---- numbers -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args,flag", [(["--length-penalty", "nan"], "--length-penalty"), (["--length-penalty", "inf"], "--length-penalty"),
-                                       (["--beam-size", "2", "--n-best", "4"], "--n-best 4 cannot exceed --beam-size 2"),
-                                       (["--max-len", "0"], "--max-len"), (["--set", "caption.conf_thresh=nan"], "caption.conf_thresh"),
-                                       (["--set", "caption.batch_size=0"], "caption.batch_size"), (["--n-best", "0"], "--n-best"),
-                                       (["--batch-size", "0"], "--batch-size"), (["--num-workers", "-1"], "--num-workers")])
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--length-penalty", "nan"], "--length-penalty"),
+        (["--length-penalty", "inf"], "--length-penalty"),
+        (["--beam-size", "2", "--n-best", "4"], "--n-best 4 cannot exceed --beam-size 2"),
+        (["--max-len", "0"], "--max-len"),
+        (["--set", "caption.conf_thresh=nan"], "caption.conf_thresh"),
+        (["--set", "caption.batch_size=0"], "caption.batch_size"),
+        (["--n-best", "0"], "--n-best"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--num-workers", "-1"], "--num-workers"),
+    ],
+)
 def test_caption_refuses_bad_numbers_before_any_work(tmp_path: Path, args: list[str], flag: str) -> None:
     """One line, exit 2, before the model is even looked for (the --model here does not exist)."""
     import cli
 
-    res = CliRunner().invoke(cli.app, ["caption", str(photo(tmp_path / "a.jpg")), "--model", str(tmp_path / "none.pt"), *args])
+    res = CliRunner().invoke(
+        cli.app, ["caption", str(photo(tmp_path / "a.jpg")), "--model", str(tmp_path / "none.pt"), *args]
+    )
     lines = [x for x in res.output.splitlines() if x.startswith("error:")]
     assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output[-2000:]
     assert flag in lines[0] and "none.pt" not in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("command", [["extract", "--store", "S"], ["train", "--out", "R"], ["evaluate", "--model", "M.pt"]])
+@pytest.mark.parametrize(
+    "command", [["extract", "--store", "S"], ["train", "--out", "R"], ["evaluate", "--model", "M.pt"]]
+)
 def test_every_model_command_refuses_a_zero_batch_and_negative_workers(tmp_path: Path, command: list[str]) -> None:
     import cli
 
@@ -81,13 +93,31 @@ def test_decoding_numbers_are_finite_and_n_best_is_never_silently_widened(tmp_pa
         load_config("caption", yaml_nan, [])
     with pytest.raises(ConfigError, match="n_best \\(4\\) cannot exceed beam_size \\(2\\)"):
         DecodeOptions.from_mapping(merge_decoding({"beam_size": 3}, {"beam_size": 2, "n_best": 4}))
-    assert merge_decoding({"beam_size": 3}, {"n_best": 4})["beam_size"] == 4  # the checkpoint's own beam: widened, said in a log line
+    assert (
+        merge_decoding({"beam_size": 3}, {"n_best": 4})["beam_size"] == 4
+    )  # the checkpoint's own beam: widened, said in a log line
     assert merge_decoding({"beam_size": 5}, {"n_best": 4})["beam_size"] == 5
 
 
-@pytest.mark.parametrize("name,config", [("san", {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1, "feat_dim": 8}),
-                                         ("m2", {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 3, "num_dec_layers": 1,
-                                                 "num_memory": 2, "feat_dim": 8, "max_len": 12})])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("san", {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1, "feat_dim": 8}),
+        (
+            "m2",
+            {
+                "d_model": 16,
+                "num_heads": 2,
+                "d_ff": 32,
+                "num_layers": 3,
+                "num_dec_layers": 1,
+                "num_memory": 2,
+                "feat_dim": 8,
+                "max_len": 12,
+            },
+        ),
+    ],
+)
 def test_max_len_past_the_position_table_is_refused_up_front(name: str, config: dict) -> None:
     from models import build_captioner
     from models.decoding import DecodeOptions, check_max_len
@@ -108,9 +138,17 @@ def test_non_finite_scores_are_null_and_formula_cells_are_neutralised(tmp_path: 
     from pipeline.captioning.journal import dumps_row
     from pipeline.captioning.output import finalize, plan_output
 
-    rows = [{"image": "=HYPERLINK(\"http://x\",\"y\").jpg", "key": "@SUM(A1).jpg", "caption": "a cat", "score": math.nan},
-            {"image": "+1.jpg", "key": "-2.jpg", "caption": "=cmd|' /C calc'!A0", "score": -1.5},
-            {"image": "ok.jpg", "key": "ok.jpg", "caption": "a dog", "score": math.inf, "nbest": [{"caption": "a dog", "score": math.nan}]}]
+    rows = [
+        {"image": '=HYPERLINK("http://x","y").jpg', "key": "@SUM(A1).jpg", "caption": "a cat", "score": math.nan},
+        {"image": "+1.jpg", "key": "-2.jpg", "caption": "=cmd|' /C calc'!A0", "score": -1.5},
+        {
+            "image": "ok.jpg",
+            "key": "ok.jpg",
+            "caption": "a dog",
+            "score": math.inf,
+            "nbest": [{"caption": "a dog", "score": math.nan}],
+        },
+    ]
     for r in rows:
         back = strict_loads(dumps_row(r).decode())
         assert all(v is None or not isinstance(v, float) or math.isfinite(v) for v in back.values())
@@ -124,7 +162,9 @@ def test_non_finite_scores_are_null_and_formula_cells_are_neutralised(tmp_path: 
     for r in table:
         for col in ("image", "key", "caption"):
             assert not r[col].startswith(("=", "+", "-", "@")), r[col]
-    assert table[0]["image"] == "'=HYPERLINK(\"http://x\",\"y\").jpg" and table[1]["score"] == "-1.5"  # numbers stay numbers
+    assert (
+        table[0]["image"] == '\'=HYPERLINK("http://x","y").jpg' and table[1]["score"] == "-1.5"
+    )  # numbers stay numbers
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------
@@ -144,7 +184,9 @@ def test_file_list_saved_with_a_byte_order_mark(tmp_path: Path, encoding: str) -
     assert read_json(ids) == {"first.jpg": 1}
 
 
-def test_glob_over_folders_with_repeated_names_keys_by_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_glob_over_folders_with_repeated_names_keys_by_relative_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from extractors.inputs import items_from_paths
 
     for day in ("day1", "day2", "day3"):
@@ -158,7 +200,9 @@ def test_glob_over_folders_with_repeated_names_keys_by_relative_path(tmp_path: P
 
 
 # ---- failed writes -------------------------------------------------------------------------------------------
-def test_a_failed_append_names_the_file_and_leaves_no_torn_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_append_names_the_file_and_leaves_no_torn_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pipeline.captioning import journal as jmod
 
     out, fail = tmp_path / "out.jsonl", tmp_path / "out.failures.jsonl"

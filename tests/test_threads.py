@@ -185,6 +185,12 @@ def test_openmp_wait_policy_is_set_before_torch_loads():
         "import torch\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", spy], cwd=str(threads.Path(__file__).resolve().parent.parent), env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", spy],
+        cwd=str(threads.Path(__file__).resolve().parent.parent),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "policy at torch import: PASSIVE" in out.stdout, out.stdout + out.stderr

@@ -13,9 +13,16 @@ def test_one_copy_per_batch_gives_the_per_field_arrays(monkeypatch) -> None:
     g = torch.Generator().manual_seed(0)
     images = []
     for n, attrs in ((5, True), (0, True), (3, True)):
-        images.append({"features": torch.rand(n, 6, generator=g, dtype=torch.float64).half(), "boxes": torch.rand(n, 4, generator=g) * 500,
-                       "class_ids": torch.randint(0, 1600, (n,), generator=g), "class_scores": torch.rand(n, generator=g),
-                       "attr_ids": torch.randint(-1, 400, (n,), generator=g) if attrs else None, "attr_scores": torch.rand(n, generator=g)})
+        images.append(
+            {
+                "features": torch.rand(n, 6, generator=g, dtype=torch.float64).half(),
+                "boxes": torch.rand(n, 4, generator=g) * 500,
+                "class_ids": torch.randint(0, 1600, (n,), generator=g),
+                "class_scores": torch.rand(n, generator=g),
+                "attr_ids": torch.randint(-1, 400, (n,), generator=g) if attrs else None,
+                "attr_scores": torch.rand(n, generator=g),
+            }
+        )
     images[2]["attr_ids"], images[2]["attr_scores"] = None, None
     sizes = [(640, 480), (10, 20), (333, 500)]
     recs = records_to_host(images, sizes)

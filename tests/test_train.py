@@ -48,22 +48,46 @@ SETTINGS = [
 
 @pytest.mark.parametrize("model", ["san", "ngsan"])
 def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
-    cfg = load_config("train", None, train_overrides(run, model, *SETTINGS))  # train.device=cpu; the margins below are CPU numbers
+    cfg = load_config(
+        "train", None, train_overrides(run, model, *SETTINGS)
+    )  # train.device=cpu; the margins below are CPU numbers
     result = train_captioner(run, cfg)
     d = result.directory
     assert {p.name for p in d.iterdir()} >= {"last.pt", "best.pt", "xe.pt", "log.jsonl", "manifest.json"}
-    xe = evaluate_checkpoint(d / "xe.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-xe", fast_only=True, device="cpu")
-    scst = evaluate_checkpoint(d / "last.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-scst", fast_only=True, device="cpu")
+    xe = evaluate_checkpoint(
+        d / "xe.pt", run / "features/store", run / "data", "test", out_dir=d / "eval-xe", fast_only=True, device="cpu"
+    )
+    scst = evaluate_checkpoint(
+        d / "last.pt",
+        run / "features/store",
+        run / "data",
+        "test",
+        out_dir=d / "eval-scst",
+        fast_only=True,
+        device="cpu",
+    )
     base = shuffled_baseline(run)
-    print(f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, SCST {scst['metrics']['CIDEr']:.3f}")
+    print(
+        f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, SCST {scst['metrics']['CIDEr']:.3f}"
+    )
     assert base < 0.5
     assert xe["metrics"]["CIDEr"] > base + 0.5 and xe["metrics"]["CIDEr"] > 2.5 * base
     assert scst["metrics"]["CIDEr"] > xe["metrics"]["CIDEr"] + 0.05
     # the checkpoints describe themselves; the log has train, epoch and val records of both stages
     ck = CaptionerCheckpoint.load(d / "last.pt")
-    assert ck.model_name == model and ck.progress.stage == "scst" and ck.progress.stage_done and ck.model_config["d_model"] == 64
+    assert (
+        ck.model_name == model
+        and ck.progress.stage == "scst"
+        and ck.progress.stage_done
+        and ck.model_config["d_model"] == 64
+    )
     records = [json.loads(line) for line in (d / "log.jsonl").read_text().splitlines()]
-    assert {(r["event"], r["stage"]) for r in records if "stage" in r} >= {("train", "xe"), ("val", "xe"), ("train", "scst"), ("val", "scst")}
+    assert {(r["event"], r["stage"]) for r in records if "stage" in r} >= {
+        ("train", "xe"),
+        ("val", "xe"),
+        ("train", "scst"),
+        ("val", "scst"),
+    }
     # predictions file is in COCO results format with one caption per test image
     preds = json.loads((d / "eval-xe" / "predictions_test.json").read_text())
     assert len(preds) == xe["num_images"] == 50 and all(isinstance(p["image_id"], int) and p["caption"] for p in preds)

@@ -34,19 +34,46 @@ def free_port() -> int:
 
 
 def sets(run: Path) -> list[str]:
-    values = train_overrides(run, "san", "train.stages=[xe]", "train.validation.decoding={method: greedy}",
-                             "train.xe={epochs: 1, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}")
+    values = train_overrides(
+        run,
+        "san",
+        "train.stages=[xe]",
+        "train.validation.decoding={method: greedy}",
+        "train.xe={epochs: 1, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}",
+    )
     return ["--threads", "1", *(a for s in values for a in ("--set", s))]
 
 
 def test_two_process_gloo_epoch_matches_single_process(run, tmp_path) -> None:
-    single = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", "--out", str(tmp_path / "one"), *sets(run)],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(tmp_path / "one"), *sets(run)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     ddp = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(ROOT / "cli.py"), "train", "--out", str(tmp_path / "two"), *sets(run)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(ROOT / "cli.py"),
+            "train",
+            "--out",
+            str(tmp_path / "two"),
+            *sets(run),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     logs = {}
@@ -55,7 +82,9 @@ def test_two_process_gloo_epoch_matches_single_process(run, tmp_path) -> None:
         logs[name] = {r["event"]: r for r in recs if r["event"] in ("epoch", "val")}
         assert sum(r["event"] == "train" for r in recs) == 16  # 128 train images / 8: same number of steps
     one, two = logs["one"], logs["two"]
-    print(f"\nsingle: loss {one['epoch']['loss']:.5f} CIDEr {one['val']['CIDEr']:.4f}; DDP x2: loss {two['epoch']['loss']:.5f} CIDEr {two['val']['CIDEr']:.4f}")
+    print(
+        f"\nsingle: loss {one['epoch']['loss']:.5f} CIDEr {one['val']['CIDEr']:.4f}; DDP x2: loss {two['epoch']['loss']:.5f} CIDEr {two['val']['CIDEr']:.4f}"
+    )
     assert abs(one["epoch"]["loss"] - two["epoch"]["loss"]) < 0.02
     assert abs(one["val"]["CIDEr"] - two["val"]["CIDEr"]) < 0.02
     wa = CaptionerCheckpoint.load(tmp_path / "one" / "train-san" / "last.pt").weights

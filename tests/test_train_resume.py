@@ -27,11 +27,25 @@ def run(tmp_path_factory):
 
 
 def command(run: Path, out: Path, model: str = "san") -> list[str]:
-    sets = train_overrides(run, model, "train.checkpoint_every=3", "train.validation.decoding={method: greedy}",
-                           "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
-                           "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
-                           "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}")
-    return [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), "--threads", "1", *[a for s in sets for a in ("--set", s)]]
+    sets = train_overrides(
+        run,
+        model,
+        "train.checkpoint_every=3",
+        "train.validation.decoding={method: greedy}",
+        "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
+        "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
+        "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}",
+    )
+    return [
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "train",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        *[a for s in sets for a in ("--set", s)],
+    ]
 
 
 def steps_logged(stage_dir: Path, stage: str) -> int:
@@ -68,7 +82,10 @@ def test_killed_and_resumed_run_gives_bitwise_identical_weights(run, tmp_path) -
     killed = interrupt(command(run, b), stage_dir, "scst", 1, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     ck = CaptionerCheckpoint.load(stage_dir / "last.pt")
-    assert (ck.progress.stage, ck.progress.stage_done) == ("xe", True) or ck.progress.iteration >= 3  # the latter only on a very slow kill
+    assert (ck.progress.stage, ck.progress.stage_done) == (
+        "xe",
+        True,
+    ) or ck.progress.iteration >= 3  # the latter only on a very slow kill
     # 3) SIGTERM during SCST: saves at the next step boundary and exits cleanly (130, one line, no traceback)
     stopped = interrupt(command(run, b), stage_dir, "scst", 4, signal.SIGTERM)
     assert stopped.returncode == 130, stopped.stderr[-3000:]

@@ -17,8 +17,18 @@ import torch
 from pipeline.core.config import load_config
 from pipeline.core.distributed import DistContext, resolve_device
 from pipeline.core.errors import ConfigError, PipelineError, UsageError
-from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, check_finite, make_scaler, optimizer_step,
-                                    resolve_precision, restore_training_state, seed_everything, training_state)
+from pipeline.core.training import (
+    StopOnSignal,
+    TrainingInterrupted,
+    autocast,
+    check_finite,
+    make_scaler,
+    optimizer_step,
+    resolve_precision,
+    restore_training_state,
+    seed_everything,
+    training_state,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -51,8 +61,14 @@ def test_the_old_amp_key_is_refused_naming_precision(stage, key, today, tmp_path
 
 def test_cli_refuses_amp_with_one_line_and_exit_2(tmp_path):
     env = {**os.environ, "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
-    res = subprocess.run([sys.executable, str(REPO / "cli.py"), "train", "--out", str(tmp_path), "--set", "train.amp=bf16"],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "cli.py"), "train", "--out", str(tmp_path), "--set", "train.amp=bf16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert [line for line in lines if line.startswith("error:")] == [lines[-1]] and "train.precision" in lines[-1]

@@ -69,16 +69,24 @@ def test_paper_recipes_from_the_model_yamls() -> None:
 def tiny():
     torch.manual_seed(0)
     vocab = Vocab(("<pad>", "<bos>", "<eos>", "<unk>") + tuple(f"w{i}" for i in range(12)))
-    model = build_captioner("san", len(vocab), feat_dim=8, d_model=32, num_heads=4, d_ff=64, num_layers=1, dropout=0.0, embed_dropout=0.0)
+    model = build_captioner(
+        "san", len(vocab), feat_dim=8, d_model=32, num_heads=4, d_ff=64, num_layers=1, dropout=0.0, embed_dropout=0.0
+    )
     g = torch.Generator().manual_seed(1)
     b, n = 3, 5
     caps = torch.randint(4, len(vocab), (7, 6), generator=g)
     caps[:, 0] = BOS
     caps[:, 4] = EOS
     caps[:, 5] = PAD
-    batch = {"feats": torch.randn(b, n, 8, generator=g), "mask": torch.ones(b, n, dtype=torch.bool),
-             "boxes": torch.tensor([0.0, 0.0, 10.0, 10.0]).expand(b, n, 4).clone(), "sizes": torch.full((b, 2), 20.0),
-             "captions": caps, "caption_image": torch.tensor([0, 0, 0, 1, 1, 2, 2]), "keys": ["a", "b", "c"]}
+    batch = {
+        "feats": torch.randn(b, n, 8, generator=g),
+        "mask": torch.ones(b, n, dtype=torch.bool),
+        "boxes": torch.tensor([0.0, 0.0, 10.0, 10.0]).expand(b, n, 4).clone(),
+        "sizes": torch.full((b, 2), 20.0),
+        "captions": caps,
+        "caption_image": torch.tensor([0, 0, 0, 1, 1, 2, 2]),
+        "keys": ["a", "b", "c"],
+    }
     return model, vocab, batch
 
 
@@ -94,7 +102,9 @@ def test_xe_encodes_each_image_once_and_equals_per_caption_encoding(tiny) -> Non
         del model.encode
     assert calls == [3] and int(count) == 7 * 4
     img = batch["caption_image"]
-    per_caption = model(batch["feats"][img], batch["mask"][img], batch["boxes"][img], batch["sizes"][img], batch["captions"][:, :-1])
+    per_caption = model(
+        batch["feats"][img], batch["mask"][img], batch["boxes"][img], batch["sizes"][img], batch["captions"][:, :-1]
+    )
     ref = -per_caption.gather(-1, batch["captions"][:, 1:, None])[..., 0][batch["captions"][:, 1:] != PAD].sum()
     assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
     # the step-by-step path (used by scheduled sampling) with p = 0 is teacher forcing
@@ -103,7 +113,9 @@ def test_xe_encodes_each_image_once_and_equals_per_caption_encoding(tiny) -> Non
     assert torch.allclose(stepwise, parallel, atol=1e-5)
     # with p = 1 every input after BOS is a model sample, so the log-probs change
     torch.manual_seed(0)
-    assert not torch.allclose(scheduled_sampling_log_probs(model, batch, batch["captions"][:, :-1], 1.0), parallel, atol=1e-3)
+    assert not torch.allclose(
+        scheduled_sampling_log_probs(model, batch, batch["captions"][:, :-1], 1.0), parallel, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("method,baseline", [("sample", "greedy"), ("sample", "mean_of_others"), ("beam", "mean")])
@@ -113,8 +125,18 @@ def test_scst_samplers_and_baselines_give_gradients(tiny, method, baseline) -> N
     scorer = CiderD({"a": ["w4 w5 w6", "w4 w5"], "b": ["w7 w8 w9"], "c": ["w10 w11", "w4 w10 w11"]})
     base = np.array([0.1, 0.2, 0.3]) if baseline == "greedy" else None
     model.zero_grad()
-    out = scst_loss(model, batch, scorer, vocab, method=method, num_samples=3, max_len=6, baseline=baseline,
-                    normalize="steps" if method == "beam" else "tokens", baseline_rewards=base)
+    out = scst_loss(
+        model,
+        batch,
+        scorer,
+        vocab,
+        method=method,
+        num_samples=3,
+        max_len=6,
+        baseline=baseline,
+        normalize="steps" if method == "beam" else "tokens",
+        baseline_rewards=base,
+    )
     assert torch.isfinite(out.loss_sum) and out.count > 0
     out.loss_sum.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -181,10 +203,15 @@ def test_noam_without_warmup_is_refused_not_silently_replaced() -> None:
     assert recipe("m2", "xe", {"warmup_iters": 50}).schedule["warmup"] == 50
 
 
-@pytest.mark.parametrize("synonym,value,one_spelling", [
-    ("max_epochs", 3, "epochs"), ("warmup_steps", 100, "warmup_iters"), ("grad_clip", 1.0, "grad_clip_norm"),
-    ("seq_per_img", 5, "captions_per_image"),
-])
+@pytest.mark.parametrize(
+    "synonym,value,one_spelling",
+    [
+        ("max_epochs", 3, "epochs"),
+        ("warmup_steps", 100, "warmup_iters"),
+        ("grad_clip", 1.0, "grad_clip_norm"),
+        ("seq_per_img", 5, "captions_per_image"),
+    ],
+)
 def test_the_recipe_accepts_no_synonym(synonym, value, one_spelling):
     """One spelling per schedule key: a synonym is refused (naming the known keys), never translated."""
     from pipeline.core.errors import ConfigError
@@ -196,12 +223,15 @@ def test_the_recipe_accepts_no_synonym(synonym, value, one_spelling):
         stage_recipe("xe", card, {synonym: value}, 5, "schedule")
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"lr_schedule": None}, "name the learning-rate schedule: lr_schedule: one of"),
-    ({"lr_schedule": "reduce_on_plateau"}, "unknown schedule 'reduce_on_plateau' \\(known: "),
-    ({"warmup": "noam"}, "warmup: linear or none"),
-    ({"scheduled_sampling": {"start_epoch": 0}}, "unknown key\\(s\\) \\['start_epoch'\\]"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"lr_schedule": None}, "name the learning-rate schedule: lr_schedule: one of"),
+        ({"lr_schedule": "reduce_on_plateau"}, "unknown schedule 'reduce_on_plateau' \\(known: "),
+        ({"warmup": "noam"}, "warmup: linear or none"),
+        ({"scheduled_sampling": {"start_epoch": 0}}, "unknown key\\(s\\) \\['start_epoch'\\]"),
+    ],
+)
 def test_the_schedule_is_named_from_the_registry_without_hidden_defaults(change, message):
     from pipeline.core.errors import ConfigError
     from pipeline.training.recipe import stage_recipe

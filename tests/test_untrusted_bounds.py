@@ -42,7 +42,7 @@ def m2_vocab_bomb() -> bytes:
     inner = shared_reference_bomb()
     assert inner[:2] == b"\x80\x02" and inner[-1:] == b"."
     body = inner[2:-1]  # the list, then BUILD it into the Vocab stand-in
-    return (b"\x80\x02cdata.vocab\nVocab\nq\xf0)\x81}(X\x04\x00\x00\x00itos" + body + b"ub.")
+    return b"\x80\x02cdata.vocab\nVocab\nq\xf0)\x81}(X\x04\x00\x00\x00itos" + body + b"ub."
 
 
 def counter_copy_bomb(entries: int = 20000, copies: int = 20000) -> bytes:
@@ -55,13 +55,26 @@ def counter_copy_bomb(entries: int = 20000, copies: int = 20000) -> bytes:
 
 def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """``cli.py`` in a child limited to 4 GB of data (a bomb that slipped through dies instead of the machine)."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BUTD_NO_PROGRESS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     try:
-        return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=limit)
+        return subprocess.run(
+            [sys.executable, str(REPO / "cli.py"), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=limit,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"`{' '.join(args[:2])}` still ran after {timeout} s: the file was not bounded")
 
@@ -95,7 +108,10 @@ def test_reference_bombs_are_refused_quickly_in_bounded_memory(tmp_path: Path) -
     weights = tmp_path / "meshed_memory_transformer.pth"
     write_m2_checkpoint(weights, 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=12, max_len=10)
     one_error_line(run_cli(["info", str(bomb)]), "vocab.pkl")
-    one_error_line(run_cli(["convert-captioner", str(weights), "--vocab", str(bomb), "--output", str(tmp_path / "x.pt")]), "vocab.pkl")
+    one_error_line(
+        run_cli(["convert-captioner", str(weights), "--vocab", str(bomb), "--output", str(tmp_path / "x.pt")]),
+        "vocab.pkl",
+    )
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -125,12 +141,33 @@ def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, 
         convert_release(tmp_path / "model-best.pth", infos)
     runner = CliRunner()
     one_error_line(runner.invoke(cli.app, ["info", str(infos)]), "infos_aoanet-best.pkl")
-    one_error_line(runner.invoke(cli.app, ["convert-captioner", str(tmp_path / "model-best.pth"), "--vocab", str(infos),
-                                           "--output", str(tmp_path / "x.pt")]), "infos_aoanet-best.pkl")
+    one_error_line(
+        runner.invoke(
+            cli.app,
+            [
+                "convert-captioner",
+                str(tmp_path / "model-best.pth"),
+                "--vocab",
+                str(infos),
+                "--output",
+                str(tmp_path / "x.pt"),
+            ],
+        ),
+        "infos_aoanet-best.pkl",
+    )
 
 
-@pytest.mark.parametrize("kind,key", [("aoanet", "embed.0.weight"), ("aoanet", "logit.bias"), ("aoanet", "att_embed.0.weight"),
-                                      ("m2", "decoder.word_emb.weight"), ("m2", "decoder.pos_emb.weight"), ("m2", "encoder.fc.weight")])
+@pytest.mark.parametrize(
+    "kind,key",
+    [
+        ("aoanet", "embed.0.weight"),
+        ("aoanet", "logit.bias"),
+        ("aoanet", "att_embed.0.weight"),
+        ("m2", "decoder.word_emb.weight"),
+        ("m2", "decoder.pos_emb.weight"),
+        ("m2", "encoder.fc.weight"),
+    ],
+)
 def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path, kind: str, key: str) -> None:
     import cli
     from models.checkpoints import load_captioner
@@ -158,8 +195,12 @@ def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path
         one_error_line(info, weights.name)
     else:
         assert describe_captioner(weights) is not None
-    one_error_line(runner.invoke(cli.app, ["convert-captioner", str(weights), "--vocab", str(vocab), "--output", str(tmp_path / "x.pt")]),
-                   weights.name)
+    one_error_line(
+        runner.invoke(
+            cli.app, ["convert-captioner", str(weights), "--vocab", str(vocab), "--output", str(tmp_path / "x.pt")]
+        ),
+        weights.name,
+    )
     with pytest.raises(UsageError, match=weights.name):  # what `caption --model W --vocab V` does first
         load_captioner(weights, torch.device("cpu"), companion=vocab)
 

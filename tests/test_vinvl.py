@@ -26,13 +26,24 @@ from extractors.random_weights import random_detector
 from extractors.spec import vinvl_x152c4
 from pipeline.store import FeatureStore
 
-PHOTOS = ["COCO_train2014_000000132417.jpg", "COCO_train2014_000000387267.jpg"]  # 500x333 -> 900x600 (d2: 901); 640x360 -> 999x562
+PHOTOS = [
+    "COCO_train2014_000000132417.jpg",
+    "COCO_train2014_000000387267.jpg",
+]  # 500x333 -> 900x600 (d2: 901); 640x360 -> 999x562
 MEAN = torch.tensor([103.530, 116.280, 123.675])
 
 
 def narrow_spec():
-    return vinvl_x152c4().with_(stem_channels=16, res2_bottleneck=16, groups=4, stage_blocks=(1, 2, 2), res5_blocks=2, rpn_channels=32,
-                                num_classes=41, num_attributes=31)
+    return vinvl_x152c4().with_(
+        stem_channels=16,
+        res2_bottleneck=16,
+        groups=4,
+        stage_blocks=(1, 2, 2),
+        res5_blocks=2,
+        rpn_channels=32,
+        num_classes=41,
+        num_attributes=31,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +74,29 @@ def _image(path):
 class _Net:
     def __init__(self, path):
         sd = torch.load(path, weights_only=True)
-        self.sd = {k[len("module."):]: v.float() for k, v in sd.items()}
-        self.groups = self.sd["backbone.body.layer1.0.conv1.weight"].shape[0] // self.sd["backbone.body.layer1.0.conv2.weight"].shape[1]
+        self.sd = {k[len("module.") :]: v.float() for k, v in sd.items()}
+        self.groups = (
+            self.sd["backbone.body.layer1.0.conv1.weight"].shape[0]
+            // self.sd["backbone.body.layer1.0.conv2.weight"].shape[1]
+        )
 
     def bn(self, x, p):  # maskrcnn_benchmark FrozenBatchNorm2d: no eps
         scale = self.sd[p + ".weight"] * self.sd[p + ".running_var"].rsqrt()
-        return x * scale.view(1, -1, 1, 1) + (self.sd[p + ".bias"] - self.sd[p + ".running_mean"] * scale).view(1, -1, 1, 1)
+        return x * scale.view(1, -1, 1, 1) + (self.sd[p + ".bias"] - self.sd[p + ".running_mean"] * scale).view(
+            1, -1, 1, 1
+        )
 
     def block(self, x, p, stride):  # BottleneckWithFixedBatchNorm, STRIDE_IN_1X1 False
         out = F.relu(self.bn(F.conv2d(x, self.sd[p + "conv1.weight"]), p + "bn1"))
-        out = F.relu(self.bn(F.conv2d(out, self.sd[p + "conv2.weight"], stride=stride, padding=1, groups=self.groups), p + "bn2"))
+        out = F.relu(
+            self.bn(F.conv2d(out, self.sd[p + "conv2.weight"], stride=stride, padding=1, groups=self.groups), p + "bn2")
+        )
         out = self.bn(F.conv2d(out, self.sd[p + "conv3.weight"]), p + "bn3")
-        idt = self.bn(F.conv2d(x, self.sd[p + "downsample.0.weight"], stride=stride), p + "downsample.1") if p + "downsample.0.weight" in self.sd else x
+        idt = (
+            self.bn(F.conv2d(x, self.sd[p + "downsample.0.weight"], stride=stride), p + "downsample.1")
+            if p + "downsample.0.weight" in self.sd
+            else x
+        )
         return F.relu(out + idt)
 
     def layer(self, x, prefix, first_stride):
@@ -85,7 +107,11 @@ class _Net:
         return x
 
     def backbone(self, x):
-        x = F.relu(self.bn(F.conv2d(x, self.sd["backbone.body.stem.conv1.weight"], stride=2, padding=3), "backbone.body.stem.bn1"))
+        x = F.relu(
+            self.bn(
+                F.conv2d(x, self.sd["backbone.body.stem.conv1.weight"], stride=2, padding=3), "backbone.body.stem.bn1"
+            )
+        )
         x = F.max_pool2d(x, 3, 2, 1)
         for s in (1, 2, 3):
             x = self.layer(x, f"backbone.body.layer{s}", 1 if s == 1 else 2)
@@ -122,7 +148,12 @@ def _decode(codes, boxes, weights):
     px, py = dx * widths[:, None] + cx[:, None], dy * heights[:, None] + cy[:, None]
     pw, ph = torch.exp(dw) * widths[:, None], torch.exp(dh) * heights[:, None]
     out = torch.zeros_like(codes)
-    out[:, 0::4], out[:, 1::4], out[:, 2::4], out[:, 3::4] = px - 0.5 * pw, py - 0.5 * ph, px + 0.5 * pw - 1, py + 0.5 * ph - 1
+    out[:, 0::4], out[:, 1::4], out[:, 2::4], out[:, 3::4] = (
+        px - 0.5 * pw,
+        py - 0.5 * ph,
+        px + 0.5 * pw - 1,
+        py + 0.5 * ph - 1,
+    )
     return out
 
 
@@ -210,7 +241,9 @@ def vinvl_reference(net, path, mode=1, ignore=True):
         boxes = _clip(boxes.view(-1, c, 4), ow, oh)
         rows, labels, scores, out = _post(probs, boxes, mode)
         attr_in = torch.cat([net.head(c4, out), net.sd["attribute.predictor.cls_embedding.weight"][labels]], 1)
-        attr = F.softmax(net.lin(F.relu(net.lin(attr_in, "attribute.predictor.fc_attr")), "attribute.predictor.attr_score"), -1)
+        attr = F.softmax(
+            net.lin(F.relu(net.lin(attr_in, "attribute.predictor.fc_attr")), "attribute.predictor.attr_score"), -1
+        )
         attr[:, 0] = 0
         n = int((attr > 0.05).sum())
         attr[attr <= 0.05] = 0
@@ -220,8 +253,14 @@ def vinvl_reference(net, path, mode=1, ignore=True):
         rect = out.clone()
         rect[:, 0::2] *= w0 / ow
         rect[:, 1::2] *= h0 / oh
-    return {"boxes": rect.numpy(), "features": feats[rows].numpy(), "class_ids": (labels - 1).numpy(), "scores": scores.numpy(),
-            "attr_ids": (a_l[:, 0] - 1).numpy(), "attr_scores": a_s[:, 0].numpy()}
+    return {
+        "boxes": rect.numpy(),
+        "features": feats[rows].numpy(),
+        "class_ids": (labels - 1).numpy(),
+        "scores": scores.numpy(),
+        "attr_ids": (a_l[:, 0] - 1).numpy(),
+        "attr_scores": a_s[:, 0].numpy(),
+    }
 
 
 def _iou(a, b):
@@ -236,7 +275,11 @@ def _iou(a, b):
 def test_weight_independent_facts():
     """The anchor table, the resize rule and the stored anchors (reference tables of maskrcnn_benchmark)."""
     cell = _generate_anchors()
-    assert cell[0].tolist() == [-15, -4, 30, 19] and cell[5].tolist() == [-8, -8, 23, 23] and cell[14].tolist() == [-168, -344, 183, 359]
+    assert (
+        cell[0].tolist() == [-15, -4, 30, 19]
+        and cell[5].tolist() == [-8, -8, 23, 23]
+        and cell[14].tolist() == [-168, -344, 183, 359]
+    )
     assert mrcnn_size(333, 500, 600, 1000) == (600, 900) and mrcnn_size(683, 1024, 600, 1000) == (600, 899)
     assert mrcnn_size(500, 1000, 600, 1000) == (500, 1000) and mrcnn_size(600, 2000, 600, 1000) == (300, 1000)
     assert torch.equal(random_detector(narrow_spec()).proposal_generator.anchor_generator.cell_anchors[0], cell)
@@ -258,9 +301,27 @@ def test_older_identities_are_unchanged():
 def test_extract_equals_the_release_pipeline(tmp_path, shared_data, vinvl_file, mode, ignore):
     files = [shared_data / "photos" / p for p in PHOTOS]
     store = tmp_path / "s"
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", *map(str, files), "--weights", str(vinvl_file), "--store", str(store), "--workers", "0",
-                                   "--set", "extract.feature_dtype=float32", "--set", f"extract.recipes.vinvl.nms_filter={mode}",
-                                   "--set", f"extract.recipes.vinvl.ignore_box_regression={str(ignore).lower()}"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            *map(str, files),
+            "--weights",
+            str(vinvl_file),
+            "--store",
+            str(store),
+            "--workers",
+            "0",
+            "--set",
+            "extract.feature_dtype=float32",
+            "--set",
+            f"extract.recipes.vinvl.nms_filter={mode}",
+            "--set",
+            f"extract.recipes.vinvl.ignore_box_regression={str(ignore).lower()}",
+        ],
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(store)
     assert st.identity["layout"] == "vinvl" and st.identity["config"]["recipe"]["name"] == "vinvl"
@@ -276,7 +337,9 @@ def test_extract_equals_the_release_pipeline(tmp_path, shared_data, vinvl_file, 
         has = ref["attr_scores"] > 0
         assert has.sum() >= 5
         np.testing.assert_array_equal(got["attr_ids"][has], ref["attr_ids"][has])
-        np.testing.assert_allclose(got["features"], ref["features"], rtol=1e-4, atol=1e-4 * float(np.abs(ref["features"]).max()))
+        np.testing.assert_allclose(
+            got["features"], ref["features"], rtol=1e-4, atol=1e-4 * float(np.abs(ref["features"]).max())
+        )
         if ignore:  # rect and feature come from the same proposal
             assert len(set(map(tuple, got["boxes"].round(3).tolist()))) == len(got["boxes"]) or mode == 0
 
@@ -289,7 +352,21 @@ def test_layout_variants_and_refusals(tmp_path, shared_data, vinvl_file):
     outs = []
     for i, kw in enumerate([{}, {"module_prefix": False, "wrap": True, "anchors": False, "copies": False}]):
         p = save_vinvl(model, tmp_path / f"w{i}.pth", **kw)
-        res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(p), "--store", str(tmp_path / f"s{i}"), "--workers", "0"])
+        res = CliRunner().invoke(
+            app,
+            [
+                "extract",
+                "--device",
+                "cpu",
+                photo,
+                "--weights",
+                str(p),
+                "--store",
+                str(tmp_path / f"s{i}"),
+                "--workers",
+                "0",
+            ],
+        )
         assert res.exit_code == 0, res.output
         outs.append(FeatureStore(tmp_path / f"s{i}").get("132417"))
     np.testing.assert_array_equal(outs[0]["boxes"], outs[1]["boxes"])
@@ -298,8 +375,13 @@ def test_layout_variants_and_refusals(tmp_path, shared_data, vinvl_file):
         "missing": {k: v for k, v in sd.items() if "fc_attr.bias" not in k},
         "extra": {**sd, "module.roi_heads.box.predictor.extra.weight": torch.zeros(2)},
         "shape": {**sd, "module.roi_heads.box.predictor.cls_score.bias": torch.zeros(7)},
-        "copy": {**sd, "module.attribute.feature_extractor.head.layer4.0.conv1.weight":
-                 sd["module.attribute.feature_extractor.head.layer4.0.conv1.weight"] + 1},
+        "copy": {
+            **sd,
+            "module.attribute.feature_extractor.head.layer4.0.conv1.weight": sd[
+                "module.attribute.feature_extractor.head.layer4.0.conv1.weight"
+            ]
+            + 1,
+        },
     }
     for name, d in bad.items():
         torch.save(d, tmp_path / f"{name}.pth")
@@ -311,33 +393,94 @@ def test_layout_variants_and_refusals(tmp_path, shared_data, vinvl_file):
             return (print, ("pwned",))
 
     (tmp_path / "evil.pth").write_bytes(pickle.dumps({"module.backbone.body.stem.conv1.weight": Evil()}))
-    needles = {"missing": "1 missing key ('attribute.predictor.fc_attr.bias')", "extra": "unexpected key ('roi_heads.box.predictor.extra.weight')",
-               "shape": "cls_score.bias' has shape [7]", "copy": "differs from the box head", "trunc": "cannot be read", "evil": "cannot be read"}
+    needles = {
+        "missing": "1 missing key ('attribute.predictor.fc_attr.bias')",
+        "extra": "unexpected key ('roi_heads.box.predictor.extra.weight')",
+        "shape": "cls_score.bias' has shape [7]",
+        "copy": "differs from the box head",
+        "trunc": "cannot be read",
+        "evil": "cannot be read",
+    }
     for name, needle in needles.items():
         res = CliRunner().invoke(app, ["info", str(tmp_path / f"{name}.pth")])
         assert res.exit_code != 0 and needle in res.output, (name, res.output)
         assert "Traceback" not in res.output and "pwned" not in res.output
     res = CliRunner().invoke(app, ["info", str(vinvl_file)])
-    assert res.exit_code == 0 and "layout: vinvl" in res.output and "recipe: vinvl" in res.output and "ResNeXt" in res.output
+    assert (
+        res.exit_code == 0
+        and "layout: vinvl" in res.output
+        and "recipe: vinvl" in res.output
+        and "ResNeXt" in res.output
+    )
 
 
 def test_labelmap_names_and_refusals(tmp_path, shared_data, vinvl_file):
     import json
 
-    lm = {"label_to_idx": {f"obj{i}": i + 1 for i in range(40)}, "attribute_to_idx": {f"att{i}": i + 1 for i in range(30)}}
+    lm = {
+        "label_to_idx": {f"obj{i}": i + 1 for i in range(40)},
+        "attribute_to_idx": {f"att{i}": i + 1 for i in range(30)},
+    }
     (tmp_path / "lm.json").write_text(json.dumps(lm))
     photo = str(shared_data / "photos" / PHOTOS[0])
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s"), "--workers", "0",
-                                   "--set", f"extract.labelmap={tmp_path / 'lm.json'}"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            photo,
+            "--weights",
+            str(vinvl_file),
+            "--store",
+            str(tmp_path / "s"),
+            "--workers",
+            "0",
+            "--set",
+            f"extract.labelmap={tmp_path / 'lm.json'}",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert len(FeatureStore(tmp_path / "s").identity["config"]["labelmap_sha256"]) == 64
     lm["label_to_idx"] = {f"obj{i}": i + 1 for i in range(39)}
     (tmp_path / "bad.json").write_text(json.dumps(lm))
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s2"), "--workers", "0",
-                                   "--set", f"extract.labelmap={tmp_path / 'bad.json'}"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            photo,
+            "--weights",
+            str(vinvl_file),
+            "--store",
+            str(tmp_path / "s2"),
+            "--workers",
+            "0",
+            "--set",
+            f"extract.labelmap={tmp_path / 'bad.json'}",
+        ],
+    )
     assert res.exit_code != 0 and "names 39 classes" in res.output
-    res = CliRunner().invoke(app, ["extract", "--device", "cpu", photo, "--weights", str(vinvl_file), "--store", str(tmp_path / "s3"), "--workers", "0",
-                                   "--set", "extract.recipes.vinvl.nms_filter=2", "--set", "extract.recipes.vinvl.ignore_box_regression=false"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--device",
+            "cpu",
+            photo,
+            "--weights",
+            str(vinvl_file),
+            "--store",
+            str(tmp_path / "s3"),
+            "--workers",
+            "0",
+            "--set",
+            "extract.recipes.vinvl.nms_filter=2",
+            "--set",
+            "extract.recipes.vinvl.ignore_box_regression=false",
+        ],
+    )
     assert res.exit_code == 2 and "nms_filter 2 needs ignore_box_regression" in res.output
 
 

@@ -23,8 +23,17 @@ def _b64(a):
 
 def _released_row(key, feats, boxes, w, h):
     """The released row, written here from MMF ``_norm_box`` (features ‖ x1/W, y1/H, x2/W, y2/H, w/W, h/H)."""
-    pos = np.stack([boxes[:, 0] / w, boxes[:, 1] / h, boxes[:, 2] / w, boxes[:, 3] / h, (boxes[:, 2] - boxes[:, 0]) / w,
-                    (boxes[:, 3] - boxes[:, 1]) / h], 1)
+    pos = np.stack(
+        [
+            boxes[:, 0] / w,
+            boxes[:, 1] / h,
+            boxes[:, 2] / w,
+            boxes[:, 3] / h,
+            (boxes[:, 2] - boxes[:, 0]) / w,
+            (boxes[:, 3] - boxes[:, 1]) / h,
+        ],
+        1,
+    )
     return f"{key}\t{len(feats)}\t{_b64(np.concatenate([feats, pos], 1))}\n"
 
 
@@ -40,13 +49,31 @@ def test_vinvl_tsv_import_export_round_trip(tmp_path):
     (tmp_path / "sizes.json").write_text(json.dumps(SIZES))
     f7, b7 = _rand(12, 0)
     f12, b12 = _rand(30, 1)
-    pred = {"objects": [{"rect": b12[i].tolist(), "bbox_id": i, "class": "dog", "conf": 0.5, "feature": _b64(f12[i])} for i in range(30)],
-            "relations": None}
+    pred = {
+        "objects": [
+            {"rect": b12[i].tolist(), "bbox_id": i, "class": "dog", "conf": 0.5, "feature": _b64(f12[i])}
+            for i in range(30)
+        ],
+        "relations": None,
+    }
     (tmp_path / "feat.tsv").write_text(_released_row(7, f7, b7, 640, 480))
     (tmp_path / "pred.tsv").write_text(f"12\t{json.dumps(pred)}\n")
     for name in ("feat", "pred"):
-        res = CliRunner().invoke(app, ["import-features", "--format", "vinvl-tsv", str(tmp_path / f"{name}.tsv"), "--store", str(tmp_path / name),
-                                       "--sizes", str(tmp_path / "sizes.json"), "--dtype", "float32"])
+        res = CliRunner().invoke(
+            app,
+            [
+                "import-features",
+                "--format",
+                "vinvl-tsv",
+                str(tmp_path / f"{name}.tsv"),
+                "--store",
+                str(tmp_path / name),
+                "--sizes",
+                str(tmp_path / "sizes.json"),
+                "--dtype",
+                "float32",
+            ],
+        )
         assert res.exit_code == 0, res.output
     st = FeatureStore(tmp_path / "feat")
     a, b = st.get("7"), FeatureStore(tmp_path / "pred").get("12")
@@ -56,17 +83,45 @@ def test_vinvl_tsv_import_export_round_trip(tmp_path):
     np.testing.assert_array_equal(b["boxes"], b12)
     assert st.identity["release"]["recipe"] == "vinvl"
     for name in ("feat", "pred"):
-        res = CliRunner().invoke(app, ["export-features", str(tmp_path / name), "--format", "vinvl-tsv", "--output", str(tmp_path / f"{name}.out")])
+        res = CliRunner().invoke(
+            app,
+            [
+                "export-features",
+                str(tmp_path / name),
+                "--format",
+                "vinvl-tsv",
+                "--output",
+                str(tmp_path / f"{name}.out"),
+            ],
+        )
         assert res.exit_code == 0, res.output
-    rows = dict(line.split("\t", 1) for n in ("feat", "pred") for line in (tmp_path / f"{n}.out").read_text().splitlines())
-    assert rows["7"] == _released_row(7, f7, b7, 640, 480).split("\t", 1)[1].rstrip("\n")  # 2054-d rows written as they are
+    rows = dict(
+        line.split("\t", 1) for n in ("feat", "pred") for line in (tmp_path / f"{n}.out").read_text().splitlines()
+    )
+    assert rows["7"] == _released_row(7, f7, b7, 640, 480).split("\t", 1)[1].rstrip(
+        "\n"
+    )  # 2054-d rows written as they are
     k, blob = rows["12"].split("\t")
     got = np.frombuffer(base64.b64decode(blob), "<f4").reshape(int(k), 2054)
-    np.testing.assert_allclose(got, np.frombuffer(base64.b64decode(_released_row(12, f12, b12, 500, 333).split("\t")[2]), "<f4").reshape(30, 2054),
-                               rtol=1e-6)  # position appended to 2048-d features
+    np.testing.assert_allclose(
+        got,
+        np.frombuffer(base64.b64decode(_released_row(12, f12, b12, 500, 333).split("\t")[2]), "<f4").reshape(30, 2054),
+        rtol=1e-6,
+    )  # position appended to 2048-d features
     (tmp_path / "bad.tsv").write_text(f"7\t3\t{_b64(np.zeros(2048 * 3))}\n")
-    res = CliRunner().invoke(app, ["import-features", "--format", "vinvl-tsv", str(tmp_path / "bad.tsv"), "--store", str(tmp_path / "b"),
-                                   "--sizes", str(tmp_path / "sizes.json")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "import-features",
+            "--format",
+            "vinvl-tsv",
+            str(tmp_path / "bad.tsv"),
+            "--store",
+            str(tmp_path / "b"),
+            "--sizes",
+            str(tmp_path / "sizes.json"),
+        ],
+    )
     assert res.exit_code != 0 and "bad.tsv:1" in res.output and "carry no box position" in res.output
 
 
@@ -76,15 +131,30 @@ def test_grid_hdf5_import(tmp_path):
     with h5py.File(tmp_path / "X101_grid_feats_coco_trainval.hdf5", "w") as fh:
         fh["7_grids"] = grids
         fh["12_grids"] = grids[:48]
-    res = CliRunner().invoke(app, ["import-features", "--format", "grid-hdf5", str(tmp_path / "X101_grid_feats_coco_trainval.hdf5"),
-                                   "--store", str(tmp_path / "s"), "--sizes", str(tmp_path / "sizes.json"), "--dtype", "float32",
-                                   "--skip-bad"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "import-features",
+            "--format",
+            "grid-hdf5",
+            str(tmp_path / "X101_grid_feats_coco_trainval.hdf5"),
+            "--store",
+            str(tmp_path / "s"),
+            "--sizes",
+            str(tmp_path / "sizes.json"),
+            "--dtype",
+            "float32",
+            "--skip-bad",
+        ],
+    )
     assert res.exit_code == 0, res.output
     st = FeatureStore(tmp_path / "s")
     assert len(st) == 1 and "not a square grid" in res.output
     g = st.get("7")
     np.testing.assert_array_equal(g["features"], grids)
-    assert np.allclose(g["boxes"][0], [0, 0, 640 / 7, 480 / 7]) and np.allclose(g["boxes"][48], [6 * 640 / 7, 6 * 480 / 7, 640, 480])
+    assert np.allclose(g["boxes"][0], [0, 0, 640 / 7, 480 / 7]) and np.allclose(
+        g["boxes"][48], [6 * 640 / 7, 6 * 480 / 7, 640, 480]
+    )
 
 
 def test_export_appends_the_position_to_extracted_features(tmp_path):
@@ -92,6 +162,8 @@ def test_export_appends_the_position_to_extracted_features(tmp_path):
     with open_writer(tmp_path / "s", {"name": "t"}, feature_dtype="float32") as w:
         w.add("5", RegionRecord(feats, boxes, 640, 480))
         w.commit()
-    res = CliRunner().invoke(app, ["export-features", str(tmp_path / "s"), "--format", "vinvl-tsv", "--output", str(tmp_path / "o.tsv")])
+    res = CliRunner().invoke(
+        app, ["export-features", str(tmp_path / "s"), "--format", "vinvl-tsv", "--output", str(tmp_path / "o.tsv")]
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "o.tsv").read_text() == _released_row(5, feats, boxes, 640, 480)

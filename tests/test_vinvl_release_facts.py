@@ -17,8 +17,16 @@ from extractors import box_coding, vinvl_select
 
 
 def _recipe(**kw):
-    base = dict(conf_thresh=0.2, min_boxes=10, max_boxes=100, nms_thresh=0.3, roi_nms_thresh=0.5, nms_variant="torchvision",
-                ignore_box_regression=True, nms_filter=1)
+    base = dict(
+        conf_thresh=0.2,
+        min_boxes=10,
+        max_boxes=100,
+        nms_thresh=0.3,
+        roi_nms_thresh=0.5,
+        nms_variant="torchvision",
+        ignore_box_regression=True,
+        nms_filter=1,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -109,13 +117,17 @@ def test_box_coder_plus_one_decode_clamp_and_clip():
     box = torch.tensor([[10.0, 20.0, 29.0, 59.0]])  # w 20, h 40
     zero = box_coding.decode(torch.zeros(1, 4), box, (1.0, 1.0, 1.0, 1.0), legacy=True, x2_minus_one=True)
     assert torch.allclose(zero, box)
-    big = box_coding.decode(torch.tensor([[0.0, 0.0, 10.0, 10.0]]), box, (1.0, 1.0, 1.0, 1.0), legacy=True, x2_minus_one=True)
+    big = box_coding.decode(
+        torch.tensor([[0.0, 0.0, 10.0, 10.0]]), box, (1.0, 1.0, 1.0, 1.0), legacy=True, x2_minus_one=True
+    )
     clamp = math.log(1000.0 / 16)
     assert abs(box_coding.DEFAULT_SCALE_CLAMP - clamp) < 1e-12
     w = 20 * math.exp(clamp)
     assert torch.allclose(big[0, [0, 2]], torch.tensor([20.0 - w / 2, 20.0 + w / 2 - 1]), rtol=1e-6)
     # weights (10, 10, 5, 5) divide the deltas
-    reg = box_coding.decode(torch.tensor([[10.0, 0.0, 5.0 * math.log(2), 0.0]]), box, (10.0, 10.0, 5.0, 5.0), legacy=True, x2_minus_one=True)
+    reg = box_coding.decode(
+        torch.tensor([[10.0, 0.0, 5.0 * math.log(2), 0.0]]), box, (10.0, 10.0, 5.0, 5.0), legacy=True, x2_minus_one=True
+    )
     assert torch.allclose(reg, torch.tensor([[20.0, 20.0, 59.0, 59.0]]), atol=1e-4)  # ctr 20 + 1 * 20, w 20 * 2
     # clip_to_image: x to [0, W - 1], y to [0, H - 1]
     clipped = vinvl_select.clip_legacy(torch.tensor([[-5.0, -5.0, 700.0, 500.0]]), 400, 600)

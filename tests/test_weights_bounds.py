@@ -45,18 +45,34 @@ def _cache(tmp_path, monkeypatch):
 
 
 def grouped(flavor: str) -> BottomUpSpec:
-    base = vinvl_x152c4() if flavor == "vinvl" else BottomUpSpec(
-        flavor="d2", expansion=2, res5_dilation=1, stride_in_1x1=False, stem_pool="pad1", has_attributes=False)
-    return base.with_(stem_channels=8, res2_bottleneck=8, groups=2, stage_blocks=(1, 1, 1), res5_blocks=1,
-                      rpn_channels=16, num_classes=11, num_attributes=7)
+    base = (
+        vinvl_x152c4()
+        if flavor == "vinvl"
+        else BottomUpSpec(
+            flavor="d2", expansion=2, res5_dilation=1, stride_in_1x1=False, stem_pool="pad1", has_attributes=False
+        )
+    )
+    return base.with_(
+        stem_channels=8,
+        res2_bottleneck=8,
+        groups=2,
+        stage_blocks=(1, 1, 1),
+        res5_blocks=1,
+        rpn_channels=16,
+        num_classes=11,
+        num_attributes=7,
+    )
 
 
 def state_of(layout: str, tmp_path: Path) -> OrderedDict:
     """An honest state dict of ``layout`` (as its file holds it), random values."""
     if layout in ("milvlg", "airsplay", "hf", "butd"):
         spec = tiny_spec(flavor="d2" if layout in ("airsplay", "hf") else "caffe")
-        path = W.save_layout(random_detector(spec, 0).state_dict(), "milvlg" if layout == "butd" else layout,
-                           tmp_path / f"honest{SUFFIX[layout]}")
+        path = W.save_layout(
+            random_detector(spec, 0).state_dict(),
+            "milvlg" if layout == "butd" else layout,
+            tmp_path / f"honest{SUFFIX[layout]}",
+        )
         return W.read_raw(path)[1]
     path = tmp_path / "honest.pth"
     if layout == "vinvl":
@@ -73,8 +89,17 @@ def write(layout: str, sd: OrderedDict, path: Path) -> Path:
             pickle.dump({"model": OrderedDict((k, v.numpy()) for k, v in sd.items())}, fh, protocol=2)
     elif layout == "butd":
         spec = tiny_spec()
-        torch.save({"format": W.BUTD_FORMAT, "version": W.BUTD_VERSION, "spec": spec.to_dict(), "model": dict(sd),
-                    "classes": [f"c{i}" for i in range(spec.num_classes - 1)], "attributes": []}, path)
+        torch.save(
+            {
+                "format": W.BUTD_FORMAT,
+                "version": W.BUTD_VERSION,
+                "spec": spec.to_dict(),
+                "model": dict(sd),
+                "classes": [f"c{i}" for i in range(spec.num_classes - 1)],
+                "attributes": [],
+            },
+            path,
+        )
     else:
         torch.save({"model": dict(sd)} if layout == "milvlg" else dict(sd), path)
     return path
@@ -151,8 +176,29 @@ def inflating_member(path: Path, gigabytes: float = 2.5) -> Path:
             method, body, size, c = 8, stream, n * chunk, crc
         else:
             method, body, size, c = 0, data, len(data), zlib.crc32(data)
-        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, c, len(body), size, len(name),
-                               0, 0, 0, 0, 0, len(out)) + name
+        central += (
+            struct.pack(
+                "<4s6H3L5H2L",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                c,
+                len(body),
+                size,
+                len(name),
+                0,
+                0,
+                0,
+                0,
+                0,
+                len(out),
+            )
+            + name
+        )
         out += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, c, len(body), size, len(name), 0)
         out += name + body
     end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), len(out), 0)
@@ -160,33 +206,57 @@ def inflating_member(path: Path, gigabytes: float = 2.5) -> Path:
     return path
 
 
-ATTACKS = {"stray_block": stray_block, "zero_stride": zero_stride, "conv_0d": conv_0d, "conv_1d": conv_1d,
-           "zero_groups": zero_groups, "zero_width": zero_width}
-CASES = [(a, lay) for a in ATTACKS for lay in ("milvlg", "airsplay", "hf", "butd", "vinvl", "grid-feats")
-         if not (a == "zero_groups" and lay not in ("vinvl", "grid-feats"))
-         and not (a in ("zero_stride", "zero_width") and lay == "airsplay")]
+ATTACKS = {
+    "stray_block": stray_block,
+    "zero_stride": zero_stride,
+    "conv_0d": conv_0d,
+    "conv_1d": conv_1d,
+    "zero_groups": zero_groups,
+    "zero_width": zero_width,
+}
+CASES = [
+    (a, lay)
+    for a in ATTACKS
+    for lay in ("milvlg", "airsplay", "hf", "butd", "vinvl", "grid-feats")
+    if not (a == "zero_groups" and lay not in ("vinvl", "grid-feats"))
+    and not (a in ("zero_stride", "zero_width") and lay == "airsplay")
+]
 # a pickle holds numpy arrays, rebuilt from their bytes: no strides; an empty array pickles through a global the
 # unpickler refuses (one line naming the file)
 
 
 def bounded_cli(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     """``cli.py ARGS`` in a child whose address space is limited to :data:`AS_LIMIT`, within ``timeout`` seconds."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BUTD_NO_PROGRESS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     try:
-        return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout, preexec_fn=limit)
+        return subprocess.run(
+            [sys.executable, str(REPO / "cli.py"), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=limit,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"`{' '.join(args[:2])}` still ran after {timeout} s: the file was not bounded")
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path, what: str, reason: str) -> str:
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
-    assert res.returncode not in (0, -9) and len(lines) == 1 and "Traceback" not in res.stderr, \
-        (res.returncode, res.stderr[-3000:])
+    assert res.returncode not in (0, -9) and len(lines) == 1 and "Traceback" not in res.stderr, (
+        res.returncode,
+        res.stderr[-3000:],
+    )
     line = " ".join(lines[0].split())
     assert path.name in line and re.search(f"'{what}'.*{reason}", line), line
     assert "out of memory" not in line, line
@@ -198,8 +268,18 @@ def extract_args(tmp_path: Path, weights: Path) -> list[str]:
     folder = tmp_path / "photos"
     folder.mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (240, 320, 3), dtype=np.uint8)).save(folder / "a.jpg")
-    return ["extract", str(folder), "--device", "cpu", "--weights", str(weights), "--store", str(tmp_path / "store"),
-            "--workers", "0"]
+    return [
+        "extract",
+        str(folder),
+        "--device",
+        "cpu",
+        "--weights",
+        str(weights),
+        "--store",
+        str(tmp_path / "store"),
+        "--workers",
+        "0",
+    ]
 
 
 @pytest.mark.parametrize("attack,layout", CASES)
@@ -213,8 +293,17 @@ def test_info_refuses_a_file_that_declares_what_it_does_not_hold(tmp_path: Path,
         W.describe(path)
 
 
-@pytest.mark.parametrize("attack,layout", [("stray_block", "milvlg"), ("zero_stride", "hf"), ("zero_stride", "vinvl"),
-                                           ("zero_groups", "grid-feats"), ("conv_0d", "airsplay"), ("conv_0d", "butd")])
+@pytest.mark.parametrize(
+    "attack,layout",
+    [
+        ("stray_block", "milvlg"),
+        ("zero_stride", "hf"),
+        ("zero_stride", "vinvl"),
+        ("zero_groups", "grid-feats"),
+        ("conv_0d", "airsplay"),
+        ("conv_0d", "butd"),
+    ],
+)
 def test_extract_refuses_it_before_building_the_detector(tmp_path: Path, attack: str, layout: str) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)

@@ -16,18 +16,39 @@ from pipeline.world.generate import generate_world
 
 NUM = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
 SHAPE_WORDS = {
-    "circle": "circle", "circles": "circle", "square": "square", "squares": "square",
-    "triangle": "triangle", "triangles": "triangle", "diamond": "diamond", "diamonds": "diamond",
-    "star": "star", "stars": "star", "cross": "cross", "crosses": "cross", "ring": "ring", "rings": "ring",
+    "circle": "circle",
+    "circles": "circle",
+    "square": "square",
+    "squares": "square",
+    "triangle": "triangle",
+    "triangles": "triangle",
+    "diamond": "diamond",
+    "diamonds": "diamond",
+    "star": "star",
+    "stars": "star",
+    "cross": "cross",
+    "crosses": "cross",
+    "ring": "ring",
+    "rings": "ring",
 }
 COLOURS = {"red", "orange", "yellow", "green", "blue", "purple", "white", "black"}
 SIZES = {"small", "large"}
-RELS = {("to", "the", "left", "of"): "left", ("to", "the", "right", "of"): "right", ("above",): "above", ("below",): "below"}
+RELS = {
+    ("to", "the", "left", "of"): "left",
+    ("to", "the", "right", "of"): "right",
+    ("above",): "above",
+    ("below",): "below",
+}
 POS = {
-    "in the top left corner": ("left", "top"), "in the top right corner": ("right", "top"),
-    "in the bottom left corner": ("left", "bottom"), "in the bottom right corner": ("right", "bottom"),
-    "at the top": ("centre", "top"), "at the bottom": ("centre", "bottom"),
-    "on the left": ("left", "middle"), "on the right": ("right", "middle"), "in the centre": ("centre", "middle"),
+    "in the top left corner": ("left", "top"),
+    "in the top right corner": ("right", "top"),
+    "in the bottom left corner": ("left", "bottom"),
+    "in the bottom right corner": ("right", "bottom"),
+    "at the top": ("centre", "top"),
+    "at the bottom": ("centre", "bottom"),
+    "on the left": ("left", "middle"),
+    "on the right": ("right", "middle"),
+    "in the centre": ("centre", "middle"),
 }
 
 
@@ -93,12 +114,14 @@ def check_caption(raw: str, tokens: list[str], img: dict) -> str:
                 b = [objs[i]["box"] for i in members(objs, right[3])]
                 for x in a:
                     for y in b:
-                        ok = {"left": x[2] < y[0], "right": y[2] < x[0], "above": x[3] < y[1], "below": y[3] < x[1]}[rel]
+                        ok = {"left": x[2] < y[0], "right": y[2] < x[0], "above": x[3] < y[1], "below": y[3] < x[1]}[
+                            rel
+                        ]
                         assert ok, f"{raw!r}: {rel} fails for {x} vs {y}"
                 return "relation"
     for phrase, (h, v) in POS.items():
         if text.endswith(phrase):
-            (_, _, count, fields), = nps
+            ((_, _, count, fields),) = nps
             assert count == 1
             (k,) = members(objs, fields)
             x1, y1, x2, y2 = objs[k]["box"]
@@ -142,7 +165,12 @@ def test_every_caption_matches_the_annotations(world: Path) -> None:
         cats = {c["id"]: c["name"] for c in inst["categories"]}
         attrs = {a["id"]: a["name"] for a in inst["attributes"]}
         for im in inst["images"]:
-            records[im["id"]] = {"width": im["width"], "height": im["height"], "background": im["background"], "objects": []}
+            records[im["id"]] = {
+                "width": im["width"],
+                "height": im["height"],
+                "background": im["background"],
+                "objects": [],
+            }
         for ann in inst["annotations"]:
             x, y, w, h = ann["bbox"]
             names = [attrs[i] for i in ann["attribute_ids"]]

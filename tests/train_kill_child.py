@@ -30,8 +30,14 @@ save, step = engine.Trainer._save, engine.Trainer._step
 def _save(self, name, ckpt):
     save(self, name, ckpt)
     prog = ckpt.progress
-    if (kind == "epoch_end" and name == "last.pt" and prog.stage == stage and prog.epoch == at_n + 1
-            and prog.position == 0 and not prog.stage_done):
+    if (
+        kind == "epoch_end"
+        and name == "last.pt"
+        and prog.stage == stage
+        and prog.epoch == at_n + 1
+        and prog.position == 0
+        and not prog.stage_done
+    ):
         die()
 
 

@@ -161,7 +161,15 @@ def _label_tables(data: dict[str, Any], ann_file: Path, class_names: list[str] |
         attr_types = [str(a.get("type", "")) for a in attrs]
         attr_ids = [int(a["id"]) for a in attrs]
     else:  # no table: the ids are the indices (1-based, 0 = no attribute)
-        seen = sorted({int(v) for a in data["annotations"] if isinstance(a, dict) for v in (a.get("attribute_ids") or []) if _as_int(v) is not None and int(v) > 0})
+        seen = sorted(
+            {
+                int(v)
+                for a in data["annotations"]
+                if isinstance(a, dict)
+                for v in (a.get("attribute_ids") or [])
+                if _as_int(v) is not None and int(v) > 0
+            }
+        )
         top = max(seen, default=0)
         attr_index = {i: i for i in range(1, top + 1)}
         attr_names = [str(i) for i in range(1, top + 1)]
@@ -184,8 +192,14 @@ def _image_table(data: dict[str, Any], ann_file: Path) -> dict[int, dict[str, An
     return images
 
 
-def _attach_annotations(data: dict[str, Any], ann_file: Path, images: dict[int, dict[str, Any]], tables: _LabelTables,
-                        max_attributes: int, counts: Counter) -> None:
+def _attach_annotations(
+    data: dict[str, Any],
+    ann_file: Path,
+    images: dict[int, dict[str, Any]],
+    tables: _LabelTables,
+    max_attributes: int,
+    counts: Counter,
+) -> None:
     """Add each usable annotation's box, class and attributes to its image; count what is skipped and why."""
     for a in data["annotations"]:
         if not isinstance(a, dict):
@@ -224,7 +238,9 @@ def _attach_annotations(data: dict[str, Any], ann_file: Path, images: dict[int, 
         im["attrs"].append(mapped[:max_attributes])
 
 
-def _image_records(images: dict[int, dict[str, Any]], root: Path, max_attributes: int, keep_empty: bool, counts: Counter) -> list[ImageRecord]:
+def _image_records(
+    images: dict[int, dict[str, Any]], root: Path, max_attributes: int, keep_empty: bool, counts: Counter
+) -> list[ImageRecord]:
     """One :class:`ImageRecord` per image whose file exists (and that has boxes unless ``keep_empty``), by id."""
     records = []
     for iid, im in images.items():
@@ -284,7 +300,9 @@ def load_instances(
     for reason in SKIP_REASONS:
         if counts[reason]:
             log.warning("%s: %s %d", ann_file.name, reason.replace("_", " "), counts[reason])
-    return InstanceSet(records, tables.names, tables.cat_ids, tables.attr_names, tables.attr_ids, tables.attr_types, counts)
+    return InstanceSet(
+        records, tables.names, tables.cat_ids, tables.attr_names, tables.attr_ids, tables.attr_types, counts
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,7 +318,9 @@ class TrainImage:
     image_id: int
 
 
-def load_train_image(rec: ImageRecord, min_size: int, max_size: int, pixel_means, flip: bool, max_pixels: int = 100_000_000) -> TrainImage | str:
+def load_train_image(
+    rec: ImageRecord, min_size: int, max_size: int, pixel_means, flip: bool, max_pixels: int = 100_000_000
+) -> TrainImage | str:
     """Decode, flip (py-faster-rcnn ``x1' = W - x2 - 1``) and resize one record; a failure is returned as text."""
     try:
         rgb = load_rgb(rec.path, max_pixels)
@@ -316,7 +336,14 @@ def load_train_image(rec: ImageRecord, min_size: int, max_size: int, pixel_means
         x2 = w - boxes[:, 0] - 1
         boxes[:, 0], boxes[:, 2] = x1, x2
     blob, scale = caffe_blob(rgb, min_size, max_size, pixel_means)
-    return TrainImage(torch.from_numpy(blob), scale, torch.from_numpy(boxes * scale), torch.from_numpy(rec.labels), torch.from_numpy(rec.attributes), rec.image_id)
+    return TrainImage(
+        torch.from_numpy(blob),
+        scale,
+        torch.from_numpy(boxes * scale),
+        torch.from_numpy(rec.labels),
+        torch.from_numpy(rec.attributes),
+        rec.image_id,
+    )
 
 
 class TrainBatches(Dataset):
@@ -327,12 +354,24 @@ class TrainBatches(Dataset):
     Flips are drawn with the permutation (probability 0.5, py-faster-rcnn ``USE_FLIPPED``).
     """
 
-    def __init__(self, records: list[ImageRecord], batch: int, seed: int, min_size: int, max_size: int, pixel_means,
-                 flip: bool = True, rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self,
+        records: list[ImageRecord],
+        batch: int,
+        seed: int,
+        min_size: int,
+        max_size: int,
+        pixel_means,
+        flip: bool = True,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         if batch < 1:
             raise UsageError("detector_train.images_per_batch must be >= 1")
         if len(records) < batch * world:
-            raise UsageError(f"{len(records)} usable training images is fewer than one batch ({batch} x {world} processes)")
+            raise UsageError(
+                f"{len(records)} usable training images is fewer than one batch ({batch} x {world} processes)"
+            )
         self.records, self.batch, self.seed, self.flip = records, batch, seed, flip
         self.min_size, self.max_size, self.means = min_size, max_size, tuple(pixel_means)
         self.rank, self.world = rank, world

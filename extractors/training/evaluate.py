@@ -43,9 +43,10 @@ from pipeline.core.precision import autocast, resolve_precision
 log = get_logger("eval-detector")
 
 
-
 @torch.inference_mode()
-def attribute_probs(model: BottomUpDetector, blobs: list[torch.Tensor], boxes: list[torch.Tensor]) -> list[torch.Tensor]:
+def attribute_probs(
+    model: BottomUpDetector, blobs: list[torch.Tensor], boxes: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """Attribute probabilities (R_i, A-1) of given blob-pixel boxes (R_i, 4) per blob (the test-time head:
     argmax-class embedding), for a batch of blobs: as :meth:`BottomUpDetector.detect`, blobs of one shape share
     one backbone pass and the RoIs of the whole batch one res5 pass."""
@@ -57,8 +58,12 @@ def attribute_probs(model: BottomUpDetector, blobs: list[torch.Tensor], boxes: l
     pooled = []
     for idx in groups.values():
         feat = model.backbone(torch.stack([blobs[i] for i in idx]).to(dev))
-        rois = torch.cat([torch.cat([torch.full((boxes[i].shape[0], 1), float(j), device=dev), boxes[i].to(dev).float()], 1)
-                          for j, i in enumerate(idx)])
+        rois = torch.cat(
+            [
+                torch.cat([torch.full((boxes[i].shape[0], 1), float(j), device=dev), boxes[i].to(dev).float()], 1)
+                for j, i in enumerate(idx)
+            ]
+        )
         pooled.append(model.roi_heads.pool(feat, rois))
         order += idx
     _, _, attr_logits = model.roi_heads.box_predictor(model._res5(torch.cat(pooled)))
@@ -134,8 +139,15 @@ class _Tally:
             self.attr_ok += pred in want
 
 
-def _score_batch(model: BottomUpDetector, batch: list[Photo], records: list[Any], rule: Selector, precision: str,
-                 dev: torch.device, tally: _Tally) -> None:
+def _score_batch(
+    model: BottomUpDetector,
+    batch: list[Photo],
+    records: list[Any],
+    rule: Selector,
+    precision: str,
+    dev: torch.device,
+    tally: _Tally,
+) -> None:
     """Detect one loader batch at once, count its boxes and classes, then the attributes of the found objects
     (one batched pass of the attribute head over the matched boxes)."""
 
@@ -164,10 +176,21 @@ def _score_batch(model: BottomUpDetector, batch: list[Photo], records: list[Any]
             tally.attributes(rec, p, rows)
 
 
-def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: str | Path | None, classes: list[str],
-                   attributes: list[str] | None = None, *, rule: Selector | None = None, iou: float = 0.5,
-                   attribute_group: str = "colour", limit: int | None = None, batch_size: int = 1, workers: int = 0,
-                   precision: str = "fp32") -> dict[str, Any]:
+def evaluate_model(
+    model: BottomUpDetector,
+    ann_file: str | Path,
+    image_root: str | Path | None,
+    classes: list[str],
+    attributes: list[str] | None = None,
+    *,
+    rule: Selector | None = None,
+    iou: float = 0.5,
+    attribute_group: str = "colour",
+    limit: int | None = None,
+    batch_size: int = 1,
+    workers: int = 0,
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """Recall / class accuracy / attribute accuracy of ``model`` on a COCO instances split (see the module doc).
 
     ``batch_size`` images go through the detector at once (same-shape images share the backbone pass, as in
@@ -184,15 +207,25 @@ def evaluate_model(model: BottomUpDetector, ann_file: str | Path, image_root: st
         _recipe, rule = configure_recipe(model, "butd", None, "eval")
     data = load_instances(ann_file, image_root, class_names=classes, keep_empty=True)
     if attributes is not None and data.attribute_names != list(attributes):
-        raise UsageError(f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}...")
+        raise UsageError(
+            f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}..."
+        )
     group = [i + 1 for i, t in enumerate(data.attribute_types) if attribute_group and t == attribute_group]
     if attribute_group and not group:
-        log.warning("%s: no attribute of type %r; attribute accuracy uses any of the object's attributes", ann_file, attribute_group)
+        log.warning(
+            "%s: no attribute of type %r; attribute accuracy uses any of the object's attributes",
+            ann_file,
+            attribute_group,
+        )
     records = data.records[:limit] if limit is not None else data.records
     dev = next(model.parameters()).device
     tally = _Tally(iou=iou, group=group)
-    ds = PhotoDataset([ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)], rule.recipe, DEFAULT_MAX_PIXELS,
-                      model.spec.feature_stride)
+    ds = PhotoDataset(
+        [ImageItem(str(i), Path(rec.path)) for i, rec in enumerate(records)],
+        rule.recipe,
+        DEFAULT_MAX_PIXELS,
+        model.spec.feature_stride,
+    )
     with make_progress() as progress:
         task = progress.add_task("evaluate", total=len(ds))
         for batch in photo_batches(ds, int(batch_size), int(workers), pin_memory=dev.type == "cuda"):
@@ -212,8 +245,14 @@ def _result(t: _Tally, rule: Selector, attribute_group: str) -> dict[str, Any]:
         "attribute_group": attribute_group if t.group else "any",
         "boxes_per_image": round(t.boxes / t.images, 2) if t.images else 0.0,
         "iou": t.iou,
-        "selection": {"recipe": recipe.name, "selector": recipe.selector, "min_boxes": recipe.min_boxes, "max_boxes": recipe.max_boxes,
-                      "conf": recipe.conf_thresh, "nms": recipe.nms_thresh},
+        "selection": {
+            "recipe": recipe.name,
+            "selector": recipe.selector,
+            "min_boxes": recipe.min_boxes,
+            "max_boxes": recipe.max_boxes,
+            "conf": recipe.conf_thresh,
+            "nms": recipe.nms_thresh,
+        },
     }
     if t.failed:
         result["failed_images"] = len(t.failed)
@@ -221,25 +260,50 @@ def _result(t: _Tally, rule: Selector, attribute_group: str) -> dict[str, Any]:
     return result
 
 
-def evaluate_weights(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, *, device: str | torch.device = "cpu",
-                     section: Any = None, iou: float = 0.5, attribute_group: str = "colour", limit: int | None = None,
-                     batch_size: int = 1, workers: int = 0, precision: str = "fp32") -> dict[str, Any]:
+def evaluate_weights(
+    weights: str | Path,
+    ann_file: str | Path,
+    image_root: str | Path | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    section: Any = None,
+    iou: float = 0.5,
+    attribute_group: str = "colour",
+    limit: int | None = None,
+    batch_size: int = 1,
+    workers: int = 0,
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids), with
     the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``)."""
     from extractors.factory import configure_recipe
 
     model, info = load_detector(weights)
     if info["layout"] != "butd":
-        raise UsageError(f"{weights}: evaluation needs a butd detector file (it names its classes); got the {info['layout']} layout")
+        raise UsageError(
+            f"{weights}: evaluation needs a butd detector file (it names its classes); got the {info['layout']} layout"
+        )
     model = model.to(device).fold_batchnorm()
     _recipe, rule = configure_recipe(model, info["layout"], section, "eval")
-    return evaluate_model(model, ann_file, image_root, info["classes"], info["attributes"], rule=rule, iou=iou,
-                          attribute_group=attribute_group, limit=limit, batch_size=batch_size, workers=workers, precision=precision)
+    return evaluate_model(
+        model,
+        ann_file,
+        image_root,
+        info["classes"],
+        info["attributes"],
+        rule=rule,
+        iou=iou,
+        attribute_group=attribute_group,
+        limit=limit,
+        batch_size=batch_size,
+        workers=workers,
+        precision=precision,
+    )
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    return (f"recall@{result['iou']} {result['recall']:.3f}, class accuracy {result['class_accuracy']:.3f}, "
-            f"{result['attribute_group']}-attribute accuracy {result['attribute_accuracy']:.3f} "
-            f"({result['objects']} objects, {result['images']} images, {result['boxes_per_image']} boxes/image)")
-
-
+    return (
+        f"recall@{result['iou']} {result['recall']:.3f}, class accuracy {result['class_accuracy']:.3f}, "
+        f"{result['attribute_group']}-attribute accuracy {result['attribute_accuracy']:.3f} "
+        f"({result['objects']} objects, {result['images']} images, {result['boxes_per_image']} boxes/image)"
+    )

@@ -24,7 +24,9 @@ def scale_bbox_pred(sd: "OrderedDict[str, torch.Tensor]", factors: Sequence[floa
     f = torch.tensor(list(factors), dtype=torch.float32)
     w = sd["roi_heads.box_predictor.bbox_pred.weight"]
     b = sd["roi_heads.box_predictor.bbox_pred.bias"]
-    sd["roi_heads.box_predictor.bbox_pred.weight"] = (w.view(-1, 4, w.shape[1]) * f.view(1, 4, 1).to(w)).reshape(w.shape)
+    sd["roi_heads.box_predictor.bbox_pred.weight"] = (w.view(-1, 4, w.shape[1]) * f.view(1, 4, 1).to(w)).reshape(
+        w.shape
+    )
     sd["roi_heads.box_predictor.bbox_pred.bias"] = (b.view(-1, 4) * f.view(1, 4).to(b)).reshape(b.shape)
 
 
@@ -32,11 +34,19 @@ def spec_dict(det: BottomUpDetector) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in det.spec.to_dict().items()}
 
 
-def export_weights(det: BottomUpDetector, path: str | Path, bbox_stds: Sequence[float], classes: list[str],
-                   attributes: list[str], training: dict[str, Any] | None = None) -> Path:
+def export_weights(
+    det: BottomUpDetector,
+    path: str | Path,
+    bbox_stds: Sequence[float],
+    classes: list[str],
+    attributes: list[str],
+    training: dict[str, Any] | None = None,
+) -> Path:
     """Write ``det`` (trained with targets normalised by ``bbox_stds``) as a ``butd`` file, atomically."""
-    sd = OrderedDict((k, v.detach().cpu().float().clone() if v.is_floating_point() else v.detach().cpu().clone())
-                     for k, v in det.state_dict().items())
+    sd = OrderedDict(
+        (k, v.detach().cpu().float().clone() if v.is_floating_point() else v.detach().cpu().clone())
+        for k, v in det.state_dict().items()
+    )
     scale_bbox_pred(sd, bbox_stds)
     payload = {
         "format": BUTD_FORMAT,
@@ -52,8 +62,13 @@ def export_weights(det: BottomUpDetector, path: str | Path, bbox_stds: Sequence[
     return atomic_write_bytes(path, buf.getvalue())
 
 
-HEAD_KEYS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.", "roi_heads.box_predictor.cls_embed.",
-             "roi_heads.box_predictor.attr_linear1.", "roi_heads.box_predictor.attr_linear2.")
+HEAD_KEYS = (
+    "roi_heads.box_predictor.cls_score.",
+    "roi_heads.box_predictor.bbox_pred.",
+    "roi_heads.box_predictor.cls_embed.",
+    "roi_heads.box_predictor.attr_linear1.",
+    "roi_heads.box_predictor.attr_linear2.",
+)
 """The class head (``cls_score``, ``bbox_pred``) and the attribute head (class embedding, two layers)."""
 
 

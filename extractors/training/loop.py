@@ -30,7 +30,14 @@ from extractors.spec import BottomUpSpec
 from extractors.training.data import InstanceSet, TrainBatches, collate_one, load_instances, pad_blobs
 from extractors.training.export import export_weights, reinit_heads, scale_bbox_pred
 from extractors.training.model import DetectorForTraining, LossConfig
-from extractors.training.optim import apply_lr, calibrate_batchnorm, calibration_batch, lr_at, param_groups, set_trainable
+from extractors.training.optim import (
+    apply_lr,
+    calibrate_batchnorm,
+    calibration_batch,
+    lr_at,
+    param_groups,
+    set_trainable,
+)
 from extractors.training.targets import SamplingConfig
 from extractors.weights import load_detector
 from pipeline.core import distributed
@@ -40,8 +47,17 @@ from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import UsageError
 from pipeline.core.training.determinism import deterministic_mode
-from pipeline.core.training import (StopOnSignal, autocast, check_finite, make_scaler, optimizer_step, resolve_precision,
-                                    restore_training_state, seed_everything, training_state)
+from pipeline.core.training import (
+    StopOnSignal,
+    autocast,
+    check_finite,
+    make_scaler,
+    optimizer_step,
+    resolve_precision,
+    restore_training_state,
+    seed_everything,
+    training_state,
+)
 
 log = get_logger("train-detector")
 
@@ -59,27 +75,42 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
             det_spec = det.spec.with_overrides(dict(mcfg.spec), "model.spec")
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
         if det.spec.flavor != "caffe":
-            raise UsageError(f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)")
+            raise UsageError(
+                f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)"
+            )
         if bool(mcfg.reinit_heads):
             det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.detector_train.seed))
-            log.info("initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
-                     "%d classes / %d attributes", mcfg.init_weights, info["layout"], data.num_classes, data.num_attributes)
+            log.info(
+                "initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
+                "%d classes / %d attributes",
+                mcfg.init_weights,
+                info["layout"],
+                data.num_classes,
+                data.num_attributes,
+            )
             return det
-        if det.spec.num_classes != data.num_classes or (det.spec.has_attributes and det.spec.num_attributes != data.num_attributes):
+        if det.spec.num_classes != data.num_classes or (
+            det.spec.has_attributes and det.spec.num_attributes != data.num_attributes
+        ):
             raise UsageError(
                 f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but the "
                 f"annotations give {data.num_classes} / {data.num_attributes} (both counting background / 'no attribute'); "
-                "--reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh for the annotations' labels")
+                "--reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh for the annotations' labels"
+            )
         sd = det.state_dict()
         scale_bbox_pred(sd, sampling.box_weights)  # the file's raw deltas -> the normalised training targets
         det.load_state_dict(sd)
         log.info("initialised from %s (%s layout)", mcfg.init_weights, info["layout"])
     else:
         spec = EXTRACTORS.get(str(mcfg.preset))()
-        spec = spec.with_overrides({"num_classes": data.num_classes, "num_attributes": data.num_attributes, **dict(mcfg.spec)}, "model.spec")
+        spec = spec.with_overrides(
+            {"num_classes": data.num_classes, "num_attributes": data.num_attributes, **dict(mcfg.spec)}, "model.spec"
+        )
         if spec.num_classes != data.num_classes or (spec.has_attributes and spec.num_attributes != data.num_attributes):
-            raise UsageError(f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations give "
-                             f"{data.num_classes} / {data.num_attributes}")
+            raise UsageError(
+                f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations give "
+                f"{data.num_classes} / {data.num_attributes}"
+            )
         if spec.flavor != "caffe":
             raise UsageError("detector training implements the caffe flavor only (model.preset bottom-up-caffe-r101)")
         seed_everything(int(cfg.detector_train.seed))
@@ -89,7 +120,9 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
 
 def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer:
     """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo preset)."""
-    groups = param_groups(model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor))
+    groups = param_groups(
+        model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor)
+    )
     if str(tc.optimizer) == "sgd":
         return torch.optim.SGD(groups, lr=float(tc.base_lr), momentum=float(tc.momentum))
     if str(tc.optimizer) == "adamw":
@@ -112,14 +145,20 @@ def sampling_config(cfg: Config) -> SamplingConfig:
 
 def loss_config(cfg: Config) -> LossConfig:
     """The loss settings of a ``train_detector`` config (``loss`` plus the RPN proposal counts of ``sampling``)."""
-    return LossConfig(rpn_pre_nms_topk=int(cfg.sampling.rpn_pre_nms_topk), rpn_post_nms_topk=int(cfg.sampling.rpn_post_nms_topk), **cfg.loss.to_dict())
+    return LossConfig(
+        rpn_pre_nms_topk=int(cfg.sampling.rpn_pre_nms_topk),
+        rpn_post_nms_topk=int(cfg.sampling.rpn_post_nms_topk),
+        **cfg.loss.to_dict(),
+    )
 
 
 def _training_identity(cfg: Config) -> dict[str, Any]:
     """The config parts a checkpoint must agree with to be resumed (not logging/checkpoint cadence)."""
     d = cfg.to_dict()
     # kept under the name "train" (the section's old spelling), so a checkpoint that records it still resumes
-    d["train"] = {k: v for k, v in d.pop("detector_train").items() if k not in ("checkpoint_every", "log_every", "device")}
+    d["train"] = {
+        k: v for k, v in d.pop("detector_train").items() if k not in ("checkpoint_every", "log_every", "device")
+    }
     d["data"] = {k: v for k, v in d["data"].items() if k not in ("num_workers", "eval_annotations", "eval_images")}
     d.pop("eval", None)
     return d
@@ -141,7 +180,9 @@ class TrainResult:
 def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
     """Train per ``cfg`` (the ``train_detector`` stage config) in ``stage_dir``; resumes from its checkpoint."""
     ctx = distributed.setup(str(cfg.detector_train.device), "detector_train.device")
-    threads = torch.get_num_threads()  # torch's threads follow the one policy (--threads / BUTD_THREADS); put back after
+    threads = (
+        torch.get_num_threads()
+    )  # torch's threads follow the one policy (--threads / BUTD_THREADS); put back after
     try:
         with deterministic_mode(bool(cfg.detector_train.deterministic), "detector_train.deterministic"):
             return DetectorTrainer(Path(stage_dir), cfg, ctx).run()
@@ -163,7 +204,10 @@ def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
 def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
     """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test scale."""
     tc = cfg.detector_train
-    return (spec.min_size if tc.min_size is None else int(tc.min_size), spec.max_size if tc.max_size is None else int(tc.max_size))
+    return (
+        spec.min_size if tc.min_size is None else int(tc.min_size),
+        spec.max_size if tc.max_size is None else int(tc.max_size),
+    )
 
 
 class DetectorTrainer:
@@ -176,17 +220,32 @@ class DetectorTrainer:
         self.precision = resolve_precision(tc.precision, self.ctx.device, "detector_train.precision")
         if not cfg.data.train_annotations:
             raise UsageError("data.train_annotations is required (a COCO instances json)")
-        data = load_instances(cfg.data.train_annotations, cfg.data.train_images, max_attributes=int(cfg.data.max_attributes))
+        data = load_instances(
+            cfg.data.train_annotations, cfg.data.train_images, max_attributes=int(cfg.data.max_attributes)
+        )
         if not data.records:
             raise UsageError(f"{cfg.data.train_annotations}: no usable training image ({dict(data.counts)})")
-        log.info("training on %d images, %d classes, %d attributes (skipped: %s)", len(data.records), data.num_classes - 1,
-                 data.num_attributes - 1, ", ".join(f"{k} {v}" for k, v in sorted(data.counts.items())) or "none")
+        log.info(
+            "training on %d images, %d classes, %d attributes (skipped: %s)",
+            len(data.records),
+            data.num_classes - 1,
+            data.num_attributes - 1,
+            ", ".join(f"{k} {v}" for k, v in sorted(data.counts.items())) or "none",
+        )
         self.data = data
         self.model = training_model(cfg, data).to(self.ctx.device)
         self.model.train()
         spec = self.model.detector.spec
-        self.batches = TrainBatches(data.records, int(tc.images_per_batch), int(tc.seed), *train_scales(cfg, spec), spec.pixel_means,
-                                    bool(cfg.data.flip), self.ctx.rank, self.ctx.world)
+        self.batches = TrainBatches(
+            data.records,
+            int(tc.images_per_batch),
+            int(tc.seed),
+            *train_scales(cfg, spec),
+            spec.pixel_means,
+            bool(cfg.data.flip),
+            self.ctx.rank,
+            self.ctx.world,
+        )
         self.optimizer = build_optimizer(self.model, tc)
         self.scaler = make_scaler(self.precision, self.ctx.device)
         self.checkpoint = self.dir / CHECKPOINT
@@ -200,16 +259,22 @@ class DetectorTrainer:
         tc = self.cfg.detector_train
         if not self.checkpoint.exists():
             if bool(self.cfg.model.calibrate_bn) and not self.cfg.model.init_weights:
-                blob, rois = calibration_batch(self.batches, max(1, 8 // int(tc.images_per_batch)), int(tc.seed), self.ctx.device)
+                blob, rois = calibration_batch(
+                    self.batches, max(1, 8 // int(tc.images_per_batch)), int(tc.seed), self.ctx.device
+                )
                 n = calibrate_batchnorm(self.model.detector, blob, rois)
                 log.info("calibrated %d frozen BatchNorms on %d training images", n, blob.shape[0])
             seed_everything(int(tc.seed) * 1009 + self.ctx.rank)
             return 0
         ck = load_checkpoint(self.checkpoint, required=("model", "optimizer", "iteration", "rng", "identity"))
         if ck["identity"] != self.identity:
-            raise UsageError(f"checkpoint {self.checkpoint} was written under a different training config; use another --out or --force")
+            raise UsageError(
+                f"checkpoint {self.checkpoint} was written under a different training config; use another --out or --force"
+            )
         if len(ck["rng"]) != self.ctx.world:  # each process's batches depend on the world size
-            raise UsageError(f"checkpoint {self.checkpoint} comes from {len(ck['rng'])} processes, this run has {self.ctx.world}")
+            raise UsageError(
+                f"checkpoint {self.checkpoint} comes from {len(ck['rng'])} processes, this run has {self.ctx.world}"
+            )
         self.model.detector.load_state_dict(ck["model"])
         restore_training_state(ck, self.optimizer, self.scaler, self.ctx, int(tc.seed))
         log.info("resuming from %s at iteration %d", self.checkpoint, int(ck["iteration"]))
@@ -218,16 +283,22 @@ class DetectorTrainer:
     def _save(self, iteration: int) -> None:
         state = training_state(self.optimizer, self.scaler, self.ctx)  # every rank: the RNG states are gathered
         if self.ctx.main:
-            save_checkpoint(self.checkpoint, {"model": self.model.detector.state_dict(), **state, "iteration": iteration,
-                                              "identity": self.identity})
+            save_checkpoint(
+                self.checkpoint,
+                {"model": self.model.detector.state_dict(), **state, "iteration": iteration, "identity": self.identity},
+            )
 
     def _step(self, net: torch.nn.Module, batch: dict[str, Any], it: int) -> dict[str, float]:
         """One iteration: learning rate, forward under autocast, non-finite check, optimizer step -> the losses."""
         tc = self.cfg.detector_train
-        self.lr = lr_at(it, float(tc.base_lr), int(tc.warmup_iters), float(tc.warmup_factor), self.steps, float(tc.gamma))
+        self.lr = lr_at(
+            it, float(tc.base_lr), int(tc.warmup_iters), float(tc.warmup_factor), self.steps, float(tc.gamma)
+        )
         apply_lr(self.optimizer, self.lr)
-        if distributed.any_rank(not batch["images"], self.ctx):  # every rank skips together: one rank alone leaving would hang the
-            if batch["images"]:                       # others in DDP's gradient all-reduce and check_finite
+        if distributed.any_rank(
+            not batch["images"], self.ctx
+        ):  # every rank skips together: one rank alone leaving would hang the
+            if batch["images"]:  # others in DDP's gradient all-reduce and check_finite
                 log.warning("iteration %d: another process has no decodable image; every process skips it", it)
             return {}
         images, sizes = pad_blobs(batch["images"])
@@ -235,8 +306,13 @@ class DetectorTrainer:
             losses = net(images.to(self.ctx.device, non_blocking=True), sizes, batch["images"])
         total = sum(losses.values())
         values = {k: float(v.detach()) for k, v in losses.items()}
-        check_finite(float(total.detach()), self.ctx, f"detector training diverged at iteration {it} ("
-                     + ", ".join(f"{k}={v:.4g}" for k, v in values.items()) + "); lower detector_train.base_lr or set detector_train.clip_grad_norm")
+        check_finite(
+            float(total.detach()),
+            self.ctx,
+            f"detector training diverged at iteration {it} ("
+            + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+            + "); lower detector_train.base_lr or set detector_train.clip_grad_norm",
+        )
         optimizer_step(total, self.optimizer, self.scaler, clip_norm=float(tc.clip_grad_norm))
         return values
 
@@ -245,13 +321,23 @@ class DetectorTrainer:
         tc, ctx = self.cfg.detector_train, self.ctx
         start = self._resume()
         # DDP broadcasts rank 0's parameters and buffers at construction: every process starts identical
-        net = torch.nn.parallel.DistributedDataParallel(
-            self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) if ctx.distributed else self.model
+        net = (
+            torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+            )
+            if ctx.distributed
+            else self.model
+        )
         max_iter, log_every, every = int(tc.max_iter), int(tc.log_every), int(tc.checkpoint_every)
-        loader = DataLoader(self.batches, batch_size=1, sampler=range(start, max_iter), collate_fn=collate_one,
-                            num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers)),
-                            generator=torch.Generator().manual_seed(int(tc.seed)),
-                            persistent_workers=False)
+        loader = DataLoader(
+            self.batches,
+            batch_size=1,
+            sampler=range(start, max_iter),
+            collate_fn=collate_one,
+            num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers)),
+            generator=torch.Generator().manual_seed(int(tc.seed)),
+            persistent_workers=False,
+        )
         running: dict[str, float] = {}
         recent: dict[str, list[float]] = {}
         failures = images_seen = 0
@@ -269,28 +355,57 @@ class DetectorTrainer:
                 done = it + 1
                 if ctx.main and (done % log_every == 0 or done == max_iter) and recent:
                     running, recent = {k: sum(v) / len(v) for k, v in recent.items()}, {}
-                    log.info("iter %d/%d lr %.5g loss %.4f (%s)", done, max_iter, self.lr,
-                             sum(running.values()), ", ".join(f"{k} {v:.4f}" for k, v in running.items()))
+                    log.info(
+                        "iter %d/%d lr %.5g loss %.4f (%s)",
+                        done,
+                        max_iter,
+                        self.lr,
+                        sum(running.values()),
+                        ", ".join(f"{k} {v:.4f}" for k, v in running.items()),
+                    )
                 saved = done % every == 0 or done == max_iter
                 if saved:
                     self._save(done)
                 progress.advance(task)
                 if done < max_iter:
-                    self.stop.check(ctx, lambda: None if saved else self._save(done), f"iteration {done} of {max_iter}", self.checkpoint)
+                    self.stop.check(
+                        ctx,
+                        lambda: None if saved else self._save(done),
+                        f"iteration {done} of {max_iter}",
+                        self.checkpoint,
+                    )
         seconds = time.perf_counter() - t0
         if recent:
             running = {k: sum(v) / len(v) for k, v in recent.items()}
         return self._finish(start, seconds, running, images_seen, failures)
 
-    def _finish(self, start: int, seconds: float, running: dict[str, float], images_seen: int, failures: int) -> TrainResult:
+    def _finish(
+        self, start: int, seconds: float, running: dict[str, float], images_seen: int, failures: int
+    ) -> TrainResult:
         max_iter, data = int(self.cfg.detector_train.max_iter), self.data
         if start >= max_iter:
             log.info("training already finished (%d iterations)", max_iter)
         weights = self.dir / WEIGHTS
         if self.ctx.main:
-            export_weights(self.model.detector, weights, self.model.sampling.bbox_normalize_stds, data.class_names, data.attribute_names,
-                           {"iterations": max_iter, "images": len(data.records), "annotations": str(self.cfg.data.train_annotations)})
+            export_weights(
+                self.model.detector,
+                weights,
+                self.model.sampling.bbox_normalize_stds,
+                data.class_names,
+                data.attribute_names,
+                {
+                    "iterations": max_iter,
+                    "images": len(data.records),
+                    "annotations": str(self.cfg.data.train_annotations),
+                },
+            )
         distributed.barrier(self.ctx)
-        return TrainResult(max_iter, seconds, images_seen * self.ctx.world / seconds if seconds > 0 else 0.0,
-                           {k: round(v, 5) for k, v in running.items()}, weights, start,
-                           {**{k: int(v) for k, v in data.counts.items()}, **({"undecodable": failures} if failures else {})})
+        return TrainResult(
+            max_iter,
+            seconds,
+            images_seen * self.ctx.world / seconds if seconds > 0 else 0.0,
+            {k: round(v, 5) for k, v in running.items()},
+            weights,
+            start,
+            {**{k: int(v) for k, v in data.counts.items()}, **({"undecodable": failures} if failures else {})},
+        )

@@ -56,7 +56,9 @@ class DetectorForTraining(nn.Module):
         self.rpn_sampler = BalancedPositiveNegativeSampler(sampling.rpn_batch_size, sampling.rpn_positive_fraction)
         self.roi_sampler = BalancedPositiveNegativeSampler(sampling.roi_batch_size, sampling.roi_positive_fraction)
 
-    def forward(self, images: torch.Tensor, sizes: list[tuple[int, int]], batch: list[TrainImage]) -> dict[str, torch.Tensor]:
+    def forward(
+        self, images: torch.Tensor, sizes: list[tuple[int, int]], batch: list[TrainImage]
+    ) -> dict[str, torch.Tensor]:
         det = self.detector
         spec = det.spec
         feat = det.backbone(images)
@@ -91,12 +93,27 @@ class DetectorForTraining(nn.Module):
             probs = torch.softmax(rpn_logits.detach(), dim=2)[..., 1]
             rois_list, samples = [], []
             for i in range(n):
-                props = rpn._select(probs[i], rpn_deltas[i].detach(), anchors, sizes[i], batch[i].scale,
-                                    pre_nms_topk=self.losses.rpn_pre_nms_topk, post_nms_topk=self.losses.rpn_post_nms_topk)
-                s = sample_rois(props, gts[i], batch[i].labels.to(images.device), batch[i].attributes.to(images.device),
-                                self.sampling, self.roi_sampler)
+                props = rpn._select(
+                    probs[i],
+                    rpn_deltas[i].detach(),
+                    anchors,
+                    sizes[i],
+                    batch[i].scale,
+                    pre_nms_topk=self.losses.rpn_pre_nms_topk,
+                    post_nms_topk=self.losses.rpn_post_nms_topk,
+                )
+                s = sample_rois(
+                    props,
+                    gts[i],
+                    batch[i].labels.to(images.device),
+                    batch[i].attributes.to(images.device),
+                    self.sampling,
+                    self.roi_sampler,
+                )
                 samples.append(s)
-                rois_list.append(torch.cat([torch.full((s.rois.shape[0], 1), float(i), device=images.device), s.rois], 1))
+                rois_list.append(
+                    torch.cat([torch.full((s.rois.shape[0], 1), float(i), device=images.device), s.rois], 1)
+                )
         rois = torch.cat(rois_list)
         labels = torch.cat([s.labels for s in samples])
         box_targets = torch.cat([s.deltas for s in samples])
@@ -113,12 +130,17 @@ class DetectorForTraining(nn.Module):
         loss_cls = F.cross_entropy(cls_logits, labels, reduction="sum") / num_rois
         fg_idx = torch.nonzero(fg_mask).flatten()
         fg_labels = labels[fg_idx]
-        cols = (fg_labels[:, None] * 4 + torch.arange(4, device=labels.device)[None, :])
+        cols = fg_labels[:, None] * 4 + torch.arange(4, device=labels.device)[None, :]
         fg_deltas = box_deltas[fg_idx[:, None], cols]
-        loss_box = F.smooth_l1_loss(fg_deltas, box_targets[fg_idx], beta=1.0 / self.losses.smooth_l1_sigma**2, reduction="sum") / num_rois
+        loss_box = (
+            F.smooth_l1_loss(fg_deltas, box_targets[fg_idx], beta=1.0 / self.losses.smooth_l1_sigma**2, reduction="sum")
+            / num_rois
+        )
         out = {"rpn_cls": loss_rpn_cls, "rpn_box": loss_rpn_box, "cls": loss_cls, "box": loss_box}
         if pred.has_attributes:
-            out["attr"] = self.losses.attr_loss_weight * self._attribute_loss(pred, x[fg_idx], fg_labels, torch.cat([s.attributes for s in samples])[fg_idx])
+            out["attr"] = self.losses.attr_loss_weight * self._attribute_loss(
+                pred, x[fg_idx], fg_labels, torch.cat([s.attributes for s in samples])[fg_idx]
+            )
         return out
 
     @staticmethod
@@ -131,7 +153,9 @@ class DetectorForTraining(nn.Module):
         valid = fg_attrs >= 0
         target = torch.zeros_like(logits)
         rows = torch.arange(fg_attrs.shape[0], device=logits.device)[:, None].expand_as(fg_attrs)
-        target.index_put_((rows[valid], fg_attrs[valid]), torch.ones(int(valid.sum()), device=logits.device), accumulate=True)
+        target.index_put_(
+            (rows[valid], fg_attrs[valid]), torch.ones(int(valid.sum()), device=logits.device), accumulate=True
+        )
         none = ~valid.any(dim=1)
         target[none, 0] = 1.0
         target = target / target.sum(dim=1, keepdim=True)

@@ -38,7 +38,9 @@ def set_trainable(det: BottomUpDetector, freeze_at: int) -> list[str]:
     return frozen
 
 
-def param_groups(model: nn.Module, base_lr: float, weight_decay: float, weight_decay_bias: float, bias_lr_factor: float) -> list[dict]:
+def param_groups(
+    model: nn.Module, base_lr: float, weight_decay: float, weight_decay_bias: float, bias_lr_factor: float
+) -> list[dict]:
     """Two SGD groups: weights and biases (``lr_scale`` is applied by :func:`apply_lr`)."""
     weights, biases = [], []
     for name, p in model.named_parameters():
@@ -47,11 +49,20 @@ def param_groups(model: nn.Module, base_lr: float, weight_decay: float, weight_d
         (biases if name.endswith(".bias") else weights).append(p)
     groups = [{"params": weights, "lr": base_lr, "weight_decay": weight_decay, "lr_scale": 1.0}]
     if biases:
-        groups.append({"params": biases, "lr": base_lr * bias_lr_factor, "weight_decay": weight_decay_bias, "lr_scale": bias_lr_factor})
+        groups.append(
+            {
+                "params": biases,
+                "lr": base_lr * bias_lr_factor,
+                "weight_decay": weight_decay_bias,
+                "lr_scale": bias_lr_factor,
+            }
+        )
     return groups
 
 
-def lr_at(it: int, base_lr: float, warmup_iters: int, warmup_factor: float, steps: list[int] | tuple[int, ...], gamma: float) -> float:
+def lr_at(
+    it: int, base_lr: float, warmup_iters: int, warmup_factor: float, steps: list[int] | tuple[int, ...], gamma: float
+) -> float:
     """The learning rate of iteration ``it`` (0-based), see the module docstring."""
     factor = 1.0
     if it < warmup_iters:
@@ -66,7 +77,9 @@ def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def calibrate_batchnorm(det: BottomUpDetector, images: torch.Tensor, rois: torch.Tensor, eps_floor: float = 1e-4) -> int:
+def calibrate_batchnorm(
+    det: BottomUpDetector, images: torch.Tensor, rois: torch.Tensor, eps_floor: float = 1e-4
+) -> int:
     """Set each frozen BN's statistics from the data it sees (see the module docstring); returns how many.
 
     ``images`` (N, 3, H, W) go through the backbone; ``rois`` (K, 5) ``[batch index, x1, y1, x2, y2]`` are
@@ -99,7 +112,9 @@ def calibrate_batchnorm(det: BottomUpDetector, images: torch.Tensor, rois: torch
     return count
 
 
-def calibration_batch(dataset: TrainBatches, n_iters: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def calibration_batch(
+    dataset: TrainBatches, n_iters: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Images of the first ``n_iters`` iterations and RoIs for :func:`calibrate_batchnorm`: every ground-truth
     box plus four jittered copies (up to +-20% of its size, from a generator seeded with ``seed``)."""
     images = []

@@ -1,10 +1,10 @@
 """Detector training and evaluation as pipeline stages (:func:`pipeline.core.stages.run_stage` compatible).
 
-    from pipeline.core.stages import run_stage
-    from extractors.training.stage import demo_detector_config, train_detector
-    cfg = demo_detector_config("runs/demo/world")          # configs/detector/demo.yaml on the world's splits
-    result = run_stage("runs/demo", "detector", cfg, train_detector)
-    weights = result.directory / result.outputs["weights"]  # a butd file: cli extract --weights <it>
+from pipeline.core.stages import run_stage
+from extractors.training.stage import demo_detector_config, train_detector
+cfg = demo_detector_config("runs/demo/world")          # configs/detector/demo.yaml on the world's splits
+result = run_stage("runs/demo", "detector", cfg, train_detector)
+weights = result.directory / result.outputs["weights"]  # a butd file: cli extract --weights <it>
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ STAGE = "train_detector"
 DEMO_PRESET = CONFIG_DIR / "detector" / "demo.yaml"
 
 
-def load_detector_config(config_file: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+def load_detector_config(
+    config_file: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> Config:
     """``configs/train_detector.yaml`` defaults, then a preset file (e.g. ``configs/detector/demo.yaml``), then overrides."""
     return load_config(STAGE, config_file, overrides)
 
 
-def demo_detector_config(world_dir: str | Path, overrides: list[str] | dict[str, Any] | None = None, eval_split: str = "test") -> Config:
+def demo_detector_config(
+    world_dir: str | Path, overrides: list[str] | dict[str, Any] | None = None, eval_split: str = "test"
+) -> Config:
     """The demo preset pointed at a synthetic world written by ``cli demo --generate-only`` / the world stage;
     ``overrides``: ``KEY=VALUE`` strings or a mapping of dotted keys (the demo's ``detector_train:`` section)."""
     world = Path(world_dir)
@@ -66,8 +70,13 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     return {"weights": WEIGHTS, "checkpoint": CHECKPOINT}, summary
 
 
-def evaluate_detector(weights: str | Path, ann_file: str | Path, image_root: str | Path | None = None, cfg: Config | None = None,
-                      device: str | None = None) -> dict[str, Any]:
+def evaluate_detector(
+    weights: str | Path,
+    ann_file: str | Path,
+    image_root: str | Path | None = None,
+    cfg: Config | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
     """Evaluate a ``butd`` weights file on a COCO instances split with the ``eval`` section of ``cfg``: its recipe,
     IoU and attribute group, and how it runs (``device`` (an argument given wins), ``batch_size``, ``precision``,
     ``workers``)."""
@@ -76,6 +85,16 @@ def evaluate_detector(weights: str | Path, ann_file: str | Path, image_root: str
 
     ecfg = (cfg or load_detector_config()).eval
     dev = resolve_device(str(device if device is not None else ecfg.device))
-    return evaluate_weights(weights, ann_file, image_root, device=dev, section=ecfg, iou=float(ecfg.iou),
-                            attribute_group=str(ecfg.attribute_group), limit=None if ecfg.limit is None else int(ecfg.limit),
-                            batch_size=int(ecfg.batch_size), workers=int(ecfg.num_workers), precision=str(ecfg.precision))
+    return evaluate_weights(
+        weights,
+        ann_file,
+        image_root,
+        device=dev,
+        section=ecfg,
+        iou=float(ecfg.iou),
+        attribute_group=str(ecfg.attribute_group),
+        limit=None if ecfg.limit is None else int(ecfg.limit),
+        batch_size=int(ecfg.batch_size),
+        workers=int(ecfg.num_workers),
+        precision=str(ecfg.precision),
+    )

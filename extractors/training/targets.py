@@ -42,8 +42,13 @@ class SamplingConfig:
         return tuple(1.0 / s for s in self.bbox_normalize_stds)  # type: ignore[return-value]
 
 
-def anchor_targets(anchors: torch.Tensor, gt: torch.Tensor, size: tuple[int, int], cfg: SamplingConfig,
-                   sampler: BalancedPositiveNegativeSampler) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_targets(
+    anchors: torch.Tensor,
+    gt: torch.Tensor,
+    size: tuple[int, int],
+    cfg: SamplingConfig,
+    sampler: BalancedPositiveNegativeSampler,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (labels (A,) with 1 = sampled positive, 0 = sampled negative, -1 = not sampled; deltas (A, 4)).
 
     ``anchors`` (A, 4) and ``gt`` (G, 4) are blob-pixel inclusive boxes; ``size`` is the image's (h, w).
@@ -88,8 +93,14 @@ class SampledRois:
     num_fg: int
 
 
-def sample_rois(proposals: torch.Tensor, gt: torch.Tensor, gt_labels: torch.Tensor, gt_attrs: torch.Tensor,
-                cfg: SamplingConfig, sampler: BalancedPositiveNegativeSampler) -> SampledRois:
+def sample_rois(
+    proposals: torch.Tensor,
+    gt: torch.Tensor,
+    gt_labels: torch.Tensor,
+    gt_attrs: torch.Tensor,
+    cfg: SamplingConfig,
+    sampler: BalancedPositiveNegativeSampler,
+) -> SampledRois:
     """Label and sample RoIs from ``proposals`` + ``gt`` (foreground first, as the Caffe layer orders them)."""
     cand = torch.cat([proposals, gt]) if gt.shape[0] else proposals
     n = cand.shape[0]
@@ -111,7 +122,9 @@ def sample_rois(proposals: torch.Tensor, gt: torch.Tensor, gt_labels: torch.Tens
     rois = cand[keep]
     out_labels = torch.zeros(keep.numel(), dtype=torch.int64, device=cand.device)
     deltas = cand.new_zeros((keep.numel(), 4))
-    attrs = torch.full((keep.numel(), gt_attrs.shape[1] if gt_attrs.dim() == 2 else 1), -1, dtype=torch.int64, device=cand.device)
+    attrs = torch.full(
+        (keep.numel(), gt_attrs.shape[1] if gt_attrs.dim() == 2 else 1), -1, dtype=torch.int64, device=cand.device
+    )
     if pos.numel():
         g = matched[pos]
         out_labels[: pos.numel()] = gt_labels[g]

@@ -31,8 +31,11 @@ log = get_logger("released")
 
 CONVERTER_VERSION = 1
 RELEASES = {
-    "m2": {"title": "M2 Meshed-Memory Transformer (aimagelab/meshed-memory-transformer)", "companion": "vocab.pkl",
-           "companion_glob": "vocab.pkl"},
+    "m2": {
+        "title": "M2 Meshed-Memory Transformer (aimagelab/meshed-memory-transformer)",
+        "companion": "vocab.pkl",
+        "companion_glob": "vocab.pkl",
+    },
     "aoanet": {"title": "AoANet (husthuaan/AoANet)", "companion": "infos_*.pkl", "companion_glob": "infos_*.pkl"},
 }
 
@@ -68,11 +71,14 @@ def find_companion(weights: Path, kind: str, companion: str | Path | None) -> Pa
     if len(found) == 1:
         return found[0]
     where = f"next to {weights}" if not found else f"several next to {weights} ({', '.join(p.name for p in found)})"
-    raise UsageError(f"{weights} is a released {kind} model: pass its {spec['companion']} with --vocab (none found {where})")
+    raise UsageError(
+        f"{weights} is a released {kind} model: pass its {spec['companion']} with --vocab (none found {where})"
+    )
 
 
-def convert_release(weights: str | Path, companion: str | Path | None = None,
-                    loaded: tuple[str | None, Any] | None = None) -> CaptionerCheckpoint:
+def convert_release(
+    weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None
+) -> CaptionerCheckpoint:
     """The native checkpoint of a released model (``kind: weights``, with its :class:`ReleaseInfo`)."""
     from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
     from models.released import aoanet, m2
@@ -86,15 +92,33 @@ def convert_release(weights: str | Path, companion: str | Path | None = None,
     try:
         conv = m2.convert(obj, vocab, str(weights)) if kind == "m2" else aoanet.convert(obj, vocab, str(weights))
         _check_fits(conv, weights)
-    except (KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError) as exc:  # a malformed release, never a traceback
-        raise UsageError(f"{weights} (with {vocab_path.name}): not a convertible {RELEASES[kind]['title']} release "
-                         f"({exception_line(exc)[:200]})") from None
+    except (
+        KeyError,
+        IndexError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        RuntimeError,
+    ) as exc:  # a malformed release, never a traceback
+        raise UsageError(
+            f"{weights} (with {vocab_path.name}): not a convertible {RELEASES[kind]['title']} release "
+            f"({exception_line(exc)[:200]})"
+        ) from None
     return CaptionerCheckpoint(
-        model_name=conv["name"], model_config=conv["config"], vocab=tuple(conv["vocab"]), weights=conv["weights"],
+        model_name=conv["name"],
+        model_config=conv["config"],
+        vocab=tuple(conv["vocab"]),
+        weights=conv["weights"],
         decoding=conv["decoding"],
         train_config={"max_boxes": None},  # M2 keeps its first 50 regions itself (fixed_regions)
-        release=ReleaseInfo(kind=kind, title=RELEASES[kind]["title"], weights_file=weights.name, vocab_file=vocab_path.name,
-                            features=conv["features"], converter_version=CONVERTER_VERSION),
+        release=ReleaseInfo(
+            kind=kind,
+            title=RELEASES[kind]["title"],
+            weights_file=weights.name,
+            vocab_file=vocab_path.name,
+            features=conv["features"],
+            converter_version=CONVERTER_VERSION,
+        ),
     )
 
 
@@ -111,8 +135,13 @@ def _check_fits(conv: dict[str, Any], source: Path) -> None:
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     bad = sorted(k for k in set(want) & set(got) if want[k] != got[k])
     if missing or extra or bad:
-        detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
-                  else f"{bad[0]} has shape {got[bad[0]]}, expected {want[bad[0]]}")
+        detail = (
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {extra[:3]}"
+            if extra
+            else f"{bad[0]} has shape {got[bad[0]]}, expected {want[bad[0]]}"
+        )
         raise UsageError(f"{source}: the released weights do not fit a '{conv['name']}' model ({detail})")
 
 
@@ -161,7 +190,9 @@ def cached_native(weights: str | Path, companion: str | Path | None = None) -> P
     return None
 
 
-def ensure_native(weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None) -> Path:
+def ensure_native(
+    weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None
+) -> Path:
     """The cached native checkpoint of a released model, converting it on first use."""
     weights = Path(weights)
     found = cached_native(weights, companion)
@@ -173,11 +204,16 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
     vocab_path = find_companion(weights, kind, companion)
     target = _cache_target(kind, weights, _sha256(weights), vocab_path)
     try:
-        lock = acquire_lock(target.with_name(target.name + ".lock"), f"the converted-checkpoint cache entry {target}",
-                            "it is converting the same release: rerun when it finishes")
+        lock = acquire_lock(
+            target.with_name(target.name + ".lock"),
+            f"the converted-checkpoint cache entry {target}",
+            "it is converting the same release: rerun when it finishes",
+        )
     except OSError as exc:
-        raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
-                         "or convert once with `cli convert-captioner`") from None
+        raise UsageError(
+            f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
+            "or convert once with `cli convert-captioner`"
+        ) from None
     with lock:
         if target.is_file():  # another process converted it while this one hashed and unpickled
             return target
@@ -185,8 +221,10 @@ def ensure_native(weights: str | Path, companion: str | Path | None = None, load
         try:
             write_native(converted, target)
         except OSError as exc:
-            raise UsageError(f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
-                             "or convert once with `cli convert-captioner`") from None
+            raise UsageError(
+                f"cannot write the converted model to {target} ({exc.strerror}): set BUTD_CACHE to a writable folder, "
+                "or convert once with `cli convert-captioner`"
+            ) from None
     log.info("released %s model %s converted once to %s", kind, weights.name, target)
     return target
 
@@ -197,8 +235,10 @@ def features_line(release: ReleaseInfo) -> str:
     boxes = feats.get("boxes", "adaptive")
     limits = " 10-100" if boxes == "adaptive" else ""
     cap = f", the first {feats['max_boxes']} regions given to the model" if feats.get("max_boxes") else ""
-    return (f"{release.title} expects the Caffe bottom-up features it was trained on: "
-            f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} (other settings: --set caption.recipe=... / caption.boxes=...)")
+    return (
+        f"{release.title} expects the Caffe bottom-up features it was trained on: "
+        f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} (other settings: --set caption.recipe=... / caption.boxes=...)"
+    )
 
 
 def describe_captioner(path: str | Path) -> dict[str, Any] | None:
@@ -214,8 +254,13 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     except PipelineError:
         ckpt = None
     if ckpt is not None:
-        out = {"file": str(path), "format": f"butd-caption checkpoint ({ckpt.kind})", "model": ckpt.model_name,
-               "vocabulary": f"{len(ckpt.vocab):,} words", "decoding": ckpt.decoding or "the model's defaults"}
+        out = {
+            "file": str(path),
+            "format": f"butd-caption checkpoint ({ckpt.kind})",
+            "model": ckpt.model_name,
+            "vocabulary": f"{len(ckpt.vocab):,} words",
+            "decoding": ckpt.decoding or "the model's defaults",
+        }
         release = ckpt.release
         if release:
             out["converted from"] = f"{release.title}: {release.weights_file} + {release.vocab_file}"
@@ -235,12 +280,21 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     emb_key = "decoder.word_emb.weight" if kind == "m2" else "embed.0.weight"
     emb = state.get(emb_key) if isinstance(state, dict) else None
     if not hasattr(emb, "shape") or len(emb.shape) != 2:
-        raise UsageError(f"{path}: not a complete {RELEASES[kind]['title']} release: the weights lack a 2-d '{emb_key}'")
+        raise UsageError(
+            f"{path}: not a complete {RELEASES[kind]['title']} release: the weights lack a 2-d '{emb_key}'"
+        )
     rows = emb.shape[0]
-    return {"file": str(path), "format": f"released captioner: {RELEASES[kind]['title']}", "layout": kind,
-            "parameters": f"{params:,}", "vocabulary rows": f"{rows:,}", "needs": f"its {RELEASES[kind]['companion']} (--vocab)",
-            "decoding": module.DECODING, "features": module.FEATURES["note"],
-            "use": f"cli caption PHOTOS --model {path.name} --vocab {RELEASES[kind]['companion']} --weights DETECTOR.pth"}
+    return {
+        "file": str(path),
+        "format": f"released captioner: {RELEASES[kind]['title']}",
+        "layout": kind,
+        "parameters": f"{params:,}",
+        "vocabulary rows": f"{rows:,}",
+        "needs": f"its {RELEASES[kind]['companion']} (--vocab)",
+        "decoding": module.DECODING,
+        "features": module.FEATURES["note"],
+        "use": f"cli caption PHOTOS --model {path.name} --vocab {RELEASES[kind]['companion']} --weights DETECTOR.pth",
+    }
 
 
 def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
@@ -251,8 +305,12 @@ def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
     errors: list[UsageError] = []
     try:
         itos = m2.read_vocab(path)
-        return {"file": str(path), "format": "M2 vocab.pkl (data.vocab.Vocab, read with a restricted unpickler)",
-                "vocabulary": f"{len(itos):,} words: {' '.join(itos[:8])} ...", "use": "--vocab with meshed_memory_transformer.pth"}
+        return {
+            "file": str(path),
+            "format": "M2 vocab.pkl (data.vocab.Vocab, read with a restricted unpickler)",
+            "vocabulary": f"{len(itos):,} words: {' '.join(itos[:8])} ...",
+            "use": "--vocab with meshed_memory_transformer.pth",
+        }
     except UsageError as exc:
         errors.append(exc)
     try:
@@ -264,7 +322,12 @@ def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
         return None
     opt = infos["opt"]
     words = aoanet.project_words(infos["vocab"])
-    return {"file": str(path), "format": "AoANet infos pickle (argparse options + vocab, read with a restricted unpickler)",
-            "vocabulary": f"{len(infos['vocab']):,} words (+ index 0 = BOS/EOS/PAD): {' '.join(words[4:10])} ...",
-            "options": ", ".join(f"{k}={opt.get(k)}" for k in ("caption_model", "rnn_size", "num_heads", "refine", "use_ff", "att_feat_size")),
-            "use": "--vocab with model-best.pth"}
+    return {
+        "file": str(path),
+        "format": "AoANet infos pickle (argparse options + vocab, read with a restricted unpickler)",
+        "vocabulary": f"{len(infos['vocab']):,} words (+ index 0 = BOS/EOS/PAD): {' '.join(words[4:10])} ...",
+        "options": ", ".join(
+            f"{k}={opt.get(k)}" for k in ("caption_model", "rnn_size", "num_heads", "refine", "use_ff", "att_feat_size")
+        ),
+        "use": "--vocab with model-best.pth",
+    }

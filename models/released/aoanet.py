@@ -57,12 +57,34 @@ NEVER = -1e30  # bias of the rows the release cannot output
 INFOS_GLOBALS = {("argparse", "Namespace"): NamespaceStandIn, **COMMON, **NUMPY}
 
 #: options that must have these values (what models.aoa implements); the release's opts.py defaults when absent
-REQUIRED = {"caption_model": "aoa", "use_multi_head": 2, "multi_head_scale": 1, "decoder_type": "AoA", "refine_aoa": 1,
-            "mean_feats": 1, "use_bn": 0, "logit_layers": 1, "norm_att_feat": 0, "use_box": 0, "out_res": 0}
-DECODING = {"method": "beam", "beam_size": 2, "max_len": 20, "length_penalty": 0.0, "block_trigrams": False,
-            "stop_rule": "official_aoanet", "suppress_unk": True}  # suppress_unk: for the other stop rules
-FEATURES = {"recipe": "caffe", "boxes": "adaptive", "max_boxes": None,
-            "note": "Caffe bottom-up features, adaptive 10-100 regions (cocobu)"}
+REQUIRED = {
+    "caption_model": "aoa",
+    "use_multi_head": 2,
+    "multi_head_scale": 1,
+    "decoder_type": "AoA",
+    "refine_aoa": 1,
+    "mean_feats": 1,
+    "use_bn": 0,
+    "logit_layers": 1,
+    "norm_att_feat": 0,
+    "use_box": 0,
+    "out_res": 0,
+}
+DECODING = {
+    "method": "beam",
+    "beam_size": 2,
+    "max_len": 20,
+    "length_penalty": 0.0,
+    "block_trigrams": False,
+    "stop_rule": "official_aoanet",
+    "suppress_unk": True,
+}  # suppress_unk: for the other stop rules
+FEATURES = {
+    "recipe": "caffe",
+    "boxes": "adaptive",
+    "max_boxes": None,
+    "note": "Caffe bottom-up features, adaptive 10-100 regions (cocobu)",
+}
 
 _RENAMES = [
     (r"^refiner\.layers\.(\d+)\.sublayer\.0\.norm\.a_2$", r"refiner.\1.norm.a"),
@@ -88,7 +110,7 @@ _RENAMES = [
 def unwrap(obj: Any) -> Any:
     """A state_dict saved from ``nn.DataParallel`` has every key prefixed ``module.``: drop the prefix."""
     if isinstance(obj, dict) and obj and all(isinstance(k, str) and k.startswith("module.") for k in obj):
-        return {k[len("module."):]: v for k, v in obj.items()}
+        return {k[len("module.") :]: v for k, v in obj.items()}
     return obj
 
 
@@ -105,12 +127,22 @@ def read_infos(path: str | Path) -> dict[str, Any]:
     if not isinstance(opt, dict) or opt.get("__stand_in__") != "argparse.Namespace":
         raise UsageError(f"{path}: not an AoANet infos pickle (no 'opt' namespace)")
     vocab = infos.get("vocab")
-    if not isinstance(vocab, dict) or not vocab or not all(isinstance(k, str) and isinstance(v, str) for k, v in vocab.items()):
+    if (
+        not isinstance(vocab, dict)
+        or not vocab
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in vocab.items())
+    ):
         raise UsageError(f"{path}: not an AoANet infos pickle (no 'vocab' mapping of index strings to words)")
     # compared as text, never converted with int(): a key like '²' (isdigit, not int) or of 5,000 digits is just wrong
     if set(vocab) != {str(i) for i in range(1, len(vocab) + 1)}:
-        odd = next((k for k in vocab if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 9 and str(int(k)) == k
-                                             and int(k) <= len(vocab))), None)
+        odd = next(
+            (
+                k
+                for k in vocab
+                if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 9 and str(int(k)) == k and int(k) <= len(vocab))
+            ),
+            None,
+        )
         shown = f" (e.g. {odd[:20]!r}{'...' if odd and len(odd) > 20 else ''})" if odd is not None else ""
         raise UsageError(f"{path}: the vocab keys must be '1'..'{len(vocab)}' (index 0 is BOS/EOS/PAD){shown}")
     return {**infos, "opt": {k: v for k, v in opt.items() if k != "__stand_in__"}}
@@ -126,9 +158,13 @@ def _check_options(opt: dict[str, Any], source: str) -> None:
     for key, want in REQUIRED.items():
         got = opt.get(key, want)
         if got != want:
-            raise UsageError(f"{source}: AoANet option {key}={got!r} is not supported here (models.aoa implements {key}={want!r})")
+            raise UsageError(
+                f"{source}: AoANet option {key}={got!r} is not supported here (models.aoa implements {key}={want!r})"
+            )
     if opt.get("input_encoding_size", opt.get("rnn_size")) != opt.get("rnn_size"):
-        raise UsageError(f"{source}: input_encoding_size must equal rnn_size (got {opt.get('input_encoding_size')} and {opt.get('rnn_size')})")
+        raise UsageError(
+            f"{source}: input_encoding_size must equal rnn_size (got {opt.get('input_encoding_size')} and {opt.get('rnn_size')})"
+        )
 
 
 def _rename(key: str) -> str | None:
@@ -161,21 +197,37 @@ def convert(state: dict[str, Any], infos: dict[str, Any], source: str) -> dict[s
     need_tensors(weights, REQUIRED_WEIGHTS, source, "AoANet")
     v = len(infos["vocab"])
     if weights["embed.0.weight"].shape[0] != v + 1 or weights["logit.weight"].shape[0] != v + 1:
-        raise UsageError(f"{source}: the embedding has {weights['embed.0.weight'].shape[0]} rows, the infos vocabulary {v} words (+1)")
+        raise UsageError(
+            f"{source}: the embedding has {weights['embed.0.weight'].shape[0]} rows, the infos vocabulary {v} words (+1)"
+        )
     _map_rows(weights, v)
     layers = len({k.split(".")[1] for k in weights if re.match(r"^refiner\.\d+\.", k)})
     d_model, feat_dim = weights["att_embed.0.weight"].shape
     use_ff = any(".ff." in k for k in weights)
     config = {
-        "feat_dim": int(feat_dim), "d_model": int(d_model), "num_heads": int(opt.get("num_heads", 8)),
-        "num_layers": layers, "use_ff": use_ff,
-        "d_ff": int(need_tensors(weights, {"refiner.0.ff.w_1.weight": 2}, source, "AoANet")[0].shape[0]) if use_ff else 2048,
-        "drop_prob_lm": float(opt.get("drop_prob_lm", 0.5)), "dropout_aoa": float(opt.get("dropout_aoa", 0.3)),
+        "feat_dim": int(feat_dim),
+        "d_model": int(d_model),
+        "num_heads": int(opt.get("num_heads", 8)),
+        "num_layers": layers,
+        "use_ff": use_ff,
+        "d_ff": int(need_tensors(weights, {"refiner.0.ff.w_1.weight": 2}, source, "AoANet")[0].shape[0])
+        if use_ff
+        else 2048,
+        "drop_prob_lm": float(opt.get("drop_prob_lm", 0.5)),
+        "dropout_aoa": float(opt.get("dropout_aoa", 0.3)),
         "ctx_drop": bool(opt.get("ctx_drop", 0)),
     }
     if opt.get("rnn_size", d_model) != d_model or (layers not in (0, 6)) or bool(opt.get("refine", 1)) != (layers > 0):
-        raise UsageError(f"{source}: the weights (d={d_model}, {layers} refiner layers) do not fit the infos options "
-                         f"(rnn_size={opt.get('rnn_size')}, refine={opt.get('refine')})")
+        raise UsageError(
+            f"{source}: the weights (d={d_model}, {layers} refiner layers) do not fit the infos options "
+            f"(rnn_size={opt.get('rnn_size')}, refine={opt.get('refine')})"
+        )
     decoding = dict(DECODING)  # eval.py: beam_size 2 and max_length 20 are eval options, not taken from infos
-    return {"name": NAME, "config": config, "vocab": project_words(infos["vocab"]), "weights": weights,
-            "decoding": decoding, "features": dict(FEATURES)}
+    return {
+        "name": NAME,
+        "config": config,
+        "vocab": project_words(infos["vocab"]),
+        "weights": weights,
+        "decoding": decoding,
+        "features": dict(FEATURES),
+    }

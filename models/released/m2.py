@@ -40,7 +40,14 @@ from typing import Any
 
 import torch
 
-from models.released.unpickle import M2VocabStandIn, _counter, _defaultdict, _m2_unk_index, need_tensors, restricted_load
+from models.released.unpickle import (
+    M2VocabStandIn,
+    _counter,
+    _defaultdict,
+    _m2_unk_index,
+    need_tensors,
+    restricted_load,
+)
 from pipeline.core.errors import UsageError
 from pipeline.core.vocab import SPECIALS
 
@@ -57,10 +64,21 @@ VOCAB_GLOBALS = {
     ("collections", "defaultdict"): _defaultdict,
 }
 
-DECODING = {"method": "beam", "beam_size": 5, "max_len": 20, "length_penalty": 0.0, "block_trigrams": False,
-            "stop_rule": "official_m2", "collapse_repeats": True}
-FEATURES = {"recipe": "caffe", "boxes": "adaptive", "max_boxes": 50,
-            "note": "Caffe bottom-up features, the first 50 detections (M2's data field)"}
+DECODING = {
+    "method": "beam",
+    "beam_size": 5,
+    "max_len": 20,
+    "length_penalty": 0.0,
+    "block_trigrams": False,
+    "stop_rule": "official_m2",
+    "collapse_repeats": True,
+}
+FEATURES = {
+    "recipe": "caffe",
+    "boxes": "adaptive",
+    "max_boxes": 50,
+    "note": "Caffe bottom-up features, the first 50 detections (M2's data field)",
+}
 
 _RENAMES = [
     (r"^encoder\.layer_norm\.", "encoder.norm."),
@@ -79,11 +97,18 @@ _RENAMES = [
     (r"^decoder\.pos_emb\.", "pos_emb."),
     (r"^decoder\.fc\.", "out."),
 ]
-_STATE_BUFFERS = re.compile(r"^decoder\.(running_mask_self_attention|running_seq|layers\.\d+\.self_att\.running_(keys|values))$")
+_STATE_BUFFERS = re.compile(
+    r"^decoder\.(running_mask_self_attention|running_seq|layers\.\d+\.self_att\.running_(keys|values))$"
+)
 
 
 #: converted (renamed) tensors the conversion reads, with their number of dimensions
-REQUIRED_WEIGHTS = {"encoder.fc.weight": 2, "encoder.ff.0.fc1.weight": 2, "encoder.attn.0.attention.m_k": 3, "pos_emb.weight": 2}
+REQUIRED_WEIGHTS = {
+    "encoder.fc.weight": 2,
+    "encoder.ff.0.fc1.weight": 2,
+    "encoder.attn.0.attention.m_k": 3,
+    "pos_emb.weight": 2,
+}
 
 
 def is_release(obj: Any) -> bool:
@@ -118,7 +143,7 @@ def _rename(key: str) -> str | None:
         if not m:
             continue
         if target is None:  # fc_alphaN -> gates.(N-1)
-            return f"layers.{m.group(1)}.gates.{int(m.group(2)) - 1}." + key[m.end():]
+            return f"layers.{m.group(1)}.gates.{int(m.group(2)) - 1}." + key[m.end() :]
         return re.sub(pattern, target, key)
     return key if key.startswith("encoder.fc.") else None
 
@@ -145,16 +170,31 @@ def convert(ckpt: dict[str, Any], itos: list[str], source: str) -> dict[str, Any
     enc_layers = len({k.split(".")[2] for k in weights if k.startswith("encoder.attn.")})
     dec_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
     if enc_layers != 3:
-        raise UsageError(f"{source}: M2's decoder reads exactly 3 encoder levels; this checkpoint has {enc_layers} encoder layers")
+        raise UsageError(
+            f"{source}: M2's decoder reads exactly 3 encoder levels; this checkpoint has {enc_layers} encoder layers"
+        )
     d_model, feat_dim = weights["encoder.fc.weight"].shape
     config = {
-        "feat_dim": int(feat_dim), "d_model": int(d_model), "num_heads": 8,
-        "d_ff": int(weights["encoder.ff.0.fc1.weight"].shape[0]), "num_layers": enc_layers, "num_dec_layers": dec_layers,
-        "num_memory": int(weights["encoder.attn.0.attention.m_k"].shape[1]), "dropout": 0.1,
-        "max_len": int(weights["pos_emb.weight"].shape[0]) - 1, "official_mask": True, "official_init": True,
+        "feat_dim": int(feat_dim),
+        "d_model": int(d_model),
+        "num_heads": 8,
+        "d_ff": int(weights["encoder.ff.0.fc1.weight"].shape[0]),
+        "num_layers": enc_layers,
+        "num_dec_layers": dec_layers,
+        "num_memory": int(weights["encoder.attn.0.attention.m_k"].shape[1]),
+        "dropout": 0.1,
+        "max_len": int(weights["pos_emb.weight"].shape[0]) - 1,
+        "official_mask": True,
+        "official_init": True,
         "fixed_regions": FEATURES["max_boxes"],
     }
     if tuple(project_words(itos)[:4]) != SPECIALS:
         raise UsageError(f"{source}: vocabulary specials do not map onto {SPECIALS}")
-    return {"name": NAME, "config": config, "vocab": project_words(itos), "weights": weights,
-            "decoding": dict(DECODING), "features": dict(FEATURES)}
+    return {
+        "name": NAME,
+        "config": config,
+        "vocab": project_words(itos),
+        "weights": weights,
+        "decoding": dict(DECODING),
+        "features": dict(FEATURES),
+    }

@@ -108,7 +108,11 @@ class _DType(StandIn):
     def numpy(self) -> np.dtype:
         """The NumPy dtype, numeric kinds only (booleans, integers, floats, complex)."""
         order = "<"
-        if isinstance(getattr(self, "state", None), tuple) and len(self.state) > 1 and self.state[1] in ("<", ">", "|", "="):
+        if (
+            isinstance(getattr(self, "state", None), tuple)
+            and len(self.state) > 1
+            and self.state[1] in ("<", ">", "|", "=")
+        ):
             order = self.state[1]
         dtype = np.dtype(self.code).newbyteorder(order) if order in "<>" else np.dtype(self.code)
         if dtype.kind not in "biufc":
@@ -224,8 +228,10 @@ class Budget:
         self.values += values
         self.bytes += nbytes
         if self.values > self.max_values or self.bytes > self.max_bytes:
-            raise TooLarge(f"it expands past {self.max_values:,} values or {self.max_bytes:,} bytes (shared references "
-                           f"repeated over and over); the limit is {BASE_VALUES:,} values + {VALUES_PER_BYTE} per byte of the file")
+            raise TooLarge(
+                f"it expands past {self.max_values:,} values or {self.max_bytes:,} bytes (shared references "
+                f"repeated over and over); the limit is {BASE_VALUES:,} values + {VALUES_PER_BYTE} per byte of the file"
+            )
 
 
 class TooLarge(pickle.UnpicklingError):
@@ -248,7 +254,14 @@ def plain(obj: Any, depth: int = 0, budget: Budget | None = None) -> Any:
     if isinstance(obj, StandIn):
         budget.take()
         state = getattr(obj, "state", {})
-        return {"__stand_in__": obj.stands_for, **({str(k): plain(v, depth + 1, budget) for k, v in state.items()} if isinstance(state, dict) else {"state": plain(state, depth + 1, budget)})}
+        return {
+            "__stand_in__": obj.stands_for,
+            **(
+                {str(k): plain(v, depth + 1, budget) for k, v in state.items()}
+                if isinstance(state, dict)
+                else {"state": plain(state, depth + 1, budget)}
+            ),
+        }
     if isinstance(obj, dict):
         budget.take(1 + len(obj))
         return {plain(k, depth + 1, budget): plain(v, depth + 1, budget) for k, v in obj.items()}
@@ -287,8 +300,19 @@ def restricted_load(path: str | Path, allowed: Mapping[tuple[str, str], Any], wh
             f"{path}: refused to load: it names the global '{exc.qualified}', which a {what} does not hold "
             "(nothing from the file was run)"
         ) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            UnicodeDecodeError, RecursionError, OverflowError, MemoryError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        UnicodeDecodeError,
+        RecursionError,
+        OverflowError,
+        MemoryError,
+    ) as exc:
         raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
@@ -302,7 +326,9 @@ def need_tensors(weights: Mapping[str, Any], required: Mapping[str, int], source
             raise UsageError(f"{source}: not a complete {release} release: the weights lack '{name}'")
         if not torch.is_tensor(value) or value.dim() != dims or 0 in value.shape:
             shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise UsageError(f"{source}: {release} weight '{name}' has shape {shape}; a {dims}-dimensional tensor is expected")
+            raise UsageError(
+                f"{source}: {release} weight '{name}' has shape {shape}; a {dims}-dimensional tensor is expected"
+            )
         out.append(value)
     return out
 
@@ -311,8 +337,15 @@ def _numpy_safe_globals() -> list[Any]:
     from numpy._core import multiarray as ma
 
     dtypes = sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"}, key=str)
-    return [ma._reconstruct, (ma._reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, ma.scalar,
-            (ma.scalar, "numpy.core.multiarray.scalar"), *dtypes]
+    return [
+        ma._reconstruct,
+        (ma._reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        ma.scalar,
+        (ma.scalar, "numpy.core.multiarray.scalar"),
+        *dtypes,
+    ]
 
 
 def load_weights_file(path: str | Path, what: str) -> Any:
@@ -329,7 +362,7 @@ def load_weights_file(path: str | Path, what: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated, foreign or unsafe files
         first = str(exc).strip().splitlines()
-        detail = next((line for line in first if "Unsupported global" in line or "got <" in line), first[0] if first else "")
+        detail = next(
+            (line for line in first if "Unsupported global" in line or "got <" in line), first[0] if first else ""
+        )
         raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {detail.strip()[:160]})") from None
-
-

@@ -80,9 +80,13 @@ def warn_caption_problems(path: Path, empty: list[str], dropped: list[str]) -> N
     if dropped:
         log.warning("%s: dropped %d non-string tokens, e.g. %s", path, len(dropped), "; ".join(dropped[:3]))
     if empty:
-        log.warning("%s: %d captions are empty (no word once normalised), e.g. %s; they are kept as ruotianluo's "
-                    "prepro_labels keeps them (a label of <eos> only): remove them from the file to drop them",
-                    path, len(empty), ", ".join(empty[:3]))
+        log.warning(
+            "%s: %d captions are empty (no word once normalised), e.g. %s; they are kept as ruotianluo's "
+            "prepro_labels keeps them (a label of <eos> only): remove them from the file to drop them",
+            path,
+            len(empty),
+            ", ".join(empty[:3]),
+        )
 
 
 def read_karpathy(path: Path, key_mode: str, use_given_tokens: bool) -> list[ImageEntry]:
@@ -99,7 +103,11 @@ def read_karpathy(path: Path, key_mode: str, use_given_tokens: bool) -> list[Ima
     dropped: list[str] = []
     for i, img in enumerate(images):
         where = f"images[{i}]"
-        if not isinstance(img, dict) or not isinstance(img.get("sentences"), list) or not isinstance(img.get("split"), str):
+        if (
+            not isinstance(img, dict)
+            or not isinstance(img.get("sentences"), list)
+            or not isinstance(img.get("split"), str)
+        ):
             raise _bad(path, f"{where} lacks 'sentences' or 'split'")
         if img["split"] not in KNOWN_SPLITS:
             raise _bad(path, f"{where} has unknown split {img['split']!r}")
@@ -117,9 +125,15 @@ def read_karpathy(path: Path, key_mode: str, use_given_tokens: bool) -> list[Ima
                 empty.append(f"{where}.sentences[{j}]")
         filename = str(img.get("filename", ""))
         cocoid = img.get("cocoid", img.get("id"))
-        out.append(ImageEntry(_key(key_mode, cocoid, str(img.get("filepath", "")), filename, path, where),
-                              int(cocoid) if isinstance(cocoid, int) else None,
-                              f"{img.get('filepath', '')}/{filename}".lstrip("/"), img["split"], captions=caps))
+        out.append(
+            ImageEntry(
+                _key(key_mode, cocoid, str(img.get("filepath", "")), filename, path, where),
+                int(cocoid) if isinstance(cocoid, int) else None,
+                f"{img.get('filepath', '')}/{filename}".lstrip("/"),
+                img["split"],
+                captions=caps,
+            )
+        )
     warn_caption_problems(path, empty, dropped)
     return out
 
@@ -154,13 +168,22 @@ def read_coco_captions(files: dict[str, str], split_file: str | None, key_mode: 
         if not isinstance(data.get("images"), list) or not isinstance(data.get("annotations"), list):
             raise _bad(path, "needs 'images' and 'annotations' lists (COCO captions format)")
         for i, img in enumerate(data["images"]):
-            if not isinstance(img, dict) or not isinstance(img.get("id"), int) or not isinstance(img.get("file_name"), str):
+            if (
+                not isinstance(img, dict)
+                or not isinstance(img.get("id"), int)
+                or not isinstance(img.get("file_name"), str)
+            ):
                 raise _bad(path, f"images[{i}] lacks an integer 'id' or 'file_name'")
             if img["id"] in by_id:
                 raise _bad(path, f"image id {img['id']} appears in more than one captions file")
             by_id[img["id"]] = ImageEntry(
-                _key(key_mode, img["id"], "", img["file_name"], path, f"images[{i}]"), img["id"], img["file_name"],
-                split, img.get("width"), img.get("height"))
+                _key(key_mode, img["id"], "", img["file_name"], path, f"images[{i}]"),
+                img["id"],
+                img["file_name"],
+                split,
+                img.get("width"),
+                img.get("height"),
+            )
         empty: list[str] = []
         for i, ann in enumerate(data["annotations"]):
             if not isinstance(ann, dict) or not isinstance(ann.get("caption"), str) or ann.get("image_id") not in by_id:
@@ -196,7 +219,9 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
         raise ConfigError("prepare.max_length must be >= 1 and prepare.word_count_threshold >= 0")
     coco_files = {split: str(f) for split, f in dict(cfg.coco_captions).items() if f}
     if bool(cfg.karpathy_json) == bool(coco_files):
-        raise UsageError("give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE")
+        raise UsageError(
+            "give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE"
+        )
     try:
         if cfg.karpathy_json:
             entries = read_karpathy(Path(cfg.karpathy_json), cfg.key, bool(cfg.use_given_tokens))
@@ -233,13 +258,21 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
     unk = sum(1 for e in entries for c in e.captions for w in c if vocab.id(w) == UNK)
     total_words = sum(len(c) for e in entries for c in e.captions)
     outputs = save_prepared(
-        stage_dir, vocab=vocab, entries=entries, labels=labels, lengths=lengths, offsets=offsets,
+        stage_dir,
+        vocab=vocab,
+        entries=entries,
+        labels=labels,
+        lengths=lengths,
+        offsets=offsets,
         max_length=max_len,
     )
     splits = Counter(e.split for e in entries)
     summary = {
-        "images": len(entries), **{f"{s}_images": splits.get(s, 0) for s in ("train", "val", "test", "restval") if splits.get(s)},
-        "captions": n_caps, "vocab_words": len(vocab) - 4, "unk_rate": round(unk / max(total_words, 1), 5),
+        "images": len(entries),
+        **{f"{s}_images": splits.get(s, 0) for s in ("train", "val", "test", "restval") if splits.get(s)},
+        "captions": n_caps,
+        "vocab_words": len(vocab) - 4,
+        "unk_rate": round(unk / max(total_words, 1), 5),
         "truncated_captions": int(sum(len(c) > max_len for e in entries for c in e.captions)),
     }
     log.info("prepared %d images, %d captions, %d words (+4 specials)", len(entries), n_caps, len(vocab) - 4)

@@ -54,14 +54,27 @@ def save_prepared(
         np.savez(fh, labels=labels, lengths=lengths, offsets=offsets)
 
     atomic_write(out / FILES["labels"], write_npz)
-    atomic_write_json(out / FILES["references"], {e.key: [" ".join(c) for c in e.captions] for e in entries}, indent=None)
+    atomic_write_json(
+        out / FILES["references"], {e.key: [" ".join(c) for c in e.captions] for e in entries}, indent=None
+    )
     # images.json last: its presence with a matching version marks a complete set
     atomic_write_json(
         out / FILES["images"],
         {
-            "format": FORMAT, "version": VERSION, "max_length": max_length,
-            "images": [{"key": e.key, "cocoid": e.cocoid, "file": e.file, "split": e.split, "width": e.width,
-                        "height": e.height} for e in entries],
+            "format": FORMAT,
+            "version": VERSION,
+            "max_length": max_length,
+            "images": [
+                {
+                    "key": e.key,
+                    "cocoid": e.cocoid,
+                    "file": e.file,
+                    "split": e.split,
+                    "width": e.width,
+                    "height": e.height,
+                }
+                for e in entries
+            ],
         },
         indent=None,
     )
@@ -87,9 +100,13 @@ class PreparedCaptions:
         if meta.get("format") != FORMAT:
             raise PipelineError(f"{d / FILES['images']} is not a butd-caption prepared-captions index")
         if meta.get("version") != VERSION:
-            raise PipelineError(f"{d / FILES['images']} has version {meta.get('version')!r}; this butd-caption reads {VERSION}")
+            raise PipelineError(
+                f"{d / FILES['images']} has version {meta.get('version')!r}; this butd-caption reads {VERSION}"
+            )
         images = meta.get("images")
-        if not isinstance(images, list) or not all(isinstance(i, dict) and isinstance(i.get("key"), str) for i in images):
+        if not isinstance(images, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("key"), str) for i in images
+        ):
             raise PipelineError(f"{d / FILES['images']}: malformed 'images' list")
         vocab = Vocab.load(d / FILES["vocab"])
         path = d / FILES["labels"]
@@ -119,6 +136,3 @@ class PreparedCaptions:
     def references(self) -> dict[str, list[str]]:
         """Untruncated references by image key (for evaluation)."""
         return read_json(self.directory / FILES["references"], what="references file")
-
-
-

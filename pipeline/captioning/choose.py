@@ -21,7 +21,7 @@ log = get_logger("caption")
 
 def _stage_name(best: Path) -> str:
     stage = best.parent.name
-    return stage[len("train-"):] if stage.startswith("train-") else stage
+    return stage[len("train-") :] if stage.startswith("train-") else stage
 
 
 def validation_score(best: Path) -> dict[str, Any] | None:
@@ -45,16 +45,26 @@ def _pick_best(model: Path, found: list[Path]) -> Path:
     listing = ", ".join(_stage_name(p) for p in found)
     missing = [_stage_name(p) for p, s in scored if s is None]
     if missing:
-        raise UsageError(f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass --captioner NAME")
+        raise UsageError(
+            f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass --captioner NAME"
+        )
     metrics = {s["metric"] for _, s in scored if s}
     if len(metrics) > 1:
-        raise UsageError(f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass --captioner NAME ({listing})")
+        raise UsageError(
+            f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass --captioner NAME ({listing})"
+        )
     ranked = sorted(scored, key=lambda ps: -float(ps[1]["value"]))  # type: ignore[index]
     (best, score), rest = ranked[0], ranked[1:]
     metric = "CIDEr-D" if score["metric"] == "CIDEr" else score["metric"]
     others = ", ".join(f"{_stage_name(p)} {float(s['value']):.3f}" for p, s in rest)  # type: ignore[index]
-    log.info("captioner: %s (best validation %s %.3f of %d; others: %s; --captioner NAME picks another)",
-             _stage_name(best), metric, float(score["value"]), len(found), others)
+    log.info(
+        "captioner: %s (best validation %s %.3f of %d; others: %s; --captioner NAME picks another)",
+        _stage_name(best),
+        metric,
+        float(score["value"]),
+        len(found),
+        others,
+    )
     return best
 
 
@@ -66,7 +76,9 @@ def find_checkpoint(model: Path, captioner: str | None = None) -> Path:
     model = Path(resolve_file(model, "captioner", "captioner"))
     if model.is_file():
         if captioner:
-            raise UsageError("--captioner picks a captioner inside a run folder; --model names a checkpoint file already")
+            raise UsageError(
+                "--captioner picks a captioner inside a run folder; --model names a checkpoint file already"
+            )
         return model
     if not model.exists():
         raise UsageError(
@@ -108,4 +120,3 @@ def find_detector(model: Path, checkpoint: Path, weights: str | None) -> str:
         "no detector found for this captioner: pass --weights (a bottom-up checkpoint such as "
         "bua-caffe-frcn-r101_with_attributes.pth, or the demo's runs/demo/detector/... weights)"
     )
-

@@ -69,7 +69,9 @@ class CaptionResult:
 
 def batch_tensors(records: Sequence[dict[str, Any]], device: torch.device) -> dict[str, torch.Tensor]:
     """Pad region records into the captioner's input tensors (as the training collate does)."""
-    feats, boxes, mask = pad_regions([r["features"] for r in records], [r["boxes"] for r in records], torch.float32, device)
+    feats, boxes, mask = pad_regions(
+        [r["features"] for r in records], [r["boxes"] for r in records], torch.float32, device
+    )
     sizes = torch.tensor([[r["image_w"], r["image_h"]] for r in records], dtype=torch.float32)
     return {"feats": feats, "mask": mask, "boxes": boxes, "sizes": sizes.to(device)}
 
@@ -149,11 +151,18 @@ class PhotoCaptioner:
     ) -> None:
         self.detector, self.rule, self.model, self.vocab = detector, rule, model.eval(), vocab
         self.options, self.device, self.max_boxes, self.max_pixels = options, device, max_boxes, max_pixels
-        self.precision = resolve_precision(str(precision), device, "caption.precision", fp16=False)  # detector and captioner run under it
+        self.precision = resolve_precision(
+            str(precision), device, "caption.precision", fp16=False
+        )  # detector and captioner run under it
         self.store_settings = store_settings  # the feature identity a ``--cache`` store must agree with
 
     def caption_paths(
-        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,
+        self,
+        items: Sequence[ImageItem],
+        batch_size: int = 4,
+        cache: Any = None,
+        keep_images: bool = False,
+        relevance: bool = False,
         workers: int = 0,
     ) -> Iterator[CaptionResult]:
         """Caption ``items`` in batches; yields results in input order. ``cache`` is an open store writer."""
@@ -161,7 +170,12 @@ class PhotoCaptioner:
             yield from batch
 
     def caption_batches(
-        self, items: Sequence[ImageItem], batch_size: int = 4, cache: Any = None, keep_images: bool = False, relevance: bool = False,
+        self,
+        items: Sequence[ImageItem],
+        batch_size: int = 4,
+        cache: Any = None,
+        keep_images: bool = False,
+        relevance: bool = False,
         workers: int = 0,
     ) -> Iterator[list[CaptionResult]]:
         """Caption ``items`` batch by batch (one list of results per batch, in input order).
@@ -181,13 +195,23 @@ class PhotoCaptioner:
         for decoded in photo_batches(dataset, batch_size, workers):
             yield self.caption_decoded(decoded, cache, [cached[d.index] for d in decoded], keep_images, relevance)
 
-    def photo_dataset(self, items: Sequence[ImageItem], needs: Sequence[Need] | None = None, keep_images: bool = False) -> PhotoDataset:
+    def photo_dataset(
+        self, items: Sequence[ImageItem], needs: Sequence[Need] | None = None, keep_images: bool = False
+    ) -> PhotoDataset:
         """The photos -> detector inputs step for this engine's detector recipe, pixel cap and thin-image check
         (:class:`extractors.photos.PhotoDataset`; ``dataset[i]`` decodes photo ``i``, failures as values)."""
-        return PhotoDataset(items, self.rule.recipe, self.max_pixels, self.detector.spec.feature_stride, needs, keep_images)
+        return PhotoDataset(
+            items, self.rule.recipe, self.max_pixels, self.detector.spec.feature_stride, needs, keep_images
+        )
 
-    def caption_decoded(self, decoded: Sequence[Photo], cache: Any = None, cached: Sequence[bool] | None = None,
-                        keep_images: bool = False, relevance: bool = False) -> list[CaptionResult]:
+    def caption_decoded(
+        self,
+        decoded: Sequence[Photo],
+        cache: Any = None,
+        cached: Sequence[bool] | None = None,
+        keep_images: bool = False,
+        relevance: bool = False,
+    ) -> list[CaptionResult]:
         """Caption photos already decoded by :meth:`photo_dataset` (one batch; results in the given order).
 
         :meth:`caption_batches` runs every batch through here; ``cli serve`` decodes uploads in its request
@@ -224,8 +248,15 @@ class PhotoCaptioner:
                         results[i].image = decoded[i].image.numpy()
         return results
 
-    def _detect_batch(self, chunk: list[ImageItem], todo: list[int], decoded: list[Photo], results: list[CaptionResult],
-                      records: list[dict[str, Any] | None], cache: Any) -> None:
+    def _detect_batch(
+        self,
+        chunk: list[ImageItem],
+        todo: list[int],
+        decoded: list[Photo],
+        results: list[CaptionResult],
+        records: list[dict[str, Any] | None],
+        cache: Any,
+    ) -> None:
         """Detect the ``todo`` photos of a batch into ``records`` (and the cache, committed once per batch)."""
         position = {id(decoded[i]): i for i in todo}
 
@@ -234,7 +265,9 @@ class PhotoCaptioner:
             log.warning("skipped %s: %s", key_to_text(str(photo.item.path)), failure.line)
 
         with torch.no_grad():
-            found = detect_guarded(self.detector, [decoded[i] for i in todo], self.rule, self.precision, self.device, fail)
+            found = detect_guarded(
+                self.detector, [decoded[i] for i in todo], self.rule, self.precision, self.device, fail
+            )
         for photo, out in found:
             i = position[id(photo)]
             if len(out.boxes) == 0:
@@ -252,7 +285,9 @@ class PhotoCaptioner:
     def _check_dim(self, rec: dict[str, Any]) -> None:
         dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)
         if expected is not None and dim != expected:
-            raise PipelineError(f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with")
+            raise PipelineError(
+                f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with"
+            )
 
     def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:
         """Caption ``recs`` together; if that raises, one by one (the failing image gets the error)."""

@@ -90,14 +90,28 @@ def _colour(n: int) -> str:
 class GallerySink:
     """Writes thumbnails, pictures and records batch by batch, and the page at the end."""
 
-    def __init__(self, directory: Path, settings: Mapping[str, Any], classes: Sequence[str], attributes: Sequence[str], force: bool = False,
-                 lock: Any = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        settings: Mapping[str, Any],
+        classes: Sequence[str],
+        attributes: Sequence[str],
+        force: bool = False,
+        lock: Any = None,
+    ) -> None:
         self.dir = Path(directory)
         (self.dir / "thumbs").mkdir(parents=True, exist_ok=True)
         (self.dir / "pictures").mkdir(parents=True, exist_ok=True)
         self.classes, self.attributes = list(classes), list(attributes)
-        self.journal = Journal({"records": self.dir / "records.jsonl"}, settings, force=force,
-                               lock=lock or acquire_lock(self.dir / ".lock", f"gallery {self.dir}", "wait for it to finish or choose another --gallery"))
+        self.journal = Journal(
+            {"records": self.dir / "records.jsonl"},
+            settings,
+            force=force,
+            lock=lock
+            or acquire_lock(
+                self.dir / ".lock", f"gallery {self.dir}", "wait for it to finish or choose another --gallery"
+            ),
+        )
 
     def add(self, batch: Sequence[Any]) -> None:
         """Thumbnails and pictures of a finished batch, then its records (committed)."""
@@ -105,7 +119,11 @@ class GallerySink:
         self.journal.append({"records": rows})
 
     def _record(self, res: Any) -> dict[str, Any]:
-        row: dict[str, Any] = {"key": key_to_text(res.key), "image": key_to_text(str(res.path)), "source": self._source_link(res.path)}
+        row: dict[str, Any] = {
+            "key": key_to_text(res.key),
+            "image": key_to_text(str(res.path)),
+            "source": self._source_link(res.path),
+        }
         if res.error or res.image is None or res.regions is None:
             row["error"] = res.error or "no image"
             return row
@@ -120,11 +138,27 @@ class GallerySink:
         render_picture(res, self.classes, self.attributes).save(buf, format="PNG")
         atomic_write_bytes(self.dir / "pictures" / f"{name}.png", buf.getvalue())
         labels = region_labels(res.regions, self.classes, self.attributes)
-        regions = [{"box": [round(float(reg.box[0]) / w, 4), round(float(reg.box[1]) / h, 4), round(float(reg.box[2]) / w, 4),
-                            round(float(reg.box[3]) / h, 4)], "label": reg.label, "words": reg.words}
-                   for reg in attended_regions(res, labels)]
-        row.update(caption=res.caption, score=round(float(res.score), 4), nbest=[[c, round(float(s), 4)] for c, s in res.nbest],
-                   thumb=f"thumbs/{name}.jpg", picture=f"pictures/{name}.png", regions=regions)
+        regions = [
+            {
+                "box": [
+                    round(float(reg.box[0]) / w, 4),
+                    round(float(reg.box[1]) / h, 4),
+                    round(float(reg.box[2]) / w, 4),
+                    round(float(reg.box[3]) / h, 4),
+                ],
+                "label": reg.label,
+                "words": reg.words,
+            }
+            for reg in attended_regions(res, labels)
+        ]
+        row.update(
+            caption=res.caption,
+            score=round(float(res.score), 4),
+            nbest=[[c, round(float(s), 4)] for c, s in res.nbest],
+            thumb=f"thumbs/{name}.jpg",
+            picture=f"pictures/{name}.png",
+            regions=regions,
+        )
         return row
 
     def _source_link(self, path: Path) -> str:
@@ -139,10 +173,12 @@ class GallerySink:
         return atomic_write(self.dir / "index.html", self._write_html)
 
     def _write_html(self, fh: BinaryIO) -> None:
-        head = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>captions: {html.escape(self.dir.name)}</title>"
-                f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><style>{STYLE}</style></head>\n<body>\n"
-                "<header><h1>captions</h1><input id=\"q\" type=\"search\" placeholder=\"filter by word\" aria-label=\"filter by word\">"
-                "<label><input id=\"all\" type=\"checkbox\"> boxes on every photo</label><span id=\"count\"></span></header>\n<main>\n")
+        head = (
+            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>captions: {html.escape(self.dir.name)}</title>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>\n<body>\n'
+            '<header><h1>captions</h1><input id="q" type="search" placeholder="filter by word" aria-label="filter by word">'
+            '<label><input id="all" type="checkbox"> boxes on every photo</label><span id="count"></span></header>\n<main>\n'
+        )
         fh.write(head.encode("utf-8"))
         for row in self.journal.read("records"):
             fh.write(card_html(row).encode("utf-8"))
@@ -158,25 +194,28 @@ def card_html(row: Mapping[str, Any]) -> str:
     """One photo's card (every string HTML-escaped)."""
     e = html.escape
     if "error" in row:
-        return (f"<figure class=\"card\" data-words=\"{e(row['image'].lower())}\"><div class=\"failed\">{e(row['image'])}<br>"
-                f"not captioned: {e(row['error'])}</div></figure>\n")
+        return (
+            f'<figure class="card" data-words="{e(row["image"].lower())}"><div class="failed">{e(row["image"])}<br>'
+            f"not captioned: {e(row['error'])}</div></figure>\n"
+        )
     words = " ".join([row["caption"]] + [c for c, _ in row["nbest"]] + [r["label"] for r in row["regions"]]).lower()
     boxes = "".join(
-        f"<div class=\"box\" style=\"left:{100 * b[0]:.2f}%;top:{100 * b[1]:.2f}%;width:{100 * (b[2] - b[0]):.2f}%;"
-        f"height:{100 * (b[3] - b[1]):.2f}%;border-color:{_colour(n)}\"><span style=\"background:{_colour(n)}\">{n + 1} {e(r['label'])}</span></div>"
-        for n, r in enumerate(row["regions"]) for b in [r["box"]]
+        f'<div class="box" style="left:{100 * b[0]:.2f}%;top:{100 * b[1]:.2f}%;width:{100 * (b[2] - b[0]):.2f}%;'
+        f'height:{100 * (b[3] - b[1]):.2f}%;border-color:{_colour(n)}"><span style="background:{_colour(n)}">{n + 1} {e(r["label"])}</span></div>'
+        for n, r in enumerate(row["regions"])
+        for b in [r["box"]]
     )
     legend = " ".join(
-        f"<span><i style=\"background:{_colour(n)}\"></i>{n + 1} {e(r['label'])}{' &larr; ' + e(', '.join(r['words'])) if r['words'] else ''}</span>"
+        f'<span><i style="background:{_colour(n)}"></i>{n + 1} {e(r["label"])}{" &larr; " + e(", ".join(r["words"])) if r["words"] else ""}</span>'
         for n, r in enumerate(row["regions"])
     )
-    items = "".join(f"<li>{e(c)} <span class=\"score\">{_score(s)}</span></li>" for c, s in row["nbest"])
-    nbest = f"<ol class=\"nbest\">{items}</ol>" if len(row["nbest"]) > 1 else ""
+    items = "".join(f'<li>{e(c)} <span class="score">{_score(s)}</span></li>' for c, s in row["nbest"])
+    nbest = f'<ol class="nbest">{items}</ol>' if len(row["nbest"]) > 1 else ""
     return (
-        f"<figure class=\"card\" id=\"{e(row['key'])}\" data-words=\"{e(words)}\"><div class=\"photo\">"
-        f"<a href=\"{e(row['picture'])}\"><img src=\"{e(row['thumb'])}\" alt=\"{e(row['caption'])}\" loading=\"lazy\"></a>"
-        f"<div class=\"boxes\">{boxes}</div></div><figcaption><p class=\"caption\">{e(row['caption'])} "
-        f"<span class=\"score\">{_score(row['score'])}</span></p>{nbest}<div class=\"legend\">{legend}</div>"
-        f"<button type=\"button\">boxes</button> <a href=\"{e(row['picture'])}\">picture</a> · "
-        f"<a href=\"{e(row['source'])}\">photo</a> · <span class=\"score\" title=\"{e(row['image'])}\">{e(row['key'])}</span></figcaption></figure>\n"
+        f'<figure class="card" id="{e(row["key"])}" data-words="{e(words)}"><div class="photo">'
+        f'<a href="{e(row["picture"])}"><img src="{e(row["thumb"])}" alt="{e(row["caption"])}" loading="lazy"></a>'
+        f'<div class="boxes">{boxes}</div></div><figcaption><p class="caption">{e(row["caption"])} '
+        f'<span class="score">{_score(row["score"])}</span></p>{nbest}<div class="legend">{legend}</div>'
+        f'<button type="button">boxes</button> <a href="{e(row["picture"])}">picture</a> · '
+        f'<a href="{e(row["source"])}">photo</a> · <span class="score" title="{e(row["image"])}">{e(row["key"])}</span></figcaption></figure>\n'
     )

@@ -68,14 +68,21 @@ class Journal:
     before anything is read, truncated or cleared, so a second process is refused naming the first.
     """
 
-    def __init__(self, files: Mapping[str, Path], settings: Mapping[str, Any], force: bool = False,
-                 lock: WriterLock | None = None) -> None:
+    def __init__(
+        self,
+        files: Mapping[str, Path],
+        settings: Mapping[str, Any],
+        force: bool = False,
+        lock: WriterLock | None = None,
+    ) -> None:
         if not files:
             raise ValueError("a journal needs at least one file")
         self.files = {role: Path(p) for role, p in files.items()}
         self.main = next(iter(self.files))
         main = self.files[self.main]
-        self.lock = lock or acquire_lock(main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output")
+        self.lock = lock or acquire_lock(
+            main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output"
+        )
         try:
             for path in [*self.files.values(), self._state_path()]:  # a link or a special file: refused, untouched
                 check_own_path(path, "caption journal file")
@@ -123,12 +130,16 @@ class Journal:
         main = self.files[self.main]
         if force or not self.state_path.exists():
             if not force and main.exists() and main.stat().st_size > 0:
-                raise UsageError(f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
-                                 "pass --force to overwrite it, or choose another --output")
+                raise UsageError(
+                    f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
+                    "pass --force to overwrite it, or choose another --output"
+                )
             return fresh
         state = read_json(self.state_path, "caption position file")
         if state.get("version") != VERSION or not isinstance(state.get("files"), dict):
-            raise PipelineError(f"caption position file {self.state_path} is not one this version writes; pass --force to start over")
+            raise PipelineError(
+                f"caption position file {self.state_path} is not one this version writes; pass --force to start over"
+            )
         old = state.get("settings") or {}
         changed = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
         if changed:
@@ -140,8 +151,10 @@ class Journal:
             size = int(state["files"].get(role, 0))
             have = path.stat().st_size if path.exists() else 0
             if have < size:
-                raise PipelineError(f"{path} is shorter ({have} bytes) than its committed length {size} ({self.state_path}): "
-                                    "it was changed outside `caption`; pass --force to start over")
+                raise PipelineError(
+                    f"{path} is shorter ({have} bytes) than its committed length {size} ({self.state_path}): "
+                    "it was changed outside `caption`; pass --force to start over"
+                )
         if state["rows"]:
             log.info("resuming %s: %d photos already done", main, int(state["rows"]))
         return state
@@ -158,7 +171,9 @@ class Journal:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise PipelineError(f"{path} line {lineno} is not JSON ({exc}); pass --force to start over") from None
+                    raise PipelineError(
+                        f"{path} line {lineno} is not JSON ({exc}); pass --force to start over"
+                    ) from None
                 yield row
 
     def append(self, batches: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
@@ -198,8 +213,15 @@ class Journal:
                 log.warning("could not cut %s back to its committed length; the next run will", self.files[role])
 
     def _save(self, rows: int | None = None) -> None:
-        atomic_write_json(self.state_path, {"version": VERSION, "files": dict(self.sizes), "rows": self.rows if rows is None else rows,
-                                            "settings": self.settings})
+        atomic_write_json(
+            self.state_path,
+            {
+                "version": VERSION,
+                "files": dict(self.sizes),
+                "rows": self.rows if rows is None else rows,
+                "settings": self.settings,
+            },
+        )
 
     def close(self) -> None:
         """Close the files and free the lock (the committed rows stay readable with :meth:`read`)."""

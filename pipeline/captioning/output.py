@@ -58,7 +58,9 @@ def plan_output(output: Path, fmt: str | None) -> OutputPlan:
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if suffix != _SUFFIX[fmt]:
-        raise UsageError(f"--format {fmt} writes a {_SUFFIX[fmt]} file; --output {output.name} ends in {suffix or 'nothing'}")
+        raise UsageError(
+            f"--format {fmt} writes a {_SUFFIX[fmt]} file; --output {output.name} ends in {suffix or 'nothing'}"
+        )
     journal = output if fmt == "jsonl" else output.with_name(output.name + ".journal.jsonl")
     failures = output.with_name(output.name[: -len(suffix)] + ".failures.jsonl")
     return OutputPlan(output, fmt, journal, failures)
@@ -67,11 +69,17 @@ def plan_output(output: Path, fmt: str | None) -> OutputPlan:
 def load_id_map(path: Path) -> dict[str, int]:
     """``--image-ids``: ``{name: id}`` JSON, or a COCO annotations file (``images`` with ``id``/``file_name``)."""
     data = read_json(path, "image-id mapping")
-    pairs = [(im.get("file_name"), im.get("id")) for im in data["images"] if isinstance(im, dict)] if isinstance(data.get("images"), list) else list(data.items())
+    pairs = (
+        [(im.get("file_name"), im.get("id")) for im in data["images"] if isinstance(im, dict)]
+        if isinstance(data.get("images"), list)
+        else list(data.items())
+    )
     out: dict[str, int] = {}
     for name, iid in pairs:
         if not isinstance(name, str) or isinstance(iid, bool) or not isinstance(iid, int):
-            raise UsageError(f"image-id mapping {path}: entry {name!r} -> {iid!r} is not a file name with an integer id")
+            raise UsageError(
+                f"image-id mapping {path}: entry {name!r} -> {iid!r} is not a file name with an integer id"
+            )
         out[name] = iid
     return out
 
@@ -98,7 +106,9 @@ def coco_ids(items: Sequence[Any], mapping: Mapping[str, int] | None) -> dict[st
                 "COCO_val2014_000000391895.jpg); pass --image-ids MAP.json ({name: id} or a COCO annotations file)"
             )
         if iid in seen:
-            raise UsageError(f"--format coco: {key_to_text(str(seen[iid]))} and {key_to_text(str(it.path))} both have image id {iid}")
+            raise UsageError(
+                f"--format coco: {key_to_text(str(seen[iid]))} and {key_to_text(str(it.path))} both have image id {iid}"
+            )
         seen[iid] = it.path
         ids[it.key] = iid
     return ids

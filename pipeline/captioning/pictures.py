@@ -28,8 +28,16 @@ from PIL import Image, ImageDraw, ImageFont
 from pipeline.captioning.engine import CaptionResult
 from pipeline.core.fileio import atomic_write_bytes
 
-PALETTE = [(230, 25, 75), (0, 130, 200), (60, 180, 75), (245, 130, 48), (145, 30, 180), (240, 50, 230),
-           (0, 128, 128), (170, 110, 40)]
+PALETTE = [
+    (230, 25, 75),
+    (0, 130, 200),
+    (60, 180, 75),
+    (245, 130, 48),
+    (145, 30, 180),
+    (240, 50, 230),
+    (0, 128, 128),
+    (170, 110, 40),
+]
 FUNCTION_WORDS = frozenset(
     "a an the of on in at to with and or is are was were be its it this that there some by for from near next "
     "into onto over under above below behind beside while his her their".split()
@@ -90,7 +98,9 @@ def _same_object(a: np.ndarray, b: np.ndarray, label_a: str, label_b: str, iou: 
     return bool(smaller > 0 and iw * ih / smaller > 0.7)
 
 
-def attended_regions(result: CaptionResult, labels: Sequence[str], max_regions: int = 5, iou: float = 0.5) -> list[Region]:
+def attended_regions(
+    result: CaptionResult, labels: Sequence[str], max_regions: int = 5, iou: float = 0.5
+) -> list[Region]:
     """The few regions the caption's words depend on, de-duplicated by IoU (see the module docstring)."""
     regions = result.regions or {}
     boxes = np.asarray(regions.get("boxes", np.zeros((0, 4))), dtype=np.float32)
@@ -110,7 +120,14 @@ def attended_regions(result: CaptionResult, labels: Sequence[str], max_regions: 
         weight = scores.astype(np.float64)
     chosen: list[Region] = []
     for r in order:
-        same = next((c for c in chosen if _same_object(c.box, boxes[r], c.label, labels[r], iou) or (not words and c.label == labels[r])), None)
+        same = next(
+            (
+                c
+                for c in chosen
+                if _same_object(c.box, boxes[r], c.label, labels[r], iou) or (not words and c.label == labels[r])
+            ),
+            None,
+        )
         if same is not None:
             same.words += [w for w in words.get(r, []) if w not in same.words]
             continue
@@ -135,8 +152,9 @@ def _draw_regions(img: Image.Image, chosen: Sequence[Region], scale: float) -> N
         draw.text((tx + 4, ty + 1), tag, fill=(255, 255, 255), font=font)
 
 
-def render_picture(result: CaptionResult, classes: Sequence[str], attributes: Sequence[str], width: int = 520,
-                   max_regions: int = 5) -> Image.Image:
+def render_picture(
+    result: CaptionResult, classes: Sequence[str], attributes: Sequence[str], width: int = 520, max_regions: int = 5
+) -> Image.Image:
     """The picture for one captioned photo (needs ``result.image`` and ``result.regions``)."""
     assert result.image is not None and result.regions is not None
     rgb = result.image
@@ -176,7 +194,9 @@ def picture_name(key: str) -> str:
     return safe
 
 
-def write_pictures(results: Sequence[CaptionResult], out_dir: str | Path, classes: Sequence[str], attributes: Sequence[str]) -> list[Path]:
+def write_pictures(
+    results: Sequence[CaptionResult], out_dir: str | Path, classes: Sequence[str], attributes: Sequence[str]
+) -> list[Path]:
     """One PNG per captioned photo in ``out_dir`` (named by :func:`picture_name`); returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

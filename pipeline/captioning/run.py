@@ -50,7 +50,9 @@ def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]
         items = unique_items(items + items_from_file_list(file_list, Path.cwd()))
     if not items:
         where = ", ".join(list(photos or []) + ([str(file_list)] if file_list else []))
-        raise UsageError(f"no image files found in {where or 'the arguments'} (give photos, folders, globs or --file-list FILE)")
+        raise UsageError(
+            f"no image files found in {where or 'the arguments'} (give photos, folders, globs or --file-list FILE)"
+        )
     if all(it.problem is not None for it in items):
         shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])
         raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
@@ -58,9 +60,16 @@ def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]
 
 
 #: caption.KEY -> (least value, greatest value or None, may be null)
-_NUMBERS = {"batch_size": (1, None, False), "num_workers": (0, None, False), "max_pixels": (1, None, False),
-            "max_boxes": (1, None, True),
-            "conf_thresh": (0.0, 1.0, True), "nms_thresh": (0.0, 1.0, True), "min_size": (1, None, True), "max_size": (1, None, True)}
+_NUMBERS = {
+    "batch_size": (1, None, False),
+    "num_workers": (0, None, False),
+    "max_pixels": (1, None, False),
+    "max_boxes": (1, None, True),
+    "conf_thresh": (0.0, 1.0, True),
+    "nms_thresh": (0.0, 1.0, True),
+    "min_size": (1, None, True),
+    "max_size": (1, None, True),
+}
 
 
 def check_numbers(cfg: Any) -> None:
@@ -77,7 +86,12 @@ def check_numbers(cfg: Any) -> None:
         value = cfg[key]
         if value is None and nullable:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high is not None and value > high):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < low
+            or (high is not None and value > high)
+        ):
             span = f"between {low} and {high}" if high is not None else f"{low} or more"
             raise UsageError(f"caption.{key} must be {span}, not {value!r}")
 
@@ -93,8 +107,9 @@ def _checked_decoding(decoding: dict[str, Any] | None) -> None:
         raise UsageError(str(exc)) from None
 
 
-def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[str, Any] | None = None,
-                 vocab: Path | None = None) -> tuple[Any, list[str], list[str], dict[str, Any]]:
+def build_engine(
+    ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[str, Any] | None = None, vocab: Path | None = None
+) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
     ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.captions.layered_decoding`);
@@ -128,28 +143,65 @@ def build_engine(ckpt_path: Path, det_weights: str, cfg: Config, decoding: dict[
 
     detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device)
     # caption.max_boxes is what the captioner gets, not a recipe field
-    recipe, rule = configure_recipe(detector, identity.layout, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh"))
+    recipe, rule = configure_recipe(
+        detector, identity.layout, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh")
+    )
     if recipe.selector == "given":
-        raise UsageError("caption.boxes given: photos have no boxes to give; use adaptive, 36 or null (the recipe's own)")
-    trained_with = FeatureIdentity.from_dict(ckpt.store_identity, f"{ckpt_path}: store_identity") if ckpt.store_identity else None
-    if trained_with is not None and trained_with.weights_sha256 and trained_with.weights_sha256 != identity.weights_sha256:
-        log.warning("the captioner was trained on features of another detector (%s); captions may be poor", trained_with.name)
+        raise UsageError(
+            "caption.boxes given: photos have no boxes to give; use adaptive, 36 or null (the recipe's own)"
+        )
+    trained_with = (
+        FeatureIdentity.from_dict(ckpt.store_identity, f"{ckpt_path}: store_identity") if ckpt.store_identity else None
+    )
+    if (
+        trained_with is not None
+        and trained_with.weights_sha256
+        and trained_with.weights_sha256 != identity.weights_sha256
+    ):
+        log.warning(
+            "the captioner was trained on features of another detector (%s); captions may be poor", trained_with.name
+        )
     classes, attributes = detector_names(info, detector.spec.num_classes - 1, detector.spec.num_attributes - 1)
     max_boxes = cfg.max_boxes if cfg.max_boxes is not None else ckpt.max_boxes
-    engine = PhotoCaptioner(detector, rule, captioner, vocab, options, device, max_boxes=max_boxes, max_pixels=int(cfg.max_pixels),
-                            precision=precision, store_settings=record_settings(identity, detector, rule, precision))
+    engine = PhotoCaptioner(
+        detector,
+        rule,
+        captioner,
+        vocab,
+        options,
+        device,
+        max_boxes=max_boxes,
+        max_pixels=int(cfg.max_pixels),
+        precision=precision,
+        store_settings=record_settings(identity, detector, rule, precision),
+    )
     settings = {
-        "captioner": str(Path(ckpt_path).resolve()), "captioner_step": ckpt.progress.global_step if ckpt.progress else None,
-        "detector": engine.store_settings.to_dict() if engine.store_settings else {}, "decoding": asdict(options), "max_boxes": max_boxes,
+        "captioner": str(Path(ckpt_path).resolve()),
+        "captioner_step": ckpt.progress.global_step if ckpt.progress else None,
+        "detector": engine.store_settings.to_dict() if engine.store_settings else {},
+        "decoding": asdict(options),
+        "max_boxes": max_boxes,
     }
     return engine, list(classes), list(attributes), settings
 
 
 def caption_photos(
-    photos: list[str] | None, model: Path, weights: str | None, cfg: Config, output: Path | None = None,
-    visualize: Path | None = None, cache: Path | None = None, *, file_list: Path | None = None, fmt: str | None = None,
-    captioner: str | None = None, gallery: Path | None = None, image_ids: Path | None = None, force: bool = False,
-    decoding: dict[str, Any] | None = None, vocab: Path | None = None,
+    photos: list[str] | None,
+    model: Path,
+    weights: str | None,
+    cfg: Config,
+    output: Path | None = None,
+    visualize: Path | None = None,
+    cache: Path | None = None,
+    *,
+    file_list: Path | None = None,
+    fmt: str | None = None,
+    captioner: str | None = None,
+    gallery: Path | None = None,
+    image_ids: Path | None = None,
+    force: bool = False,
+    decoding: dict[str, Any] | None = None,
+    vocab: Path | None = None,
 ) -> CaptionSummary:
     """Caption ``photos`` (and ``file_list``) with streaming, resumable output; returns the counts.
 
@@ -162,15 +214,23 @@ def caption_photos(
     _checked_decoding(decoding)
     plan = plan_output(output, fmt) if output is not None else None
     items = collect_items(photos, file_list)
-    ids = coco_ids(items, load_id_map(image_ids) if image_ids else None) if plan is not None and plan.fmt == "coco" else None
+    ids = (
+        coco_ids(items, load_id_map(image_ids) if image_ids else None)
+        if plan is not None and plan.fmt == "coco"
+        else None
+    )
     with ExitStack() as held:
         locks = _take_locks(held, plan, gallery, visualize)
         ckpt_path = find_checkpoint(model, captioner)
         det_weights = find_detector(model, ckpt_path, weights)
-        return _caption_locked(items, ids, plan, locks, ckpt_path, det_weights, cfg, visualize, cache, gallery, force, decoding, vocab)
+        return _caption_locked(
+            items, ids, plan, locks, ckpt_path, det_weights, cfg, visualize, cache, gallery, force, decoding, vocab
+        )
 
 
-def _take_locks(held: ExitStack, plan: OutputPlan | None, gallery: Path | None, visualize: Path | None) -> dict[str, Any]:
+def _take_locks(
+    held: ExitStack, plan: OutputPlan | None, gallery: Path | None, visualize: Path | None
+) -> dict[str, Any]:
     """One writer per artifact, before any work: the output (``OUT.lock``), the gallery and pictures folders
     (``DIR/.lock``); a second process is refused naming the holder (:mod:`pipeline.core.locks`)."""
     from pipeline.core.locks import acquire_lock
@@ -178,19 +238,38 @@ def _take_locks(held: ExitStack, plan: OutputPlan | None, gallery: Path | None, 
     hint = "wait for it to finish or choose another {}"
     locks: dict[str, Any] = {}
     if plan is not None:
-        locks["output"] = held.enter_context(acquire_lock(plan.path.with_name(plan.path.name + ".lock"), f"caption output {plan.path}",
-                                                          hint.format("--output")))
+        locks["output"] = held.enter_context(
+            acquire_lock(
+                plan.path.with_name(plan.path.name + ".lock"), f"caption output {plan.path}", hint.format("--output")
+            )
+        )
     if gallery is not None:
-        locks["gallery"] = held.enter_context(acquire_lock(gallery / ".lock", f"gallery {gallery}", hint.format("--gallery")))
+        locks["gallery"] = held.enter_context(
+            acquire_lock(gallery / ".lock", f"gallery {gallery}", hint.format("--gallery"))
+        )
     same = gallery is not None and visualize is not None and Path(visualize).absolute() == Path(gallery).absolute()
     if visualize is not None and not same:
-        locks["pictures"] = held.enter_context(acquire_lock(visualize / ".lock", f"pictures folder {visualize}", hint.format("--visualize")))
+        locks["pictures"] = held.enter_context(
+            acquire_lock(visualize / ".lock", f"pictures folder {visualize}", hint.format("--visualize"))
+        )
     return locks
 
 
-def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPlan | None, locks: dict[str, Any], ckpt_path: Path,
-                    det_weights: str, cfg: Config, visualize: Path | None, cache: Path | None, gallery: Path | None, force: bool,
-                    decoding: dict[str, Any] | None, vocab: Path | None) -> CaptionSummary:
+def _caption_locked(
+    items: list[Any],
+    ids: dict[str, int] | None,
+    plan: OutputPlan | None,
+    locks: dict[str, Any],
+    ckpt_path: Path,
+    det_weights: str,
+    cfg: Config,
+    visualize: Path | None,
+    cache: Path | None,
+    gallery: Path | None,
+    force: bool,
+    decoding: dict[str, Any] | None,
+    vocab: Path | None,
+) -> CaptionSummary:
     engine, classes, attributes, settings = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
     n_best = int(engine.options.n_best)
     results_journal = _open_results(plan, settings, n_best, force, locks.get("output"))
@@ -204,7 +283,12 @@ def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPl
     todo = [it for it in items if not journals or any(key_to_text(it.key) not in j.done for j in journals)]
     summary.already_done = len(items) - len(todo)
     if summary.already_done:
-        log.info("%d of %d photos are already captioned in this output; captioning the other %d", summary.already_done, len(items), len(todo))
+        log.info(
+            "%d of %d photos are already captioned in this output; captioning the other %d",
+            summary.already_done,
+            len(items),
+            len(todo),
+        )
     writer = None
     if cache is not None:
         from pipeline.captioning.engine import FeatureCache
@@ -212,14 +296,21 @@ def _caption_locked(items: list[Any], ids: dict[str, int] | None, plan: OutputPl
         writer = FeatureCache(cache, engine.store_settings)
     try:
         try:
-            _run_batches(engine, todo, cfg, summary, results_journal, gallery_sink, visualize, writer, ids, classes, attributes)
+            _run_batches(
+                engine, todo, cfg, summary, results_journal, gallery_sink, visualize, writer, ids, classes, attributes
+            )
         finally:
             if writer is not None:
                 writer.close()
         if plan is not None and results_journal is not None and plan.fmt != "jsonl":
             finalize(plan, results_journal.read("results"), n_best > 1)
         if plan is not None:
-            log.info("results: %s (%d photos; failures listed in %s)", plan.path, results_journal.rows if results_journal else 0, plan.failures)
+            log.info(
+                "results: %s (%d photos; failures listed in %s)",
+                plan.path,
+                results_journal.rows if results_journal else 0,
+                plan.failures,
+            )
         if gallery_sink is not None:
             page = gallery_sink.write_page()
             log.info("gallery: %s", page)
@@ -250,15 +341,32 @@ def _release_features(cfg: Config, release: ReleaseInfo | None) -> Config:
     return cfg.with_overrides(changes, source="released model") if changes else cfg
 
 
-def _open_results(plan: OutputPlan | None, settings: dict[str, Any], n_best: int, force: bool, lock: Any = None) -> Journal | None:
+def _open_results(
+    plan: OutputPlan | None, settings: dict[str, Any], n_best: int, force: bool, lock: Any = None
+) -> Journal | None:
     if plan is None:
         return None
-    return Journal({"results": plan.journal, "failures": plan.failures}, {**settings, "format": plan.fmt, "n_best": n_best},
-                   force=force, lock=lock)
+    return Journal(
+        {"results": plan.journal, "failures": plan.failures},
+        {**settings, "format": plan.fmt, "n_best": n_best},
+        force=force,
+        lock=lock,
+    )
 
 
-def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSummary, results: Journal | None, gallery: Any,
-                 visualize: Path | None, cache: Any, ids: dict[str, int] | None, classes: list[str], attributes: list[str]) -> None:
+def _run_batches(
+    engine: Any,
+    todo: list[Any],
+    cfg: Config,
+    summary: CaptionSummary,
+    results: Journal | None,
+    gallery: Any,
+    visualize: Path | None,
+    cache: Any,
+    ids: dict[str, int] | None,
+    classes: list[str],
+    attributes: list[str],
+) -> None:
     """Caption ``todo`` batch by batch: files first (results, failures, pictures, gallery), then the table rows."""
     import torch
 
@@ -269,18 +377,26 @@ def _run_batches(engine: Any, todo: list[Any], cfg: Config, summary: CaptionSumm
     with make_progress() as progress, torch.inference_mode(False):
         task = progress.add_task("caption", total=len(todo))
         first = True
-        for batch in engine.caption_batches(todo, int(cfg.batch_size), cache=cache, keep_images=want_images, relevance=want_images,
-                                            workers=int(cfg.num_workers)):
+        for batch in engine.caption_batches(
+            todo,
+            int(cfg.batch_size),
+            cache=cache,
+            keep_images=want_images,
+            relevance=want_images,
+            workers=int(cfg.num_workers),
+        ):
             if visualize is not None:
                 summary.pictures += len(write_pictures(batch, visualize, classes, attributes))
             if gallery is not None:
                 gallery.add(batch)
             if results is not None:
                 fresh = [r for r in batch if key_to_text(r.key) not in results.done]
-                results.append({
-                    "results": [result_row(r, n_best > 1, ids[r.key] if ids else None) for r in fresh],
-                    "failures": [failure_row(r) for r in fresh if r.error],
-                })
+                results.append(
+                    {
+                        "results": [result_row(r, n_best > 1, ids[r.key] if ids else None) for r in fresh],
+                        "failures": [failure_row(r) for r in fresh if r.error],
+                    }
+                )
             summary.captioned += sum(r.error is None for r in batch)
             summary.failed += sum(r.error is not None for r in batch)
             _print_batch(progress, batch, n_best, first)

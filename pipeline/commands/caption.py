@@ -12,26 +12,87 @@ from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 #: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by the engine
-CAPTION_EVERYDAY = Everyday(device="caption.device", batch_size="caption.batch_size", precision="caption.precision",
-                            num_workers="caption.num_workers")
+CAPTION_EVERYDAY = Everyday(
+    device="caption.device",
+    batch_size="caption.batch_size",
+    precision="caption.precision",
+    num_workers="caption.num_workers",
+)
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "caption", everyday=CAPTION_EVERYDAY, force=True, decoding=True, help_fields={"run": str(DEFAULT_RUN)})
+    @command(
+        app, "caption", everyday=CAPTION_EVERYDAY, force=True, decoding=True, help_fields={"run": str(DEFAULT_RUN)}
+    )
     def caption_command(
         opts: CommandOptions,
-        photos: Annotated[Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")] = None,
-        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (default: found next to --model).")] = None,
-        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
+        photos: Annotated[
+            Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")
+        ] = None,
+        model: Annotated[
+            Path,
+            typer.Option(
+                "--model",
+                "-m",
+                help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, or a catalogue name (m2-coco).",
+            ),
+        ] = DEFAULT_RUN,
+        vocab: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--vocab",
+                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (default: found next to --model).",
+            ),
+        ] = None,
+        weights: Annotated[
+            Optional[str],
+            typer.Option(
+                "--weights",
+                "-w",
+                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).",
+            ),
+        ] = None,
         output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
-        fmt: Annotated[Optional[str], typer.Option("--format", "-f", help=f"Output format: {' | '.join(FORMATS)} (coco: COCO results [{{image_id, caption}}]); default from the --output suffix.")] = None,
-        image_ids: Annotated[Optional[Path], typer.Option("--image-ids", help="For --format coco: JSON {file name: id} or a COCO annotations file.")] = None,
-        file_list: Annotated[Optional[Path], typer.Option("--file-list", help="A text file with one image path per line (relative to the current folder).")] = None,
-        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D.")] = None,
-        gallery: Annotated[Optional[Path], typer.Option("--gallery", help="Write a static HTML gallery (index.html, thumbnails, pictures) into this folder.")] = None,
-        visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Write one PNG per photo (the regions the caption attends to, a legend, the caption).")] = None,
-        cache: Annotated[Optional[Path], typer.Option("--cache", help="Feature store to reuse and extend (keys as in `extract`).")] = None,
+        fmt: Annotated[
+            Optional[str],
+            typer.Option(
+                "--format",
+                "-f",
+                help=f"Output format: {' | '.join(FORMATS)} (coco: COCO results [{{image_id, caption}}]); default from the --output suffix.",
+            ),
+        ] = None,
+        image_ids: Annotated[
+            Optional[Path],
+            typer.Option("--image-ids", help="For --format coco: JSON {file name: id} or a COCO annotations file."),
+        ] = None,
+        file_list: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--file-list", help="A text file with one image path per line (relative to the current folder)."
+            ),
+        ] = None,
+        captioner: Annotated[
+            Optional[str],
+            typer.Option(
+                "--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D."
+            ),
+        ] = None,
+        gallery: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--gallery", help="Write a static HTML gallery (index.html, thumbnails, pictures) into this folder."
+            ),
+        ] = None,
+        visualize: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--visualize",
+                help="Write one PNG per photo (the regions the caption attends to, a legend, the caption).",
+            ),
+        ] = None,
+        cache: Annotated[
+            Optional[Path], typer.Option("--cache", help="Feature store to reuse and extend (keys as in `extract`).")
+        ] = None,
     ) -> None:
         """Caption raw photos: files, folders or globs in; the detector extracts regions on the fly and a trained
         captioner describes them. Bad images are reported per file and skipped.
@@ -66,5 +127,20 @@ def register(app: typer.Typer) -> None:
         from pipeline.captioning.run import caption_photos
 
         cfg, decoding = root.caption, root.decoding.to_dict()
-        caption_photos(photos, model, weights, cfg, output=output, visualize=visualize, cache=cache, decoding=decoding, vocab=vocab,
-                       file_list=file_list, fmt=fmt, captioner=captioner, gallery=gallery, image_ids=image_ids, force=opts.force)
+        caption_photos(
+            photos,
+            model,
+            weights,
+            cfg,
+            output=output,
+            visualize=visualize,
+            cache=cache,
+            decoding=decoding,
+            vocab=vocab,
+            file_list=file_list,
+            fmt=fmt,
+            captioner=captioner,
+            gallery=gallery,
+            image_ids=image_ids,
+            force=opts.force,
+        )

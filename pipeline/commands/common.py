@@ -69,10 +69,26 @@ def _from_worker(text: str) -> str:
 
 
 _ACTIONS = {
-    "mkdir": "create folder", "makedirs": "create folder", "mkstemp": "write", "_mkstemp_inner": "write",
-    "write_text": "write", "write_bytes": "write", "read_text": "read", "read_bytes": "read", "unlink": "delete",
-    "rmtree": "delete", "rename": "rename", "replace": "rename", "iterdir": "list folder", "scandir": "list folder",
-    "copyfile": "copy", "copy2": "copy", "save": "write", "imwrite": "write", "savefig": "write", "stat": "read",
+    "mkdir": "create folder",
+    "makedirs": "create folder",
+    "mkstemp": "write",
+    "_mkstemp_inner": "write",
+    "write_text": "write",
+    "write_bytes": "write",
+    "read_text": "read",
+    "read_bytes": "read",
+    "unlink": "delete",
+    "rmtree": "delete",
+    "rename": "rename",
+    "replace": "rename",
+    "iterdir": "list folder",
+    "scandir": "list folder",
+    "copyfile": "copy",
+    "copy2": "copy",
+    "save": "write",
+    "imwrite": "write",
+    "savefig": "write",
+    "stat": "read",
     "touch": "create",
 }
 
@@ -99,7 +115,11 @@ def resolve_config(stage: str, config: Path | None, overrides: list[str] | None,
     if show:
         log = get_logger("config")
         extra = f" + {len(overrides)} override(s)" if overrides else ""
-        log.info("config %s%s (resolved config: --verbose, and each stage's manifest.json)", config or f"configs/{stage}.yaml", extra)
+        log.info(
+            "config %s%s (resolved config: --verbose, and each stage's manifest.json)",
+            config or f"configs/{stage}.yaml",
+            extra,
+        )
         log.debug("resolved config:\n%s", cfg.to_yaml().rstrip())
     return cfg
 
@@ -117,7 +137,9 @@ def print_stage_result(result: Any, best_format: str = ".4f", outputs: bool = Tr
     from pipeline.core.console import stdout_console
 
     con = stdout_console()
-    con.print(f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False)
+    con.print(
+        f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False
+    )
     best = result.summary.get("best") or {}
     if best:
         where = f"{best['stage']} epoch {best.get('epoch')}" if best.get("stage") else f"epoch {best.get('epoch')}"

@@ -17,7 +17,10 @@ def register(app: typer.Typer) -> None:
         opts: CommandOptions,
         source: Annotated[Path, typer.Argument(help="Released weights file (.pth).")],
         output: Annotated[Path, typer.Option("--output", help="Native checkpoint to write (.pt).", show_default=False)],
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="M2 vocab.pkl or AoANet infos_*.pkl (default: found next to SOURCE).")] = None,
+        vocab: Annotated[
+            Optional[Path],
+            typer.Option("--vocab", help="M2 vocab.pkl or AoANet infos_*.pkl (default: found next to SOURCE)."),
+        ] = None,
     ) -> None:
         """Convert a released captioner into a native checkpoint (safe to load; usable by caption, evaluate and info):
         M2's meshed_memory_transformer.pth with its vocab.pkl, or AoANet's model-best.pth with its infos_*.pkl.
@@ -37,5 +40,9 @@ def register(app: typer.Typer) -> None:
         n = sum(int(w.numel()) for w in ckpt.weights.values())
         con = stdout_console()
         title = ckpt.release.title if ckpt.release else source.name
-        con.print(f"{output}: {title} -> '{ckpt.model_name}' ({n:,} weights, {len(ckpt.vocab):,} words)", highlight=False, markup=False)
+        con.print(
+            f"{output}: {title} -> '{ckpt.model_name}' ({n:,} weights, {len(ckpt.vocab):,} words)",
+            highlight=False,
+            markup=False,
+        )
         con.print(f"decoding: {ckpt.decoding}", highlight=False, markup=False)

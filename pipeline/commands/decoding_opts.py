@@ -26,17 +26,24 @@ LengthPenaltyOpt = Annotated[
     Optional[float], typer.Option("--length-penalty", help="Alpha of the length penalty ((5+len)/6)^alpha; 0 = none.")
 ]
 TrigramOpt = Annotated[
-    Optional[bool], typer.Option("--block-trigrams/--no-block-trigrams", help="Forbid repeating a trigram within a caption.")
+    Optional[bool],
+    typer.Option("--block-trigrams/--no-block-trigrams", help="Forbid repeating a trigram within a caption."),
 ]
 StopRuleOpt = Annotated[
     Optional[str],
-    typer.Option("--stop-rule", help=f"Beam-search stop rule: {' | '.join(STOP_RULES)} (official_*: the releases' own searches)."),
+    typer.Option(
+        "--stop-rule", help=f"Beam-search stop rule: {' | '.join(STOP_RULES)} (official_*: the releases' own searches)."
+    ),
 ]
 
 
 def decoding_overrides(
-    beam_size: int | None = None, n_best: int | None = None, max_len: int | None = None, length_penalty: float | None = None,
-    block_trigrams: bool | None = None, stop_rule: str | None = None,
+    beam_size: int | None = None,
+    n_best: int | None = None,
+    max_len: int | None = None,
+    length_penalty: float | None = None,
+    block_trigrams: bool | None = None,
+    stop_rule: str | None = None,
 ) -> dict[str, Any]:
     """The given options as ``decoding:`` keys (unset ones are left to the lower layers; a beam size or n_best
     given implies beam search there, :func:`models.captions.layered_decoding`)."""
@@ -46,10 +53,18 @@ def decoding_overrides(
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be 1 or more, not {value}")
     if beam_size is not None and n_best is not None and n_best > beam_size:
-        raise UsageError(f"--n-best {n_best} cannot exceed --beam-size {beam_size} (a beam keeps that many hypotheses): "
-                         f"give --beam-size {n_best} or more, or a smaller --n-best")
+        raise UsageError(
+            f"--n-best {n_best} cannot exceed --beam-size {beam_size} (a beam keeps that many hypotheses): "
+            f"give --beam-size {n_best} or more, or a smaller --n-best"
+        )
     if length_penalty is not None and not math.isfinite(length_penalty):
         raise UsageError(f"--length-penalty must be a finite number, not {length_penalty}")
-    given = {"beam_size": beam_size, "n_best": n_best, "max_len": max_len, "length_penalty": length_penalty,
-             "block_trigrams": block_trigrams, "stop_rule": stop_rule}
+    given = {
+        "beam_size": beam_size,
+        "n_best": n_best,
+        "max_len": max_len,
+        "length_penalty": length_penalty,
+        "block_trigrams": block_trigrams,
+        "stop_rule": stop_rule,
+    }
     return {k: v for k, v in given.items() if v is not None}

@@ -24,13 +24,27 @@ def register(app: typer.Typer) -> None:
     def demo_command(
         opts: CommandOptions,
         out: out_option("Run directory (created if missing); with --generate-only, the world folder.") = DEFAULT_RUN,
-        models: Annotated[Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")] = None,
-        generate_only: Annotated[bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")] = False,
-        num_images: Annotated[Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")] = None,
+        models: Annotated[
+            Optional[str], typer.Option("--models", help="Comma-separated captioners (default ngsan).")
+        ] = None,
+        generate_only: Annotated[
+            bool, typer.Option("--generate-only", help="Only write the synthetic world to --out.")
+        ] = False,
+        num_images: Annotated[
+            Optional[int], typer.Option("--num-images", help="Images in the world (world.num_images).")
+        ] = None,
         seed: Annotated[Optional[int], typer.Option("--seed", help="World seed (world.seed).")] = None,
         quick: Annotated[bool, typer.Option("--quick", help="Reduced sizes (what CI uses), same code path.")] = False,
-        features: Annotated[Optional[str], typer.Option("--features", help="Comma-separated feature kinds: region, grid, oracle (default demo.features).")] = None,
-        seeds: Annotated[Optional[int], typer.Option("--seeds", help="Training seeds per captioner (demo.seeds); the table shows mean ± sd.")] = None,
+        features: Annotated[
+            Optional[str],
+            typer.Option(
+                "--features", help="Comma-separated feature kinds: region, grid, oracle (default demo.features)."
+            ),
+        ] = None,
+        seeds: Annotated[
+            Optional[int],
+            typer.Option("--seeds", help="Training seeds per captioner (demo.seeds); the table shows mean ± sd."),
+        ] = None,
     ) -> None:
         """Run the whole pipeline on the embedded synthetic world (no download): generate the world, train the
         demo detector, extract features, prepare captions, train a captioner (XE then SCST), evaluate on the
@@ -54,7 +68,9 @@ def register(app: typer.Typer) -> None:
         from pipeline.core.config import load_config
 
         first = list(load_config("demo", opts.config).demo.quick_overrides) if quick else []
-        extra = [f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None]
+        extra = [
+            f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None
+        ]
         extra += [f"demo.seeds={seeds}"] if seeds is not None else []
         cfg = opts.resolve("demo", extra, first=first)
         names = [m.strip() for m in (models.split(",") if models else cfg.demo.models) if m.strip()]
@@ -67,7 +83,13 @@ def register(app: typer.Typer) -> None:
             from pipeline.core.stages import run_stage
             from pipeline.world.generate import generate_world, world_stage_config
 
-            result = run_stage(out.parent if out.name else out, out.name, world_stage_config(cfg.world), generate_world, force=opts.force)
+            result = run_stage(
+                out.parent if out.name else out,
+                out.name,
+                world_stage_config(cfg.world),
+                generate_world,
+                force=opts.force,
+            )
             stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
 
@@ -86,22 +108,30 @@ def _print_report(report) -> None:
     for col in ("stage", "status", "seconds", "result"):
         stages.add_column(col, justify="right" if col == "seconds" else "left")
     for r in report.stages:
-        summary = {k: v for k, v in r.summary.items() if k not in ("history", "losses", "metrics", "notes", "pictures", "eval")}
+        summary = {
+            k: v for k, v in r.summary.items() if k not in ("history", "losses", "metrics", "notes", "pictures", "eval")
+        }
         stages.add_row(r.name, "skipped (done)" if r.skipped else "ran", f"{r.seconds:.1f}", _short(summary))
     con.print(stages)
     if report.detector:
         d = report.detector
         con.print(
             "detector (test split): "
-            + ", ".join(f"{k}={d[k]:.3f}" for k in ("recall", "class_accuracy", "attribute_accuracy", "colour_accuracy") if isinstance(d.get(k), (int, float)))
+            + ", ".join(
+                f"{k}={d[k]:.3f}"
+                for k in ("recall", "class_accuracy", "attribute_accuracy", "colour_accuracy")
+                if isinstance(d.get(k), (int, float))
+            )
         )
     if report.metrics:
         if not con.is_terminal:  # a pipe or file gets the whole table, not rich's 80-column default that wraps cells
             con.width = max(con.width, 160)
         con.print(comparison_table(report))
         if report.grounding:
-            con.print("true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
-                      "guess: what a random relation word between the same phrases would score")
+            con.print(
+                "true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
+                "guess: what a random relation word between the same phrases would score"
+            )
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")

@@ -13,17 +13,24 @@ from pipeline.commands.options import CommandOptions, Everyday, command, out_opt
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
 
-ENCODER_EVERYDAY = Everyday(device="sentence_encoder.device", batch_size="sentence_encoder.batch_size",
-                            precision="sentence_encoder.precision", num_workers="sentence_encoder.num_workers")
-EMBED_EVERYDAY = Everyday(device="embed.device", batch_size="embed.batch_size", precision="embed.precision",
-                          num_workers="embed.num_workers")
+ENCODER_EVERYDAY = Everyday(
+    device="sentence_encoder.device",
+    batch_size="sentence_encoder.batch_size",
+    precision="sentence_encoder.precision",
+    num_workers="sentence_encoder.num_workers",
+)
+EMBED_EVERYDAY = Everyday(
+    device="embed.device", batch_size="embed.batch_size", precision="embed.precision", num_workers="embed.num_workers"
+)
 
 
 def register(app: typer.Typer) -> None:
     @command(app, "train-encoder", force=True, everyday=ENCODER_EVERYDAY)
     def train_encoder_command(
         opts: CommandOptions,
-        out: out_option("Run directory (sentence_encoder.store / sentence_encoder.data default to OUT/features/store and OUT/data).") = DEFAULT_RUN,
+        out: out_option(
+            "Run directory (sentence_encoder.store / sentence_encoder.data default to OUT/features/store and OUT/data)."
+        ) = DEFAULT_RUN,
     ) -> None:
         """Train the self-attentive visually grounded sentence encoder (CAP2IMG, CAP2CAP or CAP2ALL) into
         OUT/encoder/ (best.pt by validation caption-to-image R@1, last.pt to resume, log.jsonl).
@@ -43,10 +50,23 @@ def register(app: typer.Typer) -> None:
     @command(app, "embed", everyday=EMBED_EVERYDAY)
     def embed_command(
         opts: CommandOptions,
-        checkpoint: Annotated[Path, typer.Option("--checkpoint", "-k", help="Encoder checkpoint (train-encoder's best.pt).", show_default=False)],
-        input_path: Annotated[Path, typer.Option("--input", "-i", help="Sentences: text (one per line) or .jsonl with 'text'.", show_default=False)],
+        checkpoint: Annotated[
+            Path,
+            typer.Option(
+                "--checkpoint", "-k", help="Encoder checkpoint (train-encoder's best.pt).", show_default=False
+            ),
+        ],
+        input_path: Annotated[
+            Path,
+            typer.Option(
+                "--input", "-i", help="Sentences: text (one per line) or .jsonl with 'text'.", show_default=False
+            ),
+        ],
         output: output_option("Embeddings file: .npy or .jsonl.", required=True),
-        visualize: Annotated[Optional[Path], typer.Option("--visualize", help="Also write a PNG heatmap of the attention rows over the words.")] = None,
+        visualize: Annotated[
+            Optional[Path],
+            typer.Option("--visualize", help="Also write a PNG heatmap of the attention rows over the words."),
+        ] = None,
     ) -> None:
         """Sentence embeddings from a trained encoder for a file of sentences (one per line, or JSON lines with
         'text'), written as .npy or .jsonl; --visualize also draws the self-attention rows over the words
@@ -62,8 +82,14 @@ def register(app: typer.Typer) -> None:
 
         result = embed_file(checkpoint, input_path, output, opts.resolve("embed", show=opts.verbose).embed, visualize)
         con = stdout_console()
-        con.print(f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False, markup=False)
+        con.print(
+            f"{result['sentences']} sentences -> {result['output']} ({result['dim']}-d)", highlight=False, markup=False
+        )
         if result.get("failed"):
-            con.print(f"not embedded: {result['failed']} (rows left empty; see {result['failures']})", highlight=False, markup=False)
+            con.print(
+                f"not embedded: {result['failed']} (rows left empty; see {result['failures']})",
+                highlight=False,
+                markup=False,
+            )
         if "heatmap" in result:
             con.print(f"attention heatmap: {result['heatmap']}", highlight=False)

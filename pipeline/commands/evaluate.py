@@ -29,8 +29,12 @@ from pipeline.metrics.coco import METRICS
 log = get_logger("evaluate")
 
 
-EVALUATE_EVERYDAY = Everyday(device="evaluate.device", batch_size="evaluate.batch_size", precision="evaluate.precision",
-                             num_workers="evaluate.num_workers")
+EVALUATE_EVERYDAY = Everyday(
+    device="evaluate.device",
+    batch_size="evaluate.batch_size",
+    precision="evaluate.precision",
+    num_workers="evaluate.num_workers",
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -45,16 +49,50 @@ def register(app: typer.Typer) -> None:
         ] = None,
         output: output_option("Write the metrics as JSON here.") = None,
         metrics: Annotated[
-            Optional[str], typer.Option("--metrics", "-e", help=f"Comma-separated subset of {','.join(METRICS)} (evaluate.metrics).")
+            Optional[str],
+            typer.Option("--metrics", "-e", help=f"Comma-separated subset of {','.join(METRICS)} (evaluate.metrics)."),
         ] = None,
-        model: Annotated[Optional[Path], typer.Option("--model", "-m", help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.")] = None,
-        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D).")] = None,
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with --model).")] = None,
-        store: Annotated[Optional[Path], typer.Option("--store", help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).")] = None,
-        data: Annotated[Optional[Path], typer.Option("--data", help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).")] = None,
-        split: Annotated[Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")] = None,
+        model: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--model",
+                "-m",
+                help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.",
+            ),
+        ] = None,
+        captioner: Annotated[
+            Optional[str],
+            typer.Option(
+                "--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D)."
+            ),
+        ] = None,
+        vocab: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--vocab",
+                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with --model).",
+            ),
+        ] = None,
+        store: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--store",
+                help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).",
+            ),
+        ] = None,
+        data: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--data",
+                help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).",
+            ),
+        ] = None,
+        split: Annotated[
+            Optional[str], typer.Option("--split", help="Split decoded with --model, or retrieved in (evaluate.split).")
+        ] = None,
         retrieval: Annotated[
-            Optional[Path], typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10.")
+            Optional[Path],
+            typer.Option("--retrieval", help="Sentence-encoder checkpoint: also report caption<->image Recall@1/5/10."),
         ] = None,
     ) -> None:
         """Score captions with BLEU, METEOR, ROUGE-L, CIDEr-D (SPICE when present): a COCO results file
@@ -107,7 +145,9 @@ def register(app: typer.Typer) -> None:
             _retrieval_only(retrieval, store, data, output, cfg.evaluate)
             return
         if predictions is None or references is None:
-            raise UsageError("give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)")
+            raise UsageError(
+                "give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)"
+            )
         _score_files(predictions, references, output, cfg.evaluate, retrieval, store, data)
 
 
@@ -117,25 +157,39 @@ def _run_inputs(model: Path, captioner: str | None, store: Path | None, data: Pa
     from pipeline.captioning.choose import find_checkpoint
 
     if not model.exists() and all(name.strip() in METRICS for name in str(model).split(",")):
-        raise UsageError(f"-m is --model (the captioner), not a metric list: give the metrics with --metrics/-e {model}")
+        raise UsageError(
+            f"-m is --model (the captioner), not a metric list: give the metrics with --metrics/-e {model}"
+        )
     if model.is_dir():
         store = store if store is not None else model / "features" / "store"
         data = data if data is not None else model / "data"
         for what, path, made_by in (("--store", store, "extract --store"), ("--data", data, "prepare --out")):
             if not path.exists():
-                raise UsageError(f"{what} {path} not found (the run directory {model} has none; run `{made_by} {model}` "
-                                 f"or pass {what})")
+                raise UsageError(
+                    f"{what} {path} not found (the run directory {model} has none; run `{made_by} {model}` "
+                    f"or pass {what})"
+                )
     checkpoint = find_checkpoint(model, captioner)
     if store is None or data is None:
         raise UsageError("--model CHECKPOINT needs --store STORE (features) and --data DIR (prepared captions)")
     return checkpoint, store, data
 
 
-def _retrieval(encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None) -> dict[str, Any]:
+def _retrieval(
+    encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None
+) -> dict[str, Any]:
     from pipeline.embedding.retrieval import evaluate_retrieval_files
 
-    return evaluate_retrieval_files(encoder, store, data, str(section.split), device=str(section.device), predictions=predictions,
-                                    num_workers=int(section.num_workers), precision=str(section.precision))
+    return evaluate_retrieval_files(
+        encoder,
+        store,
+        data,
+        str(section.split),
+        device=str(section.device),
+        predictions=predictions,
+        num_workers=int(section.num_workers),
+        precision=str(section.precision),
+    )
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
@@ -151,8 +205,10 @@ def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output
 def _print_retrieval(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"retrieval on {report['split']}: {report['split_images']} images (encoder {Path(report['checkpoint']).name})",
-                  show_edge=False)
+    table = Table(
+        title=f"retrieval on {report['split']}: {report['split_images']} images (encoder {Path(report['checkpoint']).name})",
+        show_edge=False,
+    )
     table.add_column("retrieval")
     cols = [("ground truth", report["ground_truth"])]
     if "generated" in report:
@@ -164,11 +220,20 @@ def _print_retrieval(report: dict[str, Any]) -> None:
         table.add_row(name, *(f"{values[name]:.2f}" for _, values in cols))
     con = stdout_console()
     con.print(table)
-    con.print(f"chance caption-to-image R@1: {report['ground_truth']['c2i_chance_R@1']:.2f}", style="dim", highlight=False)
+    con.print(
+        f"chance caption-to-image R@1: {report['ground_truth']['c2i_chance_R@1']:.2f}", style="dim", highlight=False
+    )
 
 
-def _score_files(predictions: Path, references: Path, output: Path | None, section: Any, encoder: Path | None = None,
-                 store: Path | None = None, data: Path | None = None) -> None:
+def _score_files(
+    predictions: Path,
+    references: Path,
+    output: Path | None,
+    section: Any,
+    encoder: Path | None = None,
+    store: Path | None = None,
+    data: Path | None = None,
+) -> None:
     from pipeline.core.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions, evaluate_files
 
@@ -193,23 +258,47 @@ def _score_files(predictions: Path, references: Path, output: Path | None, secti
         log.info("metrics written to %s", output)
 
 
-def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None, section: Any, decoding: dict[str, Any],
-                      encoder: Path | None = None, vocab: Path | None = None) -> None:
+def _score_checkpoint(
+    model: Path,
+    store: Path,
+    data: Path,
+    output: Path | None,
+    section: Any,
+    decoding: dict[str, Any],
+    encoder: Path | None = None,
+    vocab: Path | None = None,
+) -> None:
     from types import SimpleNamespace
 
     from pipeline.core.fileio import atomic_write_json
     from pipeline.training.api import evaluate_checkpoint
 
     split = str(section.split)
-    res = evaluate_checkpoint(model, store, data, split, out_dir=output.parent if output else None, eval_section=section, decoding=decoding,
-                              device=str(section.device), batch_size=int(section.batch_size), precision=str(section.precision),
-                              companion=vocab, num_workers=int(section.num_workers))
+    res = evaluate_checkpoint(
+        model,
+        store,
+        data,
+        split,
+        out_dir=output.parent if output else None,
+        eval_section=section,
+        decoding=decoding,
+        device=str(section.device),
+        batch_size=int(section.batch_size),
+        precision=str(section.precision),
+        companion=vocab,
+        num_workers=int(section.num_workers),
+    )
     report = _retrieval(encoder, store, data, section, Path(res["predictions"])) if encoder is not None else None
     if output is not None:
         payload = {k: v for k, v in res.items() if k not in ("predictions", "metrics_file")}
         atomic_write_json(output, {**payload, "retrieval": report} if report is not None else payload)
-    table = SimpleNamespace(metrics=res["metrics"], image_ids=range(res["num_images"]), tokenizer=res["tokenizer"],
-                            skipped=res["skipped"], notes=res["notes"])
+    table = SimpleNamespace(
+        metrics=res["metrics"],
+        image_ids=range(res["num_images"]),
+        tokenizer=res["tokenizer"],
+        skipped=res["skipped"],
+        notes=res["notes"],
+    )
     _print_table(table, Path(f"{model.name} on {split}"))
     if report is not None:
         _print_retrieval(report)
@@ -219,7 +308,9 @@ def _score_checkpoint(model: Path, store: Path, data: Path, output: Path | None,
 def _print_table(result: Any, predictions: Path) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{predictions.name}: {len(result.image_ids)} images, {result.tokenizer} tokenizer", show_edge=False)
+    table = Table(
+        title=f"{predictions.name}: {len(result.image_ids)} images, {result.tokenizer} tokenizer", show_edge=False
+    )
     table.add_column("metric")
     table.add_column("score", justify="right")
     for key, value in result.metrics.items():

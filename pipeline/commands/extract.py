@@ -60,27 +60,90 @@ def merge_shard_stores(store: Path) -> None:
 
 
 #: --precision: pipeline/core/precision.py (the detector refuses fp16)
-EXTRACT_EVERYDAY = Everyday(device="extract.device", batch_size="extract.batch_size", precision="extract.precision",
-                            num_workers="extract.num_workers")
+EXTRACT_EVERYDAY = Everyday(
+    device="extract.device",
+    batch_size="extract.batch_size",
+    precision="extract.precision",
+    num_workers="extract.num_workers",
+)
 
 
 def register(app: typer.Typer) -> None:
     @command(app, "extract", everyday=EXTRACT_EVERYDAY, help_fields={"store": str(DEFAULT_RUN / "features" / "store")})
     def extract_command(
         opts: CommandOptions,
-        paths: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")] = None,
-        weights: Annotated[str, typer.Option("--weights", "-w", show_default=False, help="Detector weights: a file (any layout of docs/extractor.md: MILVLG .pth, airsplay .pkl, HF .bin, VinVL, grid-feats), a catalogue name (cli fetch --list), hf:OWNER/NAME, or 'random'; required unless --merge-shards.")] = "",
-        store: Annotated[Path, typer.Option("--store", help="Feature store directory (created or resumed); `train` reads RUN/features/store.")] = DEFAULT_RUN / "features" / "store",
-        boxes: Annotated[Optional[str], typer.Option("--boxes", help=f"{' | '.join(BOX_MODES)}: adaptive 10-100 per image, 36, given (needs --coco), grid (res5 map cells; docs/recipes.md#grid).")] = None,
-        coco: Annotated[Optional[Path], typer.Option("--coco", help="COCO annotations file: its images (keys = image ids) and, with --boxes given, its boxes.")] = None,
-        image_root: Annotated[Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")] = None,
-        file_list: Annotated[Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")] = None,
-        preset: Annotated[Optional[str], typer.Option("--preset", help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} (extract.preset).")] = None,
-        recipe: Annotated[Optional[str], typer.Option("--recipe", help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)} (docs/recipes.md).")] = None,
-        shard: Annotated[Optional[str], typer.Option("--shard", help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.")] = None,
-        limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")] = None,
-        strict: Annotated[bool, typer.Option("--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file.")] = False,
-        merge_shards: Annotated[bool, typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction).")] = False,
+        paths: Annotated[
+            Optional[list[Path]], typer.Argument(help="Image folders (recursive), files or globs.")
+        ] = None,
+        weights: Annotated[
+            str,
+            typer.Option(
+                "--weights",
+                "-w",
+                show_default=False,
+                help="Detector weights: a file (any layout of docs/extractor.md: MILVLG .pth, airsplay .pkl, HF .bin, VinVL, grid-feats), a catalogue name (cli fetch --list), hf:OWNER/NAME, or 'random'; required unless --merge-shards.",
+            ),
+        ] = "",
+        store: Annotated[
+            Path,
+            typer.Option(
+                "--store", help="Feature store directory (created or resumed); `train` reads RUN/features/store."
+            ),
+        ] = DEFAULT_RUN / "features" / "store",
+        boxes: Annotated[
+            Optional[str],
+            typer.Option(
+                "--boxes",
+                help=f"{' | '.join(BOX_MODES)}: adaptive 10-100 per image, 36, given (needs --coco), grid (res5 map cells; docs/recipes.md#grid).",
+            ),
+        ] = None,
+        coco: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--coco",
+                help="COCO annotations file: its images (keys = image ids) and, with --boxes given, its boxes.",
+            ),
+        ] = None,
+        image_root: Annotated[
+            Optional[Path], typer.Option("--image-root", help="Folder of the COCO / file-list images.")
+        ] = None,
+        file_list: Annotated[
+            Optional[Path], typer.Option("--file-list", help="Text file with one image path per line.")
+        ] = None,
+        preset: Annotated[
+            Optional[str],
+            typer.Option(
+                "--preset",
+                help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} (extract.preset).",
+            ),
+        ] = None,
+        recipe: Annotated[
+            Optional[str],
+            typer.Option(
+                "--recipe",
+                help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)} (docs/recipes.md).",
+            ),
+        ] = None,
+        shard: Annotated[
+            Optional[str],
+            typer.Option(
+                "--shard",
+                help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.",
+            ),
+        ] = None,
+        limit: Annotated[
+            Optional[int], typer.Option("--limit", help="Only the first N images (after sharding).")
+        ] = None,
+        strict: Annotated[
+            bool,
+            typer.Option(
+                "--strict", help="Exit 1 if any image failed or any input was missing, a dangling link or not a file."
+            ),
+        ] = False,
+        merge_shards: Annotated[
+            bool,
+            typer.Option("--merge-shards", help="Merge the finished STORE.shards/i-of-n into STORE (no extraction)."),
+        ] = False,
     ) -> None:
         """Extract bottom-up region features (boxes, 2048-d features, classes, attributes) from images into a
         feature store (default {store}, which `train` and `evaluate` read). Resumable: images already in the
@@ -103,7 +166,11 @@ def register(app: typer.Typer) -> None:
         if limit is not None and limit < 0:
             raise UsageError(f"--limit must be 0 or more, not {limit}")
         # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
-        extra = [f"extract.{key}={json.dumps(val)}" for key, val in (("boxes", boxes), ("preset", preset), ("recipe", recipe)) if val is not None]
+        extra = [
+            f"extract.{key}={json.dumps(val)}"
+            for key, val in (("boxes", boxes), ("preset", preset), ("recipe", recipe))
+            if val is not None
+        ]
         cfg = opts.resolve("extract", extra).extract
         from pipeline.core.precision import check_precision
 
@@ -112,16 +179,26 @@ def register(app: typer.Typer) -> None:
             merge_shard_stores(store)
             return
         if not weights:
-            raise UsageError("--weights is required (a .pth/.pkl/.bin file, a catalogue name such as bua-r101, or 'random' for smoke tests)")
+            raise UsageError(
+                "--weights is required (a .pth/.pkl/.bin file, a catalogue name such as bua-r101, or 'random' for smoke tests)"
+            )
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
         from extractors.stage import ExtractJob, extract_features
 
         parts = _parse_shard(shard)
         torchrun = shard is None and parts is not None
-        job = ExtractJob(weights, tuple(str(p) for p in paths or ()), None if file_list is None else str(file_list),
-                         None if image_root is None else str(image_root), None if coco is None else str(coco), parts, limit, store=".",
-                         shard_block=int(cfg.batch_size) if torchrun else 1)
+        job = ExtractJob(
+            weights,
+            tuple(str(p) for p in paths or ()),
+            None if file_list is None else str(file_list),
+            None if image_root is None else str(image_root),
+            None if coco is None else str(coco),
+            parts,
+            limit,
+            store=".",
+            shard_block=int(cfg.batch_size) if torchrun else 1,
+        )
         target = shard_store_path(store, parts)
         done = False
         try:
@@ -154,10 +231,16 @@ def merge_after_ranks(store: Path, done: bool) -> None:
     if not ctx.main:
         return
     if failed:
-        log.warning("%d of %d ranks failed; the shards stay in %s.shards (rerun to resume them)", failed, ctx.world, store)
+        log.warning(
+            "%d of %d ranks failed; the shards stay in %s.shards (rerun to resume them)", failed, ctx.world, store
+        )
     elif store.exists():
-        log.warning("%s exists and is not overwritten; the shards are in %s.shards (merge them with "
-                    "--merge-shards --store OTHER)", store, store)
+        log.warning(
+            "%s exists and is not overwritten; the shards are in %s.shards (merge them with "
+            "--merge-shards --store OTHER)",
+            store,
+            store,
+        )
     else:
         merge_shard_stores(store)
 
@@ -170,13 +253,21 @@ def _print_result(result: Any, strict: bool) -> None:
     s, store = result.summary, result.directory / result.outputs["store"]
     con = stdout_console()
     if result.skipped:
-        con.print(f"already done with this config ({key_to_text(str(store))}); the last pass:", highlight=False, markup=False)
-    con.print(f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, failed {s['failed']} of {s['images']} "
-              f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {key_to_text(str(store))}",
-              highlight=False, markup=False)
+        con.print(
+            f"already done with this config ({key_to_text(str(store))}); the last pass:", highlight=False, markup=False
+        )
+    con.print(
+        f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, failed {s['failed']} of {s['images']} "
+        f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {key_to_text(str(store))}",
+        highlight=False,
+        markup=False,
+    )
     if s["failed"]:
         reasons = ", ".join(f"{k} {v}" for k, v in s["failure_reasons"].items())
-        con.print(f"failures: {reasons} (see {key_to_text(str(result.directory / result.outputs['failures']))})",
-                  highlight=False, markup=False)
+        con.print(
+            f"failures: {reasons} (see {key_to_text(str(result.directory / result.outputs['failures']))})",
+            highlight=False,
+            markup=False,
+        )
         if strict:
             raise PipelineError(f"{s['failed']} images failed (--strict)")

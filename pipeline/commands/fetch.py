@@ -14,8 +14,15 @@ def register(app: typer.Typer) -> None:
     @command(app, "fetch", config=False, overrides=False)
     def fetch_command(
         opts: CommandOptions,
-        names: Annotated[Optional[list[str]], typer.Argument(help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, hf:OWNER/NAME@REVISION).")] = None,
-        list_: Annotated[bool, typer.Option("--list", help="Print the catalogue as a table (name, kind, file, cached, purpose).")] = False,
+        names: Annotated[
+            Optional[list[str]],
+            typer.Argument(
+                help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, hf:OWNER/NAME@REVISION)."
+            ),
+        ] = None,
+        list_: Annotated[
+            bool, typer.Option("--list", help="Print the catalogue as a table (name, kind, file, cached, purpose).")
+        ] = False,
     ) -> None:
         """Download public weights and data by name into the cache ($BUTD_CACHE, default ~/.cache/butd-caption),
         each file checked by its strict reader and its SHA-256 recorded; prints each file's path. Options that

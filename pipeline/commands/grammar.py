@@ -51,12 +51,16 @@ MEANINGS: dict[str, Meaning] = {
     "--n-best": Meaning(None, "captions returned per image"),
     "--max-len": Meaning(None, "most generated tokens per caption"),
     "--length-penalty": Meaning(None, "alpha of the beam search length penalty"),
-    "--block-trigrams": Meaning(None, "forbid repeating a trigram within a caption", flag=True,
-                                aliases=("--no-block-trigrams",)),
+    "--block-trigrams": Meaning(
+        None, "forbid repeating a trigram within a caption", flag=True, aliases=("--no-block-trigrams",)
+    ),
     "--stop-rule": Meaning(None, "when beam search stops"),
     # what the commands read and write
-    "--model": Meaning("-m", "the captioner: a checkpoint, run directory, released file or catalogue name, or an architecture name "
-                             "where one is built (train, info)"),
+    "--model": Meaning(
+        "-m",
+        "the captioner: a checkpoint, run directory, released file or catalogue name, or an architecture name "
+        "where one is built (train, info)",
+    ),
     "--models": Meaning(None, "comma-separated captioner architecture names"),
     "--captioner": Meaning(None, "which trained captioner of a run directory"),
     "--vocab": Meaning(None, "a released captioner's vocabulary file"),
@@ -165,8 +169,12 @@ def option_uses(group: Any) -> Iterator[OptionUse]:
 
 def _arguments(command: Any) -> str:
     args = [p for p in command.params if p.param_type_name == "argument"]
-    return " ".join((p.name.upper() + ("..." if p.nargs == -1 else "")) if p.required
-                    else f"[{p.name.upper()}{'...' if p.nargs == -1 else ''}]" for p in args)
+    return " ".join(
+        (p.name.upper() + ("..." if p.nargs == -1 else ""))
+        if p.required
+        else f"[{p.name.upper()}{'...' if p.nargs == -1 else ''}]"
+        for p in args
+    )
 
 
 def options_table(group: Any) -> str:

@@ -34,12 +34,37 @@ def register(app: typer.Typer) -> None:
         sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
         fmt: Annotated[str, typer.Option("--format", "-f", help=format_choices())],
         store: Annotated[Path, typer.Option("--store", help="Destination store directory (created or resumed).")],
-        dtype: Annotated[Optional[str], typer.Option("--dtype", help="Store dtype: float32 or float16 (half the disk; captions can change, see docs/benchmarks.md#float16-features). Default: the source's (float32 for the public files: an exact round trip).")] = None,
-        identity: Annotated[Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")] = None,
-        release: Annotated[Optional[str], typer.Option("--release", help=f"Release (test-time recipe) the features came from: {' | '.join(RELEASES)} (default: the format's public files: {release_defaults()}).")] = None,
-        keys: Annotated[Optional[str], typer.Option("--keys", help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids (coco-id: COCO_train2014_000000123 -> 123).")] = None,
-        sizes: Annotated[Optional[Path], typer.Option("--sizes", help=f"COCO json with images[].id/width/height ({sizes_formats()}).")] = None,
-        skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")] = False,
+        dtype: Annotated[
+            Optional[str],
+            typer.Option(
+                "--dtype",
+                help="Store dtype: float32 or float16 (half the disk; captions can change, see docs/benchmarks.md#float16-features). Default: the source's (float32 for the public files: an exact round trip).",
+            ),
+        ] = None,
+        identity: Annotated[
+            Optional[Path], typer.Option("--identity", help="JSON file with the extractor identity.")
+        ] = None,
+        release: Annotated[
+            Optional[str],
+            typer.Option(
+                "--release",
+                help=f"Release (test-time recipe) the features came from: {' | '.join(RELEASES)} (default: the format's public files: {release_defaults()}).",
+            ),
+        ] = None,
+        keys: Annotated[
+            Optional[str],
+            typer.Option(
+                "--keys",
+                help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids (coco-id: COCO_train2014_000000123 -> 123).",
+            ),
+        ] = None,
+        sizes: Annotated[
+            Optional[Path],
+            typer.Option("--sizes", help=f"COCO json with images[].id/width/height ({sizes_formats()})."),
+        ] = None,
+        skip_bad: Annotated[
+            bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")
+        ] = False,
         commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
     ) -> None:
         """Import public feature files into a store (streaming, resumable).
@@ -55,10 +80,16 @@ def register(app: typer.Typer) -> None:
 
         try:
             report = import_features(
-                fmt, list(sources), store,
-                identity=load_identity_file(identity) if identity else None, release=release,
-                feature_dtype=dtype, keys=keys, sizes=read_sizes(sizes) if sizes else None,
-                skip_bad=skip_bad, commit_every=commit_every,
+                fmt,
+                list(sources),
+                store,
+                identity=load_identity_file(identity) if identity else None,
+                release=release,
+                feature_dtype=dtype,
+                keys=keys,
+                sizes=read_sizes(sizes) if sizes else None,
+                skip_bad=skip_bad,
+                commit_every=commit_every,
             )
         except PipelineError as exc:
             raise _user_error(exc) from None
@@ -70,7 +101,9 @@ def register(app: typer.Typer) -> None:
         for where, message in report.bad:
             con.print(f"  bad: {message}", highlight=False, markup=False)
 
-    @command(app, "export-features", config=False, overrides=False, help_fields={"formats": formats.format_help(export=True)})
+    @command(
+        app, "export-features", config=False, overrides=False, help_fields={"formats": formats.format_help(export=True)}
+    )
     def export_features_command(
         opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
@@ -97,8 +130,12 @@ def register(app: typer.Typer) -> None:
     def merge_features_command(
         opts: CommandOptions,
         shards: Annotated[list[Path], typer.Argument(help="Shard store directories.")],
-        store: Annotated[Path, typer.Option("--store", help="Destination feature store (must not exist).", show_default=False)],
-        expect: Annotated[Optional[Path], typer.Option("--expect", help="Text file of image ids that must be present, one per line.")] = None,
+        store: Annotated[
+            Path, typer.Option("--store", help="Destination feature store (must not exist).", show_default=False)
+        ],
+        expect: Annotated[
+            Optional[Path], typer.Option("--expect", help="Text file of image ids that must be present, one per line.")
+        ] = None,
     ) -> None:
         """Merge store shards (one per GPU or machine) into one store, checking that each image appears exactly
         once. A destination ending in .h5 becomes a single-file store.

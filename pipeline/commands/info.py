@@ -20,9 +20,25 @@ def register(app: typer.Typer) -> None:
     @command(app, "info", config=False)
     def info_command(
         opts: CommandOptions,
-        target: Annotated[Optional[Path], typer.Argument(help="Run directory, store, checkpoint or weights file (or its catalogue name).")] = None,
-        model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.")] = None,
-        verify: Annotated[bool, typer.Option("--verify", help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).")] = False,
+        target: Annotated[
+            Optional[Path],
+            typer.Argument(help="Run directory, store, checkpoint or weights file (or its catalogue name)."),
+        ] = None,
+        model: Annotated[
+            Optional[str],
+            typer.Option(
+                "--model",
+                "-m",
+                help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.",
+            ),
+        ] = None,
+        verify: Annotated[
+            bool,
+            typer.Option(
+                "--verify",
+                help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).",
+            ),
+        ] = False,
     ) -> None:
         """Show the environment (versions, devices, Java), or inspect TARGET: a run directory (stages and their
         status), a feature store, a captioner or sentence-encoder checkpoint, or detector weights.
@@ -47,7 +63,9 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"no such file or directory: {target}")
         elif verify:
             if not _is_feature_store(target):
-                raise UsageError(f"--verify needs a feature store (a folder with store.json or an .h5 file), not {target}")
+                raise UsageError(
+                    f"--verify needs a feature store (a folder with store.json or an .h5 file), not {target}"
+                )
             from pipeline.core.errors import PipelineError
             from pipeline.store.report import print_verify_report
 
@@ -66,7 +84,9 @@ def register(app: typer.Typer) -> None:
         elif target.suffix in (".pth", ".pkl", ".bin"):
             _weights_info(target, list(opts.overrides))
         else:
-            raise UsageError(f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)")
+            raise UsageError(
+                f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)"
+            )
 
 
 def _is_catalogue_name(text: str) -> bool:
@@ -108,7 +128,18 @@ def _environment() -> None:
     table = Table(title="butd-caption environment", show_header=False, show_edge=False)
     table.add_row("butd-caption", __version__)
     table.add_row("python", platform.python_version())
-    for pkg in ("torch", "torchvision", "numpy", "h5py", "opencv-python-headless", "pillow", "pycocotools", "pycocoevalcap", "typer", "rich"):
+    for pkg in (
+        "torch",
+        "torchvision",
+        "numpy",
+        "h5py",
+        "opencv-python-headless",
+        "pillow",
+        "pycocotools",
+        "pycocoevalcap",
+        "typer",
+        "rich",
+    ):
         try:
             table.add_row(pkg, md.version(pkg))
         except md.PackageNotFoundError:
@@ -136,7 +167,9 @@ def _run_dir(path: Path) -> None:
 
     from pipeline.core.stages import RUNNING, read_manifest
 
-    stages = sorted(p for p in path.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or (p / RUNNING).exists()))
+    stages = sorted(
+        p for p in path.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or (p / RUNNING).exists())
+    )
     if (path / "manifest.json").exists():
         stages = [path]
     if not stages:
@@ -150,7 +183,9 @@ def _run_dir(path: Path) -> None:
             table.add_row(st.name, "interrupted / running", "-", "-", "-", "")
         else:
             summary = ", ".join(f"{k}={v}" for k, v in m.get("summary", {}).items())
-            table.add_row(st.name, "done", m.get("finished", "?"), str(m.get("seconds", "?")), m["config_digest"][:12], summary)
+            table.add_row(
+                st.name, "done", m.get("finished", "?"), str(m.get("seconds", "?")), m["config_digest"][:12], summary
+            )
     stdout_console().print(table)
 
 
@@ -190,8 +225,12 @@ def _encoder_info(path: Path) -> bool:
     except (PipelineError, UsageError):
         return False
     con = stdout_console()
-    for key, value in (("file", str(path)), ("format", f"butd-caption checkpoint ({ckpt['kind']})"),
-                       ("model", "sentence_encoder"), ("vocabulary", f"{len(ckpt['vocab']):,} words")):
+    for key, value in (
+        ("file", str(path)),
+        ("format", f"butd-caption checkpoint ({ckpt['kind']})"),
+        ("model", "sentence_encoder"),
+        ("vocabulary", f"{len(ckpt['vocab']):,} words"),
+    ):
         con.print(f"{key}: {value}", highlight=False, markup=False)
     return True
 

@@ -51,12 +51,17 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")]
 ThreadsOpt = Annotated[
     Optional[int],
-    typer.Option("--threads", show_default=False,
-                 help="Torch CPU threads per process (default: the cores this process may use, less its DataLoader workers; "
-                      "pipeline/core/threads.py). Also BUTD_THREADS."),
+    typer.Option(
+        "--threads",
+        show_default=False,
+        help="Torch CPU threads per process (default: the cores this process may use, less its DataLoader workers; "
+        "pipeline/core/threads.py). Also BUTD_THREADS.",
+    ),
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
-BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Batch size (images per step or forward pass).")]
+BatchSizeOpt = Annotated[
+    Optional[int], typer.Option("--batch-size", help="Batch size (images per step or forward pass).")
+]
 
 
 def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
@@ -64,7 +69,9 @@ def precision_option(choices: Sequence[str] = PRECISIONS) -> Any:
     return Annotated[Optional[str], typer.Option("--precision", help=f"{' | '.join(choices)} (default: the config's)")]
 
 
-NumWorkersOpt = Annotated[Optional[int], typer.Option("--num-workers", "--workers", help="Data-loading processes (0: in the main process).")]
+NumWorkersOpt = Annotated[
+    Optional[int], typer.Option("--num-workers", "--workers", help="Data-loading processes (0: in the main process).")
+]
 
 
 def out_option(help_text: str) -> Any:
@@ -123,7 +130,9 @@ class CommandOptions:
     num_workers: int | None = None
     threads: int | None = None
     everyday: Everyday = field(default_factory=Everyday)
-    decoding: Mapping[str, Any] = field(default_factory=dict)  # the decoding flags given (name -> value), see DECODING_FLAGS
+    decoding: Mapping[str, Any] = field(
+        default_factory=dict
+    )  # the decoding flags given (name -> value), see DECODING_FLAGS
 
     def everyday_overrides(self) -> list[str]:
         """``KEY=VALUE`` overrides for the everyday options that were given (strings as JSON = YAML strings)."""
@@ -191,12 +200,23 @@ def help_from_doc(fn: Callable[..., Any], fields: Mapping[str, str] | None = Non
     for name, text in (fields or {}).items():
         doc = doc.replace("{" + name + "}", text)
     paragraphs = doc.split("\n\n")
-    return "\n\n".join(p if p.startswith("    ") else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+    return "\n\n".join(
+        p if p.startswith("    ") else " ".join(line.strip() for line in p.splitlines()) for p in paragraphs
+    )
 
 
-def command(app: typer.Typer, name: str, *, help: str | None = None, config: bool = True, overrides: bool = True, force: bool = False,
-            everyday: Everyday | None = None, decoding: bool = False, help_fields: Mapping[str, str] | None = None
-            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def command(
+    app: typer.Typer,
+    name: str,
+    *,
+    help: str | None = None,
+    config: bool = True,
+    overrides: bool = True,
+    force: bool = False,
+    everyday: Everyday | None = None,
+    decoding: bool = False,
+    help_fields: Mapping[str, str] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(opts, **own_options)`` as command ``name`` with the common options added to its signature.
 
     The command's help is ``help`` or else ``fn``'s docstring (paragraphs; example lines indented by 4 spaces) with
@@ -212,16 +232,20 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
     fields += list(ev.offered()) + ["threads", "verbose", "quiet"]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-               for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "opts"]
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(fn, eval_str=True).parameters.values()
+            if p.name != "opts"
+        ]
         taken = {p.name for p in own}
-        common = (_decoding_params() if decoding else []) + [
-            _OPTIONS[f] for f in fields]
+        common = (_decoding_params() if decoding else []) + [_OPTIONS[f] for f in fields]
         clash = taken & {param for param, _, _ in common}
         if clash:
             raise TypeError(f"command {name}: {', '.join(sorted(clash))} is a common option; drop it from the function")
-        params = own + [inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
-                        for param, ann, default in common]
+        params = own + [
+            inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
+            for param, ann, default in common
+        ]
 
         def body(**kwargs: Any) -> Any:
             values = {f: kwargs.pop(_OPTIONS[f][0]) for f in fields}
@@ -236,7 +260,9 @@ def command(app: typer.Typer, name: str, *, help: str | None = None, config: boo
         body.__name__, body.__qualname__, body.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
         body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         body.__annotations__ = {p.name: p.annotation for p in params}
-        app.command(name, cls=GrammarCommand, help=help if help is not None else help_from_doc(fn, help_fields))(guarded(body))
+        app.command(name, cls=GrammarCommand, help=help if help is not None else help_from_doc(fn, help_fields))(
+            guarded(body)
+        )
         return fn
 
     return decorate

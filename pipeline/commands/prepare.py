@@ -17,7 +17,13 @@ def register(app: typer.Typer) -> None:
     @command(app, "prepare", force=True, help_fields={"run": str(DEFAULT_RUN)})
     def prepare_command(
         opts: CommandOptions,
-        karpathy: Annotated[Optional[Path], typer.Argument(help="Karpathy split file (dataset_coco.json: images[].sentences[].tokens, split, cocoid); or give COCO caption files with --set prepare.coco_captions.SPLIT=FILE.", show_default=False)] = None,
+        karpathy: Annotated[
+            Optional[Path],
+            typer.Argument(
+                help="Karpathy split file (dataset_coco.json: images[].sentences[].tokens, split, cocoid); or give COCO caption files with --set prepare.coco_captions.SPLIT=FILE.",
+                show_default=False,
+            ),
+        ] = None,
         out: out_option("Run directory; the stage writes OUT/data, which `train` and `evaluate` read.") = DEFAULT_RUN,
     ) -> None:
         """Prepare captions and the vocabulary from a Karpathy split file (or COCO caption files) into OUT/data

@@ -18,13 +18,40 @@ def register(app: typer.Typer) -> None:
     @command(app, "serve", everyday=SERVE_EVERYDAY, decoding=True)
     def serve_command(
         opts: CommandOptions,
-        model: Annotated[Path, typer.Option("--model", "-m", help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).")] = DEFAULT_RUN,
-        vocab: Annotated[Optional[Path], typer.Option("--vocab", help="Released model's vocabulary (as for `caption`).")] = None,
-        weights: Annotated[Optional[str], typer.Option("--weights", "-w", help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).")] = None,
-        captioner: Annotated[Optional[str], typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D).")] = None,
-        host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only).")] = None,
-        port: Annotated[Optional[int], typer.Option("--port", "-P", help="TCP port (default serve.port: 8000; 0 picks a free one).")] = None,
-        token: Annotated[Optional[str], typer.Option("--token", help="Bearer token clients must send (default: $BUTD_SERVE_TOKEN, else none).")] = None,
+        model: Annotated[
+            Path,
+            typer.Option(
+                "--model",
+                "-m",
+                help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).",
+            ),
+        ] = DEFAULT_RUN,
+        vocab: Annotated[
+            Optional[Path], typer.Option("--vocab", help="Released model's vocabulary (as for `caption`).")
+        ] = None,
+        weights: Annotated[
+            Optional[str],
+            typer.Option(
+                "--weights",
+                "-w",
+                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).",
+            ),
+        ] = None,
+        captioner: Annotated[
+            Optional[str],
+            typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D)."),
+        ] = None,
+        host: Annotated[
+            Optional[str],
+            typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only)."),
+        ] = None,
+        port: Annotated[
+            Optional[int], typer.Option("--port", "-P", help="TCP port (default serve.port: 8000; 0 picks a free one).")
+        ] = None,
+        token: Annotated[
+            Optional[str],
+            typer.Option("--token", help="Bearer token clients must send (default: $BUTD_SERVE_TOKEN, else none)."),
+        ] = None,
     ) -> None:
         """Serve captions over HTTP: POST images to /v1/captions, or open / in a browser to drop photos and see their
         captions with boxes. The models are loaded once; images of concurrent requests share detector and captioner

@@ -13,16 +13,29 @@ from pipeline.commands.options import CommandOptions, Everyday, command, out_opt
 from pipeline.core.console import is_main_process
 
 #: the everyday options of `train`: both stages' batch size
-TRAIN_EVERYDAY = Everyday(device="train.device", batch_size=("train.xe.batch_size", "train.scst.batch_size"),
-                          precision="train.precision", num_workers="train.num_workers")
+TRAIN_EVERYDAY = Everyday(
+    device="train.device",
+    batch_size=("train.xe.batch_size", "train.scst.batch_size"),
+    precision="train.precision",
+    num_workers="train.num_workers",
+)
 
 
 def register(app: typer.Typer) -> None:
     @command(app, "train", force=True, everyday=TRAIN_EVERYDAY, help_fields={"run": str(DEFAULT_RUN)})
     def train_command(
         opts: CommandOptions,
-        model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Captioner architecture: {' | '.join(models.available_captioners())} (default train.model).")] = None,
-        out: out_option("Run directory: reads OUT/features/store and OUT/data (train.store / train.data), writes OUT/train-<model>.") = DEFAULT_RUN,
+        model: Annotated[
+            Optional[str],
+            typer.Option(
+                "--model",
+                "-m",
+                help=f"Captioner architecture: {' | '.join(models.available_captioners())} (default train.model).",
+            ),
+        ] = None,
+        out: out_option(
+            "Run directory: reads OUT/features/store and OUT/data (train.store / train.data), writes OUT/train-<model>."
+        ) = DEFAULT_RUN,
     ) -> None:
         """Train a captioner: cross-entropy, then self-critical CIDEr-D, with the paper schedule of
         configs/models/<model>.yaml. Reads the run directory's features and prepared captions (OUT defaults to

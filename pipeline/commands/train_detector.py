@@ -14,12 +14,18 @@ from pipeline.core.errors import UsageError
 
 
 #: images per batch is the detector's batch size; ``--num-workers`` decodes images
-DETECTOR_EVERYDAY = Everyday(device="detector_train.device", batch_size="detector_train.images_per_batch", precision="detector_train.precision",
-                             num_workers="data.num_workers")
+DETECTOR_EVERYDAY = Everyday(
+    device="detector_train.device",
+    batch_size="detector_train.images_per_batch",
+    precision="detector_train.precision",
+    num_workers="data.num_workers",
+)
 
 
 #: eval-detector runs as `extract` does: eval.batch_size images per forward, decoded in eval.num_workers processes
-EVAL_EVERYDAY = Everyday(device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers")
+EVAL_EVERYDAY = Everyday(
+    device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers"
+)
 
 
 #: the stage folder inside the run directory, where the demo keeps its detector too (`caption` looks there)
@@ -30,9 +36,22 @@ def register(app: typer.Typer) -> None:
     @command(app, "train-detector", force=True, everyday=DETECTOR_EVERYDAY, help_fields={"run": str(DEFAULT_RUN)})
     def train_detector_command(
         opts: CommandOptions,
-        out: out_option("Run directory; the stage writes OUT/detector (checkpoints, detector.pth, manifest.json).") = DEFAULT_RUN,
-        world: Annotated[Optional[Path], typer.Option("--world", help="A synthetic world folder: train on its train split, evaluate on its test split.")] = None,
-        reinit_heads: Annotated[bool, typer.Option("--reinit-heads", help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.")] = False,
+        out: out_option(
+            "Run directory; the stage writes OUT/detector (checkpoints, detector.pth, manifest.json)."
+        ) = DEFAULT_RUN,
+        world: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--world", help="A synthetic world folder: train on its train split, evaluate on its test split."
+            ),
+        ] = None,
+        reinit_heads: Annotated[
+            bool,
+            typer.Option(
+                "--reinit-heads",
+                help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.",
+            ),
+        ] = False,
     ) -> None:
         """Train or fine-tune the bottom-up Faster R-CNN on COCO-format instances with attribute ids (RPN, box
         and attribute losses; SGD with warm-up and steps) into OUT/detector (OUT defaults to {run}). Resumable: a
@@ -56,9 +75,15 @@ def register(app: typer.Typer) -> None:
         first: list[str] = []
         if world is not None:
             if not (world / "annotations" / "instances_train.json").is_file():
-                raise UsageError(f"--world {world}: no annotations/instances_train.json (write one with `demo --generate-only`)")
-            first = [f"data.train_annotations={world / 'annotations' / 'instances_train.json'}", f"data.train_images={world / 'images'}",
-                     f"data.eval_annotations={world / 'annotations' / 'instances_test.json'}", f"data.eval_images={world / 'images'}"]
+                raise UsageError(
+                    f"--world {world}: no annotations/instances_train.json (write one with `demo --generate-only`)"
+                )
+            first = [
+                f"data.train_annotations={world / 'annotations' / 'instances_train.json'}",
+                f"data.train_images={world / 'images'}",
+                f"data.eval_annotations={world / 'annotations' / 'instances_test.json'}",
+                f"data.eval_images={world / 'images'}",
+            ]
         if reinit_heads:
             first.append("model.reinit_heads=true")
         from extractors.training.stage import train_detector
@@ -66,7 +91,9 @@ def register(app: typer.Typer) -> None:
 
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
-        check_gpu_per_process(str(cfg.detector_train.device), "detector_train.device")  # torchrun: before any work, on every rank
+        check_gpu_per_process(
+            str(cfg.detector_train.device), "detector_train.device"
+        )  # torchrun: before any work, on every rank
         if rank > 0:  # torchrun: rank 0 keeps the stage bookkeeping, the others only train
             (out / DETECTOR_STAGE).mkdir(parents=True, exist_ok=True)
             train_detector(out / DETECTOR_STAGE, cfg)
@@ -75,7 +102,10 @@ def register(app: typer.Typer) -> None:
         con = stdout_console()
         s = result.summary
         con.print(f"detector weights: {result.directory / result.outputs['weights']}", highlight=False)
-        con.print(f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, losses {s.get('losses')}", highlight=False)
+        con.print(
+            f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, losses {s.get('losses')}",
+            highlight=False,
+        )
         if "eval" in s:
             from extractors.training.evaluate import summary_line
 
@@ -86,7 +116,9 @@ def register(app: typer.Typer) -> None:
         opts: CommandOptions,
         weights: Annotated[Path, typer.Argument(help="A detector.pth written by train-detector.")],
         annotations: Annotated[Path, typer.Option("--annotations", "-a", help="COCO instances json of the split.")],
-        images: Annotated[Optional[Path], typer.Option("--images", help="Image folder (default: the annotations' folder).")] = None,
+        images: Annotated[
+            Optional[Path], typer.Option("--images", help="Image folder (default: the annotations' folder).")
+        ] = None,
         json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     ) -> None:
         """Score a trained detector (a butd detector.pth) on a COCO instances split with the extractor's own box

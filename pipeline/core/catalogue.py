@@ -25,8 +25,9 @@ ONEDRIVE = "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
 VINVL_ZOO = "https://penzhanwu2.blob.core.windows.net/sgg/sgg_benchmark/vinvl_model_zoo/"
 GRID = "https://dl.fbaipublicfiles.com/grid-feats-vqa/"
 UNIMORE = "https://ailb-web.ing.unimore.it/publicfiles/drive/"
-LXMERT = ("huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py "
-          "(hub id unc-nlp/frcnn-vg-finetuned)")
+LXMERT = (
+    "huggingface/transformers-research-projects@fccd0cd lxmert/extracting_data.py (hub id unc-nlp/frcnn-vg-finetuned)"
+)
 SGB = "microsoft/scene_graph_benchmark@8e14944 README.md"
 M2_REPO = "aimagelab/meshed-memory-transformer@239100b"
 M2_LICENCE = "BSD-3-Clause (aimagelab/meshed-memory-transformer LICENSE)"
@@ -67,81 +68,183 @@ def _onedrive(share_id: str) -> tuple[str, ...]:
 
 ENTRIES: tuple[CatalogueEntry, ...] = (
     CatalogueEntry(
-        "bua-r101", _onedrive("EaXvCC3WjtlLvvEfLr3oa8UBLA21tcLh4L8YLbYXl6jgjg"),
-        f"{MILVLG} README.md (Pre-trained models, R101 k10-100)", "milvlg", "bua-caffe-frcn-r101_with_attributes.pth",
-        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE",
-        "bottom-up R-101 detector (caffe mode, 10-100 boxes): extract, caption --weights"),
+        "bua-r101",
+        _onedrive("EaXvCC3WjtlLvvEfLr3oa8UBLA21tcLh4L8YLbYXl6jgjg"),
+        f"{MILVLG} README.md (Pre-trained models, R101 k10-100)",
+        "milvlg",
+        "bua-caffe-frcn-r101_with_attributes.pth",
+        "milvlg",
+        "MILVLG/bottom-up-attention.pytorch LICENSE",
+        "bottom-up R-101 detector (caffe mode, 10-100 boxes): extract, caption --weights",
+    ),
     CatalogueEntry(
-        "bua-r101-fix36", _onedrive("EUKhQ3hSRv9JrrW64qpNLSIBGoOjEGCkF8zvgBP9gKax-w"),
-        f"{MILVLG} README.md (Pre-trained models, R101 k36)", "milvlg", "bua-caffe-frcn-r101_with_attributes_fix36.pth",
-        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE",
-        "bottom-up R-101 detector (caffe mode, 36 boxes; use --boxes 36)"),
+        "bua-r101-fix36",
+        _onedrive("EUKhQ3hSRv9JrrW64qpNLSIBGoOjEGCkF8zvgBP9gKax-w"),
+        f"{MILVLG} README.md (Pre-trained models, R101 k36)",
+        "milvlg",
+        "bua-caffe-frcn-r101_with_attributes_fix36.pth",
+        "milvlg",
+        "MILVLG/bottom-up-attention.pytorch LICENSE",
+        "bottom-up R-101 detector (caffe mode, 36 boxes; use --boxes 36)",
+    ),
     CatalogueEntry(
-        "bua-r152", _onedrive("ETDgy4bY0xpGgsu5tEMzgLcBQjAwpnkKkltNTtPVuMj4GQ"),
-        f"{MILVLG} README.md (Pre-trained models, R152)", "milvlg", "bua-caffe-frcn-r152.pth",
-        "milvlg", "MILVLG/bottom-up-attention.pytorch LICENSE", "bottom-up R-152 detector (caffe mode)"),
+        "bua-r152",
+        _onedrive("ETDgy4bY0xpGgsu5tEMzgLcBQjAwpnkKkltNTtPVuMj4GQ"),
+        f"{MILVLG} README.md (Pre-trained models, R152)",
+        "milvlg",
+        "bua-caffe-frcn-r152.pth",
+        "milvlg",
+        "MILVLG/bottom-up-attention.pytorch LICENSE",
+        "bottom-up R-152 detector (caffe mode)",
+    ),
     CatalogueEntry(
-        "frcnn-vg-finetuned", ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/pytorch_model.bin",),
+        "frcnn-vg-finetuned",
+        ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/pytorch_model.bin",),
         LXMERT,
-        "hf-frcnn-vg-finetuned", "pytorch_model.bin", "hf", "the model card of unc-nlp/frcnn-vg-finetuned",
+        "hf-frcnn-vg-finetuned",
+        "pytorch_model.bin",
+        "hf",
+        "the model card of unc-nlp/frcnn-vg-finetuned",
         "LXMERT's Visual Genome detector (hf layout; also hf:unc-nlp/frcnn-vg-finetuned)",
-        companions=("frcnn-vg-finetuned-config",)),
+        companions=("frcnn-vg-finetuned-config",),
+    ),
     CatalogueEntry(
-        "frcnn-vg-finetuned-config", ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/config.yaml",),
+        "frcnn-vg-finetuned-config",
+        ("https://huggingface.co/unc-nlp/frcnn-vg-finetuned/resolve/main/config.yaml",),
         LXMERT,
-        "hf-frcnn-vg-finetuned", "config.yaml", "hf-config", "the model card of unc-nlp/frcnn-vg-finetuned",
-        "the HF detector's config.yaml (its test-time values)"),
+        "hf-frcnn-vg-finetuned",
+        "config.yaml",
+        "hf-config",
+        "the model card of unc-nlp/frcnn-vg-finetuned",
+        "the HF detector's config.yaml (its test-time values)",
+    ),
     CatalogueEntry(
-        "vinvl-x152c4", (f"{VINVL_ZOO}vinvl_vg_x152c4.pth",), SGB,
-        "vinvl", "vinvl_vg_x152c4.pth", "vinvl", "microsoft/scene_graph_benchmark LICENSE",
+        "vinvl-x152c4",
+        (f"{VINVL_ZOO}vinvl_vg_x152c4.pth",),
+        SGB,
+        "vinvl",
+        "vinvl_vg_x152c4.pth",
+        "vinvl",
+        "microsoft/scene_graph_benchmark LICENSE",
         "VinVL ResNeXt-152 C4 detector (1594 classes, 524 attributes): extract --weights",
-        companions=("vinvl-labelmap",)),
+        companions=("vinvl-labelmap",),
+    ),
     CatalogueEntry(
-        "vinvl-labelmap", (f"{VINVL_ZOO}VG-SGG-dicts-vgoi6-clipped.json",), SGB,
-        "vinvl", "VG-SGG-dicts-vgoi6-clipped.json", "labelmap", "microsoft/scene_graph_benchmark LICENSE",
-        "VinVL's class and attribute names (extract.labelmap)"),
-    *(CatalogueEntry(
-        f"grid-{arch.lower()}", (f"{GRID}{arch}/{arch}.pth",), "facebookresearch/grid-feats-vqa@2677387 README.md",
-        "grid-feats-vqa", f"{arch}.pth", "grid-feats", "facebookresearch/grid-feats-vqa LICENSE",
-        f"grid-feats-vqa {arch} backbone for grid features (extract --boxes grid)")
-      for arch in ("R-50", "X-101", "X-152", "X-152pp")),
+        "vinvl-labelmap",
+        (f"{VINVL_ZOO}VG-SGG-dicts-vgoi6-clipped.json",),
+        SGB,
+        "vinvl",
+        "VG-SGG-dicts-vgoi6-clipped.json",
+        "labelmap",
+        "microsoft/scene_graph_benchmark LICENSE",
+        "VinVL's class and attribute names (extract.labelmap)",
+    ),
+    *(
+        CatalogueEntry(
+            f"grid-{arch.lower()}",
+            (f"{GRID}{arch}/{arch}.pth",),
+            "facebookresearch/grid-feats-vqa@2677387 README.md",
+            "grid-feats-vqa",
+            f"{arch}.pth",
+            "grid-feats",
+            "facebookresearch/grid-feats-vqa LICENSE",
+            f"grid-feats-vqa {arch} backbone for grid features (extract --boxes grid)",
+        )
+        for arch in ("R-50", "X-101", "X-152", "X-152pp")
+    ),
     CatalogueEntry(
-        "m2-coco", (f"{UNIMORE}meshed-memory-transformer/meshed_memory_transformer.pth",),
+        "m2-coco",
+        (f"{UNIMORE}meshed-memory-transformer/meshed_memory_transformer.pth",),
         f"{M2_REPO} README.md (Evaluation)",
-        "m2", "meshed_memory_transformer.pth", "m2-weights", M2_LICENCE,
-        "the released M2 captioner trained on COCO: caption --model", companions=("m2-vocab",)),
+        "m2",
+        "meshed_memory_transformer.pth",
+        "m2-weights",
+        M2_LICENCE,
+        "the released M2 captioner trained on COCO: caption --model",
+        companions=("m2-vocab",),
+    ),
     CatalogueEntry(
-        "m2-vocab", ("https://raw.githubusercontent.com/aimagelab/meshed-memory-transformer/239100b/vocab.pkl",),
-        f"{M2_REPO} vocab.pkl (repository root)", "m2", "vocab.pkl", "m2-vocab", M2_LICENCE,
-        "M2's vocabulary (caption --vocab; fetched with m2-coco)"),
+        "m2-vocab",
+        ("https://raw.githubusercontent.com/aimagelab/meshed-memory-transformer/239100b/vocab.pkl",),
+        f"{M2_REPO} vocab.pkl (repository root)",
+        "m2",
+        "vocab.pkl",
+        "m2-vocab",
+        M2_LICENCE,
+        "M2's vocabulary (caption --vocab; fetched with m2-coco)",
+    ),
     CatalogueEntry(
-        "m2-coco-detections", (f"{UNIMORE}show-control-and-tell/coco_detections.hdf5",),
+        "m2-coco-detections",
+        (f"{UNIMORE}show-control-and-tell/coco_detections.hdf5",),
         f"{M2_REPO} README.md (Data preparation)",
-        "m2", "coco_detections.hdf5", "hdf5", M2_LICENCE, "M2's COCO region features (import-features)"),
+        "m2",
+        "coco_detections.hdf5",
+        "hdf5",
+        M2_LICENCE,
+        "M2's COCO region features (import-features)",
+    ),
     CatalogueEntry(
-        "m2-annotations", (f"{UNIMORE}meshed-memory-transformer/annotations.zip",),
+        "m2-annotations",
+        (f"{UNIMORE}meshed-memory-transformer/annotations.zip",),
         f"{M2_REPO} README.md (Data preparation)",
-        "m2", "annotations.zip", "zip", M2_LICENCE, "M2's COCO annotations and splits"),
+        "m2",
+        "annotations.zip",
+        "zip",
+        M2_LICENCE,
+        "M2's COCO annotations and splits",
+    ),
     CatalogueEntry(
-        "aoanet", (), "husthuaan/AoANet@94ffe17 README.md", "aoanet", "model-best.pth", "aoanet",
-        "husthuaan/AoANet LICENSE", "the released AoANet captioner: caption --model",
+        "aoanet",
+        (),
+        "husthuaan/AoANet@94ffe17 README.md",
+        "aoanet",
+        "model-best.pth",
+        "aoanet",
+        "husthuaan/AoANet LICENSE",
+        "the released AoANet captioner: caption --model",
         manual="download model-best.pth and infos_aoanet-best.pkl from the Google Drive folder "
-               "https://drive.google.com/drive/folders/1ab0iPNyxdVm79ml-oozsIlH7H6t6dIVl (a browser download)"),
+        "https://drive.google.com/drive/folders/1ab0iPNyxdVm79ml-oozsIlH7H6t6dIVl (a browser download)",
+    ),
     CatalogueEntry(
-        "karpathy-split", ("http://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip",),
-        "cs.stanford.edu/people/karpathy/deepimagesent (the page publishing the split)", "karpathy",
-        "caption_datasets.zip", "zip", COCO_LICENCE,
-        "the Karpathy split of COCO (dataset_coco.json): prepare"),
+        "karpathy-split",
+        ("http://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip",),
+        "cs.stanford.edu/people/karpathy/deepimagesent (the page publishing the split)",
+        "karpathy",
+        "caption_datasets.zip",
+        "zip",
+        COCO_LICENCE,
+        "the Karpathy split of COCO (dataset_coco.json): prepare",
+    ),
     CatalogueEntry(
-        "coco2014-train", ("http://images.cocodataset.org/zips/train2014.zip",), "cocodataset.org/#download",
-        "coco2014", "train2014.zip", "zip", COCO_LICENCE, "COCO 2014 training images"),
+        "coco2014-train",
+        ("http://images.cocodataset.org/zips/train2014.zip",),
+        "cocodataset.org/#download",
+        "coco2014",
+        "train2014.zip",
+        "zip",
+        COCO_LICENCE,
+        "COCO 2014 training images",
+    ),
     CatalogueEntry(
-        "coco2014-val", ("http://images.cocodataset.org/zips/val2014.zip",), "cocodataset.org/#download",
-        "coco2014", "val2014.zip", "zip", COCO_LICENCE, "COCO 2014 validation images"),
+        "coco2014-val",
+        ("http://images.cocodataset.org/zips/val2014.zip",),
+        "cocodataset.org/#download",
+        "coco2014",
+        "val2014.zip",
+        "zip",
+        COCO_LICENCE,
+        "COCO 2014 validation images",
+    ),
     CatalogueEntry(
-        "coco2014-annotations", ("http://images.cocodataset.org/annotations/annotations_trainval2014.zip",),
-        "cocodataset.org/#download", "coco2014", "annotations_trainval2014.zip", "zip", COCO_LICENCE,
-        "COCO 2014 captions and instances (captions_val2014.json, instances_*.json)"),
+        "coco2014-annotations",
+        ("http://images.cocodataset.org/annotations/annotations_trainval2014.zip",),
+        "cocodataset.org/#download",
+        "coco2014",
+        "annotations_trainval2014.zip",
+        "zip",
+        COCO_LICENCE,
+        "COCO 2014 captions and instances (captions_val2014.json, instances_*.json)",
+    ),
 )
 
 CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in ENTRIES}
@@ -182,6 +285,8 @@ def catalogue_markdown() -> str:
     for e in ENTRIES:
         where = ", ".join(f"<{u}>" for u in e.urls) if e.urls else f"manual: {e.manual}"
         companions = f" (with {', '.join(f'`{c}`' for c in e.companions)})" if e.companions else ""
-        rows.append(f"| `{e.name}` | `{e.folder}/{e.filename}` | {e.kind} | {where} | {e.source} | {e.licence} | "
-                    f"{e.purpose}{companions} |")
+        rows.append(
+            f"| `{e.name}` | `{e.folder}/{e.filename}` | {e.kind} | {where} | {e.source} | {e.licence} | "
+            f"{e.purpose}{companions} |"
+        )
     return "\n".join(rows) + "\n"

@@ -51,7 +51,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
     npst = state["numpy"]
     np.random.set_state(
-        ("MT19937", npst["keys"].numpy().astype(np.uint32), int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached_gaussian"]))
+        (
+            "MT19937",
+            npst["keys"].numpy().astype(np.uint32),
+            int(npst["pos"]),
+            int(npst["has_gauss"]),
+            float(npst["cached_gaussian"]),
+        )
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -67,7 +73,9 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
-def load_checkpoint(path: str | Path, required: Iterable[str] = (), map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, required: Iterable[str] = (), map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
     """Load and validate a checkpoint written by :func:`save_checkpoint`.
 
     Only tensors and plain containers are admitted (``weights_only=True``); a file that holds anything else,

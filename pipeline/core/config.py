@@ -31,6 +31,8 @@ from pipeline.core.renamed import renamed_key_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_KEY = "_base_"
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-4`` / ``3E5`` as floats (plain YAML 1.1 reads them as strings)."""
 
@@ -272,7 +274,9 @@ class Config(Mapping[str, Any]):
 
     __slots__ = ("_data", "_open")
 
-    def __init__(self, data: Mapping[str, Any] | None = None, open_paths: frozenset[str] | set[str] = frozenset()) -> None:
+    def __init__(
+        self, data: Mapping[str, Any] | None = None, open_paths: frozenset[str] | set[str] = frozenset()
+    ) -> None:
         data = data or {}
         open_paths = frozenset(open_paths) | open_paths_of(data)
         object.__setattr__(self, "_open", open_paths)
@@ -368,8 +372,10 @@ def check_config_dir() -> Path:
     ``pip install .`` does not carry ``configs/`` and is not supported: every command then fails with this
     one line instead of a missing-file error deep inside."""
     if not CONFIG_DIR.is_dir():
-        raise UsageError(f"the configs folder {CONFIG_DIR} is missing: butd-caption runs from its source checkout "
-                         "(git clone, then pip install -e .); a non-editable `pip install .` is not supported")
+        raise UsageError(
+            f"the configs folder {CONFIG_DIR} is missing: butd-caption runs from its source checkout "
+            "(git clone, then pip install -e .); a non-editable `pip install .` is not supported"
+        )
     return CONFIG_DIR
 
 

@@ -83,11 +83,15 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
             raise UsageError(f"device {name} requested but CUDA is not available; use cpu or auto")
         count = visible_gpus()
         if dev.index is not None and dev.index >= count:
-            raise UsageError(f"device {name} requested but there {'is' if count == 1 else 'are'} {_gpus(count)} "
-                             f"(cuda:0 to cuda:{count - 1})")
+            raise UsageError(
+                f"device {name} requested but there {'is' if count == 1 else 'are'} {_gpus(count)} "
+                f"(cuda:0 to cuda:{count - 1})"
+            )
         if dev.index is None and local_rank >= count:
-            raise UsageError(f"{local_processes(local_rank)} processes but {_gpus(count)}: process {local_rank} on this "
-                             f"machine has no GPU of its own; run torchrun --nproc_per_node {count} (or fewer)")
+            raise UsageError(
+                f"{local_processes(local_rank)} processes but {_gpus(count)}: process {local_rank} on this "
+                f"machine has no GPU of its own; run torchrun --nproc_per_node {count} (or fewer)"
+            )
         return torch.device("cuda", local_rank if dev.index is None else dev.index)
     return dev
 
@@ -104,11 +108,15 @@ def check_gpu_per_process(name: str, key: str = "device") -> None:
     count = visible_gpus()
     procs = local_processes()
     if ":" in name and procs > 1:
-        raise UsageError(f"{procs} processes but {key}={name} puts them all on one GPU (NCCL cannot share a GPU between "
-                         f"ranks); use {key}=cuda (each process takes cuda:LOCAL_RANK)")
+        raise UsageError(
+            f"{procs} processes but {key}={name} puts them all on one GPU (NCCL cannot share a GPU between "
+            f"ranks); use {key}=cuda (each process takes cuda:LOCAL_RANK)"
+        )
     if count and procs > count:
-        raise UsageError(f"{procs} processes but {_gpus(count)}: training needs one GPU per process (NCCL cannot share "
-                         f"a GPU between ranks); run torchrun --nproc_per_node {count} (or fewer), or set {key}=cpu")
+        raise UsageError(
+            f"{procs} processes but {_gpus(count)}: training needs one GPU per process (NCCL cannot share "
+            f"a GPU between ranks); run torchrun --nproc_per_node {count} (or fewer), or set {key}=cpu"
+        )
 
 
 def shared_gpu(local_rank: int) -> torch.device:

@@ -133,8 +133,9 @@ def fetch(item: Download, verify: Verify, offline: bool = False) -> Path:
     if not item.urls:
         raise DownloadError(f"{item.name} cannot be fetched automatically: {item.manual}; {item.by_hand()}")
     if offline:
-        raise DownloadError(f"{item.name} is not in the cache and downloads are off (HF_HUB_OFFLINE): "
-                            f"{item.urls[0]}; {item.by_hand()}")
+        raise DownloadError(
+            f"{item.name} is not in the cache and downloads are off (HF_HUB_OFFLINE): {item.urls[0]}; {item.by_hand()}"
+        )
     with _wait_for_lock(item):
         if item.dest.is_file():  # another process fetched it while this one waited
             return _checked(item, verify)
@@ -167,8 +168,10 @@ def _checked(item: Download, verify: Verify) -> Path:
         record = read_json(item.record, "download record")
         digest = sha256_of(path)
         if digest != record.get("sha256"):
-            raise DownloadError(f"cached file {path} does not match the SHA-256 recorded when it was fetched "
-                                f"({digest[:12]} != {str(record.get('sha256'))[:12]}): delete it to fetch it again")
+            raise DownloadError(
+                f"cached file {path} does not match the SHA-256 recorded when it was fetched "
+                f"({digest[:12]} != {str(record.get('sha256'))[:12]}): delete it to fetch it again"
+            )
     else:
         digest = sha256_of(path)
         if item.sha256 and digest != item.sha256:
@@ -199,8 +202,10 @@ def _download(item: Download) -> str:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             failures.append(f"cannot reach {url} ({reason}; offline?)")
         except _Interrupted as exc:
-            raise DownloadError(f"download of {item.name} from {url} broke off {ATTEMPTS} times ({exc}); run again to "
-                                f"resume from {item.part}, or {item.by_hand()}") from None
+            raise DownloadError(
+                f"download of {item.name} from {url} broke off {ATTEMPTS} times ({exc}); run again to "
+                f"resume from {item.part}, or {item.by_hand()}"
+            ) from None
     raise DownloadError(f"cannot fetch {item.name}: {'; '.join(failures)}; {item.by_hand()}")
 
 
@@ -212,8 +217,9 @@ def _transfer_with_retries(item: Download, url: str) -> None:
             return
         except _Interrupted as exc:
             last = exc
-            log.info("download of %s broke off (%s); resuming (attempt %d of %d)", item.name, exc, attempt + 2,
-                     ATTEMPTS)
+            log.info(
+                "download of %s broke off (%s); resuming (attempt %d of %d)", item.name, exc, attempt + 2, ATTEMPTS
+            )
     raise last  # type: ignore[misc]
 
 

@@ -43,8 +43,9 @@ def _warn(name: str, raw: str, expected: str, instead: str) -> None:
     log.warning("environment variable %s=%r is not %s; %s", name, shown, expected, instead)
 
 
-def setting_int(name: str, default: int | None, low: int, high: int, instead: str | None = None,
-                list_form: bool = False) -> int | None:
+def setting_int(
+    name: str, default: int | None, low: int, high: int, instead: str | None = None, list_form: bool = False
+) -> int | None:
     """The whole number ``low..high`` in ``$name``; ``default`` when unset or blank, and when odd (with a warning
     that says ``instead``, or "using <default>"). ``list_form``: the first of comma-separated entries counts
     (OpenMP's ``OMP_NUM_THREADS=4,2``)."""
@@ -98,8 +99,10 @@ def launcher_int(name: str, default: int, low: int = 0) -> int:
     except ValueError:
         value = None
     if value is None or value < low:
-        raise UsageError(f"environment variable {name}={raw[:40]!r} must be a whole number of at least {low} "
-                         "(torchrun sets it; unset it to run one process)")
+        raise UsageError(
+            f"environment variable {name}={raw[:40]!r} must be a whole number of at least {low} "
+            "(torchrun sets it; unset it to run one process)"
+        )
     return value
 
 

@@ -89,8 +89,9 @@ def _check_stat(path: Path, what: str, st: os.stat_result) -> None:
         raise not_own_file(path, what, f"a file with {st.st_nlink} names (a hard link to another file)")
 
 
-def open_own_file(path: str | Path, what: str, *, append: bool = False, truncate: bool = False,
-                  mode: int = 0o666) -> int:
+def open_own_file(
+    path: str | Path, what: str, *, append: bool = False, truncate: bool = False, mode: int = 0o666
+) -> int:
     """Open (created if missing) a file the program keeps for itself, read-write; returns the descriptor.
 
     Never follows a symbolic link at ``path`` (``O_NOFOLLOW``); a link, a folder, a fifo, a device, or a regular
@@ -137,8 +138,10 @@ def create_new_file(path: str | Path, what: str) -> None:
             found = "a file" if stat.S_ISREG(st_mode) else _kind(st_mode)
         except OSError:
             found = "something"
-        raise UsageError(f"{path} already exists ({found}); the {what} is only written under a new name of its own: "
-                         "nothing was changed; remove it and run again") from None
+        raise UsageError(
+            f"{path} already exists ({found}); the {what} is only written under a new name of its own: "
+            "nothing was changed; remove it and run again"
+        ) from None
     except OSError as exc:
         raise annotate_os_error(exc, f"create the {what}", path)
     os.close(fd)

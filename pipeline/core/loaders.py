@@ -27,12 +27,24 @@ T = TypeVar("T")
 #: seconds the main process waits for one batch from its workers before it gives up on them
 WORKER_WAIT = 600.0
 
-SHM_HINT = ("shared memory (/dev/shm) is too small or full for the DataLoader workers (Docker gives 64 MB): run the "
-            "container with --ipc=host or a larger --shm-size (e.g. --shm-size=8g), or pass --num-workers 0 to load in "
-            "this process")
+SHM_HINT = (
+    "shared memory (/dev/shm) is too small or full for the DataLoader workers (Docker gives 64 MB): run the "
+    "container with --ipc=host or a larger --shm-size (e.g. --shm-size=8g), or pass --num-workers 0 to load in "
+    "this process"
+)
 
-_SHM_SIGNS = ("no space left", "unable to write to file", "/dev/shm", "torch_shm", "shared memory", "bus error", "sigbus",
-              "unable to open shared memory", "unable to mmap", "cannot allocate memory")
+_SHM_SIGNS = (
+    "no space left",
+    "unable to write to file",
+    "/dev/shm",
+    "torch_shm",
+    "shared memory",
+    "bus error",
+    "sigbus",
+    "unable to open shared memory",
+    "unable to mmap",
+    "cannot allocate memory",
+)
 
 
 def worker_wait() -> float:
@@ -56,8 +68,10 @@ def worker_failure_line(exc: BaseException, what: str = "the DataLoader workers"
     """One line for a failed or stuck worker: what failed, torch's first line, and the advice when memory is short."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     if "timed out" in first.lower():
-        return (f"{what} sent nothing for {worker_wait():.0f} s ({first}); a worker is stuck or lost its batch: "
-                f"{SHM_HINT} (or raise BUTD_WORKER_WAIT)")
+        return (
+            f"{what} sent nothing for {worker_wait():.0f} s ({first}); a worker is stuck or lost its batch: "
+            f"{SHM_HINT} (or raise BUTD_WORKER_WAIT)"
+        )
     if looks_like_shm(first) or "exited unexpectedly" in first.lower() or "killed by signal" in first.lower():
         return f"{what} failed ({first}): {SHM_HINT}"
     return f"{what} failed ({first}); pass --num-workers 0 to load in this process"

@@ -44,8 +44,12 @@ _RECORD_KEYS = frozenset({"pid", "host", "since", "command"})
 
 
 def _holder_record() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv[:6]))[:200]}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv[:6]))[:200],
+    }
 
 
 def read_holder(lock_path: str | Path) -> dict[str, Any]:
@@ -67,8 +71,12 @@ def is_lock_content(data: bytes) -> bool:
         record = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         return False
-    return (isinstance(record, dict) and set(record) <= _RECORD_KEYS and isinstance(record.get("pid"), int)
-            and not isinstance(record.get("pid"), bool))
+    return (
+        isinstance(record, dict)
+        and set(record) <= _RECORD_KEYS
+        and isinstance(record.get("pid"), int)
+        and not isinstance(record.get("pid"), bool)
+    )
 
 
 def _alive(pid: Any) -> bool:
@@ -123,7 +131,9 @@ class WriterLock:
     def __enter__(self) -> "WriterLock":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()
 
     def __del__(self) -> None:
@@ -160,8 +170,10 @@ def acquire_lock(lock_path: str | Path, what: str, hint: str = "wait for it to f
                 continue
             os.close(fd)
             gone = " (no longer running; a process it started still holds the lock)" if orphan else ""
-            raise UsageError(f"{what} is being written by another process: {describe_holder(holder)}{gone} "
-                             f"[lock {lock_path}]; {hint}") from None
+            raise UsageError(
+                f"{what} is being written by another process: {describe_holder(holder)}{gone} "
+                f"[lock {lock_path}]; {hint}"
+            ) from None
         except OSError as exc:
             os.close(fd)
             raise annotate_os_error(exc, f"lock {what}", lock_path)
@@ -183,9 +195,11 @@ def _check_content(fd: int, lock_path: Path, what: str) -> None:
         raise annotate_os_error(exc, f"read the lock file of {what}", lock_path)
     if not is_lock_content(data):
         _let_go(fd)
-        raise UsageError(f"{lock_path} is not a lock file of butd-caption (it holds other data); the lock file of "
-                         f"{what} is never written over another file: nothing was changed; remove it or choose another "
-                         "path")
+        raise UsageError(
+            f"{lock_path} is not a lock file of butd-caption (it holds other data); the lock file of "
+            f"{what} is never written over another file: nothing was changed; remove it or choose another "
+            "path"
+        )
 
 
 def _let_go(fd: int) -> None:

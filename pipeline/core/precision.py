@@ -54,8 +54,9 @@ def check_precision(precision: str, key: str = "precision", *, fp16: bool = True
     return precision
 
 
-def resolve_precision(precision: str, device: torch.device | str, key: str = "precision", *, fp16: bool = True,
-                      published: bool = False) -> str:
+def resolve_precision(
+    precision: str, device: torch.device | str, key: str = "precision", *, fp16: bool = True, published: bool = False
+) -> str:
     """A config value -> ``fp32 | tf32 | bf16 | fp16`` for ``device`` (see the module docstring).
 
     ``key`` is the config key named in an error (e.g. ``train.precision``). ``fp16=False``: the command runs
@@ -92,7 +93,9 @@ def autocast(device: torch.device, precision: str) -> Iterator[None]:
         if precision in ("fp32", "tf32"):
             yield
         else:
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+            with torch.autocast(
+                device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
+            ):
                 yield
 
 

@@ -44,4 +44,10 @@ class RegionRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """features, boxes, image_w, image_h and the optional fields it carries (the reader's field names)."""
-        return {"features": self.features, "boxes": self.boxes, "image_w": self.image_w, "image_h": self.image_h, **self.optional()}
+        return {
+            "features": self.features,
+            "boxes": self.boxes,
+            "image_w": self.image_w,
+            "image_h": self.image_h,
+            **self.optional(),
+        }

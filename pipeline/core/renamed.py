@@ -21,8 +21,14 @@ RENAMED_KEYS = {
 MOVED_KEYS = {
     "caption.beam_size": ("decoding.beam_size", "one home for decoding settings, as in evaluate and serve"),
     "caption.n_best": ("decoding.n_best", "one home for decoding settings, as in evaluate and serve"),
-    "train.num_threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
-    "train.threads": ("--threads", "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py"),
+    "train.num_threads": (
+        "--threads",
+        "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py",
+    ),
+    "train.threads": (
+        "--threads",
+        "the one thread setting of every command, also BUTD_THREADS: pipeline/core/threads.py",
+    ),
     "demo.detector_overrides": ("detector_train", "the demo's detector training: --set detector_train.KEY=VALUE"),
 }
 # top-level sections that were renamed: old -> (new, why); 'train.max_iter' in train_detector.yaml -> 'detector_train.max_iter'
@@ -38,8 +44,10 @@ RENAMED_OPTIONS: dict[str, dict[str, str]] = {
     "evaluate": {"-o": "--output (-o is --out, a run directory)"},
     "embed": {"-o": "--output (-o is --out, a run directory)"},
     "serve": {"-p": "--port/-P (-p is --predictions)"},
-    "convert-captioner": {"--out": "--output (the checkpoint file to write)",
-                          "-o": "--output (the checkpoint file to write)"},
+    "convert-captioner": {
+        "--out": "--output (the checkpoint file to write)",
+        "-o": "--output (the checkpoint file to write)",
+    },
     "export-features": {"--out": "--output (the feature file to write)"},
     "merge-features": {"--out": "--store (the destination feature store)"},
 }
@@ -103,8 +111,13 @@ def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
     if "num_threads" in out and "model" in out and "stages" in out:  # a bare captioner train section
         out.pop("num_threads")
     caption = out.get("caption")
-    if isinstance(caption, Mapping) and "decoding" not in out and caption.get("beam_size", None) is None \
-            and caption.get("n_best", 1) == 1 and {"beam_size", "n_best"} & set(caption):
+    if (
+        isinstance(caption, Mapping)
+        and "decoding" not in out
+        and caption.get("beam_size", None) is None
+        and caption.get("n_best", 1) == 1
+        and {"beam_size", "n_best"} & set(caption)
+    ):
         # their defaults (the checkpoint's beam, one caption) are what an empty decoding: section gives
         out["caption"] = {k: v for k, v in caption.items() if k not in ("beam_size", "n_best")}
         out["decoding"] = {}

@@ -99,7 +99,9 @@ def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
         log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
         return
     if all(p.name in (RUNNING, STAGE_LOCK) for p in stage_dir.iterdir()):
-        log.info("stage %s: the interrupted run in %s wrote nothing; starting again under the new config", name, stage_dir)
+        log.info(
+            "stage %s: the interrupted run in %s wrote nothing; starting again under the new config", name, stage_dir
+        )
         return
     failed = f" (it failed: {previous['error']})" if previous.get("error") else ""
     raise UsageError(
@@ -133,7 +135,9 @@ def run_stage(
     stage_dir = Path(run_dir) / name
     digest = cfg.digest()
     # one process per stage folder: a second one is refused (naming the holder) before it reads or clears anything
-    with acquire_lock(stage_lock(stage_dir), f"stage {name} in {stage_dir}", "wait for it to finish or use another --out"):
+    with acquire_lock(
+        stage_lock(stage_dir), f"stage {name} in {stage_dir}", "wait for it to finish or use another --out"
+    ):
         return _run_locked(stage_dir, name, cfg, digest, work, force)
 
 
@@ -153,14 +157,14 @@ def _clear(stage_dir: Path) -> None:
             p.unlink()
 
 
-def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Callable[..., Any], force: bool) -> StageResult:
+def _run_locked(
+    stage_dir: Path, name: str, cfg: Config, digest: str, work: Callable[..., Any], force: bool
+) -> StageResult:
     manifest = read_manifest(stage_dir)
     if manifest is not None and not force:
         if _same_config(manifest, digest):
             log.info("stage %s: already done in %s (config %s), skipping", name, stage_dir, digest[:12])
-            return StageResult(
-                name, stage_dir, dict(manifest["outputs"]), 0.0, True, dict(manifest.get("summary", {}))
-            )
+            return StageResult(name, stage_dir, dict(manifest["outputs"]), 0.0, True, dict(manifest.get("summary", {})))
         raise UsageError(
             f"stage {name} in {stage_dir} was finished with a different config "
             f"({manifest['config_digest'][:12]} != {digest[:12]}); pass --force to redo it or use another --out"
@@ -168,7 +172,9 @@ def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Call
     running = stage_dir / RUNNING
     if force and (manifest is not None or running.exists()):
         state = "finished" if manifest is not None else "interrupted"
-        log.info("stage %s: --force given, clearing the %s stage in %s and starting it from scratch", name, state, stage_dir)
+        log.info(
+            "stage %s: --force given, clearing the %s stage in %s and starting it from scratch", name, state, stage_dir
+        )
         _clear(stage_dir)
     elif running.exists():
         _check_interrupted(name, stage_dir, digest)
@@ -181,7 +187,7 @@ def _run_locked(stage_dir: Path, name: str, cfg: Config, digest: str, work: Call
         _record_failure(running, exc)
         raise
     seconds = time.perf_counter() - t0
-    outputs, summary = (result if isinstance(result, tuple) else (result, {}))
+    outputs, summary = result if isinstance(result, tuple) else (result, {})
     atomic_write_json(
         stage_dir / MANIFEST,
         {

@@ -58,20 +58,29 @@ def check_archive(path: str | Path) -> None:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
         raise BoundsError(f"{path}: not a readable zip archive ({exc})") from None
     if len(members) > MAX_MEMBERS:
-        raise BoundsError(f"{path}: '{members[MAX_MEMBERS].filename}': the archive holds {len(members):,} members, "
-                          f"more than {MAX_MEMBERS:,}")
+        raise BoundsError(
+            f"{path}: '{members[MAX_MEMBERS].filename}': the archive holds {len(members):,} members, "
+            f"more than {MAX_MEMBERS:,}"
+        )
     limit, total = size + INFLATE_ALLOWANCE, 0
     for info in members:
         if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-            raise BoundsError(f"{path}: '{info.filename}': a stored member declares {info.file_size:,} bytes "
-                              f"but stores {info.compress_size:,}")
+            raise BoundsError(
+                f"{path}: '{info.filename}': a stored member declares {info.file_size:,} bytes "
+                f"but stores {info.compress_size:,}"
+            )
         total += info.file_size
         if total > limit:
             stored = info.compress_type == zipfile.ZIP_STORED
-            how = (f"declares {info.file_size:,} bytes" if stored
-                   else f"inflates to {info.file_size:,} bytes from {info.compress_size:,}")
-            raise BoundsError(f"{path}: '{info.filename}': {how}; the members may expand to the archive's own "
-                              f"{size:,} bytes + {INFLATE_ALLOWANCE >> 20} MiB at most")
+            how = (
+                f"declares {info.file_size:,} bytes"
+                if stored
+                else f"inflates to {info.file_size:,} bytes from {info.compress_size:,}"
+            )
+            raise BoundsError(
+                f"{path}: '{info.filename}': {how}; the members may expand to the archive's own "
+                f"{size:,} bytes + {INFLATE_ALLOWANCE >> 20} MiB at most"
+            )
 
 
 def check_tensor(path: str | Path, key: str, tensor: torch.Tensor) -> int:
@@ -79,8 +88,10 @@ def check_tensor(path: str | Path, key: str, tensor: torch.Tensor) -> int:
     nbytes = tensor.numel() * tensor.element_size()
     held = tensor.untyped_storage().nbytes()
     if nbytes > held:
-        raise BoundsError(f"{path}: '{key}': declares shape {list(tensor.shape)} ({tensor.numel():,} elements) "
-                          f"over a storage of {held:,} bytes (zero or overlapping strides)")
+        raise BoundsError(
+            f"{path}: '{key}': declares shape {list(tensor.shape)} ({tensor.numel():,} elements) "
+            f"over a storage of {held:,} bytes (zero or overlapping strides)"
+        )
     return nbytes
 
 
@@ -93,6 +104,8 @@ def check_tensors(path: str | Path, items: Iterable[tuple[str, torch.Tensor]]) -
         nbytes += check_tensor(path, key, tensor)
         elements += tensor.numel()
         if nbytes > limit or elements > MAX_ELEMENTS:
-            raise BoundsError(f"{path}: '{key}': the tensors up to this one declare {elements:,} elements "
-                              f"({nbytes:,} bytes), more than {MAX_ELEMENTS:,} elements or {VIEW_FACTOR} x the "
-                              f"file's size + {INFLATE_ALLOWANCE >> 20} MiB")
+            raise BoundsError(
+                f"{path}: '{key}': the tensors up to this one declare {elements:,} elements "
+                f"({nbytes:,} bytes), more than {MAX_ELEMENTS:,} elements or {VIEW_FACTOR} x the "
+                f"file's size + {INFLATE_ALLOWANCE >> 20} MiB"
+            )

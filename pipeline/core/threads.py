@@ -119,7 +119,9 @@ def check_threads(threads: int, name: str = "--threads") -> int:
     return threads
 
 
-def plan(workers: int = 0, threads: int | None = None, processes: int | None = None, cores: int | None = None) -> ThreadPlan:
+def plan(
+    workers: int = 0, threads: int | None = None, processes: int | None = None, cores: int | None = None
+) -> ThreadPlan:
     """Resolve the policy above. ``workers``: the DataLoader workers the command asks for (a ceiling);
     ``threads``: an explicit per-process thread count (default: :func:`explicit_threads`); ``processes`` and
     ``cores`` default to :func:`local_processes` and :func:`available_cores`."""
@@ -196,8 +198,10 @@ def pool_size(requested: int) -> int:
 
 def describe(resolved: ThreadPlan) -> str:
     """One line for logs: ``2 cores: 1 process x (1 torch thread + 1 DataLoader worker)``."""
-    return (f"{resolved.cores} core(s): {resolved.processes} process(es) x ({resolved.threads} torch thread(s)"
-            f"{' (explicit)' if resolved.explicit else ''} + {resolved.workers} DataLoader worker(s))")
+    return (
+        f"{resolved.cores} core(s): {resolved.processes} process(es) x ({resolved.threads} torch thread(s)"
+        f"{' (explicit)' if resolved.explicit else ''} + {resolved.workers} DataLoader worker(s))"
+    )
 
 
 def torch_loaded() -> bool:

@@ -39,14 +39,18 @@ class Vocab:
     def build(cls, sentences: Iterable[Sequence[str]], min_count: int = 1) -> "Vocab":
         """Words seen at least ``min_count`` times, most frequent first (ties alphabetical)."""
         counts = Counter(w for s in sentences for w in s)
-        kept = sorted((w for w, c in counts.items() if c >= min_count and w not in SPECIALS), key=lambda w: (-counts[w], w))
+        kept = sorted(
+            (w for w, c in counts.items() if c >= min_count and w not in SPECIALS), key=lambda w: (-counts[w], w)
+        )
         return cls(SPECIALS + tuple(kept))
 
     def id(self, word: str) -> int:
         """The id of ``word`` (UNK when unknown)."""
         return self._index.get(word, UNK)  # type: ignore[attr-defined]
 
-    def encode(self, tokens: Sequence[str], max_len: int | None = None, add_bos: bool = False, add_eos: bool = True) -> list[int]:
+    def encode(
+        self, tokens: Sequence[str], max_len: int | None = None, add_bos: bool = False, add_eos: bool = True
+    ) -> list[int]:
         """Token ids, truncated to ``max_len`` words (before the optional BOS/EOS are added)."""
         ids = [self.id(t) for t in tokens]
         if max_len is not None:
@@ -72,7 +76,11 @@ class Vocab:
     @classmethod
     def from_json(cls, data: Any, source: str = "vocabulary") -> "Vocab":
         """Read what :meth:`to_json` wrote; errors name ``source``."""
-        if not isinstance(data, dict) or data.get("format") != "butd-caption-vocab" or not isinstance(data.get("words"), list):
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != "butd-caption-vocab"
+            or not isinstance(data.get("words"), list)
+        ):
             raise PipelineError(f"{source} is not a butd-caption vocabulary")
         if not all(isinstance(w, str) for w in data["words"]):
             raise PipelineError(f"{source}: vocabulary words must be strings")

@@ -76,9 +76,16 @@ class BucketBatchSampler(Sampler[list[int]]):
             order = rng.permutation(n)
         if self.mode == "bucket":
             pool = self.batch_size * self.bucket_pools
-            order = np.concatenate([
-                chunk[np.argsort(self.num_boxes[chunk], kind="stable")] for chunk in np.array_split(order, max(1, -(-n // pool)))
-            ]) if n else order
+            order = (
+                np.concatenate(
+                    [
+                        chunk[np.argsort(self.num_boxes[chunk], kind="stable")]
+                        for chunk in np.array_split(order, max(1, -(-n // pool)))
+                    ]
+                )
+                if n
+                else order
+            )
         batches = [order[i : i + self.batch_size].tolist() for i in range(0, n, self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
@@ -105,8 +112,14 @@ class FeatureBank:
     under ``torchrun`` every rank holds its own copy on its own GPU, and none builds the whole table in host RAM).
     """
 
-    def __init__(self, dataset: CaptionDataset, device: str | torch.device = "cpu", pin: bool = False,
-                 stage_bytes: int = 64 << 20, staged: bool | None = None) -> None:
+    def __init__(
+        self,
+        dataset: CaptionDataset,
+        device: str | torch.device = "cpu",
+        pin: bool = False,
+        stage_bytes: int = 64 << 20,
+        staged: bool | None = None,
+    ) -> None:
         store = dataset.store
         counts = dataset.num_boxes()
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -116,8 +129,12 @@ class FeatureBank:
         dtype = torch.from_numpy(first[:1].copy()).dtype
         self.device = torch.device(device)
         on_host = self.device.type == "cpu" if staged is None else not staged  # staged: through the bounded buffer
-        self.features = torch.empty((total, dim), dtype=dtype, device=self.device, pin_memory=pin and self.device.type == "cpu")
-        self.boxes = torch.empty((total, 4), dtype=torch.float32, device=self.device, pin_memory=pin and self.device.type == "cpu")
+        self.features = torch.empty(
+            (total, dim), dtype=dtype, device=self.device, pin_memory=pin and self.device.type == "cpu"
+        )
+        self.boxes = torch.empty(
+            (total, 4), dtype=torch.float32, device=self.device, pin_memory=pin and self.device.type == "cpu"
+        )
         sizes = np.zeros((len(dataset), 2), dtype=np.float32)
         row_bytes = dim * self.features.element_size() + 16
         stage_rows = total if on_host else max(int(stage_bytes // max(row_bytes, 1)), int(counts.max(initial=1)))
@@ -156,8 +173,9 @@ class FeatureBank:
         index = index.to(self.device)
         counts = self.counts[index]
         spans = list(zip(self.starts[index].tolist(), counts.tolist()))
-        feats, boxes, mask = pad_regions([self.features[s : s + c] for s, c in spans], [self.boxes[s : s + c] for s, c in spans],
-                                         device=self.device)
+        feats, boxes, mask = pad_regions(
+            [self.features[s : s + c] for s, c in spans], [self.boxes[s : s + c] for s, c in spans], device=self.device
+        )
         return {"feats": feats, "mask": mask, "boxes": boxes, "sizes": self.sizes[index], "num_boxes": counts}
 
 
@@ -180,8 +198,11 @@ class PreloadedLoader:
             captions, image, lengths = caption_tensor([c[0] for c in caps], [c[1] for c in caps])
             dev = self.bank.device
             out.update(
-                keys=[self.dataset.keys[i] for i in batch], index=index, captions=captions.to(dev),
-                caption_image=image.to(dev), caption_lengths=lengths.to(dev),
+                keys=[self.dataset.keys[i] for i in batch],
+                index=index,
+                captions=captions.to(dev),
+                caption_image=image.to(dev),
+                caption_lengths=lengths.to(dev),
             )
             yield out
 
@@ -212,10 +233,12 @@ def build_loader(
     """
     if preload not in PRELOAD_MODES:
         raise UsageError(f"preload must be one of {', '.join(PRELOAD_MODES)}, not {preload!r}")
-    dataset = CaptionDataset(store, captions, split, max_boxes=max_boxes, captions_per_image=captions_per_image,
-                             allow_missing=allow_missing)
-    sampler = BucketBatchSampler(dataset.num_boxes(), batch_size, batching, drop_last=drop_last, seed=seed,
-                                 rank=rank, world_size=world_size)
+    dataset = CaptionDataset(
+        store, captions, split, max_boxes=max_boxes, captions_per_image=captions_per_image, allow_missing=allow_missing
+    )
+    sampler = BucketBatchSampler(
+        dataset.num_boxes(), batch_size, batching, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size
+    )
     if preload != "none":
         if preload == "cuda" and not torch.cuda.is_available():
             raise UsageError("preload=cuda needs a CUDA device; use memory or pinned")
@@ -223,7 +246,11 @@ def build_loader(
         return PreloadedLoader(dataset, bank, sampler)
     num_workers = thread_policy.loader_workers(num_workers)
     return DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_images, num_workers=num_workers,
-        persistent_workers=num_workers > 0, multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_images,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
         timeout=loader_timeout(num_workers),
     )

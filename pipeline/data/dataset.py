@@ -59,8 +59,12 @@ def _fill(dst: torch.Tensor, src: Any) -> None:
         dst.copy_(torch.from_numpy(np.array(src)))
 
 
-def pad_regions(features: Sequence[Any], boxes: Sequence[Any], dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_regions(
+    features: Sequence[Any],
+    boxes: Sequence[Any],
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zero-pad per-image regions (numpy arrays or tensors, image j with K_j rows) to the batch's most regions N.
 
     Returns ``feats`` (B, N, D) in ``dtype`` (default: the first image's), ``boxes`` (B, N, 4) float32 and
@@ -71,7 +75,9 @@ def pad_regions(features: Sequence[Any], boxes: Sequence[Any], dtype: torch.dtyp
     b, n = len(counts), max(counts, default=0)
     first = features[0] if counts else np.zeros((0, 0), np.float32)
     if dtype is None:
-        dtype = first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(np.zeros(0, dtype=first.dtype)).dtype
+        dtype = (
+            first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(np.zeros(0, dtype=first.dtype)).dtype
+        )
     feats = torch.zeros((b, n, first.shape[1]), dtype=dtype, device=device)
     out_boxes = torch.zeros((b, n, 4), dtype=torch.float32, device=device)
     for j, k in enumerate(counts):
@@ -135,7 +141,9 @@ class CaptionDataset(Dataset):
         labels, lengths = self.data.captions(self.positions[i])
         k = self.captions_per_image
         if k is not None and k != len(labels):
-            pick = torch.randint(len(labels), (k,)).numpy() if k > len(labels) else torch.randperm(len(labels))[:k].numpy()
+            pick = (
+                torch.randint(len(labels), (k,)).numpy() if k > len(labels) else torch.randperm(len(labels))[:k].numpy()
+            )
             labels, lengths = labels[pick], lengths[pick]
         return labels, lengths
 
@@ -153,7 +161,9 @@ class CaptionDataset(Dataset):
         }
 
 
-def caption_tensor(labels: Sequence[np.ndarray], lengths: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def caption_tensor(
+    labels: Sequence[np.ndarray], lengths: Sequence[np.ndarray]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-image (k, L) label arrays -> (captions (C, T) BOS..EOS PAD, caption_image (C,), caption_lengths (C,))."""
     all_lengths = np.concatenate(lengths).astype(np.int64)
     c = len(all_lengths)
@@ -172,8 +182,12 @@ def caption_tensor(labels: Sequence[np.ndarray], lengths: Sequence[np.ndarray]) 
 def collate_images(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Pad a list of dataset items into one batch (see the module docstring)."""
     counts = [len(it["boxes"]) for it in items]
-    feats, boxes, mask = pad_regions([it["features"] for it in items], [it["boxes"] for it in items])  # one copy out of the store buffers
-    captions, caption_image, caption_lengths = caption_tensor([it["labels"] for it in items], [it["lengths"] for it in items])
+    feats, boxes, mask = pad_regions(
+        [it["features"] for it in items], [it["boxes"] for it in items]
+    )  # one copy out of the store buffers
+    captions, caption_image, caption_lengths = caption_tensor(
+        [it["labels"] for it in items], [it["lengths"] for it in items]
+    )
     return {
         "keys": [it["key"] for it in items],
         "index": torch.tensor([it["index"] for it in items], dtype=torch.int64),

@@ -21,15 +21,21 @@ def read_encoder_checkpoint(path: str | Path, vocab: Vocab | None = None) -> dic
     model = ckpt["model"]
     if not isinstance(model, dict) or model.get("name") != "sentence_encoder":
         name = model.get("name") if isinstance(model, dict) else None
-        raise UsageError(f"checkpoint {path} holds a {name!r} model, not a sentence encoder (train one with `cli train-encoder`)")
+        raise UsageError(
+            f"checkpoint {path} holds a {name!r} model, not a sentence encoder (train one with `cli train-encoder`)"
+        )
     if not isinstance(model.get("config"), dict) or not isinstance(model.get("image_dim"), int):
         raise PipelineError(f"checkpoint {path}: malformed sentence-encoder description")
     if vocab is not None and list(ckpt["vocab"]) != list(vocab.words):
-        raise UsageError(f"checkpoint {path} was trained with another vocabulary ({len(ckpt['vocab'])} words) than the prepared data ({len(vocab)} words)")
+        raise UsageError(
+            f"checkpoint {path} was trained with another vocabulary ({len(ckpt['vocab'])} words) than the prepared data ({len(vocab)} words)"
+        )
     return ckpt
 
 
-def load_encoder(path: str | Path, device: torch.device | str = "cpu", vocab: Vocab | None = None) -> tuple[SentenceEncoder, Vocab, dict[str, Any]]:
+def load_encoder(
+    path: str | Path, device: torch.device | str = "cpu", vocab: Vocab | None = None
+) -> tuple[SentenceEncoder, Vocab, dict[str, Any]]:
     """(encoder in eval mode on ``device``, its vocabulary, the checkpoint dict)."""
     ckpt = read_encoder_checkpoint(path, vocab)
     words = Vocab.from_json({"format": "butd-caption-vocab", "words": list(ckpt["vocab"])}, source=str(path))
@@ -38,5 +44,7 @@ def load_encoder(path: str | Path, device: torch.device | str = "cpu", vocab: Vo
     try:
         model.load_state_dict(ckpt["weights"])
     except RuntimeError as exc:
-        raise PipelineError(f"checkpoint {path}: weights do not fit the sentence encoder: {str(exc).splitlines()[0][:200]}") from None
+        raise PipelineError(
+            f"checkpoint {path}: weights do not fit the sentence encoder: {str(exc).splitlines()[0][:200]}"
+        ) from None
     return model.to(device).eval(), words, ckpt

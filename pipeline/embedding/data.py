@@ -50,8 +50,9 @@ class ImageMeans(Dataset):
         return feats.astype(np.float32).mean(0)
 
 
-def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None, num_workers: int = 0,
-                chunk: int = 64) -> np.ndarray:
+def image_table(
+    store: FeatureStore, keys: Sequence[str], max_boxes: int | None = None, num_workers: int = 0, chunk: int = 64
+) -> np.ndarray:
     """(N, D) float32: the mean region feature of each image (the first ``max_boxes`` regions when capped).
 
     The store is read in ``num_workers`` DataLoader processes (0: in this process; the thread policy of
@@ -67,8 +68,15 @@ def image_table(store: FeatureStore, keys: Sequence[str], max_boxes: int | None 
     out = np.zeros((len(keys), dataset.dim), dtype=np.float32)
     with thread_policy.loader_threads(num_workers if len(keys) else 0) as workers:
         # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
-        loader = DataLoader(dataset, batch_size=chunk, shuffle=False, num_workers=workers, collate_fn=np.stack,
-                            generator=torch.Generator().manual_seed(0), timeout=loader_timeout(workers))
+        loader = DataLoader(
+            dataset,
+            batch_size=chunk,
+            shuffle=False,
+            num_workers=workers,
+            collate_fn=np.stack,
+            generator=torch.Generator().manual_seed(0),
+            timeout=loader_timeout(workers),
+        )
         start = 0
         for rows in track(guarded(loader, "the feature-reading workers"), "image vectors", total=len(loader)):
             out[start : start + len(rows)] = rows
@@ -101,7 +109,9 @@ class SplitCaptions:
         if store is not None:
             positions = [p for p in positions if data.images[p]["key"] in store]
         if not positions:
-            raise PipelineError(f"no {split} image of {data.directory} has features" + (f" in {store.path}" if store else ""))
+            raise PipelineError(
+                f"no {split} image of {data.directory} has features" + (f" in {store.path}" if store else "")
+            )
         return cls([data.images[p]["key"] for p in positions], positions, data)
 
     def all_captions(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,4 +144,9 @@ class SplitCaptions:
                 tgt_len.append(ln[j : j + 1])
             tokens, lengths = encoder_inputs(np.stack(src_lab), np.asarray(src_len))
             targets, _, _ = caption_tensor(tgt_lab, tgt_len)
-            yield {"rows": torch.from_numpy(rows.astype(np.int64)), "tokens": tokens, "lengths": lengths, "targets": targets}
+            yield {
+                "rows": torch.from_numpy(rows.astype(np.int64)),
+                "tokens": tokens,
+                "lengths": lengths,
+                "targets": targets,
+            }

@@ -65,7 +65,9 @@ def read_sentence_lines(path: Path) -> list[tuple[int, str]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UsageError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
-            text = rec.get("text", rec.get("caption")) if isinstance(rec, dict) else rec if isinstance(rec, str) else None
+            text = (
+                rec.get("text", rec.get("caption")) if isinstance(rec, dict) else rec if isinstance(rec, str) else None
+            )
             if not isinstance(text, str):
                 raise UsageError(f"{path}:{n}: a JSON line needs a string 'text' (or 'caption') field")
             line = text
@@ -104,7 +106,9 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-def sentence_batches(sentences: Sequence[str], vocab: Vocab, max_words: int, batch_size: int, num_workers: int = 0) -> DataLoader:
+def sentence_batches(
+    sentences: Sequence[str], vocab: Vocab, max_words: int, batch_size: int, num_workers: int = 0
+) -> DataLoader:
     """The batches of :class:`SentenceBatches` in order, tokenised in ``num_workers`` DataLoader processes (0: in
     this process; capped by the thread policy, :func:`pipeline.core.threads.loader_workers`)."""
     if num_workers < 0:
@@ -112,12 +116,25 @@ def sentence_batches(sentences: Sequence[str], vocab: Vocab, max_words: int, bat
     dataset = SentenceBatches(sentences, vocab, max_words, batch_size)
     workers = thread_policy.loader_workers(num_workers) if len(dataset) > 1 else 0
     # an own generator: the global RNG is left as it was (a DataLoader draws its base seed from it otherwise)
-    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is, generator=torch.Generator().manual_seed(0),
-                      timeout=loader_timeout(workers))
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        collate_fn=_as_is,
+        generator=torch.Generator().manual_seed(0),
+        timeout=loader_timeout(workers),
+    )
 
 
-def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.Tensor]], total: int, device: torch.device,
-                   output: str, failures: dict[int, tuple[str, str]], precision: str = "fp32") -> torch.Tensor:
+def guarded_encode(
+    model: Any,
+    batches: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    total: int,
+    device: torch.device,
+    output: str,
+    failures: dict[int, tuple[str, str]],
+    precision: str = "fp32",
+) -> torch.Tensor:
     """:func:`encode_batches` over ``batches`` (``(start, tokens, lengths)``, ``total`` sentences in all) with a
     per-sentence guard: a batch that raises is encoded sentence by sentence and each sentence that still raises
     is recorded in ``failures`` (index -> reason, detail) with a zero row. ``precision``: the forward's autocast."""
@@ -130,7 +147,9 @@ def guarded_encode(model: Any, batches: Iterable[tuple[int, torch.Tensor, torch.
             log.debug("batch at sentence %d failed (%s); encoding one by one", s, exc)
         for i in range(len(tokens)):
             try:
-                parts.append((s + i, encode_batches(model, tokens[i : i + 1], lengths[i : i + 1], device, output, 1, precision)))
+                parts.append(
+                    (s + i, encode_batches(model, tokens[i : i + 1], lengths[i : i + 1], device, output, 1, precision))
+                )
             except (RuntimeError, ValueError, IndexError) as exc:
                 failures[s + i] = ("encoder_failed", exception_line(exc))
     if not parts:
@@ -147,7 +166,9 @@ def sentence_tokens(sentence: str, vocab: Vocab, max_words: int) -> list[str]:
     return [vocab.words[i] if i != UNK else SPECIALS[UNK] for i in ids] + [SPECIALS[EOS]]
 
 
-def embed_file(checkpoint: Path, input_path: Path, output: Path, section: Any, visualize: Path | None = None) -> dict[str, Any]:
+def embed_file(
+    checkpoint: Path, input_path: Path, output: Path, section: Any, visualize: Path | None = None
+) -> dict[str, Any]:
     """Embed the sentences of ``input_path`` into ``output``; ``visualize``: also a PNG of the attention."""
     if output.suffix.lower() not in OUTPUT_SUFFIXES:
         raise UsageError(f"--output must end in .npy or .jsonl, not {output.name!r}")
@@ -160,9 +181,18 @@ def embed_file(checkpoint: Path, input_path: Path, output: Path, section: Any, v
     model, vocab, _ = load_encoder(checkpoint, device)
     max_words = int(section.max_words)
     batches = sentence_batches(sentences, vocab, max_words, int(section.batch_size), int(section.num_workers))
-    failures: dict[int, tuple[str, str]] = {i: ("empty", "no word in the sentence") for i, s in enumerate(sentences) if not s.split()}
-    vectors = guarded_encode(model, track(batches, "embedding", total=len(batches)), len(sentences), device, str(section.output),
-                             failures, precision)
+    failures: dict[int, tuple[str, str]] = {
+        i: ("empty", "no word in the sentence") for i, s in enumerate(sentences) if not s.split()
+    }
+    vectors = guarded_encode(
+        model,
+        track(batches, "embedding", total=len(batches)),
+        len(sentences),
+        device,
+        str(section.output),
+        failures,
+        precision,
+    )
     if section.normalize:
         vectors = torch.nn.functional.normalize(vectors, dim=-1)
     arr = vectors.numpy().astype(np.float32)
@@ -171,19 +201,32 @@ def embed_file(checkpoint: Path, input_path: Path, output: Path, section: Any, v
     if output.suffix.lower() == ".npy":
         atomic_write(output, lambda fh: np.save(fh, arr, allow_pickle=False))
     else:
-        atomic_write_text(output, "".join(json.dumps(_jsonl_row(s, v, failures.get(i))) + "\n"
-                                          for i, (s, v) in enumerate(zip(sentences, arr))))
+        atomic_write_text(
+            output,
+            "".join(
+                json.dumps(_jsonl_row(s, v, failures.get(i))) + "\n" for i, (s, v) in enumerate(zip(sentences, arr))
+            ),
+        )
     failures_path = output.with_name(output.name + ".failures.jsonl")
     if failures:
-        atomic_write_text(failures_path, "".join(
-            json.dumps({"line": numbered[i][0], "text": sentences[i], "reason": r, "detail": d}) + "\n"
-            for i, (r, d) in sorted(failures.items())))
+        atomic_write_text(
+            failures_path,
+            "".join(
+                json.dumps({"line": numbered[i][0], "text": sentences[i], "reason": r, "detail": d}) + "\n"
+                for i, (r, d) in sorted(failures.items())
+            ),
+        )
         for i, (r, d) in sorted(failures.items()):
             log.warning("%s:%d: not embedded: %s (%s)", input_path, numbered[i][0], r, d)
     elif failures_path.exists():
         failures_path.unlink()  # from an earlier run of the same output
-    result: dict[str, Any] = {"sentences": len(sentences), "dim": int(arr.shape[1]), "output": str(output),
-                              "failed": len(failures), "failures": str(failures_path) if failures else None}
+    result: dict[str, Any] = {
+        "sentences": len(sentences),
+        "dim": int(arr.shape[1]),
+        "output": str(output),
+        "failed": len(failures),
+        "failures": str(failures_path) if failures else None,
+    }
     if visualize is not None:
         if not model.self_attention:
             raise UsageError("--visualize needs an encoder with self-attention (this one was trained without)")

@@ -31,8 +31,9 @@ def _shade(value: float) -> tuple[int, int, int]:
     return (255 - int(75 * v), 255 - int(235 * v), 255 - int(225 * v))
 
 
-def attention_heatmap(sentences: Sequence[Sequence[str]], attentions: Sequence[np.ndarray], path: str | Path,
-                      rows: int | None = None) -> Path:
+def attention_heatmap(
+    sentences: Sequence[Sequence[str]], attentions: Sequence[np.ndarray], path: str | Path, rows: int | None = None
+) -> Path:
     """Write the heatmaps of ``attentions[k]`` (n_a, T_k) over ``sentences[k]`` (T_k words) to ``path`` (PNG)."""
     if len(sentences) != len(attentions):
         raise ValueError("one attention matrix per sentence is needed")

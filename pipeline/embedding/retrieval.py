@@ -23,8 +23,15 @@ from pipeline.core.vocab import Vocab
 
 
 @torch.no_grad()
-def encode_batches(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.Tensor, device: torch.device | str,
-                   output: str = "h", batch_size: int = 512, precision: str = "fp32") -> torch.Tensor:
+def encode_batches(
+    model: SentenceEncoder,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    device: torch.device | str,
+    output: str = "h",
+    batch_size: int = 512,
+    precision: str = "fp32",
+) -> torch.Tensor:
     """(C, D) float32 on CPU: ``h`` or its image projection (``output="image"``) for every caption.
 
     ``precision``: a resolved precision (fp32 | bf16 | fp16, :func:`pipeline.core.training.resolve_precision`);
@@ -44,33 +51,53 @@ def encode_batches(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.
     return torch.cat(out) if out else torch.zeros((0, model.rep_dim))
 
 
-def split_similarity(model: SentenceEncoder, tokens: torch.Tensor, lengths: torch.Tensor, images: np.ndarray,
-                     device: torch.device | str, batch_size: int = 512, precision: str = "fp32") -> np.ndarray:
+def split_similarity(
+    model: SentenceEncoder,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    images: np.ndarray,
+    device: torch.device | str,
+    batch_size: int = 512,
+    precision: str = "fp32",
+) -> np.ndarray:
     """(C, N) cosine similarities between the captions' predicted image features and the image vectors
     (the captions encoded under ``precision``'s autocast, the cosines in float32)."""
     pred = encode_batches(model, tokens, lengths, device, "image", batch_size, precision)
     return cosine_matrix(pred, torch.from_numpy(np.asarray(images, dtype=np.float32))).numpy()
 
 
-def words_to_inputs(sentences: Sequence[str], vocab: Vocab, max_words: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def words_to_inputs(
+    sentences: Sequence[str], vocab: Vocab, max_words: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Whitespace-tokenised, lowercased sentences -> encoder inputs (unknown words -> <unk>)."""
     ids = [[vocab.id(w) for w in s.lower().split()][:max_words] for s in sentences]
     return sentence_tensor(ids)
 
 
-def retrieval_report(model: SentenceEncoder, store: FeatureStore, split: SplitCaptions, device: torch.device | str,
-                     generated: Mapping[str, str] | None = None, max_boxes: int | None = None, num_workers: int = 0,
-                     precision: str = "fp32") -> dict[str, Any]:
+def retrieval_report(
+    model: SentenceEncoder,
+    store: FeatureStore,
+    split: SplitCaptions,
+    device: torch.device | str,
+    generated: Mapping[str, str] | None = None,
+    max_boxes: int | None = None,
+    num_workers: int = 0,
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """R@1/5/10 both ways for the split's ground-truth captions and, when given, for generated captions
     (``{image key: caption}``; self-retrieval: each generated caption against the split's images). The image
     vectors are read in ``num_workers`` DataLoader processes (:func:`~pipeline.embedding.data.image_table`); the
     captions are encoded under ``precision`` (resolved: fp32 | bf16 | fp16)."""
     if model.image_head is None:
-        raise UsageError(f"the encoder was trained with objective {model.objective} and has no image head: retrieval needs cap2img or cap2all")
+        raise UsageError(
+            f"the encoder was trained with objective {model.objective} and has no image head: retrieval needs cap2img or cap2all"
+        )
     images = image_table(store, split.keys, max_boxes, num_workers)
     tokens, lengths, caption_image = split.all_captions()
     out: dict[str, Any] = {"split_images": len(split.keys), "gt_captions": int(len(tokens))}
-    out["ground_truth"] = retrieval_metrics(split_similarity(model, tokens, lengths, images, device, precision=precision), caption_image.numpy())
+    out["ground_truth"] = retrieval_metrics(
+        split_similarity(model, tokens, lengths, images, device, precision=precision), caption_image.numpy()
+    )
     if generated is not None:
         rows = {k: i for i, k in enumerate(split.keys)}
         keys = [k for k in generated if k in rows]
@@ -103,9 +130,17 @@ def results_to_keys(results: Any, data: Any, source: str) -> dict[str, str]:
     return out
 
 
-def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, split: str, device: str = "auto",
-                             predictions: Any = None, max_boxes: int | None = None, num_workers: int = 0,
-                             precision: str = "fp32") -> dict[str, Any]:
+def evaluate_retrieval_files(
+    checkpoint: Any,
+    store_path: Any,
+    data_path: Any,
+    split: str,
+    device: str = "auto",
+    predictions: Any = None,
+    max_boxes: int | None = None,
+    num_workers: int = 0,
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """``cli evaluate --retrieval``: R@K of ``split``'s ground-truth captions and, with ``predictions`` (a COCO
     results file), of the generated captions (self-retrieval); the store is read in ``num_workers`` processes,
     the captions encoded under ``precision`` (auto | fp32 | bf16 | fp16, checked for the device as
@@ -118,7 +153,9 @@ def evaluate_retrieval_files(checkpoint: Any, store_path: Any, data_path: Any, s
     from pipeline.core.distributed import resolve_device
 
     if store_path is None or data_path is None:
-        raise UsageError("--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)")
+        raise UsageError(
+            "--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)"
+        )
     if not Path(store_path).exists():
         raise UsageError(f"feature store not found: {store_path}")
     from pipeline.core.training import resolve_precision

@@ -44,8 +44,17 @@ from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.core.stages import StageResult, run_stage
 from pipeline.store import FeatureStore
 from pipeline.core import distributed
-from pipeline.core.training import (StopOnSignal, autocast, check_finite, make_scaler, optimizer_step, resolve_precision,
-                                    restore_training_state, seed_everything, training_state)
+from pipeline.core.training import (
+    StopOnSignal,
+    autocast,
+    check_finite,
+    make_scaler,
+    optimizer_step,
+    resolve_precision,
+    restore_training_state,
+    seed_everything,
+    training_state,
+)
 
 log = get_logger("encoder")
 STAGE = "encoder"
@@ -70,8 +79,13 @@ class _Objective(nn.Module):
         return total, {k: float(v.detach()) for k, v in parts.items()}
 
 
-def evaluate_retrieval(model: SentenceEncoder, split: SplitCaptions, images: np.ndarray, device: torch.device,
-                       max_images: int | None = None) -> dict[str, float]:
+def evaluate_retrieval(
+    model: SentenceEncoder,
+    split: SplitCaptions,
+    images: np.ndarray,
+    device: torch.device,
+    max_images: int | None = None,
+) -> dict[str, float]:
     """Caption <-> image Recall@1/5/10 of the split's ground-truth captions (cap2img/cap2all models)."""
     if max_images:
         split = SplitCaptions(split.keys[:max_images], split.positions[:max_images], split.data)
@@ -97,18 +111,27 @@ class EncoderTrainer:
         self.val = SplitCaptions.load(self.data, val, store) if val else None
         self.val_images = image_table(store, self.val.keys, cfg.max_boxes, workers) if self.val else None
         self.model_cfg = encoder_config(dict(cfg.model_overrides)).to_dict()
-        self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(ctx.device)
+        self.model = build_sentence_encoder(len(self.data.vocab), int(store.feature_dim), **self.model_cfg).to(
+            ctx.device
+        )
         self.precision = resolve_precision(cfg.precision, ctx.device, "sentence_encoder.precision")
         self.objective: nn.Module = _Objective(self.model, str(cfg.ranking_form))
         if ctx.distributed:
             self.objective = nn.parallel.DistributedDataParallel(
-                self.objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+                self.objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+            )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg.lr))
         self.scaler = make_scaler(self.precision, ctx.device)
         self.stop = StopOnSignal()
-        log.info("sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, precision %s",
-                 self.model.objective, self.model.self_attention, sum(p.numel() for p in self.model.parameters()) / 1e6,
-                 len(self.train.keys), ctx.device, self.precision)
+        log.info(
+            "sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, precision %s",
+            self.model.objective,
+            self.model.self_attention,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            len(self.train.keys),
+            ctx.device,
+            self.precision,
+        )
 
     @property
     def stop_signal(self) -> int | None:
@@ -121,10 +144,17 @@ class EncoderTrainer:
 
     def _payload(self, kind: str, prog: dict[str, Any]) -> dict[str, Any]:
         payload = {
-            "kind": kind, "model": {"name": "sentence_encoder", "config": self.model_cfg, "vocab_size": len(self.data.vocab),
-                                    "image_dim": self.model.image_dim},
-            "vocab": list(self.data.vocab.words), "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            **prog, "train_config": self.cfg.to_dict(),
+            "kind": kind,
+            "model": {
+                "name": "sentence_encoder",
+                "config": self.model_cfg,
+                "vocab_size": len(self.data.vocab),
+                "image_dim": self.model.image_dim,
+            },
+            "vocab": list(self.data.vocab.words),
+            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            **prog,
+            "train_config": self.cfg.to_dict(),
         }
         if kind == "train":  # every rank takes part (the RNG states are gathered)
             payload.update(training_state(self.optimizer, self.scaler, self.ctx))
@@ -148,7 +178,9 @@ class EncoderTrainer:
             return prog
         ckpt = read_encoder_checkpoint(last, self.data.vocab)
         if dict(ckpt["model"]["config"]) != self.model_cfg:
-            raise UsageError(f"checkpoint {last} was trained with another encoder configuration; use --force to start over")
+            raise UsageError(
+                f"checkpoint {last} was trained with another encoder configuration; use --force to start over"
+            )
         self.model.load_state_dict(ckpt["weights"])
         prog.update({k: ckpt[k] for k in prog})
         restore_training_state(ckpt, self.optimizer, self.scaler, self.ctx, int(self.cfg.seed) + prog["global_step"])
@@ -160,17 +192,24 @@ class EncoderTrainer:
         batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
         with autocast(self.ctx.device, self.precision):
             loss, parts = self.objective(batch, self.train_images[batch["rows"]])
-        check_finite(float(loss.detach()), self.ctx,
-                     f"the encoder loss became non-finite; the last good checkpoint is kept in {self.dir / 'last.pt'}")
+        check_finite(
+            float(loss.detach()),
+            self.ctx,
+            f"the encoder loss became non-finite; the last good checkpoint is kept in {self.dir / 'last.pt'}",
+        )
         clip = self.cfg.grad_clip_value
-        optimizer_step(loss, self.optimizer, self.scaler, None if clip is None else float(clip), None, self.model.parameters())
+        optimizer_step(
+            loss, self.optimizer, self.scaler, None if clip is None else float(clip), None, self.model.parameters()
+        )
         return {"loss": float(loss.detach()), **parts}
 
     def _validate(self) -> dict[str, float] | None:
         if self.val is None or not self.ctx.main:
             return None
         if self.model.image_head is not None:
-            return evaluate_retrieval(self.model, self.val, self.val_images, self.ctx.device, self.cfg.validation.max_images)
+            return evaluate_retrieval(
+                self.model, self.val, self.val_images, self.ctx.device, self.cfg.validation.max_images
+            )
         return None
 
     def run(self) -> dict[str, Any]:
@@ -185,7 +224,7 @@ class EncoderTrainer:
         while prog["epoch"] < epochs:
             batches = list(self.train.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog["epoch"]))
             t0, losses, parts = time.perf_counter(), [], {}
-            for batch in batches[prog["position"]:]:
+            for batch in batches[prog["position"] :]:
                 batch = rank_slice(batch, self.ctx)
                 if batch is not None:
                     stats = self._step(batch)
@@ -197,10 +236,19 @@ class EncoderTrainer:
                 prog["global_step"] += 1
                 if every and prog["global_step"] % every == 0:
                     self._save("last.pt", "train", prog)
-                self.stop.check(self.ctx, lambda: self._save("last.pt", "train", prog),
-                                f"epoch {prog['epoch']}, batch {prog['position']}", self.dir / "last.pt")
-            record: dict[str, Any] = {"event": "epoch", "epoch": prog["epoch"], "loss": float(np.mean(losses)) if losses else None,
-                                      "seconds": round(time.perf_counter() - t0, 3), **{k: float(np.mean(v)) for k, v in parts.items()}}
+                self.stop.check(
+                    self.ctx,
+                    lambda: self._save("last.pt", "train", prog),
+                    f"epoch {prog['epoch']}, batch {prog['position']}",
+                    self.dir / "last.pt",
+                )
+            record: dict[str, Any] = {
+                "event": "epoch",
+                "epoch": prog["epoch"],
+                "loss": float(np.mean(losses)) if losses else None,
+                "seconds": round(time.perf_counter() - t0, 3),
+                **{k: float(np.mean(v)) for k, v in parts.items()},
+            }
             scores = self._validate()
             if scores is not None:
                 record.update(scores)
@@ -212,8 +260,12 @@ class EncoderTrainer:
                 prog["best"] = {"metric": "last epoch", "value": float("nan"), "epoch": prog["epoch"]}
                 self._save("best.pt", "weights", prog)
             self._log(record)
-            log.info("epoch %d: loss %.4f%s", prog["epoch"], record["loss"] or float("nan"),
-                     f", val c2i R@1 {scores['c2i_R@1']:.2f} (chance {scores['c2i_chance_R@1']:.2f})" if scores else "")
+            log.info(
+                "epoch %d: loss %.4f%s",
+                prog["epoch"],
+                record["loss"] or float("nan"),
+                f", val c2i R@1 {scores['c2i_R@1']:.2f} (chance {scores['c2i_chance_R@1']:.2f})" if scores else "",
+            )
             prog["epoch"] += 1
             prog["position"] = 0
             self._save("last.pt", "train", prog)
@@ -241,7 +293,9 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
     for key, default in (("store", Path(run_dir) / "features" / "store"), ("data", Path(run_dir) / "data")):
         if section[key] is None:
             if not default.exists():
-                raise UsageError(f"sentence_encoder.{key} is not set and {default} does not exist; pass --set sentence_encoder.{key}=PATH")
+                raise UsageError(
+                    f"sentence_encoder.{key} is not set and {default} does not exist; pass --set sentence_encoder.{key}=PATH"
+                )
             sets[key] = str(default)
     return section.with_overrides(sets) if sets else section
 

@@ -46,7 +46,7 @@ class HubFile:
 
 def parse_hub_id(text: str) -> HubFile:
     """``hf:owner/name[/path/file][@revision]`` -> :class:`HubFile`; anything else is a one-line usage error."""
-    body = text[len(HUB_PREFIX):]
+    body = text[len(HUB_PREFIX) :]
     body, _, revision = body.partition("@")
     parts = body.split("/")
     repo, filename = "/".join(parts[:2]), "/".join(parts[2:]) or HUB_DEFAULT_FILE
@@ -56,8 +56,9 @@ def parse_hub_id(text: str) -> HubFile:
 
 
 def entry_download(entry: CatalogueEntry) -> Download:
-    return Download(entry.name, entry.urls, downloads_dir() / entry.folder / entry.filename, entry.sha256, entry.size,
-                    entry.manual)
+    return Download(
+        entry.name, entry.urls, downloads_dir() / entry.folder / entry.filename, entry.sha256, entry.size, entry.manual
+    )
 
 
 def _offline(urls: tuple[str, ...]) -> bool:
@@ -107,5 +108,7 @@ def resolve_file(value: str | Path, what: str, role: str = "detector") -> str:
         return text
     close = close_names(text)
     hint = f" (close: {', '.join(close)})" if close else ""
-    raise UsageError(f"{what} not found: {text!r} is neither a file nor a catalogue name{hint}; "
-                     f"`cli fetch --list` lists the names, {hub_endpoint()} ids are written hf:OWNER/NAME")
+    raise UsageError(
+        f"{what} not found: {text!r} is neither a file nor a catalogue name{hint}; "
+        f"`cli fetch --list` lists the names, {hub_endpoint()} ids are written hf:OWNER/NAME"
+    )

@@ -86,9 +86,15 @@ def zip_archive(path: Path) -> None:
 
 #: catalogue kind (pipeline.core.catalogue.KINDS) -> its reader
 VERIFIERS: dict[str, Callable[[Path], None]] = {
-    **{layout: partial(detector, layout=layout) for layout in DETECTOR_LAYOUTS}, "detector": detector,
-    "labelmap": labelmap, "hf-config": hf_config, "m2-weights": m2_weights, "m2-vocab": m2_vocab,
-    "aoanet": aoanet, "hdf5": hdf5, "zip": zip_archive,
+    **{layout: partial(detector, layout=layout) for layout in DETECTOR_LAYOUTS},
+    "detector": detector,
+    "labelmap": labelmap,
+    "hf-config": hf_config,
+    "m2-weights": m2_weights,
+    "m2-vocab": m2_vocab,
+    "aoanet": aoanet,
+    "hdf5": hdf5,
+    "zip": zip_archive,
 }
 
 

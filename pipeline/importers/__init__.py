@@ -32,7 +32,6 @@ UNTRUSTED_ERRORS = (ValueError, TypeError, OverflowError, KeyError, IndexError, 
 __all__ = ["FORMATS", "Format", "ImportReport", "export_tsv", "import_features", "read_sizes", "register_format"]
 
 
-
 @dataclass
 class ImportReport:
     """What an import did: rows seen, images added, skipped as already present, and bad rows."""
@@ -43,8 +42,10 @@ class ImportReport:
     bad: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.seen} rows read: {self.imported} imported, {self.already_present} already in the store, "
-                f"{len(self.bad)} bad")
+        return (
+            f"{self.seen} rows read: {self.imported} imported, {self.already_present} already in the store, "
+            f"{len(self.bad)} bad"
+        )
 
 
 RELEASES: dict[str, str] = {
@@ -55,7 +56,14 @@ RELEASES: dict[str, str] = {
     "grid-feats": "facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
 }
 """The test-time recipes (docs/recipes.md) a public feature file can come from."""
-FORMAT_RELEASE = {"butd-tsv": "caffe", "obj36-tsv": "caffe", "cocobu": "caffe", "m2-hdf5": "caffe", "vinvl-tsv": "vinvl", "grid-hdf5": "grid-feats"}
+FORMAT_RELEASE = {
+    "butd-tsv": "caffe",
+    "obj36-tsv": "caffe",
+    "cocobu": "caffe",
+    "m2-hdf5": "caffe",
+    "vinvl-tsv": "vinvl",
+    "grid-hdf5": "grid-feats",
+}
 """Where each format's public files came from: the BUTD TSVs from the Caffe script, LXMERT's obj36 TSVs from the
 Caffe model (airsplay/lxmert ``extract_coco_image.py``), ruotianluo's cocobu files from the adaptive BUTD TSVs,
 M2's ``coco_detections.hdf5`` from the bottom-up features. airsplay's own d2 extraction writes obj36-tsv too:
@@ -121,7 +129,9 @@ def import_features(
         if not p.exists():
             raise UsageError(f"input not found: {p}")
     if spec.needs_sizes and sizes is None:
-        raise UsageError(f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+        raise UsageError(
+            f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
     from pipeline.store import open_writer
 
     report = ImportReport()
@@ -145,8 +155,11 @@ def import_features(
             except UNTRUSTED_ERRORS as exc:  # a malformed value no reader check names: still a bad row, not a crash
                 rec, bad = None, PipelineError(f"{where}: unreadable row ({type(exc).__name__}: {str(exc)[:120]})")
             if writer is None and rec is not None:  # opened at the first good image: it sets the dtype and the width
-                writer = stack.enter_context(open_writer(store, identity, store_dtype(store, feature_dtype, rec["features"]),
-                                                         commit_every=commit_every))
+                writer = stack.enter_context(
+                    open_writer(
+                        store, identity, store_dtype(store, feature_dtype, rec["features"]), commit_every=commit_every
+                    )
+                )
             try:
                 if rec is None:
                     raise bad
@@ -170,7 +183,9 @@ def import_features(
                 report.bad.append((where, str(exc)))
                 log.warning("skipped: %s", exc)
         if writer is None:  # no image read: the (empty or resumed) store still exists afterwards
-            stack.enter_context(open_writer(store, identity, store_dtype(store, feature_dtype, None), commit_every=commit_every))
+            stack.enter_context(
+                open_writer(store, identity, store_dtype(store, feature_dtype, None), commit_every=commit_every)
+            )
     log.info("import into %s: %s", store, report.summary())
     return report
 

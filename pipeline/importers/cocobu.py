@@ -48,7 +48,9 @@ def box_dir_for(att_dir: Path) -> Path:
     """``.../cocobu_att`` -> ``.../cocobu_box``."""
     name = att_dir.name
     if not name.endswith("_att"):
-        raise UsageError(f"{att_dir}: cannot infer the box directory (name does not end in _att); pass both directories")
+        raise UsageError(
+            f"{att_dir}: cannot infer the box directory (name does not end in _att); pass both directories"
+        )
     return att_dir.with_name(name[:-4] + "_box")
 
 
@@ -64,7 +66,9 @@ def read_cocobu(
         if not d.is_dir():
             raise UsageError(f"cocobu directory not found: {d}")
     if sizes is None:
-        raise UsageError("cocobu files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+        raise UsageError(
+            "cocobu files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
     for path in sorted(att_dir.glob("*.npz")):
         key = path.stem
 
@@ -79,5 +83,13 @@ def read_cocobu(
         yield str(path), decode
 
 
-register_format(Format("cocobu", read_cocobu, "raw", True, None,
-                       help="ruotianluo cocobu_att and cocobu_box directories of npz/npy: give ATT_DIR, optionally BOX_DIR"))
+register_format(
+    Format(
+        "cocobu",
+        read_cocobu,
+        "raw",
+        True,
+        None,
+        help="ruotianluo cocobu_att and cocobu_box directories of npz/npy: give ATT_DIR, optionally BOX_DIR",
+    )
+)

@@ -88,6 +88,8 @@ def formats_table() -> str:
     """The README's table of feature formats (Markdown), generated from the registry."""
     rows = ["| `--format` | files | keys by default | needs `--sizes` | `export-features` |", "|---|---|---|---|---|"]
     for f in import_formats():
-        rows.append(f"| `{f.name}` | {f.help} | {f.default_keys} | {'yes' if f.needs_sizes else 'no'} | "
-                    f"{'yes' if f.exporter else 'no'} |")
+        rows.append(
+            f"| `{f.name}` | {f.help} | {f.default_keys} | {'yes' if f.needs_sizes else 'no'} | "
+            f"{'yes' if f.exporter else 'no'} |"
+        )
     return "\n".join(rows)

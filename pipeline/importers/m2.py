@@ -27,7 +27,9 @@ def read_m2(
     import h5py
 
     if sizes is None:
-        raise UsageError("M2 detection files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+        raise UsageError(
+            "M2 detection files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
     for path in sources:
         if not path.is_file():
             raise UsageError(f"M2 detections file not found: {path}")
@@ -48,12 +50,19 @@ def read_m2(
                         raise PipelineError(f"{where}: image {key} has no size in the --sizes file")
                     feats = read_dataset(fh, f"{key}{SUFFIX}", where, ndim=2)
                     boxes = read_dataset(fh, f"{key}_boxes", where, ndim=2)
-                    rec: dict[str, Any] = {"key": key, "features": feats, "boxes": boxes,
-                                           "image_w": sizes[key][0], "image_h": sizes[key][1]}
+                    rec: dict[str, Any] = {
+                        "key": key,
+                        "features": feats,
+                        "boxes": boxes,
+                        "image_w": sizes[key][0],
+                        "image_h": sizes[key][1],
+                    }
                     if fh.id.links.exists(f"{key}_cls_prob".encode("utf-8", "surrogateescape")):
                         prob = read_dataset(fh, f"{key}_cls_prob", where, ndim=2).astype(np.float32)
                         if len(prob) != len(feats):
-                            raise PipelineError(f"{where}: {key}_cls_prob has shape {prob.shape}, expected ({len(feats)}, C)")
+                            raise PipelineError(
+                                f"{where}: {key}_cls_prob has shape {prob.shape}, expected ({len(feats)}, C)"
+                            )
                         if prob.shape[1] == 1601:
                             prob = prob[:, 1:]
                         rec["class_ids"] = prob.argmax(1)

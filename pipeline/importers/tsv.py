@@ -35,7 +35,16 @@ Record = dict[str, Any]
 
 BUTD_COLUMNS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
 OBJ36_COLUMNS = (
-    "img_id", "img_h", "img_w", "objects_id", "objects_conf", "attrs_id", "attrs_conf", "num_boxes", "boxes", "features",
+    "img_id",
+    "img_h",
+    "img_w",
+    "objects_id",
+    "objects_conf",
+    "attrs_id",
+    "attrs_conf",
+    "num_boxes",
+    "boxes",
+    "features",
 )
 COCO_STEM = re.compile(r"^COCO_[a-z]+\d{4}_0*(\d+)$")
 
@@ -106,9 +115,11 @@ def iter_lines(path: Path) -> Iterator[tuple[str, list[bytes] | None]]:
                 yield f"{path}:{lineno}", line.split(b"\t")
 
 
-def row_thunk(fields: list[bytes] | None, where: str,
-              decode: Callable[[list[bytes], str], Record]) -> Callable[[], Record]:
+def row_thunk(
+    fields: list[bytes] | None, where: str, decode: Callable[[list[bytes], str], Record]
+) -> Callable[[], Record]:
     """The ``decode()`` a reader yields for one row of :func:`iter_lines` (an over-long row is a bad row)."""
+
     def thunk() -> Record:
         if fields is None:
             raise PipelineError(f"{where}: the row is longer than {MAX_ROW_BYTES} bytes (not read)")
@@ -120,7 +131,9 @@ def row_thunk(fields: list[bytes] | None, where: str,
 def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
     if len(fields) != len(BUTD_COLUMNS):
-        raise PipelineError(f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), found {len(fields)} (truncated row?)")
+        raise PipelineError(
+            f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), found {len(fields)} (truncated row?)"
+        )
     key = _key(fields[0], where)
     k = _int(fields[3], "num_boxes", where)
     where = f"{where} (image {key_to_text(key)})"
@@ -136,7 +149,9 @@ def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
 def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
     if len(fields) != len(OBJ36_COLUMNS):
-        raise PipelineError(f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), found {len(fields)} (truncated row?)")
+        raise PipelineError(
+            f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), found {len(fields)} (truncated row?)"
+        )
     raw = _key(fields[0], where)
     k = _int(fields[7], "num_boxes", where)
     where = f"{where} (image {key_to_text(raw)})"
@@ -153,12 +168,15 @@ def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Reco
     }
 
 
-def _decode_keys(decode: Callable[[list[bytes], str, str], Record], fields: list[bytes], where: str,
-                 keys: str) -> Record:
+def _decode_keys(
+    decode: Callable[[list[bytes], str, str], Record], fields: list[bytes], where: str, keys: str
+) -> Record:
     return decode(fields, where, keys)
 
 
-def tsv_reader(decode: Callable[[list[bytes], str, str], Record]) -> Callable[..., Iterator[tuple[str, Callable[[], Record]]]]:
+def tsv_reader(
+    decode: Callable[[list[bytes], str, str], Record],
+) -> Callable[..., Iterator[tuple[str, Callable[[], Record]]]]:
     """A source reader yielding (where, decode-thunk) per row, so a bad row can be skipped and reported."""
 
     def read(sources: list[Path], keys: str, **_: Any) -> Iterator[tuple[str, Callable[[], Record]]]:
@@ -177,23 +195,45 @@ def _b64(arr: np.ndarray, dtype: str) -> bytes:
 
 def encode_butd(rec: Record) -> bytes:
     feats = np.asarray(rec["features"])
-    return b"\t".join([
-        _key_field(rec["key"]), str(rec["image_w"]).encode(), str(rec["image_h"]).encode(), str(len(feats)).encode(),
-        _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),
-    ]) + b"\r\n"
+    return (
+        b"\t".join(
+            [
+                _key_field(rec["key"]),
+                str(rec["image_w"]).encode(),
+                str(rec["image_h"]).encode(),
+                str(len(feats)).encode(),
+                _b64(rec["boxes"], "<f4"),
+                _b64(feats, "<f4"),
+            ]
+        )
+        + b"\r\n"
+    )
 
 
 def encode_obj36(rec: Record) -> bytes:
     for name in ("class_ids", "class_scores", "attr_ids", "attr_scores"):
         if name not in rec:
-            raise PipelineError(f"image {key_to_text(rec['key'])}: the store has no {name}, which the obj36 format needs")
+            raise PipelineError(
+                f"image {key_to_text(rec['key'])}: the store has no {name}, which the obj36 format needs"
+            )
     feats = np.asarray(rec["features"])
-    return b"\t".join([
-        _key_field(rec["key"]), str(rec["image_h"]).encode(), str(rec["image_w"]).encode(),
-        _b64(rec["class_ids"], "<i8"), _b64(rec["class_scores"], "<f4"),
-        _b64(rec["attr_ids"], "<i8"), _b64(rec["attr_scores"], "<f4"),
-        str(len(feats)).encode(), _b64(rec["boxes"], "<f4"), _b64(feats, "<f4"),
-    ]) + b"\r\n"
+    return (
+        b"\t".join(
+            [
+                _key_field(rec["key"]),
+                str(rec["image_h"]).encode(),
+                str(rec["image_w"]).encode(),
+                _b64(rec["class_ids"], "<i8"),
+                _b64(rec["class_scores"], "<f4"),
+                _b64(rec["attr_ids"], "<i8"),
+                _b64(rec["attr_scores"], "<f4"),
+                str(len(feats)).encode(),
+                _b64(rec["boxes"], "<f4"),
+                _b64(feats, "<f4"),
+            ]
+        )
+        + b"\r\n"
+    )
 
 
 def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
@@ -206,7 +246,23 @@ def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
     return n
 
 
-register_format(Format("butd-tsv", tsv_reader(decode_butd), "raw", False, partial(write_tsv, fmt="butd"),
-                       help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes"))
-register_format(Format("obj36-tsv", tsv_reader(decode_obj36), "coco-id", False, partial(write_tsv, fmt="obj36"),
-                       help="LXMERT obj36 TSV, with object and attribute ids"))
+register_format(
+    Format(
+        "butd-tsv",
+        tsv_reader(decode_butd),
+        "raw",
+        False,
+        partial(write_tsv, fmt="butd"),
+        help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes",
+    )
+)
+register_format(
+    Format(
+        "obj36-tsv",
+        tsv_reader(decode_obj36),
+        "coco-id",
+        False,
+        partial(write_tsv, fmt="obj36"),
+        help="LXMERT obj36 TSV, with object and attribute ids",
+    )
+)

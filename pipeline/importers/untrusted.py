@@ -81,9 +81,12 @@ def parse_json(data: bytes | str, where: str, what: str = "the JSON column") -> 
     if json_depth(text) > MAX_JSON_DEPTH:
         raise PipelineError(f"{where}: {what} is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(text, parse_int=lambda s: int(_bounded_number(s, where)),
-                          parse_float=lambda s: _parse_float(s, where),
-                          parse_constant=lambda s: _refuse_constant(s, where))
+        return json.loads(
+            text,
+            parse_int=lambda s: int(_bounded_number(s, where)),
+            parse_float=lambda s: _parse_float(s, where),
+            parse_constant=lambda s: _refuse_constant(s, where),
+        )
     except ValueError as exc:  # JSONDecodeError included
         raise PipelineError(f"{where}: {what} is not valid JSON ({str(exc).splitlines()[0][:80]})") from None
 

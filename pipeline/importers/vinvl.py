@@ -92,7 +92,9 @@ def decode_vinvl(fields: list[bytes], where: str, keys: str, sizes: dict[str, tu
         boxes = np.stack([pos[:, 0] * w, pos[:, 1] * h, pos[:, 2] * w, pos[:, 3] * h], axis=1).astype(np.float32)
         return {"key": key, "features": feats.copy(), "boxes": boxes, "image_w": w, "image_h": h}
     if len(fields) != 2:
-        raise PipelineError(f"{where}: expected 3 (key, num_boxes, features) or 2 (key, json) tab-separated columns, found {len(fields)}")
+        raise PipelineError(
+            f"{where}: expected 3 (key, num_boxes, features) or 2 (key, json) tab-separated columns, found {len(fields)}"
+        )
     row = parse_json(fields[1], where, "the predictions column")
     objects = row.get("objects") if isinstance(row, dict) else None
     if not isinstance(objects, list):
@@ -119,9 +121,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_vinvl(sources: list[Path], keys: str, sizes: dict[str, tuple[int, int]] | None = None, **_: Any) -> Iterator[tuple[str, Callable[[], Record]]]:
+def read_vinvl(
+    sources: list[Path], keys: str, sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+) -> Iterator[tuple[str, Callable[[], Record]]]:
     if sizes is None:
-        raise UsageError("VinVL TSVs carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+        raise UsageError(
+            "VinVL TSVs carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
     for path in sources:
         if not path.is_file():
             raise UsageError(f"VinVL TSV file not found: {path}")
@@ -142,12 +148,15 @@ def write_vinvl(out: BinaryIO, records: Iterator[Record]) -> int:
     return n
 
 
-def read_grid_hdf5(sources: list[Path], keys: str = "raw", sizes: dict[str, tuple[int, int]] | None = None, **_: Any
-                   ) -> Iterator[tuple[str, Callable[[], Record]]]:
+def read_grid_hdf5(
+    sources: list[Path], keys: str = "raw", sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+) -> Iterator[tuple[str, Callable[[], Record]]]:
     import h5py
 
     if sizes is None:
-        raise UsageError("grid HDF5 files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+        raise UsageError(
+            "grid HDF5 files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
     for path in sources:
         if not path.is_file():
             raise UsageError(f"grid HDF5 file not found: {path}")
@@ -158,7 +167,9 @@ def read_grid_hdf5(sources: list[Path], keys: str = "raw", sizes: dict[str, tupl
         with fh:
             names = sorted((n[: -len("_grids")] for n in fh.keys() if n.endswith("_grids")), key=lambda k: (len(k), k))
             if not names:
-                raise PipelineError(f"{path} is an HDF5 file but holds no '<id>_grids' datasets (RSTNet / DLCT grid features)")
+                raise PipelineError(
+                    f"{path} is an HDF5 file but holds no '<id>_grids' datasets (RSTNet / DLCT grid features)"
+                )
             for key in names:
                 where = f"{path}:{key}_grids"
 
@@ -169,12 +180,31 @@ def read_grid_hdf5(sources: list[Path], keys: str = "raw", sizes: dict[str, tupl
                         raise PipelineError(f"{where}: {feats.shape[0]} cells is not a square grid")
                     w, h = _size(key, key, sizes, where)
                     xs, ys = np.arange(k + 1) * (w / k), np.arange(k + 1) * (h / k)
-                    boxes = np.array([[xs[j], ys[i], xs[j + 1], ys[i + 1]] for i in range(k) for j in range(k)], dtype=np.float32)
+                    boxes = np.array(
+                        [[xs[j], ys[i], xs[j + 1], ys[i + 1]] for i in range(k) for j in range(k)], dtype=np.float32
+                    )
                     return {"key": key, "features": feats, "boxes": boxes, "image_w": w, "image_h": h}
 
                 yield where, decode
 
 
-register_format(Format("vinvl-tsv", read_vinvl, "raw", True, write_vinvl,
-                       help="VinVL / Oscar feature TSV (2054-d rows with the 6-d box position) or scene_graph_benchmark predictions TSV"))
-register_format(Format("grid-hdf5", read_grid_hdf5, "raw", True, None, help="RSTNet / DLCT grid features HDF5 ('<id>_grids', 7x7 = 49 cells)"))
+register_format(
+    Format(
+        "vinvl-tsv",
+        read_vinvl,
+        "raw",
+        True,
+        write_vinvl,
+        help="VinVL / Oscar feature TSV (2054-d rows with the 6-d box position) or scene_graph_benchmark predictions TSV",
+    )
+)
+register_format(
+    Format(
+        "grid-hdf5",
+        read_grid_hdf5,
+        "raw",
+        True,
+        None,
+        help="RSTNet / DLCT grid features HDF5 ('<id>_grids', 7x7 = 49 cells)",
+    )
+)

@@ -165,7 +165,12 @@ class CiderD:
             self.ref_norm = self._ref_norms(0, self.row_key.shape[0], None, lambda g: self.idf[g], num_images)
 
     def _ref_norms(
-        self, start: int, stop: int, rows: np.ndarray | None, idf_of: Callable[[np.ndarray], np.ndarray], num_local: int,
+        self,
+        start: int,
+        stop: int,
+        rows: np.ndarray | None,
+        idf_of: Callable[[np.ndarray], np.ndarray],
+        num_local: int,
         local_of: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> np.ndarray:
         """L2 norms of the references' TF-IDF vectors per order: (images, n, max_refs).
@@ -188,7 +193,9 @@ class CiderD:
 
     # ------------------------------------------------------------------ candidates
 
-    def _candidate_ids(self, candidates: Any, stop_ids: Sequence[int]) -> list[Sequence[int]] | tuple[np.ndarray, np.ndarray]:
+    def _candidate_ids(
+        self, candidates: Any, stop_ids: Sequence[int]
+    ) -> list[Sequence[int]] | tuple[np.ndarray, np.ndarray]:
         """Token ids of the candidates: (flat ids, lengths), or a list of id sequences in id mode."""
         if hasattr(candidates, "cpu") and hasattr(candidates, "numpy"):  # a torch tensor, without importing torch
             candidates = candidates.detach().cpu().numpy()
@@ -282,7 +289,9 @@ class CiderD:
         cand_idf = idf_of(gid)
         w_cand = tf * cand_idf
         cand_slot = cand * n + order
-        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n).astype(np.float64)).reshape(num_cand, n)
+        cand_norm = np.sqrt(np.bincount(cand_slot, w_cand * w_cand, minlength=num_cand * n).astype(np.float64)).reshape(
+            num_cand, n
+        )
 
         # reference weights of the candidate's n-grams in each reference of its image
         # (searched among the rows of this call's images only: a few thousand keys, not the whole corpus)
@@ -297,7 +306,11 @@ class CiderD:
         w_ref = self.row_tf[rows[pos[hit]]] * cand_idf[sel][:, None]  # uint16 tf -> float64 weights
         num_e = np.minimum(w_cand[sel][:, None], w_ref) * w_ref
         slot = cand_slot[sel][:, None] * m + np.arange(m)
-        num = np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m).astype(np.float64).reshape(num_cand, n, m)
+        num = (
+            np.bincount(slot.ravel(), num_e.ravel(), minlength=num_cand * n * m)
+            .astype(np.float64)
+            .reshape(num_cand, n, m)
+        )
 
         denom = cand_norm[:, :, None] * ref_norm
         val = np.divide(num, denom, out=num.copy(), where=denom != 0)
@@ -341,9 +354,16 @@ class CiderD:
         if not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in self.image_ids):
             raise ValueError("only integer or string image ids can be saved")
         words = sorted(self.vocab, key=self.vocab.__getitem__)
-        meta = {"format": _FORMAT, "version": 1, "df_mode": self.df_mode, "n": self.n, "sigma": self.sigma,
-                "id_mode": self.id_mode, "image_ids": [int(i) if isinstance(i, (int, np.integer)) else i for i in self.image_ids],
-                "vocab": words}
+        meta = {
+            "format": _FORMAT,
+            "version": 1,
+            "df_mode": self.df_mode,
+            "n": self.n,
+            "sigma": self.sigma,
+            "id_mode": self.id_mode,
+            "image_ids": [int(i) if isinstance(i, (int, np.integer)) else i for i in self.image_ids],
+            "vocab": words,
+        }
         arrays = {name: getattr(self, name) for name in self._ARRAYS}
         if self.df_mode == "corpus":
             arrays["ref_norm"] = self.ref_norm
@@ -365,7 +385,12 @@ class CiderD:
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
             raise PipelineError(f"CIDEr-D cache {path} is unreadable: {exc}") from None
         self = cls.__new__(cls)
-        self.df_mode, self.n, self.sigma, self.id_mode = meta["df_mode"], int(meta["n"]), float(meta["sigma"]), bool(meta["id_mode"])
+        self.df_mode, self.n, self.sigma, self.id_mode = (
+            meta["df_mode"],
+            int(meta["n"]),
+            float(meta["sigma"]),
+            bool(meta["id_mode"]),
+        )
         self.image_ids = list(meta["image_ids"])
         self._index = {image_id: i for i, image_id in enumerate(self.image_ids)}
         self.vocab = {w: i for i, w in enumerate(meta["vocab"])}
@@ -375,8 +400,11 @@ class CiderD:
         self.max_refs = int(self.row_tf.shape[1])
         num_images = len(self.image_ids)
         if (
-            self.df_mode not in DF_MODES or self.refs_per_image.shape != (num_images,) or self.row_start.shape != (num_images + 1,)
-            or self.row_tf.shape[0] != self.row_key.shape[0] or self.image_df.shape != (self.num_grams,)
+            self.df_mode not in DF_MODES
+            or self.refs_per_image.shape != (num_images,)
+            or self.row_start.shape != (num_images + 1,)
+            or self.row_tf.shape[0] != self.row_key.shape[0]
+            or self.image_df.shape != (self.num_grams,)
             or (ref_norm is not None and ref_norm.shape != (num_images, self.n, self.max_refs))
         ):
             raise PipelineError(f"CIDEr-D cache {path} is inconsistent (array shapes do not match)")

@@ -63,7 +63,9 @@ class EvalOptions:
     def __post_init__(self) -> None:
         unknown = [m for m in self.metrics if m not in METRICS]
         if unknown or not self.metrics:
-            raise UsageError(f"evaluate.metrics: unknown metric(s) {unknown or '(none given)'} (known: {', '.join(METRICS)})")
+            raise UsageError(
+                f"evaluate.metrics: unknown metric(s) {unknown or '(none given)'} (known: {', '.join(METRICS)})"
+            )
         if self.tokenizer not in ("ptb", "simple"):
             raise UsageError(f"evaluate.tokenizer must be ptb or simple, got {self.tokenizer!r}")
         if self.java_missing not in ("fallback", "error"):
@@ -172,7 +174,11 @@ def score_captions(
         elif name == "meteor":
             try:
                 score, scores = meteor_scores(
-                    [res[i][0] for i in image_ids], [gts[i] for i in image_ids], java, options.timeout_s, options.meteor_max_memory  # type: ignore[arg-type]
+                    [res[i][0] for i in image_ids],
+                    [gts[i] for i in image_ids],
+                    java,
+                    options.timeout_s,
+                    options.meteor_max_memory,  # type: ignore[arg-type]
                 )
             except PipelineError as exc:
                 skipped[name] = str(exc)
@@ -187,8 +193,12 @@ def score_captions(
                 continue
             try:
                 score, scores = spice_scores(
-                    image_ids, [res[i][0] for i in image_ids], [gts[i] for i in image_ids], java,  # type: ignore[arg-type]
-                    max(options.timeout_s, 1800.0), options.spice_max_memory,
+                    image_ids,
+                    [res[i][0] for i in image_ids],
+                    [gts[i] for i in image_ids],
+                    java,  # type: ignore[arg-type]
+                    max(options.timeout_s, 1800.0),
+                    options.spice_max_memory,
                 )
             except PipelineError as exc:
                 skipped[name] = str(exc)
@@ -196,7 +206,9 @@ def score_captions(
                 continue
             metrics["SPICE"], per_image["SPICE"] = score, scores
     if tokenizer != options.tokenizer:
-        notes.append("tokenizer: pure-Python PTB approximation (Java not found); scores may differ slightly from published PTB-tokenised numbers")
+        notes.append(
+            "tokenizer: pure-Python PTB approximation (Java not found); scores may differ slightly from published PTB-tokenised numbers"
+        )
     return CaptionScores(metrics, per_image, image_ids, tokenizer, skipped, notes)
 
 

@@ -60,12 +60,18 @@ def load_references(path: str | Path) -> tuple[dict[ImageId, list[str]], list[st
     empty = 0
     for k, ann in enumerate(anns):
         if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
-            raise UsageError(f"references file {path}, annotation {k}: expected an object with 'image_id' and 'caption'")
+            raise UsageError(
+                f"references file {path}, annotation {k}: expected an object with 'image_id' and 'caption'"
+            )
         image_id, caption = ann["image_id"], ann["caption"]
         if not _valid_id(image_id):
-            raise UsageError(f"references file {path}, annotation {k}: 'image_id' must be an integer or a string, got {image_id!r}")
+            raise UsageError(
+                f"references file {path}, annotation {k}: 'image_id' must be an integer or a string, got {image_id!r}"
+            )
         if not isinstance(caption, str):
-            raise UsageError(f"references file {path}, annotation {k}: 'caption' must be a string, got {type(caption).__name__}")
+            raise UsageError(
+                f"references file {path}, annotation {k}: 'caption' must be a string, got {type(caption).__name__}"
+            )
         if not caption.strip():
             empty += 1
             continue
@@ -80,7 +86,9 @@ def load_predictions(path: str | Path) -> list[tuple[ImageId, str]]:
     """(image_id, caption) pairs from a COCO results file, in file order."""
     data = _read(path, "predictions file", None)
     if not isinstance(data, list):
-        raise UsageError(f"predictions file {path} must hold a JSON list of {{image_id, caption}} objects (COCO results format)")
+        raise UsageError(
+            f"predictions file {path} must hold a JSON list of {{image_id, caption}} objects (COCO results format)"
+        )
     if not data:
         raise UsageError(f"predictions file {path} is empty")
     out = []
@@ -89,9 +97,13 @@ def load_predictions(path: str | Path) -> list[tuple[ImageId, str]]:
             raise UsageError(f"predictions file {path}, entry {k}: expected an object with 'image_id' and 'caption'")
         image_id, caption = item["image_id"], item["caption"]
         if not _valid_id(image_id):
-            raise UsageError(f"predictions file {path}, entry {k}: 'image_id' must be an integer or a string, got {image_id!r}")
+            raise UsageError(
+                f"predictions file {path}, entry {k}: 'image_id' must be an integer or a string, got {image_id!r}"
+            )
         if not isinstance(caption, str):
-            raise UsageError(f"predictions file {path}, entry {k}: 'caption' must be a string, got {type(caption).__name__}")
+            raise UsageError(
+                f"predictions file {path}, entry {k}: 'caption' must be a string, got {type(caption).__name__}"
+            )
         out.append((image_id, caption))
     return out
 
@@ -143,11 +155,14 @@ def match_predictions(
         pred_types = {type(i).__name__ for i in unknown}
         ref_types = {type(i).__name__ for i in references}
         if pred_types != ref_types:
-            hint = f" (predictions use {'/'.join(sorted(pred_types))} ids, references {'/'.join(sorted(ref_types))} ids)"
+            hint = (
+                f" (predictions use {'/'.join(sorted(pred_types))} ids, references {'/'.join(sorted(ref_types))} ids)"
+            )
         if unknown_images == "error" or len(unknown) == len(chosen):
             raise UsageError(
                 f"predictions file {predictions_path}: {len(unknown)} of {len(chosen)} image ids have no reference "
-                f"captions ({_examples(unknown)}){hint}" + ("; set evaluate.unknown_images=drop to ignore them" if len(unknown) < len(chosen) else "")
+                f"captions ({_examples(unknown)}){hint}"
+                + ("; set evaluate.unknown_images=drop to ignore them" if len(unknown) < len(chosen) else "")
             )
         for i in unknown:
             del chosen[i]

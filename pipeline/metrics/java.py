@@ -69,7 +69,9 @@ def find_java(java: str | None = None) -> str:
         found = shutil.which(cand)
         if found:
             return found
-    raise JavaMissing(f"Java not found (looked for {', '.join(candidates)}); install a JRE (e.g. openjdk-17-jre-headless) or set evaluate.java")
+    raise JavaMissing(
+        f"Java not found (looked for {', '.join(candidates)}); install a JRE (e.g. openjdk-17-jre-headless) or set evaluate.java"
+    )
 
 
 @lru_cache(maxsize=8)

@@ -51,7 +51,9 @@ def recall_at(ranks: np.ndarray, ks: Sequence[int] = DEFAULT_KS) -> dict[int, fl
     return {int(k): float(100.0 * (ranks < k).mean()) if len(ranks) else 0.0 for k in ks}
 
 
-def retrieval_metrics(sim: np.ndarray, caption_image: np.ndarray, ks: Sequence[int] = DEFAULT_KS, prefix: str = "") -> dict[str, float]:
+def retrieval_metrics(
+    sim: np.ndarray, caption_image: np.ndarray, ks: Sequence[int] = DEFAULT_KS, prefix: str = ""
+) -> dict[str, float]:
     """``{prefix}c2i_R@K`` and ``{prefix}i2c_R@K`` for each K, plus the median ranks (1-based) and chance R@1."""
     sim = np.asarray(sim)
     caption_image = np.asarray(caption_image, dtype=np.int64)

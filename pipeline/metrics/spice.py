@@ -57,8 +57,21 @@ def spice_scores(
         in_file, out_file, cache = Path(tmp) / "in.json", Path(tmp) / "out.json", Path(tmp) / "cache"
         data = [{"image_id": i, "test": h, "refs": list(r)} for i, h, r in zip(image_ids, hypotheses, references)]
         in_file.write_text(json.dumps(data), encoding="utf-8")
-        cmd = [java, *JVM_FLAGS, *flags, "-jar", f"-Xmx{max_memory}", jar.name, str(in_file), "-cache", str(cache),
-               "-out", str(out_file), "-subset", "-silent"]
+        cmd = [
+            java,
+            *JVM_FLAGS,
+            *flags,
+            "-jar",
+            f"-Xmx{max_memory}",
+            jar.name,
+            str(in_file),
+            "-cache",
+            str(cache),
+            "-out",
+            str(out_file),
+            "-subset",
+            "-silent",
+        ]
         try:
             proc = subprocess.run(cmd, cwd=jar.parent, capture_output=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

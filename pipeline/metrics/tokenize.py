@@ -23,7 +23,9 @@ from pipeline.core.errors import PipelineError
 from pipeline.metrics.java import JVM_FLAGS, ptb_jar
 
 #: tokens pycocoevalcap removes after PTB tokenisation (``tokenizer/ptbtokenizer.py``)
-PUNCTUATIONS = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--", "...", ";"])
+PUNCTUATIONS = frozenset(
+    ["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--", "...", ";"]
+)
 _SENTINEL = "zzsentinelzz"
 
 
@@ -40,7 +42,16 @@ def ptb_tokenize(captions: Sequence[str], java: str, timeout_s: float = 600.0) -
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(text.encode("utf-8"))
-        cmd = [java, *JVM_FLAGS, "-cp", str(ptb_jar()), "edu.stanford.nlp.process.PTBTokenizer", "-preserveLines", "-lowerCase", path]
+        cmd = [
+            java,
+            *JVM_FLAGS,
+            "-cp",
+            str(ptb_jar()),
+            "edu.stanford.nlp.process.PTBTokenizer",
+            "-preserveLines",
+            "-lowerCase",
+            path,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -55,7 +55,9 @@ class ImageAnswer(BaseModel):
     height: int | None = None
     regions: list[Region] | None = None
     error: str | None = Field(None, description="reason: detail, as `caption` writes it")
-    reason: str | None = Field(None, description="one of pipeline.core.errors.FAILURE_REASONS: " + ", ".join(FAILURE_REASONS))
+    reason: str | None = Field(
+        None, description="one of pipeline.core.errors.FAILURE_REASONS: " + ", ".join(FAILURE_REASONS)
+    )
     detail: str | None = None
 
 
@@ -82,13 +84,18 @@ def _int(fields: Mapping[str, str], name: str, limit: int) -> int | None:
     return value
 
 
-def request_options(fields: Mapping[str, str], base: DecodeOptions, limits: ServeSettings) -> tuple[DecodeOptions, bool, float]:
+def request_options(
+    fields: Mapping[str, str], base: DecodeOptions, limits: ServeSettings
+) -> tuple[DecodeOptions, bool, float]:
     """The request's decoding options (over the served ones), whether it wants regions, and its time limit."""
     unknown = sorted(set(fields) - set(OPTION_NAMES))
     if unknown:
         raise BadOptions(f"unknown option(s) {', '.join(unknown)} (known: {', '.join(OPTION_NAMES)})")
-    given = {"beam_size": _int(fields, "beam_size", limits.max_beam_size), "n_best": _int(fields, "n_best", limits.max_n_best),
-             "max_len": _int(fields, "max_len", limits.max_len)}
+    given = {
+        "beam_size": _int(fields, "beam_size", limits.max_beam_size),
+        "n_best": _int(fields, "n_best", limits.max_n_best),
+        "max_len": _int(fields, "max_len", limits.max_len),
+    }
     overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if "beam_size" in overrides or "n_best" in overrides:
         overrides.setdefault("method", "beam")  # as caption's --beam-size / --n-best
@@ -103,34 +110,54 @@ def request_options(fields: Mapping[str, str], base: DecodeOptions, limits: Serv
         except ValueError:
             raise BadOptions(f"timeout_s must be a number, not {fields['timeout_s']!r}") from None
         if not 0 < timeout <= limits.request_timeout_s:
-            raise BadOptions(f"timeout_s must be above 0 and at most {limits.request_timeout_s:g} on this server, not {timeout:g}")
+            raise BadOptions(
+                f"timeout_s must be above 0 and at most {limits.request_timeout_s:g} on this server, not {timeout:g}"
+            )
     try:
         options = DecodeOptions.from_mapping(merge_decoding(asdict(base), overrides)) if overrides else base
     except ConfigError as exc:
         raise BadOptions(str(exc)) from None
     if options.method == "beam" and options.beam_size > limits.max_beam_size:
-        raise BadOptions(f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's {limits.max_beam_size}")
+        raise BadOptions(
+            f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's {limits.max_beam_size}"
+        )
     return options, want_regions, timeout
 
 
-def image_answer(index: int, res: Any, classes: Sequence[str], attributes: Sequence[str], regions: bool, max_regions: int
-                 ) -> dict[str, Any]:
+def image_answer(
+    index: int, res: Any, classes: Sequence[str], attributes: Sequence[str], regions: bool, max_regions: int
+) -> dict[str, Any]:
     """The JSON entry of one image's :class:`pipeline.captioning.engine.CaptionResult`."""
     out: dict[str, Any] = {"index": index, "name": key_to_text(str(res.path))}
     if res.error:
         reason, _, detail = res.error.partition(": ")
         return {**out, "error": res.error, "reason": reason, "detail": detail}
-    out.update(caption=res.caption, score=round(float(res.score), 5),
-               nbest=[{"caption": c, "score": round(float(s), 5)} for c, s in res.nbest])
+    out.update(
+        caption=res.caption,
+        score=round(float(res.score), 5),
+        nbest=[{"caption": c, "score": round(float(s), 5)} for c, s in res.nbest],
+    )
     if res.regions is not None:
         out.update(width=int(res.regions["image_w"]), height=int(res.regions["image_h"]))
         if regions:
             labels = region_labels(res.regions, classes, attributes)
-            out["regions"] = [{"box": [round(float(v), 1) for v in reg.box], "label": reg.label, "words": reg.words,
-                               "weight": round(reg.weight, 4)} for reg in attended_regions(res, labels, max_regions)]
+            out["regions"] = [
+                {
+                    "box": [round(float(v), 1) for v in reg.box],
+                    "label": reg.label,
+                    "words": reg.words,
+                    "weight": round(reg.weight, 4),
+                }
+                for reg in attended_regions(res, labels, max_regions)
+            ]
     return out
 
 
 def options_answer(options: DecodeOptions, regions: bool) -> dict[str, Any]:
-    return {"method": options.method, "beam_size": options.beam_size, "n_best": options.n_best, "max_len": options.max_len,
-            "regions": regions}
+    return {
+        "method": options.method,
+        "beam_size": options.beam_size,
+        "n_best": options.n_best,
+        "max_len": options.max_len,
+        "regions": regions,
+    }

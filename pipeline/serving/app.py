@@ -28,7 +28,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import exception_line
-from pipeline.serving.answers import BadOptions, CaptionsAnswer, ErrorAnswer, image_answer, options_answer, request_options
+from pipeline.serving.answers import (
+    BadOptions,
+    CaptionsAnswer,
+    ErrorAnswer,
+    image_answer,
+    options_answer,
+    request_options,
+)
 from pipeline.serving.batcher import Batcher, Closed, QueueFull
 from pipeline.serving.metrics import Metrics
 from pipeline.serving.page import docs_html, page_html
@@ -47,12 +54,20 @@ def option_schemas(s: ServeSettings) -> dict[str, dict[str, Any]]:
     return {
         "beam_size": {"type": "integer", "minimum": 1, "maximum": s.max_beam_size, "description": "beam size"},
         # n_best widens the beam to n_best, which stays within max_beam_size
-        "n_best": {"type": "integer", "minimum": 1, "maximum": min(s.max_n_best, s.max_beam_size),
-                   "description": "captions per image (beam search; at most beam_size when both are given)"},
+        "n_best": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": min(s.max_n_best, s.max_beam_size),
+            "description": "captions per image (beam search; at most beam_size when both are given)",
+        },
         "max_len": {"type": "integer", "minimum": 1, "maximum": s.max_len, "description": "most generated tokens"},
         "regions": {"type": "boolean", "description": "include the attended regions (true | false)"},
-        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": s.request_timeout_s,
-                      "description": "time limit of this request in seconds"},
+        "timeout_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": s.request_timeout_s,
+            "description": "time limit of this request in seconds",
+        },
     }
 
 
@@ -62,42 +77,80 @@ def body_doc(s: ServeSettings) -> dict[str, Any]:
     body of at most ``serve.max_body_bytes`` bytes (413 beyond), option fields of at most
     :data:`MAX_FIELD_BYTES` bytes, no other fields."""
     options = option_schemas(s)
-    limits = (f"At most {s.max_images} images and {s.max_body_bytes} bytes per request (413 beyond); option "
-              f"fields of at most {MAX_FIELD_BYTES} bytes; an option given both as a query parameter and a field "
-              "takes the field's value.")
+    limits = (
+        f"At most {s.max_images} images and {s.max_body_bytes} bytes per request (413 beyond); option "
+        f"fields of at most {MAX_FIELD_BYTES} bytes; an option given both as a query parameter and a field "
+        "takes the field's value."
+    )
     return {
         "requestBody": {
             "required": True,
             "description": "Images as multipart files (field name files; option fields beside them), or one raw image "
-                           "body. " + limits,
+            "body. " + limits,
             "content": {
-                "multipart/form-data": {"schema": {
-                    "type": "object", "required": ["files"], "additionalProperties": False,
-                    "properties": {"files": {"type": "array", "minItems": 1, "maxItems": s.max_images,
-                                             "items": {"type": "string", "format": "binary"}}, **options}}},
-                "image/*": {"schema": {"type": "string", "format": "binary", "minLength": 1,
-                                       "maxLength": s.max_body_bytes}},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["files"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "files": {
+                                "type": "array",
+                                "minItems": 1,
+                                "maxItems": s.max_images,
+                                "items": {"type": "string", "format": "binary"},
+                            },
+                            **options,
+                        },
+                    }
+                },
+                "image/*": {
+                    "schema": {"type": "string", "format": "binary", "minLength": 1, "maxLength": s.max_body_bytes}
+                },
             },
         },
-        "parameters": [{"name": name, "in": "query", "required": False, "schema": schema}
-                       for name, schema in options.items()]
-        + [{"name": "name", "in": "query", "required": False, "schema": {"type": "string"},
-            "description": "file name of a raw image body (a label only)"}],
+        "parameters": [
+            {"name": name, "in": "query", "required": False, "schema": schema} for name, schema in options.items()
+        ]
+        + [
+            {
+                "name": "name",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "file name of a raw image body (a label only)",
+            }
+        ],
     }
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorAnswer, "description": text} for code, text in (
-    (400, "unreadable body"), (401, "missing or wrong bearer token"), (408, "the body arrived too slowly"),
-    (413, "body or image count beyond the limits"),
-    (415, "not images"), (422, "options beyond the server's limits"), (503, "queue full or draining (Retry-After)"),
-    (504, "not answered in time"))}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorAnswer, "description": text}
+    for code, text in (
+        (400, "unreadable body"),
+        (401, "missing or wrong bearer token"),
+        (408, "the body arrived too slowly"),
+        (413, "body or image count beyond the limits"),
+        (415, "not images"),
+        (422, "options beyond the server's limits"),
+        (503, "queue full or draining (Retry-After)"),
+        (504, "not answered in time"),
+    )
+}
 
 
 class Service:
     """What the routes share: the engine's batcher, settings, label names, counters, the draining flag."""
 
-    def __init__(self, batcher: Batcher, settings: ServeSettings, classes: Sequence[str], attributes: Sequence[str],
-                 metrics: Metrics, about: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        batcher: Batcher,
+        settings: ServeSettings,
+        classes: Sequence[str],
+        attributes: Sequence[str],
+        metrics: Metrics,
+        about: dict[str, Any],
+    ) -> None:
         self.batcher, self.settings, self.classes, self.attributes = batcher, settings, list(classes), list(attributes)
         self.metrics, self.about, self.draining = metrics, about, False
 
@@ -113,7 +166,9 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 def _unauthorized() -> JSONResponse:
-    return _error(401, "this server needs Authorization: Bearer TOKEN", {"WWW-Authenticate": 'Bearer realm="butd-caption"'})
+    return _error(
+        401, "this server needs Authorization: Bearer TOKEN", {"WWW-Authenticate": 'Bearer realm="butd-caption"'}
+    )
 
 
 def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
@@ -127,12 +182,23 @@ def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
         if on_shutdown is not None:
             await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
 
-    app = FastAPI(title="butd-caption", version=str(service.about.get("version", "")), docs_url=None, redoc_url=None,
-                  lifespan=lifespan, description="Captions for photos: bottom-up regions and an attention captioner (docs/serving.md).")
+    app = FastAPI(
+        title="butd-caption",
+        version=str(service.about.get("version", "")),
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+        description="Captions for photos: bottom-up regions and an attention captioner (docs/serving.md).",
+    )
     s = service.settings
 
-    @app.post("/v1/captions", response_model=CaptionsAnswer, responses=_ERRORS, openapi_extra=body_doc(s),
-              summary="Caption one or more images")
+    @app.post(
+        "/v1/captions",
+        response_model=CaptionsAnswer,
+        responses=_ERRORS,
+        openapi_extra=body_doc(s),
+        summary="Caption one or more images",
+    )
     async def captions(request: Request) -> Response:
         start = time.perf_counter()
         response = await _captions(service, request)
@@ -146,7 +212,11 @@ def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
 
     @app.get("/healthz", summary="Liveness and readiness")
     async def healthz() -> JSONResponse:
-        body = {"status": "draining" if service.draining else "ok", "queue_depth": service.batcher.depth, **service.about}
+        body = {
+            "status": "draining" if service.draining else "ok",
+            "queue_depth": service.batcher.depth,
+            **service.about,
+        }
         return JSONResponse(body, status_code=503 if service.draining else 200)
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
@@ -170,9 +240,12 @@ async def _captions(service: Service, request: Request) -> Response:
     if service.draining:
         return _error(503, "the server is shutting down", {"Retry-After": str(s.retry_after_s)})
     try:
-        body = await asyncio.wait_for(read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes),
-                                      s.request_timeout_s)
-        items, fields = images_and_fields(request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images)
+        body = await asyncio.wait_for(
+            read_body(request.stream(), request.headers.get("content-length"), s.max_body_bytes), s.request_timeout_s
+        )
+        items, fields = images_and_fields(
+            request.headers.get("content-type"), body, request.query_params.get("name"), s.max_images
+        )
         query = {k: v for k, v in request.query_params.items() if k != "name"}
         options, regions, timeout = request_options({**query, **fields}, service.batcher.engine.options, s)
     except ClientGone as exc:  # nobody to answer: one line, no traceback
@@ -207,5 +280,13 @@ async def _captions(service: Service, request: Request) -> Response:
         raise
     except Exception as exc:  # noqa: BLE001 - the model thread failed the whole batch (a project error)
         return _error(500, f"captioning failed: {exception_line(exc)}")
-    images = [image_answer(i, r, service.classes, service.attributes, regions, s.max_regions) for i, r in enumerate(results)]
-    return JSONResponse({"images": images, "options": options_answer(options, regions), "seconds": round(time.perf_counter() - start, 4)})
+    images = [
+        image_answer(i, r, service.classes, service.attributes, regions, s.max_regions) for i, r in enumerate(results)
+    ]
+    return JSONResponse(
+        {
+            "images": images,
+            "options": options_answer(options, regions),
+            "seconds": round(time.perf_counter() - start, 4),
+        }
+    )

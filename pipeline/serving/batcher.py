@@ -60,9 +60,21 @@ class Job:
 class Batcher:
     """The model thread and its bounded queue (see the module docstring)."""
 
-    def __init__(self, engine: Any, max_batch: int, max_wait_s: float, queue_limit: int, metrics: Metrics,
-                 decode_threads: int = 2) -> None:
-        self.engine, self.max_batch, self.max_wait_s, self.queue_limit = engine, int(max_batch), float(max_wait_s), int(queue_limit)
+    def __init__(
+        self,
+        engine: Any,
+        max_batch: int,
+        max_wait_s: float,
+        queue_limit: int,
+        metrics: Metrics,
+        decode_threads: int = 2,
+    ) -> None:
+        self.engine, self.max_batch, self.max_wait_s, self.queue_limit = (
+            engine,
+            int(max_batch),
+            float(max_wait_s),
+            int(queue_limit),
+        )
         self.metrics = metrics
         self._decoders = ThreadPoolExecutor(max(1, int(decode_threads)), thread_name_prefix="serve-decode")
         self._cv = threading.Condition()
@@ -84,14 +96,18 @@ class Batcher:
             if self._closing:
                 raise Closed("the server is shutting down")
             if self._admitted + len(items) > self.queue_limit:
-                raise QueueFull(f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of {self.queue_limit}")
+                raise QueueFull(
+                    f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of {self.queue_limit}"
+                )
             self._admitted += len(items)
             self._requests += 1
             ticket = self._requests
             self._decoding[ticket] = (time.monotonic(), (options, bool(relevance)))
         try:
             dataset = self.engine.photo_dataset(items)
-            photos = await asyncio.gather(*(loop.run_in_executor(self._decoders, dataset.__getitem__, i) for i in range(len(items))))
+            photos = await asyncio.gather(
+                *(loop.run_in_executor(self._decoders, dataset.__getitem__, i) for i in range(len(items)))
+            )
         except BaseException:  # cancelled (client gone, timeout) or an unexpected decoding error: give the places back
             with self._cv:
                 self._admitted -= len(items)
@@ -144,7 +160,10 @@ class Batcher:
                 self._cv.wait()
             first = self._queue[0]
             deadline = first.queued_at + self.max_wait_s
-            while not (self._closing or self._flushing) and sum(j.group == first.group for j in self._queue) < self.max_batch:
+            while (
+                not (self._closing or self._flushing)
+                and sum(j.group == first.group for j in self._queue) < self.max_batch
+            ):
                 left = deadline - time.monotonic()
                 older = any(g == first.group and t <= first.queued_at for t, g in self._decoding.values())
                 if left <= 0 and not older:

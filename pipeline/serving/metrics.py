@@ -68,12 +68,25 @@ class Metrics:
 
     def text(self) -> str:
         with self._lock:
-            out = ["# HELP butd_requests_total Requests answered, by HTTP status.", "# TYPE butd_requests_total counter"]
+            out = [
+                "# HELP butd_requests_total Requests answered, by HTTP status.",
+                "# TYPE butd_requests_total counter",
+            ]
             out += [f'butd_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            out += ["# HELP butd_request_seconds Latency of POST /v1/captions (seconds).", "# TYPE butd_request_seconds histogram"]
+            out += [
+                "# HELP butd_request_seconds Latency of POST /v1/captions (seconds).",
+                "# TYPE butd_request_seconds histogram",
+            ]
             out += self.latency.lines("butd_request_seconds")
-            out += ["# HELP butd_queue_depth Images waiting for a batch.", "# TYPE butd_queue_depth gauge", f"butd_queue_depth {self.queue_depth}"]
-            out += ["# HELP butd_batch_images Images per detector/captioner batch.", "# TYPE butd_batch_images histogram"]
+            out += [
+                "# HELP butd_queue_depth Images waiting for a batch.",
+                "# TYPE butd_queue_depth gauge",
+                f"butd_queue_depth {self.queue_depth}",
+            ]
+            out += [
+                "# HELP butd_batch_images Images per detector/captioner batch.",
+                "# TYPE butd_batch_images histogram",
+            ]
             out += self.batch.lines("butd_batch_images")
             out += ["# HELP butd_images_total Images processed, by outcome.", "# TYPE butd_images_total counter"]
             out += [f'butd_images_total{{outcome="{k}"}} {self.images[k]}' for k in ("captioned", "failed")]

@@ -32,8 +32,10 @@ log = get_logger("serve")
 
 def _timeout_answer(seconds: float) -> bytes:
     body = json.dumps({"error": f"the request headers did not arrive within {seconds:g} s"}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n" % len(body)) + body
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
 
 
 class HeadTimeoutProtocol(H11Protocol):
@@ -94,8 +96,12 @@ class HeadTimeoutProtocol(H11Protocol):
             self.transport.write(_timeout_answer(self.head_timeout_s))
         self.transport.close()
         client = "%s:%d" % self.client if self.client else "a client"
-        log.debug("%s: no complete request head within %g s (%s); closed", client, self.head_timeout_s,
-                  "408" if partial else "silent")
+        log.debug(
+            "%s: no complete request head within %g s (%s); closed",
+            client,
+            self.head_timeout_s,
+            "408" if partial else "silent",
+        )
 
 
 def head_timeout_protocol(seconds: float) -> type[HeadTimeoutProtocol]:

@@ -40,8 +40,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_service(model: Path, weights: str | None, cfg: Config, settings: ServeSettings, captioner: str | None = None,
-                 vocab: Path | None = None, decoding: dict[str, Any] | None = None) -> tuple[Any, Any]:
+def load_service(
+    model: Path,
+    weights: str | None,
+    cfg: Config,
+    settings: ServeSettings,
+    captioner: str | None = None,
+    vocab: Path | None = None,
+    decoding: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
     """The :class:`~pipeline.serving.app.Service` over ``caption``'s engine (models loaded once) and its batcher."""
     from pipeline import __version__
     from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
@@ -54,11 +61,23 @@ def load_service(model: Path, weights: str | None, cfg: Config, settings: ServeS
     engine, classes, attributes, info = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
     settings = within_position_table(settings, engine.model.max_caption_len())
     metrics = Metrics(settings.max_batch)
-    batcher = Batcher(engine, settings.max_batch, settings.max_wait_ms / 1000.0, settings.queue_limit, metrics,
-                      settings.decode_threads)
-    about = {"version": __version__, "captioner": type(engine.model).__name__, "step": info.get("captioner_step"),
-             "detector": (info.get("detector") or {}).get("name"), "device": str(engine.device),
-             "beam_size": engine.options.beam_size, "max_batch": settings.max_batch}
+    batcher = Batcher(
+        engine,
+        settings.max_batch,
+        settings.max_wait_ms / 1000.0,
+        settings.queue_limit,
+        metrics,
+        settings.decode_threads,
+    )
+    about = {
+        "version": __version__,
+        "captioner": type(engine.model).__name__,
+        "step": info.get("captioner_step"),
+        "detector": (info.get("detector") or {}).get("name"),
+        "device": str(engine.device),
+        "beam_size": engine.options.beam_size,
+        "max_batch": settings.max_batch,
+    }
     return Service(batcher, settings, classes, attributes, metrics, about), batcher
 
 
@@ -69,8 +88,13 @@ def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSe
 
     if limit is None or settings.max_len <= limit:
         return settings
-    log.warning("serve.max_len %d is longer than the %d positions this captioner's position table holds: requests may ask "
-                "for %d at most", settings.max_len, limit, limit)
+    log.warning(
+        "serve.max_len %d is longer than the %d positions this captioner's position table holds: requests may ask "
+        "for %d at most",
+        settings.max_len,
+        limit,
+        limit,
+    )
     return dataclasses.replace(settings, max_len=limit)
 
 
@@ -96,16 +120,25 @@ def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket
     drained: list[bool] = []
     app = create_app(service, on_shutdown=lambda: drained.append(batcher.close(settings.drain_timeout_s)))
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_config=None, access_log=settings.log_requests, lifespan="on",
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s), timeout_keep_alive=5,
-                            limit_concurrency=settings.max_connections,
-                            http=head_timeout_protocol(settings.header_timeout_s))
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=settings.log_requests,
+        lifespan="on",
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        timeout_keep_alive=5,
+        limit_concurrency=settings.max_connections,
+        http=head_timeout_protocol(settings.header_timeout_s),
+    )
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving on http://{shown}:{port}  (page /, API /v1/captions, docs /docs)", flush=True)
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: reachable from other machines%s", settings.host,
-                    "" if settings.token else " and without a token (--token or $" + settings.token_env + ")")
+        log.warning(
+            "listening on %s: reachable from other machines%s",
+            settings.host,
+            "" if settings.token else " and without a token (--token or $" + settings.token_env + ")",
+        )
     try:
         server.run(sockets=[sock])
     finally:

@@ -36,11 +36,27 @@ class ServeSettings:
     token: str | None = None  # the bearer token (from --token or ``token_env``); never part of the config file
 
     def __post_init__(self) -> None:
-        positive = ("max_batch", "decode_threads", "queue_limit", "max_body_bytes", "max_images", "max_beam_size", "max_n_best", "max_len",
-                    "request_timeout_s", "drain_timeout_s", "max_regions", "max_connections",
-                    "header_timeout_s")
+        positive = (
+            "max_batch",
+            "decode_threads",
+            "queue_limit",
+            "max_body_bytes",
+            "max_images",
+            "max_beam_size",
+            "max_n_best",
+            "max_len",
+            "request_timeout_s",
+            "drain_timeout_s",
+            "max_regions",
+            "max_connections",
+            "header_timeout_s",
+        )
         bad = [f"serve.{name}={getattr(self, name)}" for name in positive if not getattr(self, name) > 0]
-        bad += [f"serve.{name}={getattr(self, name)}" for name in ("max_wait_ms", "retry_after_s") if getattr(self, name) < 0]
+        bad += [
+            f"serve.{name}={getattr(self, name)}"
+            for name in ("max_wait_ms", "retry_after_s")
+            if getattr(self, name) < 0
+        ]
         if bad:
             raise UsageError(f"{', '.join(bad)}: must be positive")
         if not 0 <= self.port <= 65535:

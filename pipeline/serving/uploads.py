@@ -110,10 +110,18 @@ def parse_multipart(body: bytes, boundary: bytes) -> list[tuple[str, str | None,
         _, params = parse_options_header(state["headers"].get("content-disposition", b""))
         name = params.get(b"name", b"").decode("utf-8", "replace")
         filename = params.get(b"filename")
-        parts.append((name, filename.decode("utf-8", "replace") if filename is not None else None, b"".join(state["data"])))
+        parts.append(
+            (name, filename.decode("utf-8", "replace") if filename is not None else None, b"".join(state["data"]))
+        )
 
-    callbacks = {"on_part_begin": on_part_begin, "on_header_field": on_header_field, "on_header_value": on_header_value,
-                 "on_header_end": on_header_end, "on_part_data": on_part_data, "on_part_end": on_part_end}
+    callbacks = {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+    }
     try:  # every refusal of the parser, from its construction to its end, is the client's 400
         if len(boundary) > MAX_BOUNDARY:
             raise FormParserError(f"the boundary has {len(boundary)} characters (RFC 2046: at most {MAX_BOUNDARY})")
@@ -125,8 +133,9 @@ def parse_multipart(body: bytes, boundary: bytes) -> list[tuple[str, str | None,
     return parts
 
 
-def images_and_fields(content_type: str | None, body: bytes, raw_name: str | None, max_images: int
-                      ) -> tuple[list[UploadItem], dict[str, str]]:
+def images_and_fields(
+    content_type: str | None, body: bytes, raw_name: str | None, max_images: int
+) -> tuple[list[UploadItem], dict[str, str]]:
     """The images of a request and its text fields: multipart (files, plus option fields) or one raw image body."""
     ctype, params = parse_options_header(content_type or "")
     fields: dict[str, str] = {}
@@ -143,7 +152,9 @@ def images_and_fields(content_type: str | None, body: bytes, raw_name: str | Non
             else:
                 raise BadRequest(f"form field {name!r}: an option value of {len(data)} bytes (files need a file name)")
     elif ctype in (b"application/x-www-form-urlencoded", b"application/json", b"text/plain"):
-        raise BadRequest("send images as multipart/form-data files or as one raw image body (e.g. Content-Type: image/jpeg)", 415)
+        raise BadRequest(
+            "send images as multipart/form-data files or as one raw image body (e.g. Content-Type: image/jpeg)", 415
+        )
     else:
         named.append((raw_name, body))
     if not named:

@@ -74,7 +74,9 @@ def segment_name(index: int) -> str:
 def canonical_identity(identity: Any, source: str = "extractor identity") -> dict[str, Any]:
     """Validate an extractor identity (a JSON-serialisable dict with a ``name``) and return a plain copy."""
     if not isinstance(identity, dict) or not identity:
-        raise UsageError(f"{source} must be a non-empty dict such as {{'name': ..., 'weights_sha256': ..., 'config': ...}}")
+        raise UsageError(
+            f"{source} must be a non-empty dict such as {{'name': ..., 'weights_sha256': ..., 'config': ...}}"
+        )
     if not isinstance(identity.get("name"), str) or not identity["name"]:
         raise UsageError(f"{source} must have a 'name' string")
     try:
@@ -133,8 +135,13 @@ def read_manifest(store: Path) -> dict[str, Any]:
     if data.get("feature_dtype") not in FEATURE_DTYPES:
         raise PipelineError(f"{path}: unknown feature_dtype {data.get('feature_dtype')!r}")
     for i, seg in enumerate(data["segments"]):
-        if not (isinstance(seg, dict) and isinstance(seg.get("file"), str) and isinstance(seg.get("images"), int)
-                and isinstance(seg.get("rows"), int) and "/" not in seg["file"]):
+        if not (
+            isinstance(seg, dict)
+            and isinstance(seg.get("file"), str)
+            and isinstance(seg.get("images"), int)
+            and isinstance(seg.get("rows"), int)
+            and "/" not in seg["file"]
+        ):
             raise PipelineError(f"{path}: segment entry {i} is malformed")
     if sum(s["images"] for s in data["segments"]) != data["num_images"]:
         raise PipelineError(f"{path}: segment image counts do not add up to num_images")

@@ -33,7 +33,9 @@ def iter_blocks(store: FeatureStore, block_images: int = 256) -> Iterator[Block]
             r0, r1 = int(seg.offsets[lo]), int(seg.offsets[hi])
             rows = {f: store._read_rows(st, si, f, r0, r1 - r0) for f in fields}
             verify_block(seg, lo, rows)  # never copy damaged rows into a new store
-            yield Block(keys=seg.keys[lo:hi], counts=np.diff(seg.offsets[lo : hi + 1]), sizes=seg.sizes[lo:hi], rows=rows)
+            yield Block(
+                keys=seg.keys[lo:hi], counts=np.diff(seg.offsets[lo : hi + 1]), sizes=seg.sizes[lo:hi], rows=rows
+            )
 
 
 def _check_compatible(stores: Sequence[FeatureStore]) -> None:
@@ -44,7 +46,11 @@ def _check_compatible(stores: Sequence[FeatureStore]) -> None:
                 f"cannot merge {s.path} into {ref.path}: extractor identities differ "
                 f"({identity_text(s.identity)} vs {identity_text(ref.identity)})"
             )
-        if len(s) and len(ref) and (s.feature_dtype, s.feature_dim, s.fields) != (ref.feature_dtype, ref.feature_dim, ref.fields):
+        if (
+            len(s)
+            and len(ref)
+            and (s.feature_dtype, s.feature_dim, s.fields) != (ref.feature_dtype, ref.feature_dim, ref.fields)
+        ):
             raise UsageError(
                 f"cannot merge {s.path} into {ref.path}: dtype/dimension/fields differ "
                 f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, {ref.fields})"
@@ -71,7 +77,9 @@ def check_exactly_once(stores: Sequence[FeatureStore], expected: Iterable[str] |
     return len(counts)
 
 
-def _write_one_segment(path: Path, stores: Sequence[FeatureStore], chunk_rows: int, compression: str | None) -> tuple[int, int]:
+def _write_one_segment(
+    path: Path, stores: Sequence[FeatureStore], chunk_rows: int, compression: str | None
+) -> tuple[int, int]:
     ref = next((s for s in stores if len(s)), stores[0])
     n = sum(len(s) for s in stores)
     rows = sum(int(np.sum(s.num_boxes())) for s in stores)
@@ -81,8 +89,16 @@ def _write_one_segment(path: Path, stores: Sequence[FeatureStore], chunk_rows: i
             yield from iter_blocks(s)
 
     write_segment(
-        path, blocks(), num_images=n, num_rows=rows, identity=ref.identity, feature_dtype=ref.feature_dtype,
-        feature_dim=int(ref.feature_dim or 0), fields=ref.fields, chunk_rows=chunk_rows, compression=compression,
+        path,
+        blocks(),
+        num_images=n,
+        num_rows=rows,
+        identity=ref.identity,
+        feature_dtype=ref.feature_dtype,
+        feature_dim=int(ref.feature_dim or 0),
+        fields=ref.fields,
+        chunk_rows=chunk_rows,
+        compression=compression,
     )
     return n, rows
 
@@ -118,8 +134,13 @@ def merge_stores(
             n, rows = _write_one_segment(tmp / segment_name(0), stores, chunk_rows, compression)
             ref = stores[0]
             manifest = new_manifest(ref.identity, ref.feature_dtype, ref.feature_dim)
-            manifest.update(fields=ref.fields, commit=1, num_images=n, num_rows=rows,
-                            segments=[{"file": segment_name(0), "images": n, "rows": rows}])
+            manifest.update(
+                fields=ref.fields,
+                commit=1,
+                num_images=n,
+                num_rows=rows,
+                segments=[{"file": segment_name(0), "images": n, "rows": rows}],
+            )
             write_manifest(tmp, manifest)
         os.replace(tmp, dst)
         fsync_dir(dst.parent)

@@ -101,8 +101,13 @@ class FeatureStore:
             seg = read_segment_index(self.path)
             segments = [seg]
             manifest = {
-                "identity": seg.identity, "feature_dtype": seg.feature_dtype, "feature_dim": seg.feature_dim,
-                "fields": seg.fields, "commit": 1, "num_images": seg.num_images, "num_rows": seg.num_rows,
+                "identity": seg.identity,
+                "feature_dtype": seg.feature_dtype,
+                "feature_dim": seg.feature_dim,
+                "fields": seg.fields,
+                "commit": 1,
+                "num_images": seg.num_images,
+                "num_rows": seg.num_rows,
                 "segments": [{"file": self.path.name, "images": seg.num_images, "rows": seg.num_rows}],
             }
         manifest = dict(manifest, path=str(self.path))
@@ -256,8 +261,10 @@ class FeatureStore:
         try:
             return np.asarray(self._h5(st, si)[name][start : start + count])
         except (OSError, RuntimeError, ValueError, KeyError) as exc:  # a damaged chunk (compressed or chunked data)
-            raise PipelineError(f"{seg.path}: cannot read '{name}' rows {start}..{start + count} "
-                                f"(damaged segment: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            raise PipelineError(
+                f"{seg.path}: cannot read '{name}' rows {start}..{start + count} "
+                f"(damaged segment: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
 
     def get_position(self, i: int) -> dict[str, Any]:
         """The image at position ``i`` of :meth:`keys`."""
@@ -290,7 +297,7 @@ class FeatureStore:
         st = self._st()
         total = int(st.count.sum())
         memory: dict[str, np.ndarray] = {}
-        for name, src in (st.segments[0].sources.items() if st.segments else []):
+        for name, src in st.segments[0].sources.items() if st.segments else []:
             memory[name] = np.empty((total,) if src.width is None else (total, src.width), dtype=src.dtype)
         row = 0
         for si, seg in enumerate(st.segments):

@@ -57,7 +57,8 @@ def print_store_info(path: Path) -> None:
             "image width: {min}-{max}".format(**info["image_size"]["width"]),
             "image height: {min}-{max}".format(**info["image_size"]["height"]),
             "features ({images} sampled images): {rng}, zeros {z:.1%}".format(
-                images=info["features_sampled"]["images"], rng=_stat(info["features_sampled"], "{:.3f}"),
+                images=info["features_sampled"]["images"],
+                rng=_stat(info["features_sampled"], "{:.3f}"),
                 z=info["features_sampled"]["zero_fraction"],
             ),
         ]
@@ -84,12 +85,15 @@ def print_verify_report(path: Path) -> bool:
     if report.unchecksummed_segments:
         con.print(
             f"{len(report.unchecksummed_segments)} of {report.segments} segments were written before checksums: "
-            "only their structure and finiteness could be checked", highlight=False, markup=False,
+            "only their structure and finiteness could be checked",
+            highlight=False,
+            markup=False,
         )
     status = "ok" if report.ok else "DAMAGED"
     con.print(
         f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} segments; "
         f"{len(report.bad_images)} damaged images, {len(report.bad_segments)} damaged segments",
-        highlight=False, markup=False,
+        highlight=False,
+        markup=False,
     )
     return report.ok

@@ -126,8 +126,20 @@ def write_segment(
     row_fields = row_fields_of(fields)
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
-        _write_segment_file(h5py, path, blocks, num_images, num_rows, identity, feature_dtype, feature_dim, fields,
-                            row_fields, chunk_rows, compression)
+        _write_segment_file(
+            h5py,
+            path,
+            blocks,
+            num_images,
+            num_rows,
+            identity,
+            feature_dtype,
+            feature_dim,
+            fields,
+            row_fields,
+            chunk_rows,
+            compression,
+        )
         if fsync:
             _fsync_file(path)
     except (OSError, RuntimeError) as exc:
@@ -155,9 +167,20 @@ def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
     return OSError(code, os.strerror(code))
 
 
-def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], num_images: int, num_rows: int,
-                        identity: dict[str, Any], feature_dtype: str, feature_dim: int, fields: Sequence[str],
-                        row_fields: list[str], chunk_rows: int, compression: str | None) -> None:
+def _write_segment_file(
+    h5py: Any,
+    path: Path,
+    blocks: Iterable[Block],
+    num_images: int,
+    num_rows: int,
+    identity: dict[str, Any],
+    feature_dtype: str,
+    feature_dim: int,
+    fields: Sequence[str],
+    row_fields: list[str],
+    chunk_rows: int,
+    compression: str | None,
+) -> None:
     with h5py.File(path, "w", locking=False) as fh:
         fh.attrs["format"] = FORMAT
         fh.attrs["schema_version"] = SCHEMA_VERSION
@@ -294,7 +317,9 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
             raise PipelineError(f"{path} is an HDF5 file but not a butd-caption feature store")
         version = int(_attr(fh, path, "schema_version"))
         if version != SCHEMA_VERSION:
-            raise PipelineError(f"{path} has schema version {version}; this butd-caption reads version {SCHEMA_VERSION}")
+            raise PipelineError(
+                f"{path} has schema version {version}; this butd-caption reads version {SCHEMA_VERSION}"
+            )
         if not bool(_attr(fh, path, "complete")):
             raise PipelineError(f"{path} is an incomplete segment (its writer was interrupted)")
         identity = json.loads(_attr(fh, path, "identity"))
@@ -338,7 +363,9 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
             want_shape = (r,) if width is None else (r, width)
             want_dtype = field_dtype(name, feature_dtype)
             if ds.shape != want_shape or ds.dtype != want_dtype:
-                raise PipelineError(f"{path}: dataset '{name}' is {ds.shape} {ds.dtype}, expected {want_shape} {want_dtype}")
+                raise PipelineError(
+                    f"{path}: dataset '{name}' is {ds.shape} {ds.dtype}, expected {want_shape} {want_dtype}"
+                )
             offset = None
             if ds.chunks is None and ds.compression is None and r:
                 offset = ds.id.get_offset()

@@ -29,7 +29,9 @@ def validate_image(
     if features.ndim != 2 or features.shape[0] < 1 or features.shape[1] < 1:
         raise PipelineError(f"{where}: image {key}: features must be (N>=1, D>=1), got shape {features.shape}")
     if feature_dim is not None and features.shape[1] != feature_dim:
-        raise PipelineError(f"{where}: image {key}: feature dimension {features.shape[1]} != store dimension {feature_dim}")
+        raise PipelineError(
+            f"{where}: image {key}: feature dimension {features.shape[1]} != store dimension {feature_dim}"
+        )
     n = features.shape[0]
     if boxes.shape != (n, 4):
         raise PipelineError(f"{where}: image {key}: boxes must be ({n}, 4), got {boxes.shape}")

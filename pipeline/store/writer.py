@@ -54,6 +54,7 @@ from pipeline.store.validate import BOX_TOLERANCE, _all_finite, _RowBuffer, vali
 
 log = get_logger("store")
 
+
 class FeatureStoreWriter:
     """Appends images to a store; ``commit()`` publishes them durably. Use :func:`open_writer` to make one."""
 
@@ -128,16 +129,27 @@ class FeatureStoreWriter:
             )
         box_arr = np.asarray(boxes, dtype=np.float32)
         where = f"feature store {self.path}"
-        validate_image(key, feats, box_arr, int(image_w), int(image_h), given, self._manifest["feature_dim"], where,
-                       check_features=False)
+        validate_image(
+            key,
+            feats,
+            box_arr,
+            int(image_w),
+            int(image_h),
+            given,
+            self._manifest["feature_dim"],
+            where,
+            check_features=False,
+        )
         rows = {"features": feats, "boxes": box_arr, **given}
         for name, arr in rows.items():
             buf = self._buffers.get(name)
             width = arr.shape[1] if arr.ndim == 2 else None
             if buf is None or (buf.rows == 0 and buf.width != width):  # shaped by the first image the store takes
-                buf = self._buffers[name] = _RowBuffer(dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width)
+                buf = self._buffers[name] = _RowBuffer(
+                    dtype if name == "features" else OPTIONAL_FIELDS.get(name, np.dtype("<f4")), width
+                )
             buf.append(arr)  # the one copy, casting to the store dtype
-        if not _all_finite(self._buffers["features"].view()[-len(feats):]):
+        if not _all_finite(self._buffers["features"].view()[-len(feats) :]):
             for name in rows:
                 self._buffers[name].rows -= len(feats)
             if not np.isfinite(feats).all():
@@ -179,15 +191,30 @@ class FeatureStoreWriter:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise annotate_os_error(exc, "commit to feature store", self.path)
-        log.debug("store %s: commit %d published %d images (%d rows) in %s", self.path, self._manifest["commit"], n, rows, name)
+        log.debug(
+            "store %s: commit %d published %d images (%d rows) in %s",
+            self.path,
+            self._manifest["commit"],
+            n,
+            rows,
+            name,
+        )
         return n
 
     def _publish(self, tmp: Path, final: Path, name: str, block: Block, n: int, rows: int, fields: list[str]) -> None:
         """Write the segment, rename it into place and commit ``store.json`` (the commit point)."""
         m = self._manifest
         write_segment(
-            tmp, [block], num_images=n, num_rows=rows, identity=m["identity"], feature_dtype=m["feature_dtype"],
-            feature_dim=m["feature_dim"], fields=fields, chunk_rows=self.chunk_rows, compression=self.compression,
+            tmp,
+            [block],
+            num_images=n,
+            num_rows=rows,
+            identity=m["identity"],
+            feature_dtype=m["feature_dtype"],
+            feature_dim=m["feature_dim"],
+            fields=fields,
+            chunk_rows=self.chunk_rows,
+            compression=self.compression,
             fsync=self.fsync,
         )
         os.replace(tmp, final)
@@ -225,7 +252,9 @@ class FeatureStoreWriter:
     def __enter__(self) -> "FeatureStoreWriter":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is None and self._lock is not None:
                 self.commit()
@@ -240,7 +269,6 @@ class FeatureStoreWriter:
             self.close()
 
 
-
 def _clean_garbage(path: Path, manifest: dict[str, Any]) -> None:
     """Delete leftovers of a killed writer: ``*.tmp`` files and segments not listed in ``store.json``."""
     listed = {s["file"] for s in manifest["segments"]}
@@ -252,19 +280,25 @@ def _clean_garbage(path: Path, manifest: dict[str, Any]) -> None:
             p.unlink(missing_ok=True)
 
 
-def _check_resumable(path: Path, manifest: dict[str, Any], identity: dict[str, Any], feature_dtype: str, match: str) -> None:
+def _check_resumable(
+    path: Path, manifest: dict[str, Any], identity: dict[str, Any], feature_dtype: str, match: str
+) -> None:
     """Refuse to resume a store written under another identity (``match="identity"``) or, for a cache
     (``match="features"``), with other feature settings; a cache adopts the store's identity and dtype."""
     if match == "features":
         differ = FeatureIdentity.from_dict(manifest["identity"], f"{path / MANIFEST}: identity").settings_diff(identity)
         if differ:
-            raise UsageError(f"feature store {path} holds features made with other settings: {'; '.join(differ)}; "
-                             "use another store path")
+            raise UsageError(
+                f"feature store {path} holds features made with other settings: {'; '.join(differ)}; "
+                "use another store path"
+            )
         return
     if manifest["identity"] != identity:
         raise UsageError(identity_mismatch(str(path), manifest["identity"], identity))
     if manifest["feature_dtype"] != feature_dtype:
-        raise UsageError(f"feature store {path} holds {manifest['feature_dtype']} features, the writer asked for {feature_dtype}")
+        raise UsageError(
+            f"feature store {path} holds {manifest['feature_dtype']} features, the writer asked for {feature_dtype}"
+        )
 
 
 def open_writer(

@@ -35,7 +35,9 @@ def resolve_paths(run_dir: str | Path, cfg: Config) -> Config:
     return section.with_overrides(sets) if sets else section
 
 
-def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage_name: str | None = None) -> StageResult:
+def train_captioner(
+    run_dir: str | Path, cfg: Config, force: bool = False, stage_name: str | None = None
+) -> StageResult:
     """Train ``cfg.train.model`` (or a bare ``train`` section) into ``run_dir/train-<model>`` (or ``run_dir/<stage_name>``).
 
     Works under ``torchrun`` too: rank 0 keeps the stage manifest, every rank trains.
@@ -46,7 +48,9 @@ def train_captioner(run_dir: str | Path, cfg: Config, force: bool = False, stage
     from pipeline.core.training.determinism import deterministic_mode
     from pipeline.training.engine import Trainer
 
-    section = resolve_paths(run_dir, cfg)  # torch's threads: the one policy (--threads / BUTD_THREADS, pipeline.core.threads)
+    section = resolve_paths(
+        run_dir, cfg
+    )  # torch's threads: the one policy (--threads / BUTD_THREADS, pipeline.core.threads)
     ctx = distributed.setup(str(section.device), "train.device")
     name = stage_name or f"train-{section.model}"
 
@@ -146,7 +150,9 @@ def evaluate_checkpoint(
     want = getattr(model, "feat_dim", None)
     if want is not None and features.feature_dim is not None and features.feature_dim != want:
         hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.release else ""
-        raise UsageError(f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}")
+        raise UsageError(
+            f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}"
+        )
     dataset = CaptionDataset(features, prepared, split)
     options, resolved = decoding_for(ckpt, decoding, precision, dev, "evaluate.precision")  # as caption decodes it
     check_max_len(options, model, "--max-len")
@@ -157,12 +163,20 @@ def evaluate_checkpoint(
     scores = score_split(preds, references, full=not fast_only, options=EvalOptions.from_config(section))
     out = Path(out_dir) if out_dir is not None else checkpoint.parent
     cocoid = {img["key"]: img.get("cocoid") for img in prepared.images}
-    results = [{"image_id": cocoid.get(k) if cocoid.get(k) is not None else k, "caption": c} for k, c in sorted(preds.items())]
+    results = [
+        {"image_id": cocoid.get(k) if cocoid.get(k) is not None else k, "caption": c} for k, c in sorted(preds.items())
+    ]
     pred_path = atomic_write_json(out / f"predictions_{split}.json", results, indent=None)
     metrics = {k: v for k, v in scores.items() if isinstance(v, float)}
     payload = {
-        "checkpoint": str(checkpoint), "model": ckpt.model_name, "split": split, "num_images": len(preds),
-        "decoding": asdict(options), "metrics": metrics, "skipped": scores.get("skipped", {}), "notes": scores.get("notes", []),
+        "checkpoint": str(checkpoint),
+        "model": ckpt.model_name,
+        "split": split,
+        "num_images": len(preds),
+        "decoding": asdict(options),
+        "metrics": metrics,
+        "skipped": scores.get("skipped", {}),
+        "notes": scores.get("notes", []),
         "tokenizer": scores.get("tokenizer", "words"),
     }
     metrics_path = atomic_write_json(out / f"metrics_{split}.json", payload)

@@ -60,7 +60,9 @@ class BatchSource:
         self.num_workers = num_workers
         self.bank = None
         if preload != "none":
-            self.bank = FeatureBank(dataset, device if preload == "cuda" else "cpu", pin=preload == "pinned")  # this rank's GPU
+            self.bank = FeatureBank(
+                dataset, device if preload == "cuda" else "cpu", pin=preload == "pinned"
+            )  # this rank's GPU
 
     def iterate(self, batches: list[list[int]], seed: int = 0) -> Iterator[dict[str, Any]]:
         """Yield the batches on ``device`` (features as float32), lazily, in order.
@@ -73,9 +75,18 @@ class BatchSource:
             it: Any = PreloadedLoader(self.dataset, self.bank, batches)  # type: ignore[arg-type]
         else:
             workers = thread_policy.loader_workers(self.num_workers)
-            it = guarded(DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate_images, num_workers=workers,
-                                    pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(seed),
-                                    timeout=loader_timeout(workers)), "the feature-reading workers")
+            it = guarded(
+                DataLoader(
+                    self.dataset,
+                    batch_sampler=batches,
+                    collate_fn=collate_images,
+                    num_workers=workers,
+                    pin_memory=self.device.type == "cuda",
+                    generator=torch.Generator().manual_seed(seed),
+                    timeout=loader_timeout(workers),
+                ),
+                "the feature-reading workers",
+            )
         for batch in it:
             yield to_device(batch, self.device)
 
@@ -91,7 +102,9 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return out
 
 
-def epoch_batches(dataset: CaptionDataset, batch_size: int, seed: int, epoch: int, ctx: DistContext, mode: str = "bucket") -> list[list[int]]:
+def epoch_batches(
+    dataset: CaptionDataset, batch_size: int, seed: int, epoch: int, ctx: DistContext, mode: str = "bucket"
+) -> list[list[int]]:
     """This rank's batches of training ``epoch``: the global order from (seed, epoch), sharded by rank.
 
     Global batches smaller than the number of ranks are dropped (every rank must take the same steps).
@@ -101,7 +114,9 @@ def epoch_batches(dataset: CaptionDataset, batch_size: int, seed: int, epoch: in
     return [shard(b, ctx) for b in sampler if len(b) >= ctx.world]
 
 
-def eval_batches(dataset: CaptionDataset, batch_size: int, ctx: DistContext, max_images: int | None = None) -> list[list[int]]:
+def eval_batches(
+    dataset: CaptionDataset, batch_size: int, ctx: DistContext, max_images: int | None = None
+) -> list[list[int]]:
     """This rank's share of the evaluation images (each image on exactly one rank), sorted by box count."""
     n = len(dataset) if not max_images else min(len(dataset), int(max_images))
     mine = np.arange(n)[ctx.rank :: ctx.world]

@@ -45,9 +45,18 @@ from pipeline.store import FeatureStore
 from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
 from models.checkpoints import CaptionerCheckpoint, Progress, TrainingState
 from pipeline.core.distributed import DistContext, all_sums, broadcast_object
-from pipeline.core.training import (StopOnSignal, TrainingInterrupted, autocast, make_scaler, optimizer_step,
-                                    resolve_precision, restore_rng_states, restore_training_state, seed_everything,
-                                    training_state)
+from pipeline.core.training import (
+    StopOnSignal,
+    TrainingInterrupted,
+    autocast,
+    make_scaler,
+    optimizer_step,
+    resolve_precision,
+    restore_rng_states,
+    restore_training_state,
+    seed_everything,
+    training_state,
+)
 from pipeline.training.recipe import StageRecipe, stage_recipe
 from pipeline.training.schedules import apply_lr, build_schedule
 from pipeline.training.scst_step import greedy_rewards, scst_loss
@@ -88,7 +97,9 @@ def build_optimizer(recipe: StageRecipe, params: Any) -> torch.optim.Optimizer:
     per parameter tensor, and even foreach Adam reads each parameter's step count on the host (two ``item`` per
     tensor). ``fused``: PyTorch's fused kernel, the whole update in one operator (the same formula, other float
     rounding: an opt-in, not the faithful default)."""
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax, "sgd": torch.optim.SGD}[recipe.optimizer]
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adamax": torch.optim.Adamax, "sgd": torch.optim.SGD}[
+        recipe.optimizer
+    ]
     impl = {"fused": {"fused": True}}.get(recipe.optimizer_impl, {"foreach": True})
     return cls(params, lr=0.0, **{**impl, **recipe.optimizer_kwargs})
 
@@ -119,25 +130,41 @@ class Trainer:
         seed_everything(int(cfg.seed))  # the initial weights depend on the seed only (same on every rank)
         self.model = build_captioner(cfg.model, len(self.vocab), **self.model_cfg).to(ctx.device)
         card = model_card(cfg.model)
-        self.recipes = {s: stage_recipe(s, card.schedule.to_dict(), _plain(cfg[s]), cfg.default_epochs, f"{card.path}: schedule")
-                        for s in self.stages}
+        self.recipes = {
+            s: stage_recipe(s, card.schedule.to_dict(), _plain(cfg[s]), cfg.default_epochs, f"{card.path}: schedule")
+            for s in self.stages
+        }
         for r in self.recipes.values():
             if r.max_caption_len is not None and r.max_caption_len != self.data.max_length:
-                log.warning("schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set prepare.max_length)",
-                            r.stage, r.max_caption_len, self.data.max_length)
+                log.warning(
+                    "schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set prepare.max_length)",
+                    r.stage,
+                    r.max_caption_len,
+                    self.data.max_length,
+                )
         self.decoding = decoding_options(cfg.model, _plain(cfg.decoding))
         self.val_decoding = DecodeOptions.from_mapping({**asdict(self.decoding), **_plain(val.decoding)})
         self.precision = resolve_precision(cfg.precision, ctx.device, "train.precision")
-        preload = choose_preload(cfg.preload, [d for d in (self.train_set, self.val_set) if d is not None], ctx.device, cfg.preload_fraction)
-        log.info("model %s (%.2fM parameters), %d train images, device %s, precision %s, features %s, %d process(es)",
-                 cfg.model, sum(p.numel() for p in self.model.parameters()) / 1e6, len(self.train_set), ctx.device, self.precision,
-                 preload, ctx.world)
+        preload = choose_preload(
+            cfg.preload, [d for d in (self.train_set, self.val_set) if d is not None], ctx.device, cfg.preload_fraction
+        )
+        log.info(
+            "model %s (%.2fM parameters), %d train images, device %s, precision %s, features %s, %d process(es)",
+            cfg.model,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            len(self.train_set),
+            ctx.device,
+            self.precision,
+            preload,
+            ctx.world,
+        )
         self.train_source = BatchSource(self.train_set, preload, ctx.device, cfg.num_workers)
         self.val_source = BatchSource(self.val_set, preload, ctx.device, cfg.num_workers) if self.val_set else None
         self.policy: nn.Module = _Policy(self.model)
         if ctx.distributed:
             self.policy = nn.parallel.DistributedDataParallel(
-                self.policy, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                self.policy,
+                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                 find_unused_parameters=bool(cfg.find_unused_parameters),
             )
         self._scorer: CiderD | None = None
@@ -163,15 +190,22 @@ class Trainer:
                 if isinstance(v, (int, float)) and k not in ("time", "global_step", "epoch", "iteration"):
                     self._tb.add_scalar(f"{record.get('event')}/{record.get('stage')}/{k}", v, step)
 
-    def _checkpoint(self, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None) -> CaptionerCheckpoint:
+    def _checkpoint(
+        self, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None
+    ) -> CaptionerCheckpoint:
         """The checkpoint of now: weights only, or (given the optimizer, schedule and scaler) everything to resume."""
         state = None
         if optimizer is not None:  # every rank takes part (the RNG states are gathered)
             state = TrainingState(schedule=schedule.state_dict(), **training_state(optimizer, scaler, self.ctx))
         return CaptionerCheckpoint(
-            model_name=str(self.cfg.model), model_config=self.model_cfg, vocab=tuple(self.vocab.words),
-            weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()}, decoding=asdict(self.decoding),
-            progress=prog, state=state, train_config=self.cfg.to_dict(),
+            model_name=str(self.cfg.model),
+            model_config=self.model_cfg,
+            vocab=tuple(self.vocab.words),
+            weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            decoding=asdict(self.decoding),
+            progress=prog,
+            state=state,
+            train_config=self.cfg.to_dict(),
             store_identity=dict(self.train_set.store.identity),  # which extractor made the features
         )
 
@@ -205,7 +239,9 @@ class Trainer:
             raise PipelineError(f"{last} is not a training checkpoint (kind {ckpt.kind!r})")
         prog = ckpt.progress
         if prog.stage not in self.stages:
-            raise UsageError(f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include")
+            raise UsageError(
+                f"{last} is at stage {prog.stage!r}, which train.stages={list(self.cfg.stages)} does not include"
+            )
         fallback_seed = int(self.cfg.seed) + prog.global_step
         if prog.stage_done:
             restore_rng_states(ckpt.state.rng, self.ctx, fallback_seed)
@@ -217,8 +253,23 @@ class Trainer:
         restore_training_state(vars(ckpt.state), optimizer, scaler, self.ctx, fallback_seed)
         schedule.load_state_dict(ckpt.state.schedule)
         apply_lr(optimizer, schedule.lr())
-        log.info("resuming from %s: stage %s, epoch %d, batch %d, iteration %d", last, prog.stage, prog.epoch, prog.position, prog.iteration)
-        self._log({"event": "resume", "stage": prog.stage, "epoch": prog.epoch, "position": prog.position, "global_step": prog.global_step})
+        log.info(
+            "resuming from %s: stage %s, epoch %d, batch %d, iteration %d",
+            last,
+            prog.stage,
+            prog.epoch,
+            prog.position,
+            prog.iteration,
+        )
+        self._log(
+            {
+                "event": "resume",
+                "stage": prog.stage,
+                "epoch": prog.epoch,
+                "position": prog.position,
+                "global_step": prog.global_step,
+            }
+        )
         return prog, state
 
     # -- validation ---------------------------------------------------------------------------------------
@@ -227,13 +278,24 @@ class Trainer:
         if self.val_source is None:
             return None
         v = self.cfg.validation
-        preds = decode_split(self.model, self.val_source, self.vocab, self.val_decoding, self.ctx, int(v.batch_size), self.precision,
-                             v.max_images, f"validating {prog.stage} epoch {prog.epoch}")
+        preds = decode_split(
+            self.model,
+            self.val_source,
+            self.vocab,
+            self.val_decoding,
+            self.ctx,
+            int(v.batch_size),
+            self.precision,
+            v.max_images,
+            f"validating {prog.stage} epoch {prog.epoch}",
+        )
         full = bool(v.full_metrics) or self.metric != "CIDEr"
         scores = score_split(preds, self.references, full) if self.ctx.main or not full else {}
         scores = broadcast_object(scores, self.ctx)
         if self.metric not in scores:
-            raise UsageError(f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})")
+            raise UsageError(
+                f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})"
+            )
         return {k: v for k, v in scores.items() if isinstance(v, float)}
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -250,7 +312,7 @@ class Trainer:
         prog, state = self._resume()
         with self.stop:
             try:
-                for stage in self.stages[self.stages.index(prog.stage):]:
+                for stage in self.stages[self.stages.index(prog.stage) :]:
                     if prog.stage != stage:
                         prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
                         state = None
@@ -266,8 +328,13 @@ class Trainer:
             finally:
                 if self._tb is not None:
                     self._tb.close()
-        return {"model": self.cfg.model, "stages": self.stages, "best": prog.best, "global_steps": prog.global_step,
-                "history": prog.history[-10:]}
+        return {
+            "model": self.cfg.model,
+            "stages": self.stages,
+            "best": prog.best,
+            "global_steps": prog.global_step,
+            "history": prog.history[-10:],
+        }
 
     def _scst_scorer(self) -> CiderD:
         if self._scorer is None:
@@ -275,29 +342,52 @@ class Trainer:
             self._scorer = CiderD(refs, df_mode="corpus")
         return self._scorer
 
-    def _step(self, stage: str, recipe: StageRecipe, batch: dict[str, Any], prog: Progress, optimizer: Any, scaler: Any) -> dict[str, float]:
+    def _step(
+        self, stage: str, recipe: StageRecipe, batch: dict[str, Any], prog: Progress, optimizer: Any, scaler: Any
+    ) -> dict[str, float]:
         self.model.train()
-        with autocast(self.ctx.device, self.precision):  # the greedy baseline too: samples and baseline in one precision
+        with autocast(
+            self.ctx.device, self.precision
+        ):  # the greedy baseline too: samples and baseline in one precision
             if stage == "xe":
                 kwargs: dict[str, Any] = {"smoothing": recipe.label_smoothing, "ss_prob": recipe.ss_prob(prog.epoch)}
             else:
                 scorer = self._scst_scorer()
-                separate = recipe.baseline == "greedy" and recipe.baseline_loop == "separate"  # else scst_loss decodes it
-                base = greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if separate else None
-                kwargs = {"scorer": scorer, "vocab": self.vocab, "method": recipe.sample_method, "num_samples": recipe.num_samples,
-                          "max_len": recipe.sample_max_len, "baseline": recipe.baseline, "normalize": recipe.pg_normalize,
-                          "baseline_rewards": base}
+                separate = (
+                    recipe.baseline == "greedy" and recipe.baseline_loop == "separate"
+                )  # else scst_loss decodes it
+                base = (
+                    greedy_rewards(self.model, batch, scorer, self.vocab, recipe.sample_max_len) if separate else None
+                )
+                kwargs = {
+                    "scorer": scorer,
+                    "vocab": self.vocab,
+                    "method": recipe.sample_method,
+                    "num_samples": recipe.num_samples,
+                    "max_len": recipe.sample_max_len,
+                    "baseline": recipe.baseline,
+                    "normalize": recipe.pg_normalize,
+                    "baseline_rewards": base,
+                }
             loss_sum, info = self.policy(stage, batch, kwargs)
         count = info if stage == "xe" else info.count
         local = float(loss_sum.detach()) / max(count, 1.0)
         # one collective for both: a non-finite loss on any rank (every rank stops) and the global token count
         bad, total = all_sums([0.0 if math.isfinite(local) else 1.0, count], self.ctx)
         if bad:
-            raise PipelineError(f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: "
-                                f"training stopped; the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the "
-                                "learning rate or check the features)")
-        optimizer_step(loss_sum * (self.ctx.world / max(total, 1.0)), optimizer, scaler, recipe.grad_clip_value,
-                       recipe.grad_clip_norm, self.model.parameters())
+            raise PipelineError(
+                f"the {stage} loss became {local} at epoch {prog.epoch}, iteration {prog.iteration + 1}: "
+                f"training stopped; the last good checkpoint is kept in {self.dir / 'last.pt'} (lower the "
+                "learning rate or check the features)"
+            )
+        optimizer_step(
+            loss_sum * (self.ctx.world / max(total, 1.0)),
+            optimizer,
+            scaler,
+            recipe.grad_clip_value,
+            recipe.grad_clip_norm,
+            self.model.parameters(),
+        )
         out = {"loss": local}
         if stage == "scst":
             out.update(reward=info.reward, baseline=info.baseline_reward)
@@ -306,7 +396,9 @@ class Trainer:
     def _end_epoch(self, prog: Progress, recipe: StageRecipe, schedule: Any) -> bool:
         """Validation, best.pt, patience and the schedule's epoch end; returns True to stop the stage early."""
         v = self.cfg.validation
-        due = (prog.epoch + 1) % int(v.every_epochs) == 0 or prog.epoch + 1 == recipe.epochs or schedule.name == "plateau"
+        due = (
+            (prog.epoch + 1) % int(v.every_epochs) == 0 or prog.epoch + 1 == recipe.epochs or schedule.name == "plateau"
+        )
         scores = self.validate(prog) if due else None
         stop = False
         if scores is not None:
@@ -314,7 +406,12 @@ class Trainer:
             record = {"stage": prog.stage, "epoch": prog.epoch, "global_step": prog.global_step, **scores}
             prog.history.append(record)
             self._log({"event": "val", **record})
-            log.info("validation %s epoch %d: %s", prog.stage, prog.epoch, ", ".join(f"{k} {x:.4f}" for k, x in scores.items()))
+            log.info(
+                "validation %s epoch %d: %s",
+                prog.stage,
+                prog.epoch,
+                ", ".join(f"{k} {x:.4f}" for k, x in scores.items()),
+            )
             if not prog.best or value > prog.best["value"]:
                 prog.best = {"metric": self.metric, "value": value, "stage": prog.stage, "epoch": prog.epoch}
                 prog.bad_epochs = 0
@@ -334,13 +431,23 @@ class Trainer:
         stage = prog.stage
         recipe = self.recipes[stage]
         seed = int(self.cfg.seed) + STAGE_SEED_OFFSET[stage]
-        log.info("stage %s: %d epochs of %d images per batch, schedule %s", stage, recipe.epochs, recipe.batch_size, recipe.schedule)
+        log.info(
+            "stage %s: %d epochs of %d images per batch, schedule %s",
+            stage,
+            recipe.epochs,
+            recipe.batch_size,
+            recipe.schedule,
+        )
         every = int(self.cfg.checkpoint_every)
         stop_early = False
         while prog.epoch < recipe.epochs and not stop_early:
-            batches = epoch_batches(self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching))
+            batches = epoch_batches(
+                self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching)
+            )
             t0, images, losses = time.perf_counter(), 0, []
-            for batch in self.train_source.iterate(batches[prog.position:], seed * 100003 + prog.epoch * 1009 + prog.position):
+            for batch in self.train_source.iterate(
+                batches[prog.position :], seed * 100003 + prog.epoch * 1009 + prog.position
+            ):
                 # the rate is a pure function of the schedule's saved state, written just before each step: a run that
                 # goes on past an epoch end and one resumed there train every batch at the same rate
                 apply_lr(optimizer, schedule.lr())
@@ -353,16 +460,38 @@ class Trainer:
                 losses.append(stats["loss"])
                 if prog.iteration % int(self.cfg.log_every) == 0:
                     rate = images / max(time.perf_counter() - t0, 1e-9)
-                    self._log({"event": "train", "stage": stage, "epoch": prog.epoch, "iteration": prog.iteration,
-                               "global_step": prog.global_step, "lr": optimizer.param_groups[0]["lr"], "images_per_s": rate * self.ctx.world, **stats})
+                    self._log(
+                        {
+                            "event": "train",
+                            "stage": stage,
+                            "epoch": prog.epoch,
+                            "iteration": prog.iteration,
+                            "global_step": prog.global_step,
+                            "lr": optimizer.param_groups[0]["lr"],
+                            "images_per_s": rate * self.ctx.world,
+                            **stats,
+                        }
+                    )
                 if every and prog.iteration % every == 0:
                     self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
-                self.stop.check(self.ctx, lambda: self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler)),
-                                f"{stage} epoch {prog.epoch}, batch {prog.position}", self.dir / "last.pt")
+                self.stop.check(
+                    self.ctx,
+                    lambda: self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler)),
+                    f"{stage} epoch {prog.epoch}, batch {prog.position}",
+                    self.dir / "last.pt",
+                )
             seconds = time.perf_counter() - t0
-            self._log({"event": "epoch", "stage": stage, "epoch": prog.epoch, "global_step": prog.global_step,
-                       "loss": sum(losses) / max(len(losses), 1), "seconds": round(seconds, 3),
-                       "images_per_s": images * self.ctx.world / max(seconds, 1e-9)})
+            self._log(
+                {
+                    "event": "epoch",
+                    "stage": stage,
+                    "epoch": prog.epoch,
+                    "global_step": prog.global_step,
+                    "loss": sum(losses) / max(len(losses), 1),
+                    "seconds": round(seconds, 3),
+                    "images_per_s": images * self.ctx.world / max(seconds, 1e-9),
+                }
+            )
             stop_early = self._end_epoch(prog, recipe, schedule)
             prog.epoch += 1
             prog.position = 0

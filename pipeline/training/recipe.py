@@ -37,11 +37,36 @@ OPTIMIZERS = ("adam", "adamw", "adamax", "sgd")
 SAMPLE_METHODS = ("sample", "beam")
 
 _COMMON = {
-    "epochs", "patience", "batch_size", "optimizer", "betas", "eps", "weight_decay", "lr",
-    "lr_schedule", "warmup", "warmup_iters", "decay_start_epoch", "decay_every_epochs", "decay_rate",
-    "noam_model_size", "extra_scheduler_step_per_epoch", "lr_decay_start", "lr_decay_every", "lr_decay_rate",
-    "plateau_factor", "plateau_patience", "warmup_epoch_factors", "grad_clip_value", "grad_clip_norm",
-    "label_smoothing", "scheduled_sampling", "seed", "reward", "captions_per_image", "max_caption_len",
+    "epochs",
+    "patience",
+    "batch_size",
+    "optimizer",
+    "betas",
+    "eps",
+    "weight_decay",
+    "lr",
+    "lr_schedule",
+    "warmup",
+    "warmup_iters",
+    "decay_start_epoch",
+    "decay_every_epochs",
+    "decay_rate",
+    "noam_model_size",
+    "extra_scheduler_step_per_epoch",
+    "lr_decay_start",
+    "lr_decay_every",
+    "lr_decay_rate",
+    "plateau_factor",
+    "plateau_patience",
+    "warmup_epoch_factors",
+    "grad_clip_value",
+    "grad_clip_norm",
+    "label_smoothing",
+    "scheduled_sampling",
+    "seed",
+    "reward",
+    "captions_per_image",
+    "max_caption_len",
     "optimizer_impl",
 }
 _SCST = {"sample_method", "num_samples", "sample_max_len", "baseline", "pg_normalize", "baseline_loop"}
@@ -90,7 +115,9 @@ def _noam_warmup(r: Mapping[str, Any], where: str) -> int:
     value = r.get("warmup_iters")
     steps = 10000 if value is None else int(value)
     if steps < 1:
-        raise ConfigError(f"{where}: the Noam schedule needs warmup_iters >= 1 (set lr_schedule: constant or step for no warm-up)")
+        raise ConfigError(
+            f"{where}: the Noam schedule needs warmup_iters >= 1 (set lr_schedule: constant or step for no warm-up)"
+        )
     return steps
 
 
@@ -100,7 +127,9 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
     kind = r.get("lr_schedule")
     lr = r.get("lr")
     if kind is None:
-        raise ConfigError(f"{where}: name the learning-rate schedule: lr_schedule: one of {', '.join(SCHEDULES.names())}")
+        raise ConfigError(
+            f"{where}: name the learning-rate schedule: lr_schedule: one of {', '.join(SCHEDULES.names())}"
+        )
     if kind not in SCHEDULES:
         raise ConfigError(f"{where}.lr_schedule: unknown schedule {kind!r} (known: {', '.join(SCHEDULES.names())})")
     if r.get("warmup") not in (None, "linear", "none"):
@@ -110,8 +139,13 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: a constant learning rate needs 'lr'")
         return {"type": "constant", "lr": float(lr)}
     if kind == "noam":
-        return {"type": "noam", "d_model": int(r.get("noam_model_size") or 512), "warmup": _noam_warmup(r, where),
-                "factor": float(lr) if lr is not None else 1.0, "extra_step_per_epoch": bool(r.get("extra_scheduler_step_per_epoch", False))}
+        return {
+            "type": "noam",
+            "d_model": int(r.get("noam_model_size") or 512),
+            "warmup": _noam_warmup(r, where),
+            "factor": float(lr) if lr is not None else 1.0,
+            "extra_step_per_epoch": bool(r.get("extra_scheduler_step_per_epoch", False)),
+        }
     if kind == "step":
         if lr is None:
             raise ConfigError(f"{where}: a step schedule needs 'lr'")
@@ -119,18 +153,36 @@ def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
             every = int(r.get("decay_every_epochs") or 3)
             start, rate = int(r["decay_start_epoch"]) - every, float(r.get("decay_rate", 0.5))
         else:
-            every, start, rate = int(r.get("lr_decay_every") or 3), int(r.get("lr_decay_start") or 0), float(r.get("lr_decay_rate", 0.8))
+            every, start, rate = (
+                int(r.get("lr_decay_every") or 3),
+                int(r.get("lr_decay_start") or 0),
+                float(r.get("lr_decay_rate", 0.8)),
+            )
         warm = int(r.get("warmup_iters") or 0)
-        return {"type": "step", "lr": float(lr), "decay_rate": rate, "decay_every": every, "decay_start": start, "warmup_iters": warm}
+        return {
+            "type": "step",
+            "lr": float(lr),
+            "decay_rate": rate,
+            "decay_every": every,
+            "decay_start": start,
+            "warmup_iters": warm,
+        }
     if kind == "plateau":
-        return {"type": "plateau", "lr": float(lr if lr is not None else 2e-5), "factor": float(r.get("plateau_factor", 0.5)),
-                "patience": int(r.get("plateau_patience", 3))}
+        return {
+            "type": "plateau",
+            "lr": float(lr if lr is not None else 2e-5),
+            "factor": float(r.get("plateau_factor", 0.5)),
+            "patience": int(r.get("plateau_patience", 3)),
+        }
     if kind == "gradual":
-        return {"type": "gradual", "lr": float(lr if lr is not None else 1e-3),
-                "warmup_factors": [float(f) for f in r.get("warmup_epoch_factors") or [0.5, 1.0, 1.5, 2.0]],
-                "decay_start": int(r.get("lr_decay_start", r.get("decay_start_epoch", 10))),
-                "decay_every": int(r.get("lr_decay_every", r.get("decay_every_epochs", 2))),
-                "decay_rate": float(r.get("lr_decay_rate", r.get("decay_rate", 0.25)))}
+        return {
+            "type": "gradual",
+            "lr": float(lr if lr is not None else 1e-3),
+            "warmup_factors": [float(f) for f in r.get("warmup_epoch_factors") or [0.5, 1.0, 1.5, 2.0]],
+            "decay_start": int(r.get("lr_decay_start", r.get("decay_start_epoch", 10))),
+            "decay_every": int(r.get("lr_decay_every", r.get("decay_every_epochs", 2))),
+            "decay_rate": float(r.get("lr_decay_rate", r.get("decay_rate", 0.25))),
+        }
     raise ConfigError(f"{where}.lr_schedule: the recipe cannot build a {kind!r} schedule")
 
 
@@ -138,17 +190,23 @@ def _scheduled_sampling(value: Any, where: str) -> dict[str, float] | None:
     if value in (None, False):
         return None
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}.scheduled_sampling must be false or a mapping (start, increase_every, increase_prob, max_prob)")
+        raise ConfigError(
+            f"{where}.scheduled_sampling must be false or a mapping (start, increase_every, increase_prob, max_prob)"
+        )
     keys = {"start", "increase_every", "increase_prob", "max_prob"}
     if set(value) - keys:
-        raise ConfigError(f"{where}.scheduled_sampling: unknown key(s) {sorted(set(value) - keys)} (known: {sorted(keys)})")
+        raise ConfigError(
+            f"{where}.scheduled_sampling: unknown key(s) {sorted(set(value) - keys)} (known: {sorted(keys)})"
+        )
     out = {"start": 0, "increase_every": 5, "increase_prob": 0.05, "max_prob": 0.25, **dict(value)}
     if out["increase_every"] < 1:
         raise ConfigError(f"{where}.scheduled_sampling.increase_every must be >= 1")
     return out
 
 
-def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mapping[str, Any] | None, default_epochs: int, where: str) -> StageRecipe:
+def stage_recipe(
+    stage: str, model_schedule: Mapping[str, Any], overrides: Mapping[str, Any] | None, default_epochs: int, where: str
+) -> StageRecipe:
     """The :class:`StageRecipe` of ``stage`` (``xe`` or ``scst``) from a model's ``schedule:`` mapping."""
     if stage not in ("xe", "scst"):
         raise ConfigError(f"unknown training stage {stage!r} (known: xe, scst)")
@@ -203,16 +261,22 @@ def stage_recipe(stage: str, model_schedule: Mapping[str, Any], overrides: Mappi
     if recipe.epochs < 0 or recipe.batch_size < 1:
         raise ConfigError(f"{w}: epochs must be >= 0 and batch_size >= 1")
     if recipe.optimizer_impl not in OPTIMIZER_IMPLS:
-        raise ConfigError(f"{w}.optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {recipe.optimizer_impl!r}")
+        raise ConfigError(
+            f"{w}.optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {recipe.optimizer_impl!r}"
+        )
     if recipe.optimizer_impl == "fused" and opt not in FUSED_OPTIMIZERS:
-        raise ConfigError(f"{w}.optimizer_impl: fused: PyTorch has no fused {opt} (only {', '.join(FUSED_OPTIMIZERS)}); use foreach")
+        raise ConfigError(
+            f"{w}.optimizer_impl: fused: PyTorch has no fused {opt} (only {', '.join(FUSED_OPTIMIZERS)}); use foreach"
+        )
     if stage == "scst":
         if recipe.sample_method not in SAMPLE_METHODS:
             raise ConfigError(f"{w}.sample_method must be one of {SAMPLE_METHODS}, got {recipe.sample_method!r}")
         if recipe.baseline not in BASELINES:
             raise ConfigError(f"{w}.baseline must be one of {', '.join(BASELINES)}, got {recipe.baseline!r}")
         if recipe.baseline_loop not in BASELINE_LOOPS:
-            raise ConfigError(f"{w}.baseline_loop must be one of {', '.join(BASELINE_LOOPS)}, got {recipe.baseline_loop!r}")
+            raise ConfigError(
+                f"{w}.baseline_loop must be one of {', '.join(BASELINE_LOOPS)}, got {recipe.baseline_loop!r}"
+            )
         if recipe.num_samples < 1 or (recipe.baseline != "greedy" and recipe.num_samples < 2):
             raise ConfigError(f"{w}.num_samples must be >= 1 (>= 2 for the {recipe.baseline} baseline)")
     return recipe

@@ -116,7 +116,9 @@ class NoamSchedule(Schedule):
     name = "noam"
     params = {"d_model": 512, "warmup": 10000, "factor": 1.0, "extra_step_per_epoch": False}
 
-    def __init__(self, d_model: int = 512, warmup: int = 10000, factor: float = 1.0, extra_step_per_epoch: bool = False) -> None:
+    def __init__(
+        self, d_model: int = 512, warmup: int = 10000, factor: float = 1.0, extra_step_per_epoch: bool = False
+    ) -> None:
         super().__init__()
         if warmup < 1 or d_model < 1:
             raise ConfigError(f"noam schedule needs warmup >= 1 and d_model >= 1, got {warmup}, {d_model}")
@@ -134,11 +136,18 @@ class StepSchedule(Schedule):
     params = {"lr": 2e-4, "decay_rate": 0.8, "decay_every": 3, "decay_start": 0, "warmup_iters": 0}
 
     def __init__(
-        self, lr: float = 2e-4, decay_rate: float = 0.8, decay_every: int = 3, decay_start: int = 0, warmup_iters: int = 0
+        self,
+        lr: float = 2e-4,
+        decay_rate: float = 0.8,
+        decay_every: int = 3,
+        decay_start: int = 0,
+        warmup_iters: int = 0,
     ) -> None:
         super().__init__()
         if decay_every < 1 or warmup_iters < 0:
-            raise ConfigError(f"step schedule needs decay_every >= 1 and warmup_iters >= 0, got {decay_every}, {warmup_iters}")
+            raise ConfigError(
+                f"step schedule needs decay_every >= 1 and warmup_iters >= 0, got {decay_every}, {warmup_iters}"
+            )
         self.lr_value, self.decay_rate = float(lr), float(decay_rate)
         self.decay_every, self.decay_start, self.warmup_iters = int(decay_every), int(decay_start), int(warmup_iters)
 
@@ -164,7 +173,13 @@ class PlateauSchedule(Schedule):
     params = {"lr": 2e-5, "factor": 0.5, "patience": 3, "mode": "max", "threshold": 1e-4, "min_lr": 0.0}
 
     def __init__(
-        self, lr: float = 2e-5, factor: float = 0.5, patience: int = 3, mode: str = "max", threshold: float = 1e-4, min_lr: float = 0.0
+        self,
+        lr: float = 2e-5,
+        factor: float = 0.5,
+        patience: int = 3,
+        mode: str = "max",
+        threshold: float = 1e-4,
+        min_lr: float = 0.0,
     ) -> None:
         super().__init__()
         if mode not in ("max", "min"):
@@ -225,10 +240,21 @@ class PlateauSchedule(Schedule):
 @SCHEDULES.register("gradual")
 class GradualSchedule(Schedule):
     name = "gradual"
-    params = {"lr": 1e-3, "warmup_factors": [0.5, 1.0, 1.5, 2.0], "decay_start": 10, "decay_every": 2, "decay_rate": 0.25}
+    params = {
+        "lr": 1e-3,
+        "warmup_factors": [0.5, 1.0, 1.5, 2.0],
+        "decay_start": 10,
+        "decay_every": 2,
+        "decay_rate": 0.25,
+    }
 
     def __init__(
-        self, lr: float = 1e-3, warmup_factors: list | None = None, decay_start: int = 10, decay_every: int = 2, decay_rate: float = 0.25
+        self,
+        lr: float = 1e-3,
+        warmup_factors: list | None = None,
+        decay_start: int = 10,
+        decay_every: int = 2,
+        decay_rate: float = 0.25,
     ) -> None:
         super().__init__()
         factors = [0.5, 1.0, 1.5, 2.0] if warmup_factors is None else [float(f) for f in warmup_factors]
@@ -238,8 +264,14 @@ class GradualSchedule(Schedule):
         self.decay_start, self.decay_every, self.decay_rate = int(decay_start), int(decay_every), float(decay_rate)
 
     def config(self) -> dict[str, Any]:
-        return {"type": self.name, "lr": self.lr_value, "warmup_factors": list(self.warmup_factors),
-                "decay_start": self.decay_start, "decay_every": self.decay_every, "decay_rate": self.decay_rate}
+        return {
+            "type": self.name,
+            "lr": self.lr_value,
+            "warmup_factors": list(self.warmup_factors),
+            "decay_start": self.decay_start,
+            "decay_every": self.decay_every,
+            "decay_rate": self.decay_rate,
+        }
 
     def lr(self) -> float:
         if self.epoch < len(self.warmup_factors):
@@ -263,13 +295,21 @@ def build_schedule(spec: Mapping[str, Any], where: str = "schedule") -> Schedule
     kwargs = {k: v for k, v in spec.items() if k != "type"}
     unknown = sorted(set(kwargs) - set(cls.params))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} for schedule '{kind}' (known: {', '.join(cls.params)})")
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)} for schedule '{kind}' (known: {', '.join(cls.params)})"
+        )
     for key, value in kwargs.items():
         default = cls.params[key]
-        ok = isinstance(value, bool) if isinstance(default, bool) else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(default, float)
-            else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)
-            else isinstance(value, type(default))
+        ok = (
+            isinstance(value, bool)
+            if isinstance(default, bool)
+            else (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                if isinstance(default, float)
+                else isinstance(value, int) and not isinstance(value, bool)
+                if isinstance(default, int)
+                else isinstance(value, type(default))
+            )
         )
         if not ok:
             raise ConfigError(f"{where}.{key}: expected {type(default).__name__}, got {value!r}")

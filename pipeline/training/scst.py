@@ -48,7 +48,9 @@ def greedy_advantages(rewards: np.ndarray, greedy_rewards: np.ndarray) -> np.nda
     rewards = np.asarray(rewards, dtype=np.float64)
     greedy_rewards = np.asarray(greedy_rewards, dtype=np.float64)
     if rewards.ndim != 2 or greedy_rewards.shape != (rewards.shape[0],):
-        raise ValueError(f"rewards {rewards.shape} must be (images, k) and greedy rewards (images,), got {greedy_rewards.shape}")
+        raise ValueError(
+            f"rewards {rewards.shape} must be (images, k) and greedy rewards (images,), got {greedy_rewards.shape}"
+        )
     return rewards - greedy_rewards[:, None]
 
 
@@ -100,7 +102,9 @@ def policy_gradient_loss(
             (M2's ``-mean_t(log p) * (r - b)`` over the fixed number of decoding steps, aimagelab/meshed-memory-transformer ``train.py``).
     """
     if token_log_probs.shape != mask.shape or token_log_probs.ndim != 2:
-        raise ValueError(f"token_log_probs {tuple(token_log_probs.shape)} and mask {tuple(mask.shape)} must both be (N, T)")
+        raise ValueError(
+            f"token_log_probs {tuple(token_log_probs.shape)} and mask {tuple(mask.shape)} must both be (N, T)"
+        )
     adv = torch.as_tensor(advantage, dtype=token_log_probs.dtype, device=token_log_probs.device).reshape(-1).detach()
     if adv.shape[0] != token_log_probs.shape[0]:
         raise ValueError(f"{adv.shape[0]} advantages for {token_log_probs.shape[0]} samples")

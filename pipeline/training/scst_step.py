@@ -96,7 +96,9 @@ def scst_loss(
         g = sample(model, enc, DecodeOptions(method="sample", max_len=max_len), n=k)
     b, _, t = g.tokens.shape
     rewards = sample_rewards(scorer, token_words(g.tokens.reshape(b * k, t), vocab), keys, k)
-    adv = torch.as_tensor(advantages(rewards, baseline, baseline_rewards).reshape(-1), dtype=torch.float32, device=g.tokens.device)
+    adv = torch.as_tensor(
+        advantages(rewards, baseline, baseline_rewards).reshape(-1), dtype=torch.float32, device=g.tokens.device
+    )
     if method == "beam" or normalize == "steps":
         logp = g.logprob.reshape(-1).float()
         loss_sum, count = -(adv * logp).sum() / max(t, 1), float(b * k)
@@ -105,5 +107,9 @@ def scst_loss(
         mask = (torch.arange(lp.shape[1], device=lp.device)[None] < g.lengths.reshape(-1, 1)).float()
         count = float(mask.sum())
         loss_sum = policy_gradient_loss(lp, mask, adv, "tokens") * max(count, 1.0)
-    base = float(np.mean(baseline_rewards)) if baseline_rewards is not None else float(np.mean(rewards - advantages(rewards, baseline)))
+    base = (
+        float(np.mean(baseline_rewards))
+        if baseline_rewards is not None
+        else float(np.mean(rewards - advantages(rewards, baseline)))
+    )
     return ScstOutput(loss_sum, count, float(rewards.mean()), base)

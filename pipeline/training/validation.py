@@ -27,8 +27,15 @@ from pipeline.core.vocab import Vocab
 
 @torch.no_grad()
 def decode_split(
-    model: Captioner, source: BatchSource, vocab: Vocab, options: DecodeOptions, ctx: DistContext,
-    batch_size: int = 50, precision: str = "fp32", max_images: int | None = None, description: str = "decoding",
+    model: Captioner,
+    source: BatchSource,
+    vocab: Vocab,
+    options: DecodeOptions,
+    ctx: DistContext,
+    batch_size: int = 50,
+    precision: str = "fp32",
+    max_images: int | None = None,
+    description: str = "decoding",
 ) -> dict[str, str]:
     """``{image key: caption}`` for the dataset of ``source`` (every image once, gathered on all ranks)."""
     was_training = model.training
@@ -54,7 +61,9 @@ def fast_cider(predictions: dict[str, str], references: dict[str, list[str]]) ->
     return float(np.mean(scorer.scores([predictions[k] for k in keys], keys)))
 
 
-def score_split(predictions: dict[str, str], references: dict[str, list[str]], full: bool = False, options: Any = None) -> dict[str, Any]:
+def score_split(
+    predictions: dict[str, str], references: dict[str, list[str]], full: bool = False, options: Any = None
+) -> dict[str, Any]:
     """``{"CIDEr": fast CIDEr-D on the words as they are}``; with ``full``, the COCO metrics after PTB
     tokenization (their ``CIDEr`` replaces it) plus ``skipped``/``notes``/``tokenizer``."""
     out: dict[str, Any] = {"CIDEr": fast_cider(predictions, references)}

@@ -24,7 +24,9 @@ from pipeline.training.losses import label_smoothed_nll
 from pipeline.core.vocab import PAD
 
 
-def scheduled_sampling_log_probs(model: Captioner, batch: dict[str, Any], inputs: torch.Tensor, prob: float) -> torch.Tensor:
+def scheduled_sampling_log_probs(
+    model: Captioner, batch: dict[str, Any], inputs: torch.Tensor, prob: float
+) -> torch.Tensor:
     """``(C, T, V)`` log-probs where each input word (t >= 1) is replaced by a model sample with prob ``prob``."""
     enc = model.encode(batch["feats"], batch["mask"], batch["boxes"], batch["sizes"])
     enc = index_state(enc, batch["caption_image"])
@@ -43,7 +45,9 @@ def scheduled_sampling_log_probs(model: Captioner, batch: dict[str, Any], inputs
     return torch.stack(outs, 1)
 
 
-def xe_loss_sum(model: Captioner, batch: dict[str, Any], smoothing: float = 0.0, ss_prob: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def xe_loss_sum(
+    model: Captioner, batch: dict[str, Any], smoothing: float = 0.0, ss_prob: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed label-smoothed NLL over the batch's target tokens, number of target tokens)."""
     captions = batch["captions"]
     inputs, targets = captions[:, :-1], captions[:, 1:]

@@ -117,7 +117,13 @@ def _enumeration(scene: Scene, rng: np.random.Generator) -> str:
     nps = [noun_phrase(d, len(_members(d, scene.objects)), rng) for d in descs]
     listing = _join(nps)
     first_count = len(_members(descs[0], scene.objects))
-    prefixes = ["", "there is " if first_count == 1 else "there are ", "an image of ", "a picture showing ", "a photo with "]
+    prefixes = [
+        "",
+        "there is " if first_count == 1 else "there are ",
+        "an image of ",
+        "a picture showing ",
+        "a photo with ",
+    ]
     text = prefixes[int(rng.integers(len(prefixes)))] + listing
     if rng.random() < 0.3:
         text += f" on a {scene.background} background"

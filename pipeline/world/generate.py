@@ -37,7 +37,9 @@ def scene_params(cfg: Config) -> SceneParams:
     """Validate the ``world`` section and turn it into :class:`SceneParams`."""
     lo, hi = cfg.image_size
     if not (16 <= lo <= hi <= 4096):
-        raise ConfigError(f"world.image_size must be [min, max] with 16 <= min <= max <= 4096, got {list(cfg.image_size)}")
+        raise ConfigError(
+            f"world.image_size must be [min, max] with 16 <= min <= max <= 4096, got {list(cfg.image_size)}"
+        )
     if not (1 <= cfg.min_objects <= cfg.max_objects <= 6):
         raise ConfigError("world.min_objects/max_objects must satisfy 1 <= min <= max <= 6")
     return SceneParams(
@@ -174,5 +176,7 @@ def generate_world(out_dir: str | Path, cfg: Config) -> tuple[dict[str, Any], di
         },
     )
     outputs["world"] = "world.json"
-    log.info("world: %d images (%s), %d objects, %d captions in %s", n, counts, summary["objects"], summary["captions"], out)
+    log.info(
+        "world: %d images (%s), %d objects, %d captions in %s", n, counts, summary["objects"], summary["captions"], out
+    )
     return outputs, summary

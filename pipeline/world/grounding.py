@@ -99,7 +99,9 @@ def load_scenes(instances_json: str | Path) -> dict[int, Scene]:
             named = [attrs[int(a)] for a in ann.get("attribute_ids", [])]
             colour = next((n for t, n in named if t == "colour"), None)
             size = next((n for t, n in named if t == "size"), None)
-            objects[int(ann["image_id"])].append(SceneObject(shapes[int(ann["category_id"])], colour, size, (x, y, x + w, y + h)))
+            objects[int(ann["image_id"])].append(
+                SceneObject(shapes[int(ann["category_id"])], colour, size, (x, y, x + w, y + h))
+            )
     except (ValueError, KeyError, TypeError) as exc:
         raise PipelineError(f"{path}: not a synthetic-world instances file ({type(exc).__name__}: {exc})") from exc
     return {i: Scene(w, h, tuple(objects[i])) for i, (w, h) in images.items()}
@@ -143,20 +145,30 @@ def judge_caption(caption: str, scene: Scene, vocab: Mapping[str, set[str]]) -> 
     relation words that hold between the relation's two phrases; None without a relation claim)."""
     tokens = tokenize(caption)
     phrases = parse_phrases(tokens, vocab["shapes"], vocab["colours"], vocab["sizes"])
-    verdict: dict[str, Any] = {"phrases": [p.holds(scene) for p in phrases], "relation": None, "position": None, "relation_chance": None}
+    verdict: dict[str, Any] = {
+        "phrases": [p.holds(scene) for p in phrases],
+        "relation": None,
+        "position": None,
+        "relation_chance": None,
+    }
     for a, b in zip(phrases, phrases[1:]):
         rel = next((r for words, r in RELATION_WORDS.items() if _find(tokens, words, a.end, b.start)), None)
         if rel is not None:
             boxes_a = [o.box for o in a.members(scene)]
             boxes_b = [o.box for o in b.members(scene)]
             verdict["relation"] = group_relation_holds(rel, boxes_a, boxes_b)
-            verdict["relation_chance"] = sum(group_relation_holds(r, boxes_a, boxes_b) for r in RELATIONS) / len(RELATIONS)
+            verdict["relation_chance"] = sum(group_relation_holds(r, boxes_a, boxes_b) for r in RELATIONS) / len(
+                RELATIONS
+            )
             break
     if verdict["relation"] is None and len(phrases) == 1 and phrases[0].count == 1:
         for words, (h, v) in POSITION_WORDS.items():
             if tuple(tokens[-len(words) :]) == words:
                 members = phrases[0].members(scene)
-                verdict["position"] = len(members) == 1 and position(members[0].box, scene.width, scene.height) == (h, v)
+                verdict["position"] = len(members) == 1 and position(members[0].box, scene.width, scene.height) == (
+                    h,
+                    v,
+                )
                 break
     return verdict
 
@@ -165,7 +177,11 @@ def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[i
     """Fractions of true claims over ``predictions`` (``[{image_id, caption}]``): ``object_accuracy``
     (noun phrases), ``relation_accuracy`` (with its guessing rate ``relation_chance``), ``position_accuracy``, with the number of claims of each kind and
     ``captions_without_claims`` (captions in which no noun phrase could be parsed)."""
-    vocab: dict[str, set[str]] = {"shapes": {o.shape for s in scenes.values() for o in s.objects}, "colours": set(), "sizes": set()}
+    vocab: dict[str, set[str]] = {
+        "shapes": {o.shape for s in scenes.values() for o in s.objects},
+        "colours": set(),
+        "sizes": set(),
+    }
     for scene in scenes.values():
         vocab["colours"] |= {o.colour for o in scene.objects if o.colour}
         vocab["sizes"] |= {o.size for o in scene.objects if o.size}
@@ -191,8 +207,12 @@ def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[i
         return round(sum(xs) / len(xs), 4) if xs else None
 
     return {
-        "object_accuracy": frac(phrases), "phrases": len(phrases),
-        "relation_accuracy": frac(relations), "relations": len(relations), "relation_chance": frac(chances),
-        "position_accuracy": frac(positions), "positions": len(positions),
+        "object_accuracy": frac(phrases),
+        "phrases": len(phrases),
+        "relation_accuracy": frac(relations),
+        "relations": len(relations),
+        "relation_chance": frac(chances),
+        "position_accuracy": frac(positions),
+        "positions": len(positions),
         "captions_without_claims": empty,
     }

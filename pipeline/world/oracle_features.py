@@ -44,7 +44,12 @@ def oracle_dim(extra_dims: int = 0, box_features: bool = True) -> int:
 
 
 def oracle_region_features(
-    annotations: list[dict[str, Any]], width: int, height: int, rng: np.random.Generator, noise: float = 0.05, extra_dims: int = 0,
+    annotations: list[dict[str, Any]],
+    width: int,
+    height: int,
+    rng: np.random.Generator,
+    noise: float = 0.05,
+    extra_dims: int = 0,
     box_features: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(features (N, D), boxes (N, 4) x1 y1 x2 y2)`` for one image's COCO instance annotations."""
@@ -60,13 +65,24 @@ def oracle_region_features(
         feats[r, nc + nk + (size_id - nk - 1)] = 1.0
         o = nc + nk + ns
         if box_features:
-            feats[r, o : o + BOX_DIMS] = (x / width, y / height, (x + w) / width, (y + h) / height, np.sqrt(w * h / (width * height)))
+            feats[r, o : o + BOX_DIMS] = (
+                x / width,
+                y / height,
+                (x + w) / width,
+                (y + h) / height,
+                np.sqrt(w * h / (width * height)),
+            )
     feats += rng.normal(0.0, noise, feats.shape).astype(np.float32)
     return feats, boxes
 
 
 def write_oracle_store(
-    world_dir: str | Path, store_dir: str | Path, noise: float = 0.05, extra_dims: int = 0, seed: int = 0, box_features: bool = True,
+    world_dir: str | Path,
+    store_dir: str | Path,
+    noise: float = 0.05,
+    extra_dims: int = 0,
+    seed: int = 0,
+    box_features: bool = True,
     key: str = "id",
 ) -> dict[str, Any]:
     """Write oracle features of every image of a generated world into a feature store (keys: the image ids, or
@@ -75,7 +91,13 @@ def write_oracle_store(
     Resumable like any store: images already committed are skipped. Returns a small summary.
     """
     world_dir = Path(world_dir)
-    identity = {"name": "oracle", "source": "synthetic-world ground truth", "noise": float(noise), "extra_dims": int(extra_dims), "seed": int(seed)}
+    identity = {
+        "name": "oracle",
+        "source": "synthetic-world ground truth",
+        "noise": float(noise),
+        "extra_dims": int(extra_dims),
+        "seed": int(seed),
+    }
     if not box_features:
         identity["box_features"] = False  # only when off, so stores written before the switch keep their identity
     written = 0
@@ -93,7 +115,15 @@ def write_oracle_store(
                 if writer.has(name) or not per_image[int(img["id"])]:
                     continue
                 rng = np.random.default_rng((int(seed), int(img["id"])))
-                feats, boxes = oracle_region_features(per_image[int(img["id"])], int(img["width"]), int(img["height"]), rng, noise, extra_dims, box_features)
+                feats, boxes = oracle_region_features(
+                    per_image[int(img["id"])],
+                    int(img["width"]),
+                    int(img["height"]),
+                    rng,
+                    noise,
+                    extra_dims,
+                    box_features,
+                )
                 writer.add(name, RegionRecord(feats, boxes, int(img["width"]), int(img["height"])))
                 written += 1
         writer.commit()

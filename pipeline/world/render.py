@@ -25,9 +25,7 @@ def _background(rng: np.random.Generator, kind: str, width: int, height: int) ->
         img += (18.0 * np.sign(np.sin(phase)))[..., None]
     elif kind == "cloudy":
         coarse = rng.normal(0, 1, size=(height // 16 + 2, width // 16 + 2)).astype(np.float32)
-        blob = np.asarray(
-            Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32
-        )
+        blob = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
         img += (14.0 * blob)[..., None]
     img += rng.normal(0, 9.0, size=img.shape).astype(np.float32)
     return img

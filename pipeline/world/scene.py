@@ -72,11 +72,26 @@ def shape_outline(shape: str, r: float) -> tuple[list[tuple[float, float]], list
         return pts, []
     if shape == "cross":
         a, w = r * 0.92, r * 0.32
-        return [(-w, -a), (w, -a), (w, -w), (a, -w), (a, w), (w, w), (w, a), (-w, a), (-w, w), (-a, w), (-a, -w), (-w, -w)], []
+        return [
+            (-w, -a),
+            (w, -a),
+            (w, -w),
+            (a, -w),
+            (a, w),
+            (w, w),
+            (w, a),
+            (-w, a),
+            (-w, w),
+            (-a, w),
+            (-a, -w),
+            (-w, -w),
+        ], []
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def _transform(points: list[tuple[float, float]], angle: float, cx: float, cy: float) -> tuple[tuple[float, float], ...]:
+def _transform(
+    points: list[tuple[float, float]], angle: float, cx: float, cy: float
+) -> tuple[tuple[float, float], ...]:
     c, s = math.cos(angle), math.sin(angle)
     return tuple((cx + x * c - y * s, cy + x * s + y * c) for x, y in points)
 
@@ -107,7 +122,8 @@ def sample_scene(rng: np.random.Generator, params: SceneParams) -> Scene:
             cy = float(rng.uniform(1 - min(ys), height - 1 - max(ys)))
             box = (cx + min(xs), cy + min(ys), cx + max(xs), cy + max(ys))
             if all(
-                intersection_area(box, o.box) <= params.max_overlap * min(box_area(box), box_area(o.box)) for o in objects
+                intersection_area(box, o.box) <= params.max_overlap * min(box_area(box), box_area(o.box))
+                for o in objects
             ):
                 placed = (cx, cy, box)
                 break

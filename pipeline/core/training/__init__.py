@@ -22,6 +22,17 @@ from pipeline.core.training.signals import StopOnSignal, TrainingInterrupted
 from pipeline.core.training.step import check_finite, optimizer_step
 
 __all__ = [
-    "PRECISIONS", "StopOnSignal", "TrainingInterrupted", "autocast", "check_finite", "gather_rng_states", "make_scaler",
-    "optimizer_step", "resolve_precision", "restore_rng_states", "restore_training_state", "seed_everything", "training_state",
+    "PRECISIONS",
+    "StopOnSignal",
+    "TrainingInterrupted",
+    "autocast",
+    "check_finite",
+    "gather_rng_states",
+    "make_scaler",
+    "optimizer_step",
+    "resolve_precision",
+    "restore_rng_states",
+    "restore_training_state",
+    "seed_everything",
+    "training_state",
 ]

@@ -53,25 +53,37 @@ def deterministic_mode(enabled: bool, key: str = "deterministic") -> Iterator[No
     if not enabled:
         yield
         return
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_SETTING
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
-    log.info("%s=true: deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=%s, no cuDNN "
-             "autotuning)", key, os.environ["CUBLAS_WORKSPACE_CONFIG"])
+    log.info(
+        "%s=true: deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=%s, no cuDNN "
+        "autotuning)",
+        key,
+        os.environ["CUBLAS_WORKSPACE_CONFIG"],
+    )
     try:
         yield
     except RuntimeError as exc:
         op = nondeterministic_op(exc)
         if op is not None:
-            raise UsageError(f"{key}=true: {op} has no deterministic implementation in torch {torch.__version__}; "
-                             f"set {key}=false to train without bitwise repeatability") from None
+            raise UsageError(
+                f"{key}=true: {op} has no deterministic implementation in torch {torch.__version__}; "
+                f"set {key}=false to train without bitwise repeatability"
+            ) from None
         if "CUBLAS_WORKSPACE_CONFIG" in str(exc):
-            raise UsageError(f"{key}=true needs CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8 in the environment, not "
-                             f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r}") from None
+            raise UsageError(
+                f"{key}=true needs CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8 in the environment, not "
+                f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r}"
+            ) from None
         raise
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -38,8 +38,11 @@ def restore_rng_states(states: list[dict[str, Any]] | dict[str, Any], ctx: DistC
     if len(states) == ctx.world:
         restore_rng_state(states[ctx.rank])
         return True
-    log.warning("the checkpoint was written by %d process(es), this run has %d: the random streams are not resumed exactly",
-                len(states), ctx.world)
+    log.warning(
+        "the checkpoint was written by %d process(es), this run has %d: the random streams are not resumed exactly",
+        len(states),
+        ctx.world,
+    )
     if ctx.rank == 0:
         restore_rng_state(states[0])
     else:
@@ -47,14 +50,24 @@ def restore_rng_states(states: list[dict[str, Any]] | dict[str, Any], ctx: DistC
     return False
 
 
-def training_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ctx: DistContext) -> dict[str, Any]:
+def training_state(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ctx: DistContext
+) -> dict[str, Any]:
     """``{"optimizer", "scaler", "rng"}`` for a resumable checkpoint (call on every rank: it gathers the RNG states)."""
-    return {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else {},
-            "rng": gather_rng_states(ctx)}
+    return {
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "rng": gather_rng_states(ctx),
+    }
 
 
-def restore_training_state(ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                           ctx: DistContext, fallback_seed: int) -> bool:
+def restore_training_state(
+    ckpt: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    ctx: DistContext,
+    fallback_seed: int,
+) -> bool:
     """Load what :func:`training_state` saved into ``optimizer``/``scaler`` and the RNGs (see :func:`restore_rng_states`)."""
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):

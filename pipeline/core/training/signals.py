@@ -66,5 +66,7 @@ class StopOnSignal:
         """When a stop was requested: ``save()`` and raise :class:`TrainingInterrupted` naming ``where`` and the file."""
         if self.requested(ctx):
             save()
-            raise TrainingInterrupted(f"stopped by a signal at {where}; checkpoint saved to {checkpoint}: "
-                                      "run the same command again to resume")
+            raise TrainingInterrupted(
+                f"stopped by a signal at {where}; checkpoint saved to {checkpoint}: "
+                "run the same command again to resume"
+            )
