@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from caption_helpers import tiny_run
 from typer.testing import CliRunner
 
 from cli import app as cli_app
@@ -84,6 +85,29 @@ class CliRunnerFixture:
 def cli() -> CliRunnerFixture:
     """The one way the tests run ``cli.py``: ``cli(*args)`` in a child process, ``cli.invoke(*args)`` in this one."""
     return CliRunnerFixture()
+
+
+@pytest.fixture(scope="session")
+def tiny_captioners(tmp_path_factory) -> Path:
+    """A run (:func:`caption_helpers.tiny_run`) with two tiny captioners, ``train-a`` (seed 1, one XE epoch) and
+    ``train-b`` (seed 2, eight XE epochs), built once and read by the caption tests; none writes into it."""
+    return tiny_run(
+        tmp_path_factory.mktemp("captioners"),
+        {
+            "a": ["train.seed=1"],
+            "b": ["train.seed=2", "train.xe={epochs: 8, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"],
+        },
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_captioner(tmp_path_factory) -> Path:
+    """A run with one tiny captioner ``train-a`` (six XE epochs: its captions are words of the world), built once
+    and read by the serve and gallery tests; none writes into it."""
+    return tiny_run(
+        tmp_path_factory.mktemp("captioner"),
+        {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]},
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
