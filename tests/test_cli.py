@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
 COMMANDS = [
     "extract",
@@ -31,12 +32,12 @@ def test_help_lists_every_command(cli) -> None:
 
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_every_command_has_help_with_examples(cli, cmd: str) -> None:
-    res = cli(cmd, "--help")
-    assert res.returncode == 0, res.stderr
+    res = cli.invoke(cmd, "--help", env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
     assert "Example" in res.stdout and "butd-caption" in res.stdout
 
 
-def one_error_line(res: subprocess.CompletedProcess) -> str:
+def one_error_line(res: subprocess.CompletedProcess | Result) -> str:
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     errors = [l for l in lines if l.startswith("error:")]
     assert len(errors) == 1, res.stderr
@@ -45,26 +46,26 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
 
 
 def test_bad_override_key_is_a_usage_error(cli, tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.nope=3")
-    assert res.returncode == 2
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.nope=3")
+    assert res.exit_code == 2
     assert "unknown config key 'world.nope'" in one_error_line(res)
 
 
 def test_wrong_type_is_a_usage_error(cli, tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.num_images=lots")
-    assert res.returncode == 2
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.num_images=lots")
+    assert res.exit_code == 2
     assert "must be int" in one_error_line(res)
 
 
 def test_missing_config_file_is_a_usage_error(cli, tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--config", str(tmp_path / "nope.yaml"))
-    assert res.returncode == 2
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--config", str(tmp_path / "nope.yaml"))
+    assert res.exit_code == 2
     assert "config file not found" in one_error_line(res)
 
 
 def test_invalid_value_is_a_usage_error(cli, tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.image_format=gif")
-    assert res.returncode == 2
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.image_format=gif")
+    assert res.exit_code == 2
     assert "image_format" in one_error_line(res)
 
 
@@ -101,9 +102,12 @@ def test_interrupted_stage_resumes(cli, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cmd", ["extract", "import-features", "prepare", "caption", "evaluate"])
-def test_commands_without_their_inputs_are_usage_errors(cli, cmd: str, tmp_path: Path) -> None:
-    res = cli(cmd, cwd=tmp_path)
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+def test_commands_without_their_inputs_are_usage_errors(
+    cli, cmd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default run directory is relative: an empty folder
+    res = cli.invoke(cmd)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
 
 
 def test_info_shows_environment_and_run_dirs(cli, tmp_path: Path) -> None:
