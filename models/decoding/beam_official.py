@@ -146,7 +146,7 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
         ys, ix = ys[:, :, :k], ix[:, :, :k]  # (B, rows, cols)
         cand = (sums[:, :rows, None] + ys).transpose(1, 2).reshape(num_images, k * rows)  # word rank outer
         pick = torch.sort(-cand, dim=1, stable=True).indices[:, :k]
-        src, col = pick % rows, pick // rows
+        src = pick % rows
         words = ix.transpose(1, 2).reshape(num_images, k * rows).gather(1, pick)
         sums = cand.gather(1, pick)
         history = torch.cat(
