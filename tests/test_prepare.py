@@ -17,7 +17,6 @@ from pipeline.core.stages import run_stage
 from pipeline.world.generate import generate_world
 
 
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("world")

@@ -16,7 +16,6 @@ from pipeline.store import FeatureStore, compact_store, is_store, merge_stores, 
 from pipeline.store.merge import check_exactly_once
 
 
-
 def write_store(path: Path, indices, commit_every: int = 7, dtype: str = "float16", **kw) -> None:
     with open_writer(path, IDENTITY, dtype, commit_every=commit_every, **kw) as w:
         for i in indices:
