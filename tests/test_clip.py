@@ -27,8 +27,12 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
-from extractors.clip import CLIP_MEAN, CLIP_STD, ClipRecipe, ClipWeightsError, extract, load_clip, prepare
+from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, prepare
 from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, infer_config
+from extractors.clip.recipe import cell_boxes
+from pipeline.core.catalogue import CATALOGUE
+from pipeline.core.errors import PipelineError
+from pipeline.hub.verify import verifier
 
 PHOTOS = ("000456.jpg", "COCO_train2014_000000084002.jpg")
 REL_TOL = 1e-4
@@ -479,8 +483,6 @@ def test_clip_recipe_is_encode_image(tmp_path, photos):
 def test_cell_boxes_cover_the_image(photos):
     img = photos[0]
     w, h = img.size
-    from extractors.clip.recipe import cell_boxes
-
     vil = prepare(np.asarray(img), ClipRecipe("clip-vil"), 224)
     boxes = cell_boxes(vil, (14, 14), 32)
     assert boxes.shape == (196, 4)
@@ -552,3 +554,14 @@ def test_config_records_refuse_nonsense():
         ClipVisionConfig("vit", 100, (2,), 96, 48, patch=32)
     with pytest.raises(ValueError):
         ClipRecipe("clip-vil", pos_resize="nearest")
+
+
+def test_catalogue_entries_carry_the_url_digest_and_verify(tmp_path):
+    clip = [e for e in CATALOGUE.values() if e.kind == "clip"]
+    assert len(clip) == len(PRESETS) == 9
+    for e in clip:
+        assert e.urls[0].split("/")[-2] == e.sha256 and len(e.sha256) == 64 and e.urls[0].endswith(e.filename)
+    verifier("clip")(save_openai(make_release("vit", seed=10), tmp_path / "ok.pt"))
+    torch.save({"visual.nothing": torch.zeros(3)}, tmp_path / "no.pt")
+    with pytest.raises(PipelineError, match="no.pt"):
+        verifier("clip")(tmp_path / "no.pt")
