@@ -549,6 +549,15 @@ def test_truncated_storage_is_refused(tmp_path):
         load_clip(bad)
 
 
+def test_zero_stride_views_are_refused_before_allocation(tmp_path):
+    model = make_release("rn", seed=11)
+    model.visual.register_buffer("wide", torch.zeros(1).expand(10**9))
+    path = save_openai(model, tmp_path / "wide.pt")
+    assert path.stat().st_size < 10**7
+    with pytest.raises(ClipWeightsError, match=r"'visual\.wide': shape \[1000000000\] declares more"):
+        load_clip(path)
+
+
 def test_config_records_refuse_nonsense():
     with pytest.raises(ValueError):
         ClipVisionConfig("vit", 100, (2,), 96, 48, patch=32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import re
 import struct
@@ -46,6 +47,8 @@ from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
 
 LAYOUTS = ("openai", "open_clip", "hf")
+#: attributes a TorchScript module tree may hold (OpenAI's ViT-L/14 archive holds a few thousand)
+MAX_VISITS = 1_000_000
 #: top-level names of the text tower in the OpenAI / open_clip state dict (recognised, not loaded)
 TEXT_KEYS = re.compile(
     r"^(transformer\..+|token_embedding\.weight|positional_embedding|ln_final\.(weight|bias)|text_projection|"
@@ -147,17 +150,22 @@ class _ScriptUnpickler(RestrictedUnpickler):
         return _StorageRef(pid[1].dtype, pid[2], pid[4])
 
 
-def _walk(obj: Any, prefix: str, out: dict[str, _TensorRef], depth: int = 0) -> None:
+def _walk(obj: Any, prefix: str, out: dict[str, _TensorRef], seen: list[int], depth: int = 0) -> None:
+    """Collect the tensors of the module tree by attribute path; every object visited counts against
+    :data:`MAX_VISITS` (an object shared many times over nested levels would otherwise be walked exponentially)."""
     if depth > 64:
         raise pickle.UnpicklingError("module tree nested too deep")
     state = getattr(obj, "state", None) if isinstance(obj, _ScriptObject) else None
     if not isinstance(state, dict):
         return
     for name, value in state.items():
+        seen[0] += 1
+        if seen[0] > MAX_VISITS:
+            raise pickle.UnpicklingError(f"the module tree has more than {MAX_VISITS:,} attributes")
         if isinstance(value, _TensorRef):
             out[prefix + str(name)] = value
         elif isinstance(value, _ScriptObject):
-            _walk(value, f"{prefix}{name}.", out, depth + 1)
+            _walk(value, f"{prefix}{name}.", out, seen, depth + 1)
 
 
 def is_torchscript(path: Path) -> bool:
@@ -192,7 +200,10 @@ def read_torchscript(path: Path) -> "OrderedDict[str, torch.Tensor]":
                 f"{path}: '{root}data.pkl' refused (nothing from the file was run): {type(exc).__name__}: {exc}"
             ) from None
         refs: dict[str, _TensorRef] = {}
-        _walk(tree, "", refs)
+        try:
+            _walk(tree, "", refs, [0])
+        except pickle.UnpicklingError as exc:
+            raise ClipWeightsError(f"{path}: '{root}data.pkl' refused: {exc}") from None
         storages: dict[str, torch.Tensor] = {}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, ref in refs.items():
@@ -214,8 +225,11 @@ def read_torchscript(path: Path) -> "OrderedDict[str, torch.Tensor]":
                 )
             flat = storages[ref.storage.key]
             extent = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride)) + 1
-            if 0 not in ref.size and extent > flat.numel():
-                raise ClipWeightsError(f"{path}: '{key}': shape {list(ref.size)} reaches past its storage")
+            if 0 not in ref.size and (extent > flat.numel() or math.prod(ref.size) > flat.numel()):
+                raise ClipWeightsError(
+                    f"{path}: '{key}': shape {list(ref.size)} declares more than its storage of "
+                    f"{flat.numel():,} elements holds (zero, overlapping or out-of-range strides)"
+                )
             out[key] = torch.as_strided(flat, ref.size, ref.stride, ref.offset).clone()
     return out
 
