@@ -27,7 +27,7 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
-from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, prepare
+from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, prepare, read_clip
 from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, infer_config
 from extractors.clip.recipe import cell_boxes
 from pipeline.core.catalogue import CATALOGUE
@@ -445,6 +445,19 @@ def test_openai_archive_rn_matches_clip_vil(tmp_path, photos):
 def test_openai_archive_vit_matches_clip_vil(tmp_path, photos):
     ref = make_release("vit", seed=2)
     _compare_clip_vil(save_openai(ref, tmp_path / "ViT-tiny.pt"), ref, photos, "openai")
+
+
+def test_archive_reader_agrees_with_torch_jit_load(tmp_path):
+    """The restricted reader rebuilds exactly the state dict ``torch.jit.load`` gives (safe here: the test wrote it)."""
+    path = save_openai(make_release("rn", seed=12), tmp_path / "rn.pt")
+    layout, sd = read_clip(path)
+    want = {
+        k[len("visual.") :]: v for k, v in torch.jit.load(str(path)).state_dict().items() if k.startswith("visual.")
+    }
+    assert layout == "openai" and sd.keys() == want.keys()
+    assert any(v.dtype == torch.float16 for v in want.values())
+    for k, v in want.items():
+        assert torch.equal(sd[k], v.float() if v.is_floating_point() else v), k
 
 
 def test_open_clip_checkpoints_match(tmp_path, photos):
