@@ -31,8 +31,10 @@ from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, pr
 from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, infer_config
 from extractors.clip.recipe import cell_boxes
 from pipeline.core.catalogue import CATALOGUE
-from pipeline.core.errors import PipelineError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.hub.verify import verifier
+from pipeline.importers import import_features
+from pipeline.store import FeatureStore
 
 PHOTOS = ("000456.jpg", "COCO_train2014_000000084002.jpg")
 REL_TOL = 1e-4
@@ -587,3 +589,34 @@ def test_catalogue_entries_carry_the_url_digest_and_verify(tmp_path):
     torch.save({"visual.nothing": torch.zeros(3)}, tmp_path / "no.pt")
     with pytest.raises(PipelineError, match="no.pt"):
         verifier("clip")(tmp_path / "no.pt")
+
+
+def test_clip_vil_feature_folders_import_as_the_extractor_writes_them(tmp_path, photos):
+    ref = make_release("rn", seed=13)
+    model, _ = load_clip(save_open_clip(ref, tmp_path / "rn.pt"))
+    att, fc = tmp_path / "data_clip_RN50_att", tmp_path / "data_clip_RN50_fc"
+    att.mkdir()
+    fc.mkdir()
+    images = {"391895": photos[0], "522418": photos[1]}
+    want = {}
+    for key, img in images.items():
+        feats = extract(model, np.asarray(img), ClipRecipe("clip-vil"))
+        grid = feats.regions.features.reshape(14, 14, -1)
+        np.savez_compressed(att / f"{key}.npz", feat=grid)  # clip_prepro_feats.py's att file
+        np.save(fc / key, feats.pooled)
+        want[key] = feats.regions
+    sizes = {k: img.size for k, img in images.items()}
+    with pytest.raises(UsageError, match="--sizes"):
+        import_features("clip-vil", [att], tmp_path / "s")
+    report = import_features("clip-vil", [att], tmp_path / "s", sizes=sizes, feature_dtype="float32")
+    assert report.imported == 2
+    store = FeatureStore(tmp_path / "s")
+    assert store.identity["release"]["recipe"] == "clip-vil"
+    for key, regions in want.items():
+        rec = store.get(key)
+        np.testing.assert_array_equal(rec["features"], regions.features)
+        np.testing.assert_allclose(rec["boxes"], regions.boxes, rtol=1e-6, atol=1e-4)
+        assert store.image_size(key) == (regions.image_w, regions.image_h)
+    np.savez_compressed(att / "7.npz", z=np.zeros((2, 2, 3), np.float32))
+    with pytest.raises(PipelineError, match=r"7\.npz: npz has no 'feat' array"):
+        import_features("clip-vil", [att], tmp_path / "s", sizes=sizes | {"7": (10, 10)}, feature_dtype="float32")
