@@ -620,3 +620,27 @@ def test_clip_vil_feature_folders_import_as_the_extractor_writes_them(tmp_path, 
     np.savez_compressed(att / "7.npz", z=np.zeros((2, 2, 3), np.float32))
     with pytest.raises(PipelineError, match=r"7\.npz: npz has no 'feat' array"):
         import_features("clip-vil", [att], tmp_path / "s", sizes=sizes | {"7": (10, 10)}, feature_dtype="float32")
+
+
+def test_activation_comes_from_the_release_config_beside_the_weights(tmp_path):
+    ref = make_release("vit", seed=14)
+    hf_dir, oc_dir = tmp_path / "hf", tmp_path / "oc"
+    hf_dir.mkdir()
+    oc_dir.mkdir()
+    torch.save(hf_state_dict(ref, with_projection=True), hf_dir / "pytorch_model.bin")
+    model, info = load_clip(hf_dir / "pytorch_model.bin")
+    assert model.config.activation == "quick_gelu" and info["activation_from"].startswith("default")
+    (hf_dir / "config.json").write_text(json.dumps({"vision_config": {"hidden_act": "gelu", "hidden_size": 128}}))
+    model, info = load_clip(hf_dir / "pytorch_model.bin")
+    assert model.config.activation == "gelu" and info["activation_from"] == "config.json"
+    assert isinstance(model.transformer.resblocks[0].mlp.gelu, nn.GELU)
+    with pytest.raises(ClipWeightsError, match="config.json says 'gelu'"):
+        load_clip(hf_dir / "pytorch_model.bin", activation="quick_gelu")
+    (hf_dir / "config.json").write_text(json.dumps({"vision_config": {"hidden_act": "relu"}}))
+    with pytest.raises(ClipWeightsError, match="activation 'relu'"):
+        load_clip(hf_dir / "pytorch_model.bin")
+    save_open_clip(ref, oc_dir / "open_clip_pytorch_model.bin")
+    (oc_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"embed_dim": 48}}))
+    assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "gelu"
+    (oc_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"quick_gelu": True}}))
+    assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "quick_gelu"

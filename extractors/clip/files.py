@@ -41,9 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from extractors.clip.model import ClipVisionConfig, ConfigError, build, expected_shapes, infer_config
+from extractors.clip.model import ACTIVATIONS, ClipVisionConfig, ConfigError, build, expected_shapes, infer_config
 from models.released.unpickle import Budget, RestrictedUnpickler, StandIn, TooLarge, load_weights_file
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import read_json
 from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
 
 LAYOUTS = ("openai", "open_clip", "hf")
@@ -390,15 +391,49 @@ def check_strict(path: Path, layout: str, sd: Mapping[str, torch.Tensor], cfg: C
         raise ClipWeightsError(f"{path} ({layout}): unexpected key '{name(extra)}'")
 
 
-def load_clip(path: str | Path, activation: str = "quick_gelu", device: str | torch.device = "cpu"):
-    """Read, check strictly and load a CLIP weights file -> (encoder module, info dict: layout, config)."""
+def companion_activation(path: Path, layout: str) -> tuple[str, str] | None:
+    """(MLP activation, the config file it was read from) when a release's config sits beside the weights: Hugging
+    Face ``config.json`` (``vision_config.hidden_act``, or ``hidden_act`` of a ``CLIPVisionConfig``; absent means
+    transformers' default ``quick_gelu``) or open_clip's ``open_clip_config.json`` (``model_cfg.quick_gelu``; absent
+    means ``gelu``, open_clip's default). None when there is none (OpenAI's archives all use ``quick_gelu``)."""
+    name = {"hf": "config.json", "open_clip": "open_clip_config.json"}.get(layout)
+    cfg_path = path.with_name(name) if name else None
+    if cfg_path is None or not cfg_path.is_file():
+        return None
+    try:
+        data = read_json(cfg_path, what="CLIP config")
+    except PipelineError as exc:
+        raise ClipWeightsError(str(exc)) from None
+    if layout == "hf":
+        vision = data.get("vision_config", data)
+        act = vision.get("hidden_act", "quick_gelu") if isinstance(vision, dict) else None
+    else:
+        model_cfg = data.get("model_cfg")
+        quick = model_cfg.get("quick_gelu", False) if isinstance(model_cfg, dict) else None
+        act = {True: "quick_gelu", False: "gelu"}.get(quick) if isinstance(quick, bool) else None
+    if act not in ACTIVATIONS:
+        raise ClipWeightsError(
+            f"{cfg_path}: the image encoder's activation {act!r} is not one of {', '.join(ACTIVATIONS)}"
+        )
+    return act, cfg_path.name
+
+
+def load_clip(path: str | Path, activation: str | None = None, device: str | torch.device = "cpu"):
+    """Read, check strictly and load a CLIP weights file -> (encoder module, info dict: layout, config, where the
+    activation came from). ``activation`` None takes it from the release's config beside the file
+    (:func:`companion_activation`), else ``quick_gelu``; a value given that contradicts that config is refused."""
     path = Path(path)
     layout, sd = read_clip(path)
+    found = companion_activation(path, layout)
+    if activation is not None and found is not None and found[0] != activation:
+        raise ClipWeightsError(f"{path}: activation {activation!r} was asked for but {found[1]} says {found[0]!r}")
+    act = activation or (found[0] if found else "quick_gelu")
+    source = "given" if activation else (found[1] if found else "default (OpenAI's quick_gelu)")
     try:
-        cfg = infer_config(sd, activation)
+        cfg = infer_config(sd, act)
     except (ConfigError, ValueError) as exc:
         raise ClipWeightsError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
     check_strict(path, layout, sd, cfg)
     model = build(cfg)
     model.load_state_dict(sd, strict=False)
-    return model.to(device), {"layout": layout, "config": cfg, "weights_file": path.name}
+    return model.to(device), {"layout": layout, "config": cfg, "weights_file": path.name, "activation_from": source}
