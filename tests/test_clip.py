@@ -30,6 +30,8 @@ from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Norma
 from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, prepare, read_clip
 from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, infer_config
 from extractors.clip.recipe import cell_boxes
+from extractors.weights import WeightsError, read_weights
+from models.released.unpickle import load_weights_file
 from pipeline.core.catalogue import CATALOGUE
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.hub.verify import verifier
@@ -644,3 +646,13 @@ def test_activation_comes_from_the_release_config_beside_the_weights(tmp_path):
     assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "gelu"
     (oc_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"quick_gelu": True}}))
     assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "quick_gelu"
+
+
+def test_torch_load_readers_refuse_torchscript_archives_unrun(tmp_path):
+    """torch.load(weights_only=True) hands a TorchScript zip to torch.jit.load; the bounds check refuses it first."""
+    path = save_openai(make_release("vit", seed=15), tmp_path / "ViT.pt")
+    with pytest.raises(UsageError, match=r"ViT\.pt: '.*code/.*': a TorchScript archive"):
+        load_weights_file(path, "weights file")
+    with pytest.raises(WeightsError, match="a TorchScript archive"):
+        read_weights(path)
+    assert load_clip(path)[1]["layout"] == "openai"
