@@ -6,10 +6,11 @@
   stand-in that records its attribute dict, ``torch._utils._rebuild_tensor_v2`` a record of (storage, offset,
   shape, strides), a persistent id ``('storage', torch.<T>Storage, key, location, numel)`` a reference to
   ``data/<key>``; any other global is refused. The code in ``code/`` is never read. Tensors are then built from
-  the storages' bytes after checking that each view lies inside its storage. ``torch.load`` of a ``state_dict``
-  saved by ``build_model`` users (a zip without ``code/``) is the same layout under plain names.
+  the storages' bytes after checking that each view lies inside its storage (no zero or overlapping strides).
+  A plain ``torch.save`` of OpenAI's state dict (no ``code/``) has open_clip's names and reads as ``open_clip``.
 * ``open_clip`` - open_clip checkpoints: a state dict (bare, or under ``state_dict`` with a ``module.`` prefix
-  from distributed training) with the OpenAI names; read with ``torch.load(weights_only=True)``.
+  from distributed training) with the OpenAI names; read with ``torch.load(weights_only=True)`` after the
+  archive bounds (:func:`pipeline.core.tensor_bounds.check_archive`, which refuses TorchScript archives there).
 * ``hf`` - Hugging Face ``CLIPModel`` / ``CLIPVisionModel`` weights (``pytorch_model.bin`` or
   ``model.safetensors``): ``vision_model.embeddings.patch_embedding`` -> ``conv1``, ``position_embedding`` ->
   ``positional_embedding``, ``pre_layrnorm`` -> ``ln_pre``, ``encoder.layers.N.self_attn.{q,k,v}_proj``
