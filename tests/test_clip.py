@@ -646,6 +646,11 @@ def test_activation_comes_from_the_release_config_beside_the_weights(tmp_path):
     assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "gelu"
     (oc_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": {"quick_gelu": True}}))
     assert load_clip(oc_dir / "open_clip_pytorch_model.bin")[0].config.activation == "quick_gelu"
+    st = save_safetensors(
+        {k: v.contiguous() for k, v in ref.state_dict().items()}, oc_dir / "open_clip_model.safetensors"
+    )
+    model, info = load_clip(st)
+    assert info["layout"] == "open_clip" and model.config.activation == "quick_gelu"
 
 
 def test_torch_load_readers_refuse_torchscript_archives_unrun(tmp_path):

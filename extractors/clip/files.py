@@ -8,7 +8,8 @@
   ``data/<key>``; any other global is refused. The code in ``code/`` is never read. Tensors are then built from
   the storages' bytes after checking that each view lies inside its storage (no zero or overlapping strides).
   A plain ``torch.save`` of OpenAI's state dict (no ``code/``) has open_clip's names and reads as ``open_clip``.
-* ``open_clip`` - open_clip checkpoints: a state dict (bare, or under ``state_dict`` with a ``module.`` prefix
+* ``open_clip`` - open_clip checkpoints (``open_clip_pytorch_model.bin``, ``open_clip_model.safetensors``, training
+  checkpoints): a state dict (bare, or under ``state_dict`` with a ``module.`` prefix
   from distributed training) with the OpenAI names; read with ``torch.load(weights_only=True)`` after the
   archive bounds (:func:`pipeline.core.tensor_bounds.check_archive`, which refuses TorchScript archives there).
 * ``hf`` - Hugging Face ``CLIPModel`` / ``CLIPVisionModel`` weights (``pytorch_model.bin`` or
@@ -347,7 +348,8 @@ def read_clip(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
     if is_torchscript(path):
         layout, raw = "openai", read_torchscript(path)
     elif path.suffix == ".safetensors":
-        layout, raw = "hf", read_safetensors(path)
+        raw = read_safetensors(path)
+        layout = "hf" if any(k.startswith("vision_model.") for k in raw) else "open_clip"
     else:
         try:
             obj = load_weights_file(path, "CLIP weights file")
