@@ -27,7 +27,7 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
-from extractors.clip import ClipRecipe, ClipWeightsError, extract, load_clip, prepare, read_clip
+from extractors.clip import ClipRecipe, ClipWeightsError, extract, extract_batch, load_clip, prepare, read_clip
 from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, infer_config
 from extractors.clip.recipe import cell_boxes
 from extractors.weights import WeightsError, read_weights
@@ -495,6 +495,21 @@ def test_clip_recipe_is_encode_image(tmp_path, photos):
                 with torch.no_grad():
                     grid = ref.visual.trunk(clip_preprocess(img, 96))[0].permute(1, 2, 0).reshape(9, -1)
                 assert _rel(torch.from_numpy(feats.regions.features), grid) < REL_TOL
+
+
+def test_a_batch_gives_each_image_its_own_features(tmp_path, photos):
+    ref = make_release("vit", seed=16)
+    model, _ = load_clip(save_open_clip(ref, tmp_path / "vit.pt"))
+    images = [np.asarray(p) for p in photos] + [np.asarray(photos[0].transpose(Image.Transpose.TRANSPOSE))]
+    for recipe in (ClipRecipe("clip-vil"), ClipRecipe("clip", size=0)):
+        batch = extract_batch(model, images, recipe)
+        for rgb, got in zip(images, batch):
+            one = extract(model, rgb, recipe)
+            np.testing.assert_allclose(got.regions.features, one.regions.features, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got.pooled, one.pooled, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got.regions.boxes, one.regions.boxes)
+            assert (got.regions.image_w, got.regions.image_h) == (rgb.shape[1], rgb.shape[0])
+    assert extract_batch(model, [], ClipRecipe()) == []
 
 
 def test_cell_boxes_cover_the_image(photos):

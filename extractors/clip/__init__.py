@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from extractors.clip.files import LAYOUTS, ClipWeightsError, load_clip, read_clip
 from extractors.clip.model import PRESETS, ClipVisionConfig, build, infer_config
-from extractors.clip.recipe import CLIP_MEAN, CLIP_STD, RECIPES, ClipFeatures, ClipRecipe, extract, prepare
+from extractors.clip.recipe import (
+    CLIP_MEAN,
+    CLIP_STD,
+    RECIPES,
+    ClipFeatures,
+    ClipRecipe,
+    extract,
+    extract_batch,
+    prepare,
+)
 
 __all__ = [
     "CLIP_MEAN",
@@ -19,6 +28,7 @@ __all__ = [
     "ClipWeightsError",
     "build",
     "extract",
+    "extract_batch",
     "infer_config",
     "load_clip",
     "prepare",

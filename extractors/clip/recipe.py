@@ -133,18 +133,31 @@ def encode(model: torch.nn.Module, blob: torch.Tensor, recipe: ClipRecipe) -> tu
     return fmap, pooled
 
 
+def extract_batch(model: torch.nn.Module, images: list[np.ndarray], recipe: ClipRecipe) -> list[ClipFeatures]:
+    """Several images in one forward pass (both recipes give square inputs of one size) -> one
+    :class:`ClipFeatures` each, in order; the batch reaches the host in one copy per output."""
+    if not images:
+        return []
+    cfg = model.config
+    inputs = [prepare(rgb, recipe, cfg.resolution) for rgb in images]
+    device = next(model.parameters()).device
+    blob = torch.from_numpy(np.stack([inp.blob for inp in inputs])).to(device)
+    fmap, pooled = encode(model, blob, recipe)
+    n, c, h, w = fmap.shape
+    feats = fmap.permute(0, 2, 3, 1).reshape(n, h * w, c).float().cpu().numpy()
+    vectors = pooled.float().cpu().numpy()
+    out = []
+    for i, inp in enumerate(inputs):
+        regions = RegionRecord(
+            features=np.ascontiguousarray(feats[i], dtype=np.float32),
+            boxes=cell_boxes(inp, (h, w), cfg.stride),
+            image_w=inp.width,
+            image_h=inp.height,
+        )
+        out.append(ClipFeatures(regions, np.ascontiguousarray(vectors[i], dtype=np.float32), (h, w)))
+    return out
+
+
 def extract(model: torch.nn.Module, rgb: np.ndarray, recipe: ClipRecipe) -> ClipFeatures:
     """One image -> :class:`ClipFeatures` (grid cells with boxes in original pixels, the pooled vector)."""
-    cfg = model.config
-    inp = prepare(rgb, recipe, cfg.resolution)
-    device = next(model.parameters()).device
-    fmap, pooled = encode(model, torch.from_numpy(inp.blob)[None].to(device), recipe)
-    _, c, h, w = fmap.shape
-    feats = fmap[0].permute(1, 2, 0).reshape(h * w, c).float().cpu().numpy()
-    regions = RegionRecord(
-        features=np.ascontiguousarray(feats, dtype=np.float32),
-        boxes=cell_boxes(inp, (h, w), cfg.stride),
-        image_w=inp.width,
-        image_h=inp.height,
-    )
-    return ClipFeatures(regions, pooled[0].float().cpu().numpy().astype(np.float32), (h, w))
+    return extract_batch(model, [rgb], recipe)[0]
