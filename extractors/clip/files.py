@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from extractors.clip.model import ACTIVATIONS, ClipVisionConfig, ConfigError, build, expected_shapes, infer_config
-from models.released.unpickle import Budget, RestrictedUnpickler, StandIn, TooLarge, load_weights_file
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError
 from pipeline.core.fileio import read_json
 from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
+from pipeline.core.unpickle import RestrictedUnpickler
 
 LAYOUTS = ("openai", "open_clip", "hf")
 #: attributes a TorchScript module tree may hold (OpenAI's ViT-L/14 archive holds a few thousand)
@@ -79,10 +79,14 @@ class ClipWeightsError(PipelineError):
 
 
 # ------------------------------------------------------------------------------------------------ TorchScript
-class _ScriptObject(StandIn):
-    """A TorchScript module or object: ``state`` is its attribute dict (parameters, buffers, submodules)."""
+class _ScriptObject:
+    """A TorchScript module or object: ``state`` is its attribute dict (parameters, buffers, submodules), recorded
+    by pickle's ``BUILD``; nothing of the class it stands for is imported or run."""
 
-    stands_for = "TorchScript object"
+    state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
 
 
 class _StorageType:
@@ -129,7 +133,7 @@ class _ScriptUnpickler(RestrictedUnpickler):
             ("torch.jit._pickle", n): _passthrough
             for n in ("restore_type_tag", "build_intlist", "build_doublelist", "build_boollist", "build_tensorlist")
         }
-        super().__init__(io.BytesIO(data), allowed)
+        super().__init__(io.BytesIO(data), allowed, encoding="latin-1")
         self.classes: dict[str, type] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -195,9 +199,7 @@ def read_torchscript(path: Path) -> "OrderedDict[str, torch.Tensor]":
             raise ClipWeightsError(f"{path}: '{root}byteorder': a {order}-endian archive is not read")
         data = zf.read(root + "data.pkl")
         try:
-            tree = _ScriptUnpickler(data).load_within(Budget(len(data)))
-        except TooLarge as exc:
-            raise ClipWeightsError(f"{path}: '{root}data.pkl' refused: {exc}") from None
+            tree = _ScriptUnpickler(data).load()
         except Exception as exc:  # a refused global, a malformed record, a truncated pickle
             raise ClipWeightsError(
                 f"{path}: '{root}data.pkl' refused (nothing from the file was run): {type(exc).__name__}: {exc}"
@@ -340,6 +342,22 @@ def _visual_subtree(sd: Mapping[str, torch.Tensor], path: Path, layout: str) -> 
     return out
 
 
+def _torch_load(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` after the archive bounds (which refuse TorchScript archives); one line
+    naming the file for anything torch cannot read."""
+    try:
+        check_archive(path)
+    except BoundsError as exc:
+        raise ClipWeightsError(f"{exc} (nothing read from the CLIP weights file)") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for truncated, foreign or unsafe files
+        lines = str(exc).strip().splitlines()
+        raise ClipWeightsError(
+            f"{path}: not a readable CLIP weights file ({type(exc).__name__}: {(lines[0] if lines else '')[:160]})"
+        ) from None
+
+
 def read_clip(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
     """(layout, encoder state dict with OpenAI names, no ``visual.`` prefix, float32) of a CLIP weights file."""
     path = Path(path)
@@ -351,10 +369,7 @@ def read_clip(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
         raw = read_safetensors(path)
         layout = "hf" if any(k.startswith("vision_model.") for k in raw) else "open_clip"
     else:
-        try:
-            obj = load_weights_file(path, "CLIP weights file")
-        except UsageError as exc:
-            raise ClipWeightsError(str(exc)) from None
+        obj = _torch_load(path)
         if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
             obj = obj["state_dict"]
         if not isinstance(obj, Mapping) or not obj or not all(isinstance(k, str) for k in obj):
