@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector, tiny_run
+from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector
 from cli import app
 from pipeline.captioning.choose import validation_score
 from pipeline.core import threads as thread_policy
@@ -28,15 +28,9 @@ from pipeline.core.keys import key_from_text
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, Path]:
+def env(tmp_path_factory, tiny_captioners: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stream")
-    run = tiny_run(
-        root,
-        {
-            "a": ["train.seed=1"],
-            "b": ["train.seed=2", "train.xe={epochs: 8, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"],
-        },
-    )
+    run = tiny_captioners
     return {"root": root, "run": run, "weights": tiny_detector(root / "tiny.pth"), "ckpt": run / "train-a" / "best.pt"}
 
 

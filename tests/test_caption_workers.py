@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
+from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 from extractors.inputs import items_from_paths
 from extractors.photos import Need, Photo, PhotoDataset, photo_batches
@@ -35,9 +35,9 @@ ERRORS = {
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, Path]:
+def env(tmp_path_factory, tiny_captioners: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("workers")
-    run = tiny_run(root, {"a": ["train.seed=1"]})
+    run = tiny_captioners
     folder = root / "photos"
     good = small_photos(folder, 5, size=(64, 48))
     (folder / "broken.jpg").write_bytes(b"this is not a JPEG file\n" * 20)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
-REPO = Path(__file__).resolve().parent.parent
 COMMANDS = [
     "extract",
     "import-features",
@@ -25,14 +23,7 @@ COMMANDS = [
 ]
 
 
-def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
-    )
-
-
-def test_help_lists_every_command() -> None:
+def test_help_lists_every_command(cli) -> None:
     res = cli("--help")
     assert res.returncode == 0
     for cmd in COMMANDS:
@@ -40,13 +31,13 @@ def test_help_lists_every_command() -> None:
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
-def test_every_command_has_help_with_examples(cmd: str) -> None:
-    res = cli(cmd, "--help")
-    assert res.returncode == 0, res.stderr
+def test_every_command_has_help_with_examples(cli, cmd: str) -> None:
+    res = cli.invoke(cmd, "--help", env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
     assert "Example" in res.stdout and "butd-caption" in res.stdout
 
 
-def one_error_line(res: subprocess.CompletedProcess) -> str:
+def one_error_line(res: subprocess.CompletedProcess | Result) -> str:
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     errors = [l for l in lines if l.startswith("error:")]
     assert len(errors) == 1, res.stderr
@@ -54,31 +45,31 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-def test_bad_override_key_is_a_usage_error(tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.nope=3")
-    assert res.returncode == 2
+def test_bad_override_key_is_a_usage_error(cli, tmp_path: Path) -> None:
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.nope=3")
+    assert res.exit_code == 2
     assert "unknown config key 'world.nope'" in one_error_line(res)
 
 
-def test_wrong_type_is_a_usage_error(tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.num_images=lots")
-    assert res.returncode == 2
+def test_wrong_type_is_a_usage_error(cli, tmp_path: Path) -> None:
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.num_images=lots")
+    assert res.exit_code == 2
     assert "must be int" in one_error_line(res)
 
 
-def test_missing_config_file_is_a_usage_error(tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--config", str(tmp_path / "nope.yaml"))
-    assert res.returncode == 2
+def test_missing_config_file_is_a_usage_error(cli, tmp_path: Path) -> None:
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--config", str(tmp_path / "nope.yaml"))
+    assert res.exit_code == 2
     assert "config file not found" in one_error_line(res)
 
 
-def test_invalid_value_is_a_usage_error(tmp_path: Path) -> None:
-    res = cli("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.image_format=gif")
-    assert res.returncode == 2
+def test_invalid_value_is_a_usage_error(cli, tmp_path: Path) -> None:
+    res = cli.invoke("demo", "--generate-only", "--out", str(tmp_path / "w"), "--set", "world.image_format=gif")
+    assert res.exit_code == 2
     assert "image_format" in one_error_line(res)
 
 
-def test_demo_generate_only_is_resumable_and_skips_when_done(tmp_path: Path) -> None:
+def test_demo_generate_only_is_resumable_and_skips_when_done(cli, tmp_path: Path) -> None:
     out = tmp_path / "world"
     res = cli("demo", "--generate-only", "--out", str(out), "--num-images", "12", "--seed", "5")
     assert res.returncode == 0, res.stderr
@@ -96,7 +87,7 @@ def test_demo_generate_only_is_resumable_and_skips_when_done(tmp_path: Path) -> 
     assert other.returncode == 2 and "different config" in one_error_line(other)
 
 
-def test_interrupted_stage_resumes(tmp_path: Path) -> None:
+def test_interrupted_stage_resumes(cli, tmp_path: Path) -> None:
     out = tmp_path / "run" / "world"
     first = cli("demo", "--generate-only", "--out", str(out), "--num-images", "10")
     assert first.returncode == 0, first.stderr
@@ -111,12 +102,15 @@ def test_interrupted_stage_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cmd", ["extract", "import-features", "prepare", "caption", "evaluate"])
-def test_commands_without_their_inputs_are_usage_errors(cmd: str, tmp_path: Path) -> None:
-    res = cli(cmd, cwd=tmp_path)
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+def test_commands_without_their_inputs_are_usage_errors(
+    cli, cmd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default run directory is relative: an empty folder
+    res = cli.invoke(cmd)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
 
 
-def test_info_shows_environment_and_run_dirs(tmp_path: Path) -> None:
+def test_info_shows_environment_and_run_dirs(cli, tmp_path: Path) -> None:
     res = cli("info")
     assert res.returncode == 0, res.stderr
     assert "torch" in res.stdout and "torchvision ops" in res.stdout and "ok" in res.stdout
@@ -128,7 +122,7 @@ def test_info_shows_environment_and_run_dirs(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no such file" in one_error_line(missing)
 
 
-def test_info_describes_a_sentence_encoder_checkpoint(tmp_path: Path) -> None:
+def test_info_describes_a_sentence_encoder_checkpoint(cli, tmp_path: Path) -> None:
     """`cli info RUN/encoder/best.pt` names the sentence encoder (its checkpoint is not a captioner's: its progress
     counters are the encoder trainer's, which the captioner reader refuses)."""
     import torch

@@ -4,26 +4,23 @@ schema, the help lists the registries' own choices, and the stages chain through
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import shlex
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import typer
-from typer.testing import CliRunner
 
-import cli
 import models
+from cli import app
 from pipeline.commands.grammar import DEFAULT_RUN, MEANINGS, TABLE_BEGIN, TABLE_END, option_uses, options_table
 from pipeline.core.config import load_config
 from pipeline.core.renamed import RENAMED_OPTIONS
 
 REPO = Path(__file__).resolve().parent.parent
-GROUP = typer.main.get_command(cli.app)
+GROUP = typer.main.get_command(app)
 #: the config stage each command resolves (``opts.resolve(STAGE)``), for checking the --set keys of its examples
 STAGES = {
     "caption": "caption",
@@ -42,10 +39,6 @@ STAGES = {
 
 def _help(name: str) -> str:
     return GROUP.commands[name].help or ""
-
-
-def _invoke(*args: str) -> object:
-    return CliRunner().invoke(cli.app, list(args), env={"COLUMNS": "300", "BUTD_NO_PROGRESS": "1"})
 
 
 def test_each_long_option_and_short_flag_has_one_meaning() -> None:
@@ -189,13 +182,13 @@ def test_the_example_check_catches_bad_examples(args: list[str], problem: str) -
 
 
 @pytest.mark.parametrize("command,old", [(c, o) for c, spellings in RENAMED_OPTIONS.items() for o in spellings])
-def test_an_old_spelling_is_refused_naming_the_new_one(command: str, old: str, tmp_path: Path) -> None:
+def test_an_old_spelling_is_refused_naming_the_new_one(cli, command: str, old: str, tmp_path: Path) -> None:
     args = {
         "convert-captioner": [str(tmp_path / "m.pth")],
         "export-features": [str(tmp_path / "s")],
         "merge-features": [str(tmp_path / "a")],
     }.get(command, [])
-    res = _invoke(command, *args, old, str(tmp_path / "x"))
+    res = cli.invoke(command, *args, old, str(tmp_path / "x"), env={"COLUMNS": "300"})
     errors = [ln for ln in res.output.splitlines() if ln.strip()]
     assert res.exit_code == 2 and len(errors) == 1, res.output
     new = RENAMED_OPTIONS[command][old].split()[0]
@@ -203,22 +196,14 @@ def test_an_old_spelling_is_refused_naming_the_new_one(command: str, old: str, t
     assert not (tmp_path / "x").exists()
 
 
-def test_parse_errors_are_one_line() -> None:
-    env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="200")
+def test_parse_errors_are_one_line(cli) -> None:
     for args, text in (
         (["embed"], "Missing option '--checkpoint'"),
         (["caption", "--nope"], "No such option: --nope"),
         (["serve", "-P", "many"], "Invalid value for '--port'"),
         (["evaluate", "-m", "bleu,cider"], "give the metrics with --metrics/-e bleu,cider"),
     ):
-        res = subprocess.run(
-            [sys.executable, str(REPO / "cli.py"), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            timeout=120,
-        )
+        res = cli(*args, timeout=120)
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], (
             res.stderr
@@ -301,20 +286,11 @@ def _karpathy(path: Path) -> Path:
     return path
 
 
-def test_prepare_train_evaluate_chain_through_the_default_run(tmp_path: Path) -> None:
+def test_prepare_train_evaluate_chain_through_the_default_run(cli, tmp_path: Path) -> None:
     """`prepare FILE` writes RUN/data of the default run directory, `train` reads that run (and asks for its
     features there), `evaluate` and `caption` read that run, all without an option."""
-    env = dict(os.environ, BUTD_NO_PROGRESS="1", COLUMNS="300")
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(REPO / "cli.py"), *args],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env=env,
-            timeout=300,
-        )
+    run = functools.partial(cli, cwd=tmp_path, env={"COLUMNS": "300"})
 
     prepared = run("prepare", str(_karpathy(tmp_path / "dataset.json")))
     assert prepared.returncode == 0, prepared.stderr

@@ -104,12 +104,12 @@ def test_a_moved_decoding_key_is_refused_naming_its_home(old, new):
     assert "Traceback" not in res.output
 
 
-def test_beam_size_flag_decodes_alike_under_caption_and_evaluate(tmp_path):
+def test_beam_size_flag_decodes_alike_under_caption_and_evaluate(tmp_path, tiny_captioners):
     """End to end: the same tiny checkpoint, `--beam-size 2 --max-len 7` given to `caption` and to
     `evaluate --model`: both record the same decoding (caption in its output's settings, evaluate in its metrics)."""
-    from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
+    from caption_helpers import SMALL, small_photos, tiny_detector
 
-    run = tiny_run(tmp_path, {"a": []})
+    run = tiny_captioners
     ckpt = run / "train-a" / "best.pt"
     flags = ["--beam-size", "2", "--max-len", "7", "--device", "cpu", "--quiet"]
     photos = small_photos(tmp_path / "photos", 2)

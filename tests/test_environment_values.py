@@ -4,30 +4,13 @@ warning naming the variable; torchrun's variables (which no default can replace)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.errors import UsageError
 
-REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("COLUMNS", "LINES", "BUTD_THREADS", "OMP_NUM_THREADS", "BUTD_WORKER_WAIT", "BUTD_NO_PROGRESS")
-
-
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in SETTINGS}
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, str(REPO / "cli.py"), *args],
-        cwd=REPO,
-        env={**base, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def warnings_about(stderr: str, name: str) -> list[str]:
@@ -35,8 +18,15 @@ def warnings_about(stderr: str, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("columns", ["0", "-3", "abc", "100000"])
-def test_odd_columns_keep_the_error_line(columns: str, tmp_path: Path) -> None:
-    res = cli({"COLUMNS": columns}, "caption", str(tmp_path / "missing.jpg"), "--model", str(tmp_path / "x.pt"))
+def test_odd_columns_keep_the_error_line(cli, columns: str, tmp_path: Path) -> None:
+    res = cli(
+        "caption",
+        str(tmp_path / "missing.jpg"),
+        "--model",
+        str(tmp_path / "x.pt"),
+        env={"COLUMNS": columns},
+        unset=SETTINGS,
+    )
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and "missing.jpg" in errors[0], res.stderr[:3000]
     assert len(warnings_about(res.stderr, "COLUMNS")) == 1, res.stderr[:3000]
@@ -44,28 +34,28 @@ def test_odd_columns_keep_the_error_line(columns: str, tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
-def test_odd_columns_keep_a_usage_error_of_the_command_line() -> None:
-    res = cli({"COLUMNS": "0"}, "caption", "--no-such-option")
+def test_odd_columns_keep_a_usage_error_of_the_command_line(cli) -> None:
+    res = cli("caption", "--no-such-option", env={"COLUMNS": "0"}, unset=SETTINGS)
     assert res.returncode == 2 and "--no-such-option" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("value", [str(10**30), "-5", "abc", "0", "100000"])
-def test_odd_butd_threads_warn_and_the_command_works(value: str) -> None:
-    res = cli({"BUTD_THREADS": value, "COLUMNS": "200"}, "info")
+def test_odd_butd_threads_warn_and_the_command_works(cli, value: str) -> None:
+    res = cli("info", env={"BUTD_THREADS": value, "COLUMNS": "200"}, unset=SETTINGS)
     assert res.returncode == 0 and "butd-caption environment" in res.stdout, res.stderr[-3000:]
     assert len(warnings_about(res.stderr, "BUTD_THREADS")) == 1, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
 
 
-def test_an_absurd_openmp_thread_count_warns_and_the_command_works() -> None:
-    res = cli({"OMP_NUM_THREADS": str(10**30), "COLUMNS": "200"}, "info")
+def test_an_absurd_openmp_thread_count_warns_and_the_command_works(cli) -> None:
+    res = cli("info", env={"OMP_NUM_THREADS": str(10**30), "COLUMNS": "200"}, unset=SETTINGS)
     assert res.returncode == 0 and "butd-caption environment" in res.stdout, res.stderr[-3000:]
     assert len(warnings_about(res.stderr, "OMP_NUM_THREADS")) == 1, res.stderr[-3000:]
 
 
-def test_the_threads_option_itself_is_still_checked() -> None:
+def test_the_threads_option_itself_is_still_checked(cli) -> None:
     """``--threads`` is typed on the command line: an odd value there is the user's mistake, one error line."""
-    res = cli({"COLUMNS": "200"}, "--threads", "100000", "info")
+    res = cli("--threads", "100000", "info", env={"COLUMNS": "200"}, unset=SETTINGS)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and "--threads" in errors[0], res.stderr
 

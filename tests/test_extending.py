@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,17 +28,6 @@ def documented_files(dest: Path) -> list[str]:
     return [name for name, _ in blocks]
 
 
-def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "cli.py"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.fixture(scope="module")
 def plugin_env(tmp_path_factory) -> dict[str, str]:
     plugins = tmp_path_factory.mktemp("plugins")
@@ -55,10 +42,10 @@ def plugin_env(tmp_path_factory) -> dict[str, str]:
     )
 
 
-def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
-    help_text = cli(plugin_env, "import-features", "--help").stdout
+def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_env):
+    help_text = cli("import-features", "--help", env=plugin_env).stdout
     assert "toy-npz" in help_text and "one KEY.npz per image" in help_text
-    assert "toy-npz" in cli(plugin_env, "export-features", "--help").stdout
+    assert "toy-npz" in cli("export-features", "--help", env=plugin_env).stdout
     rng = np.random.default_rng(0)
     src = tmp_path / "toy"
     src.mkdir()
@@ -71,7 +58,7 @@ def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
     res = cli(
-        plugin_env, "import-features", str(src), "--format", "toy-npz", "--store", str(store), "--dtype", "float32"
+        "import-features", str(src), "--format", "toy-npz", "--store", str(store), "--dtype", "float32", env=plugin_env
     )
     assert res.returncode == 0, res.stderr
     assert "imported: 3" in res.stdout
@@ -82,24 +69,23 @@ def test_toy_importer_imports_and_exports_through_the_cli(tmp_path, plugin_env):
         np.testing.assert_array_equal(st.get(key)["boxes"], boxes)
         assert st.image_size(key) == (60, 40)
     out = tmp_path / "toy.txt"
-    res = cli(plugin_env, "export-features", str(store), "--format", "toy-npz", "--output", str(out))
+    res = cli("export-features", str(store), "--format", "toy-npz", "--output", str(out), env=plugin_env)
     assert res.returncode == 0 and "rows written: 3" in res.stdout, res.stderr
     assert sorted(out.read_text().splitlines()) == ["a\t3", "b\t1", "c\t5"]
     (src / "bad.npz").write_bytes(b"not a zip")  # the reader's PipelineError: one line, exit 2 (a bad input file)
-    res = cli(plugin_env, "import-features", str(src), "--format", "toy-npz", "--store", str(tmp_path / "s2"))
+    res = cli("import-features", str(src), "--format", "toy-npz", "--store", str(tmp_path / "s2"), env=plugin_env)
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "not a toy feature file" in res.stderr
 
 
-def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, plugin_env):
-    res = cli(plugin_env, "info", "--model", "toy")
+def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(cli, tmp_path, plugin_env):
+    res = cli("info", "--model", "toy", env=plugin_env)
     assert res.returncode == 0, res.stderr
     # image 2048*32+32, embedding 10000*32, GRU cell 2*(96*32)+2*96, output 32*10000+10000 (vocabulary 10,000)
     assert "parameters: 721904 " in res.stdout and "hidden: 32" in res.stdout
-    assert "parameters: 364416 " in cli(plugin_env, "info", "--model", "toy", "--set", "hidden=16").stdout
+    assert "parameters: 364416 " in cli("info", "--model", "toy", "--set", "hidden=16", env=plugin_env).stdout
 
     run = make_world_run(tmp_path, num_images=40)
     res = cli(
-        plugin_env,
         "train",
         "--out",
         str(tmp_path / "out"),
@@ -117,6 +103,7 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, 
         "cpu",
         "--num-workers",
         "0",
+        env=plugin_env,
         timeout=600,
     )
     assert res.returncode == 0, res.stderr
@@ -126,7 +113,6 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, 
     assert epochs == [0, 1]  # the card's schedule: xe epochs 2
     metrics = tmp_path / "metrics.json"
     res = cli(
-        plugin_env,
         "evaluate",
         "--model",
         str(stage / "best.pt"),
@@ -142,6 +128,7 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, 
         "evaluate.tokenizer=simple",
         "--output",
         str(metrics),
+        env=plugin_env,
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(metrics.read_text())
@@ -151,7 +138,7 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(tmp_path, 
     assert 0.0 <= report["metrics"]["CIDEr"] and report["num_images"] > 0
 
 
-def test_a_plugin_that_cannot_be_imported_is_one_line(plugin_env):
-    res = cli(dict(plugin_env, BUTD_PLUGINS="toy_captioner,no_such_plugin"), "info")
+def test_a_plugin_that_cannot_be_imported_is_one_line(cli, plugin_env):
+    res = cli("info", env=dict(plugin_env, BUTD_PLUGINS="toy_captioner,no_such_plugin"))
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "BUTD_PLUGINS: cannot import 'no_such_plugin'" in res.stderr

@@ -11,21 +11,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.core.errors import PipelineError, UsageError
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "BUTD_NO_PROGRESS": "1",
-    "COLUMNS": "300",
-    "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-}
+#: the children's settings on top of the ``cli`` fixture's environment
+ENV = {"OMP_NUM_THREADS": "1", "COLUMNS": "300"}
 PRECIOUS = b"the user's thesis, chapter 1\n" * 50
 
 
@@ -40,17 +33,6 @@ def plant_link(at: Path, target: Path) -> Path:
     at.parent.mkdir(parents=True, exist_ok=True)
     at.symlink_to(target)
     return at
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "cli.py"), *args],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path) -> str:
@@ -70,39 +52,43 @@ def photo(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_link_at_the_caption_output_lock(tmp_path: Path, photo: Path) -> None:
+def test_a_link_at_the_caption_output_lock(cli, tmp_path: Path, photo: Path) -> None:
     target = precious(tmp_path)
     out = tmp_path / "out.jsonl"
     link = plant_link(tmp_path / "out.jsonl.lock", target)
-    res = cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--output", str(out))
+    res = cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--output", str(out), env=ENV)
     line = refused_in_one_line(res, link)
     assert "symbolic link" in line
     assert target.read_bytes() == PRECIOUS and link.is_symlink() and not out.exists()
 
 
-def test_a_link_at_the_gallery_lock(tmp_path: Path, photo: Path) -> None:
+def test_a_link_at_the_gallery_lock(cli, tmp_path: Path, photo: Path) -> None:
     target = precious(tmp_path)
     link = plant_link(tmp_path / "gallery" / ".lock", target)
-    res = cli("caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--gallery", str(tmp_path / "gallery"))
+    res = cli(
+        "caption", str(photo), "--model", str(tmp_path / "no-model.pt"), "--gallery", str(tmp_path / "gallery"), env=ENV
+    )
     refused_in_one_line(res, link)
     assert target.read_bytes() == PRECIOUS and link.is_symlink()
 
 
-def test_a_link_at_the_store_lock(tmp_path: Path) -> None:
+def test_a_link_at_the_store_lock(cli, tmp_path: Path) -> None:
     target = precious(tmp_path)
     store = tmp_path / "store"
     link = plant_link(store / ".lock", target)
     source = tmp_path / "empty.tsv"
     source.write_text("")
-    refused_in_one_line(cli("import-features", "--format", "butd-tsv", str(source), "--store", str(store)), link)
+    refused_in_one_line(
+        cli("import-features", "--format", "butd-tsv", str(source), "--store", str(store), env=ENV), link
+    )
     assert target.read_bytes() == PRECIOUS and link.is_symlink() and not (store / "store.json").exists()
 
 
-def test_a_link_at_the_stage_lock(tmp_path: Path) -> None:
+def test_a_link_at_the_stage_lock(cli, tmp_path: Path) -> None:
     target = precious(tmp_path)
     run = tmp_path / "run"
     link = plant_link(run / "data" / ".stage.lock", target)
-    res = cli("prepare", "--set", f"prepare.karpathy_json={tmp_path / 'missing.json'}", "--out", str(run))
+    res = cli("prepare", "--set", f"prepare.karpathy_json={tmp_path / 'missing.json'}", "--out", str(run), env=ENV)
     refused_in_one_line(res, link)
     assert target.read_bytes() == PRECIOUS and link.is_symlink() and not (run / "data" / "running.json").exists()
 
@@ -195,7 +181,7 @@ def m2_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
 
 @pytest.mark.parametrize("planted,force", [("out.failures.jsonl", False), ("out.jsonl", True)])
 def test_a_link_at_a_journal_file(
-    tmp_path: Path, shared_data: Path, m2_release: tuple[Path, Path], planted: str, force: bool
+    cli, tmp_path: Path, shared_data: Path, m2_release: tuple[Path, Path], planted: str, force: bool
 ) -> None:
     """The results journal and the failures manifest of ``caption --output``: a link there is refused, ``--force``
     included, before any photo is captioned."""
@@ -219,6 +205,7 @@ def test_a_link_at_a_journal_file(
         "--set",
         "caption.max_size=160",
         *(["--force"] if force else []),
+        env=ENV,
     )
     line = refused_in_one_line(res, link)
     assert "symbolic link" in line

@@ -15,16 +15,16 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
+from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
-def gallery(tmp_path_factory) -> Path:
+def gallery(tmp_path_factory, tiny_captioner: Path) -> Path:
     root = tmp_path_factory.mktemp("gallery")
-    run = tiny_run(root, {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
+    run = tiny_captioner
     photos = root / "photos"
     small_photos(photos, 5, size=(240, 180))
     (photos / "0004.jpg").rename(photos / "a<b>&c.jpg")  # HTML in a file name

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -17,7 +15,6 @@ from pipeline.importers import export_tsv, import_features, read_sizes
 from pipeline.importers.tsv import decode_butd, decode_obj36, iter_lines
 from pipeline.store import FeatureStore
 
-REPO = Path(__file__).resolve().parent.parent
 
 # shared/data/README.md, obj36 table: id -> (w, h, objects_id range, conf range, feature max, zero fraction)
 OBJ36_ROWS = {
@@ -32,10 +29,6 @@ OBJ36_ROWS = {
     "131486": (407, 640, (36, 956), (0.213, 0.905), 25.40, 0.365),
     "201446": (640, 438, (106, 1360), (0.122, 0.970), 29.72, 0.244),
 }
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True)
 
 
 def test_decode_real_butd_row(shared_data):
@@ -96,7 +89,7 @@ def test_decode_real_obj36_rows(shared_data):
     "fmt,name,keys",
     [("butd-tsv", "caffe_trainval36_150367.tsv", "raw"), ("obj36-tsv", "caffe_obj36_train2014.tsv", "raw")],
 )
-def test_tsv_round_trip_is_byte_exact_via_cli(shared_data, tmp_path, fmt, name, keys):
+def test_tsv_round_trip_is_byte_exact_via_cli(cli, shared_data, tmp_path, fmt, name, keys):
     src = shared_data / "butd" / name
     proc = cli(
         "import-features",
@@ -172,7 +165,7 @@ BAD_ROWS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_ROWS))
-def test_bad_rows_fail_with_file_and_row(shared_data, tmp_path, case):
+def test_bad_rows_fail_with_file_and_row(cli, shared_data, tmp_path, case):
     good = (shared_data / "butd/caffe_trainval36_150367.tsv").read_bytes()
     make, message = BAD_ROWS[case]
     bad_line = make(good)
@@ -190,7 +183,7 @@ def test_bad_rows_fail_with_file_and_row(shared_data, tmp_path, case):
     assert FeatureStore(tmp_path / "t").keys() == ["150368"]
 
 
-def test_duplicate_ids_and_skip_report_via_cli(shared_data, tmp_path):
+def test_duplicate_ids_and_skip_report_via_cli(cli, shared_data, tmp_path):
     good = (shared_data / "butd/caffe_trainval36_150367.tsv").read_bytes()
     src = tmp_path / "dup.tsv"
     src.write_bytes(good + good)
@@ -237,7 +230,7 @@ def test_cocobu_directories(tmp_path):
         import_features("cocobu", [att], tmp_path / "s", sizes=read_sizes(sizes), feature_dtype="float32")
 
 
-def test_m2_hdf5(tmp_path):
+def test_m2_hdf5(cli, tmp_path):
     rng = np.random.default_rng(1)
     src = tmp_path / "coco_detections.hdf5"
     want = {}
@@ -272,7 +265,7 @@ def test_m2_hdf5(tmp_path):
     assert proc.returncode == 2 and "foreign.h5 is an HDF5 file but not M2 detections" in " ".join(proc.stderr.split())
 
 
-def test_export_float16_store_and_identity_mismatch(shared_data, tmp_path):
+def test_export_float16_store_and_identity_mismatch(cli, shared_data, tmp_path):
     src = shared_data / "butd/caffe_trainval36_150367.tsv"
     import_features("butd-tsv", [src], tmp_path / "s", feature_dtype="float16")
     assert export_tsv(tmp_path / "s", tmp_path / "o.tsv") == 1

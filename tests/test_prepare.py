@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline.caption_data import PreparedCaptions
@@ -18,8 +15,6 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 from pipeline.core.stages import run_stage
 from pipeline.world.generate import generate_world
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +132,7 @@ def test_stage_skips_and_refuses_changed_config(world, tmp_path):
         prep(tmp_path, f"prepare.karpathy_json={src}", "prepare.max_length=10")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "cli.py", *args], cwd=REPO, capture_output=True, text=True)
-
-
-def test_bad_inputs_via_cli(world, tmp_path):
+def test_bad_inputs_via_cli(cli, world, tmp_path):
     missing = tmp_path / "nope.json"
     proc = cli("prepare", "--set", f"prepare.karpathy_json={missing}", "--out", str(tmp_path / "r1"), "-q")
     assert proc.returncode == 2 and "nope.json" in proc.stderr and "Traceback" not in proc.stderr

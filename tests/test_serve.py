@@ -26,7 +26,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector, tiny_run
+from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 from serve_helpers import Chromium, multipart, serving, start_server, stop_server
 
@@ -39,11 +39,11 @@ SIZES = ["--set", "caption.min_size=96", "--set", "caption.max_size=160", "--set
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, shared_data: Path) -> dict:
+def env(tmp_path_factory, shared_data: Path, tiny_captioner: Path) -> dict:
     global PHOTOS
     PHOTOS = shared_data / "photos"
     root = tmp_path_factory.mktemp("serve")
-    run = tiny_run(root, {"a": ["train.xe={epochs: 6, batch_size: 8, lr: 3.0e-3, warmup_iters: 0}"]})
+    run = tiny_captioner
     odd = {
         "broken.jpg": b"this is not a JPEG file\n" * 20,
         "empty.jpg": b"",

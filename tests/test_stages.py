@@ -5,9 +5,7 @@ not restart an interrupted stage)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +63,7 @@ def test_same_config_resumes_the_interrupted_stage(tmp_path):
     )  # the stage's lock (pipeline.core.locks) and its partial files  # re-entered with its partial files (no --force: nothing cleared)
 
 
-def test_train_detector_failed_on_a_config_error_then_force_with_another_config_passes(tmp_path):
+def test_train_detector_failed_on_a_config_error_then_force_with_another_config_passes(cli, tmp_path):
     from pipeline.core.config import load_config
     from pipeline.world.generate import generate_world
 
@@ -79,12 +77,9 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
         ).world,
     )
     out = tmp_path / "run" / "detector"  # --out is the run directory, the stage is RUN/detector
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
 
-    def cli(*extra: str) -> subprocess.CompletedProcess:
-        cmd = [
-            sys.executable,
-            str(REPO / "cli.py"),
+    def train_detector(*extra: str) -> subprocess.CompletedProcess:
+        return cli(
             "train-detector",
             "-c",
             str(REPO / "configs" / "detector" / "tiny.yaml"),
@@ -99,19 +94,19 @@ def test_train_detector_failed_on_a_config_error_then_force_with_another_config_
             "--set",
             "data.eval_annotations=null",
             *extra,
-        ]
-        return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            env={"OMP_NUM_THREADS": "1"},
+        )
 
-    bad = cli(
+    bad = train_detector(
         "--set", "detector_train.precision=fp8"
     )  # a config error inside the stage on every machine: no such precision
     assert bad.returncode == 2 and "detector_train.precision must be one of" in bad.stderr and "'fp8'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert (out / RUNNING).exists() and not (out / MANIFEST).exists()
     (out / "checkpoints").mkdir()  # as if it had got further before failing: a new config alone is refused
-    refused = cli()
+    refused = train_detector()
     assert refused.returncode == 2 and "--force" in refused.stderr and "fp8" in refused.stderr
-    ok = cli("--force")
+    ok = train_detector("--force")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "--force given, clearing the interrupted stage" in ok.stderr
     assert json.loads((out / MANIFEST).read_text())["summary"]["iterations"] == 2

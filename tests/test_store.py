@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -16,8 +14,6 @@ from store_helpers import IDENTITY, add_image, synthetic_image
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.store import FeatureStore, compact_store, is_store, merge_stores, open_writer
 from pipeline.store.merge import check_exactly_once
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_store(path: Path, indices, commit_every: int = 7, dtype: str = "float16", **kw) -> None:
@@ -222,79 +218,61 @@ def test_preload_matches_reads(tmp_path):
         np.testing.assert_array_equal(store.get(k)["attr_ids"], rec["attr_ids"])
 
 
-def test_info_cli(tmp_path):
+def test_info_cli(cli, tmp_path):
     write_store(tmp_path / "s", range(6))
     store = FeatureStore(tmp_path / "s")
     counts = [len(synthetic_image(i)["boxes"]) for i in range(6)]
     info = store.info()
     assert info["images"] == 6 and info["boxes"] == sum(counts)
     assert info["boxes_per_image"] == {"min": min(counts), "mean": pytest.approx(np.mean(counts)), "max": max(counts)}
-    proc = subprocess.run(
-        [sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True
-    )
+    proc = cli("info", str(tmp_path / "s"))
     assert proc.returncode == 0, proc.stderr
     assert "images: 6" in proc.stdout and f"boxes: {sum(counts)}" in proc.stdout
     assert "float16" in proc.stdout and "test-extractor" in proc.stdout and "size on disk" in proc.stdout
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"garbage")
-    proc = subprocess.run([sys.executable, "cli.py", "info", str(bad)], cwd=REPO, capture_output=True, text=True)
+    proc = cli("info", str(bad))
     assert proc.returncode == 2 and "bad.h5" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_info_cli_wrong_version_is_one_line_exit_2(tmp_path):
+def test_info_cli_wrong_version_is_one_line_exit_2(cli, tmp_path):
     write_store(tmp_path / "s", range(2))
     record = tmp_path / "s" / "store.json"
     data = json.loads(record.read_text())
     data["schema_version"] = 2
     record.write_text(json.dumps(data))
-    proc = subprocess.run(
-        [sys.executable, "cli.py", "info", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True
-    )
+    proc = cli("info", str(tmp_path / "s"))
     err = " ".join(proc.stderr.split())
     assert (
         proc.returncode == 2 and "schema version 2; this butd-caption reads version 1" in err and "Traceback" not in err
     )
 
 
-def test_merge_cli(tmp_path):
+def test_merge_cli(cli, tmp_path):
     write_store(tmp_path / "shard-0", range(0, 6))
     write_store(tmp_path / "shard-1", range(6, 9))
     ids = tmp_path / "ids.txt"
     ids.write_text("\n".join(f"img{i:05d}" for i in range(9)))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "cli.py",
-            "merge-features",
-            str(tmp_path / "shard-0"),
-            str(tmp_path / "shard-1"),
-            "--store",
-            str(tmp_path / "all"),
-            "--expect",
-            str(ids),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = cli(
+        "merge-features",
+        str(tmp_path / "shard-0"),
+        str(tmp_path / "shard-1"),
+        "--store",
+        str(tmp_path / "all"),
+        "--expect",
+        str(ids),
     )
     assert proc.returncode == 0 and "images: 9" in proc.stdout, proc.stderr
     assert FeatureStore(tmp_path / "all").keys() == [f"img{i:05d}" for i in range(9)]
     ids.write_text("\n".join(f"img{i:05d}" for i in range(10)))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "cli.py",
-            "merge-features",
-            str(tmp_path / "shard-0"),
-            str(tmp_path / "shard-1"),
-            "--store",
-            str(tmp_path / "all2"),
-            "--expect",
-            str(ids),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = cli(
+        "merge-features",
+        str(tmp_path / "shard-0"),
+        str(tmp_path / "shard-1"),
+        "--store",
+        str(tmp_path / "all2"),
+        "--expect",
+        str(ids),
     )
     assert proc.returncode == 2 and "1 missing (e.g. ['img00009'])" in " ".join(proc.stderr.split())
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +27,6 @@ from pipeline.core.training import (
     training_state,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 
 
@@ -59,16 +55,8 @@ def test_the_old_amp_key_is_refused_naming_precision(stage, key, today, tmp_path
     assert load_config(stage, None, [f"{today}.precision=bf16"])[today].precision == "bf16"
 
 
-def test_cli_refuses_amp_with_one_line_and_exit_2(tmp_path):
-    env = {**os.environ, "BUTD_NO_PROGRESS": "1", "COLUMNS": "200"}
-    res = subprocess.run(
-        [sys.executable, str(REPO / "cli.py"), "train", "--out", str(tmp_path), "--set", "train.amp=bf16"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+def test_cli_refuses_amp_with_one_line_and_exit_2(cli, tmp_path):
+    res = cli("train", "--out", str(tmp_path), "--set", "train.amp=bf16", timeout=120)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert [line for line in lines if line.startswith("error:")] == [lines[-1]] and "train.precision" in lines[-1]

@@ -4,23 +4,19 @@ a tensor the conversion reads. Each is tried through `info`, `convert-captioner`
 
 from __future__ import annotations
 
-import os
 import pickle
 import resource
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from pipeline.core.errors import UsageError
 from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball"]
 
 
@@ -53,30 +49,13 @@ def counter_copy_bomb(entries: int = 20000, copies: int = 20000) -> bytes:
     return b"\x80\x02(" + one + again * (copies - 1) + b"l."
 
 
-def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """``cli.py`` in a child limited to 4 GB of data (a bomb that slipped through dies instead of the machine)."""
+#: one thread for the ``cli`` children that read the planted files
+BOUNDED = {"OMP_NUM_THREADS": "1"}
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "BUTD_NO_PROGRESS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    try:
-        return subprocess.run(
-            [sys.executable, str(REPO / "cli.py"), *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            preexec_fn=limit,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`{' '.join(args[:2])}` still ran after {timeout} s: the file was not bounded")
+def limit_memory() -> None:
+    """The ``cli`` child's data limit, 4 GB: a bomb that slipped through dies instead of the machine."""
+    resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
 
 def one_error_line(res: subprocess.CompletedProcess | object, name: str) -> str:
@@ -88,7 +67,7 @@ def one_error_line(res: subprocess.CompletedProcess | object, name: str) -> str:
     return lines[0]
 
 
-def test_reference_bombs_are_refused_quickly_in_bounded_memory(tmp_path: Path) -> None:
+def test_reference_bombs_are_refused_quickly_in_bounded_memory(cli, tmp_path: Path) -> None:
     from models.released import m2 as rel_m2
 
     bomb = tmp_path / "vocab.pkl"
@@ -107,9 +86,19 @@ def test_reference_bombs_are_refused_quickly_in_bounded_memory(tmp_path: Path) -
     # the CLI commands that read a vocabulary: one line naming the file, exit 2, in bounded time and memory
     weights = tmp_path / "meshed_memory_transformer.pth"
     write_m2_checkpoint(weights, 4 + len(WORDS), d=16, d_ff=24, m=3, d_in=12, max_len=10)
-    one_error_line(run_cli(["info", str(bomb)]), "vocab.pkl")
+    one_error_line(cli("info", str(bomb), env=BOUNDED, timeout=120, preexec_fn=limit_memory), "vocab.pkl")
     one_error_line(
-        run_cli(["convert-captioner", str(weights), "--vocab", str(bomb), "--output", str(tmp_path / "x.pt")]),
+        cli(
+            "convert-captioner",
+            str(weights),
+            "--vocab",
+            str(bomb),
+            "--output",
+            str(tmp_path / "x.pt"),
+            env=BOUNDED,
+            timeout=120,
+            preexec_fn=limit_memory,
+        ),
         "vocab.pkl",
     )
     assert not (tmp_path / "x.pt").exists()
@@ -124,8 +113,7 @@ def test_an_honest_vocabulary_is_well_within_the_limit(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("odd", ["\u00b2", "1" * 5000, "01", " 1", "-1", "\u0661"])
-def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, odd: str) -> None:
-    import cli
+def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(cli, tmp_path: Path, odd: str) -> None:
     from models.released import convert_release, describe_captioner
 
     write_aoanet(tmp_path, WORDS + ["UNK"], d=16, d_in=12)
@@ -139,19 +127,15 @@ def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, 
         describe_captioner(infos)
     with pytest.raises(UsageError, match="infos_aoanet-best.pkl: the vocab keys must be"):
         convert_release(tmp_path / "model-best.pth", infos)
-    runner = CliRunner()
-    one_error_line(runner.invoke(cli.app, ["info", str(infos)]), "infos_aoanet-best.pkl")
+    one_error_line(cli.invoke("info", str(infos)), "infos_aoanet-best.pkl")
     one_error_line(
-        runner.invoke(
-            cli.app,
-            [
-                "convert-captioner",
-                str(tmp_path / "model-best.pth"),
-                "--vocab",
-                str(infos),
-                "--output",
-                str(tmp_path / "x.pt"),
-            ],
+        cli.invoke(
+            "convert-captioner",
+            str(tmp_path / "model-best.pth"),
+            "--vocab",
+            str(infos),
+            "--output",
+            str(tmp_path / "x.pt"),
         ),
         "infos_aoanet-best.pkl",
     )
@@ -168,8 +152,7 @@ def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, 
         ("m2", "encoder.fc.weight"),
     ],
 )
-def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path, kind: str, key: str) -> None:
-    import cli
+def test_release_weights_missing_a_tensor_are_one_line_everywhere(cli, tmp_path: Path, kind: str, key: str) -> None:
     from models.loading import load_captioner
     from models.released import describe_captioner
 
@@ -189,16 +172,13 @@ def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path
         ckpt = torch.load(weights, weights_only=False)  # the test's own file
         del ckpt["state_dict"][key]
         torch.save(ckpt, weights)
-    runner = CliRunner()
-    info = runner.invoke(cli.app, ["info", str(weights)])
+    info = cli.invoke("info", str(weights))
     if info.exit_code != 0:  # describing it may already need the tensor
         one_error_line(info, weights.name)
     else:
         assert describe_captioner(weights) is not None
     one_error_line(
-        runner.invoke(
-            cli.app, ["convert-captioner", str(weights), "--vocab", str(vocab), "--output", str(tmp_path / "x.pt")]
-        ),
+        cli.invoke("convert-captioner", str(weights), "--vocab", str(vocab), "--output", str(tmp_path / "x.pt")),
         weights.name,
     )
     with pytest.raises(UsageError, match=weights.name):  # what `caption --model W --vocab V` does first

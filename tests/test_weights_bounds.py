@@ -5,13 +5,11 @@ and the key, in a child whose address space is limited, within a time limit, in 
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import resource
 import struct
 import subprocess
-import sys
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -28,7 +26,6 @@ from extractors.layouts import save_vinvl
 from extractors.random_weights import random_detector, random_grid_feats_file
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 
-REPO = Path(__file__).resolve().parents[1]
 AS_LIMIT = 5 << 30  # importing torch maps ~3.6 GB of address space; a refusal must stay within ~1.4 GB more
 SUFFIX = {"milvlg": ".pth", "airsplay": ".pkl", "hf": ".bin", "butd": ".pth", "vinvl": ".pth", "grid-feats": ".pth"}
 STEM = {"vinvl": "backbone.body.stem.conv1.weight"}
@@ -225,30 +222,13 @@ CASES = [
 # unpickler refuses (one line naming the file)
 
 
-def bounded_cli(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    """``cli.py ARGS`` in a child whose address space is limited to :data:`AS_LIMIT`, within ``timeout`` seconds."""
+#: one thread for the ``cli`` children that read the planted files
+BOUNDED = {"OMP_NUM_THREADS": "1"}
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "BUTD_NO_PROGRESS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    try:
-        return subprocess.run(
-            [sys.executable, str(REPO / "cli.py"), *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            preexec_fn=limit,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`{' '.join(args[:2])}` still ran after {timeout} s: the file was not bounded")
+def limit_address_space() -> None:
+    """The ``cli`` child's address space limit, :data:`AS_LIMIT` (a file that slipped through dies, not the machine)."""
+    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path, what: str, reason: str) -> str:
@@ -283,12 +263,14 @@ def extract_args(tmp_path: Path, weights: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("attack,layout", CASES)
-def test_info_refuses_a_file_that_declares_what_it_does_not_hold(tmp_path: Path, attack: str, layout: str) -> None:
+def test_info_refuses_a_file_that_declares_what_it_does_not_hold(cli, tmp_path: Path, attack: str, layout: str) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
     assert path.stat().st_size < 16 << 20
-    refused_in_one_line(bounded_cli(["info", str(path)]), path, what, reason)
+    refused_in_one_line(
+        cli("info", str(path), env=BOUNDED, timeout=180, preexec_fn=limit_address_space), path, what, reason
+    )
     with pytest.raises(W.WeightsError, match=f"{path.name}.*'{what}'.*{reason}"):
         W.describe(path)
 
@@ -304,26 +286,36 @@ def test_info_refuses_a_file_that_declares_what_it_does_not_hold(tmp_path: Path,
         ("conv_0d", "butd"),
     ],
 )
-def test_extract_refuses_it_before_building_the_detector(tmp_path: Path, attack: str, layout: str) -> None:
+def test_extract_refuses_it_before_building_the_detector(cli, tmp_path: Path, attack: str, layout: str) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
     args = extract_args(tmp_path, path) + (["--boxes", "grid"] if layout == "grid-feats" else [])
-    refused_in_one_line(bounded_cli(args), path, what, reason)
+    refused_in_one_line(cli(*args, env=BOUNDED, timeout=180, preexec_fn=limit_address_space), path, what, reason)
     assert not (tmp_path / "store" / "store.json").exists()
 
 
 @pytest.mark.parametrize("layout", ["milvlg", "vinvl"])
-def test_an_archive_member_inflating_to_gigabytes_is_refused_unread(tmp_path: Path, layout: str) -> None:
+def test_an_archive_member_inflating_to_gigabytes_is_refused_unread(cli, tmp_path: Path, layout: str) -> None:
     path = write(layout, state_of(layout, tmp_path), tmp_path / "detector.pth")
     inflating_member(path)
     assert path.stat().st_size < 4 << 20
     with zipfile.ZipFile(path) as zf:
         member = next(i for i in zf.infolist() if i.compress_type == zipfile.ZIP_DEFLATED)
     assert member.file_size > 2 << 30
-    refused_in_one_line(bounded_cli(["info", str(path)]), path, re.escape(member.filename), "inflates")
+    refused_in_one_line(
+        cli("info", str(path), env=BOUNDED, timeout=180, preexec_fn=limit_address_space),
+        path,
+        re.escape(member.filename),
+        "inflates",
+    )
     args = extract_args(tmp_path, path)
-    refused_in_one_line(bounded_cli(args), path, re.escape(member.filename), "inflates")
+    refused_in_one_line(
+        cli(*args, env=BOUNDED, timeout=180, preexec_fn=limit_address_space),
+        path,
+        re.escape(member.filename),
+        "inflates",
+    )
 
 
 def test_honest_files_of_every_layout_are_well_within_the_bounds(tmp_path: Path) -> None:
@@ -333,7 +325,7 @@ def test_honest_files_of_every_layout_are_well_within_the_bounds(tmp_path: Path)
         assert facts["layout"] == layout and facts["keys"] > 10, facts
 
 
-def test_a_pickled_array_declaring_its_shape_up_front_is_refused_unread(tmp_path: Path) -> None:
+def test_a_pickled_array_declaring_its_shape_up_front_is_refused_unread(cli, tmp_path: Path) -> None:
     """numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')`` filled from its bytes: one that declares 2**34
     elements up front (which numpy would allocate) is refused before anything is allocated."""
     sd = state_of("airsplay", tmp_path)
@@ -343,15 +335,20 @@ def test_a_pickled_array_declaring_its_shape_up_front_is_refused_unread(tmp_path
     assert n == 1  # the first array's shape argument: (0,) -> (2**34,)
     pkl = tmp_path / "detector.pkl"
     pkl.write_bytes(huge)
-    res = bounded_cli(["info", str(pkl)])
+    res = cli("info", str(pkl), env=BOUNDED, timeout=180, preexec_fn=limit_address_space)
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
     assert res.returncode == 1 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "detector.pkl" in lines[0] and "declared shape" in lines[0], lines[0]
 
 
-def test_a_stored_spec_of_a_million_blocks_is_refused_before_it_is_built(tmp_path: Path) -> None:
+def test_a_stored_spec_of_a_million_blocks_is_refused_before_it_is_built(cli, tmp_path: Path) -> None:
     path = write("butd", state_of("butd", tmp_path), tmp_path / "detector.pth")
     ckpt = torch.load(path, weights_only=True)
     ckpt["spec"]["stage_blocks"] = [1, 1, 1_000_000]
     torch.save(ckpt, path)
-    refused_in_one_line(bounded_cli(["info", str(path)]), path, "stage_blocks", "at most 128 blocks per stage")
+    refused_in_one_line(
+        cli("info", str(path), env=BOUNDED, timeout=180, preexec_fn=limit_address_space),
+        path,
+        "stage_blocks",
+        "at most 128 blocks per stage",
+    )
