@@ -1,17 +1,17 @@
 """The resumable detector trainer (single process, or DDP under ``torchrun``: gloo on CPU, NCCL on GPU).
 
-Built on the training core (:mod:`pipeline.core.training`): device and distributed context, ``precision``,
-seeding, the stop-on-signal context, the non-finite check, the optimizer step (scaler, clipping) and the
-exact-resume bookkeeping. This module keeps what is special to the detector: its batches
+Built on the training core (:mod:`pipeline.core.training`): the loop and its hooks, device and distributed
+context, ``precision``, seeding, the stop-on-signal context, the non-finite check, the optimizer step (scaler,
+clipping) and the exact-resume bookkeeping. This module keeps what is special to the detector: its batches
 (:class:`~extractors.training.data.TrainBatches`), its losses (:class:`~extractors.training.model.DetectorForTraining`)
 and the warm-up + step learning rate.
 
-Exact resume: the checkpoint (``checkpoints/last.pt``, written atomically every ``checkpoint_every``
-iterations, and at the next iteration after SIGTERM/SIGINT) holds the weights and frozen statistics, the
-optimizer state (SGD momentum or AdamW moments), the gradient scaler, the iteration and every process's RNG
-states; batches are a pure function of the iteration. A run killed at any moment (or stopped by a signal)
-and started again therefore ends with bitwise the same weights on CPU as an uninterrupted one (same thread
-count).
+Exact resume: the checkpoint (``checkpoints/last.pt``, :class:`~extractors.training.checkpoint.DetectorCheckpoint`,
+written atomically every ``checkpoint_every`` iterations, at the last and at the next iteration after
+SIGTERM/SIGINT) holds the weights and frozen statistics, the optimizer state (SGD momentum or AdamW moments),
+the gradient scaler, the iteration and every process's RNG states; batches are a pure function of the
+iteration. A run killed at any moment (or stopped by a signal) and started again therefore ends with bitwise
+the same weights on CPU as an uninterrupted one (same thread count).
 """
 
 from __future__ import annotations
@@ -77,12 +77,14 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
         if det.spec.flavor != "caffe":
             raise UsageError(
-                f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)"
+                f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have "
+                "detectron2 semantics)"
             )
         if bool(mcfg.reinit_heads):
             det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.detector_train.seed))
             log.info(
-                "initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
+                "initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads "
+                "re-initialised for "
                 "%d classes / %d attributes",
                 mcfg.init_weights,
                 info["layout"],
@@ -94,9 +96,10 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
             det.spec.has_attributes and det.spec.num_attributes != data.num_attributes
         ):
             raise UsageError(
-                f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but the "
-                f"annotations give {data.num_classes} / {data.num_attributes} (both counting background / 'no attribute'); "
-                "--reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh for the annotations' labels"
+                f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but "
+                f"the annotations give {data.num_classes} / {data.num_attributes} (both counting background / "
+                "'no attribute'); --reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh "
+                "for the annotations' labels"
             )
         sd = det.state_dict()
         scale_bbox_pred(sd, sampling.box_weights)  # the file's raw deltas -> the normalised training targets
@@ -109,7 +112,8 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         )
         if spec.num_classes != data.num_classes or (spec.has_attributes and spec.num_attributes != data.num_attributes):
             raise UsageError(
-                f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations give "
+                f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations "
+                "give "
                 f"{data.num_classes} / {data.num_attributes}"
             )
         if spec.flavor != "caffe":
@@ -120,7 +124,8 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
 
 
 def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer:
-    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo preset)."""
+    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo
+    preset)."""
     groups = param_groups(
         model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor)
     )
@@ -196,14 +201,16 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
 
 
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
-    """The detector of ``cfg`` (:func:`build_detector`) with ``detector_train.freeze_at`` applied, wrapped with its losses."""
+    """The detector of ``cfg`` (:func:`build_detector`) with ``detector_train.freeze_at`` applied, wrapped with its
+    losses."""
     det = build_detector(cfg, data)
     set_trainable(det, int(cfg.detector_train.freeze_at))
     return DetectorForTraining(det, sampling_config(cfg), loss_config(cfg))
 
 
 def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
-    """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test scale."""
+    """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test
+    scale."""
     tc = cfg.detector_train
     return (
         spec.min_size if tc.min_size is None else int(tc.min_size),
@@ -321,7 +328,8 @@ class DetectorTrainer(TrainLoop):
         return self.signal_stop.stop
 
     def _resume(self) -> int:
-        """Load the checkpoint (weights, optimizer, scaler, RNG states) -> the iteration to start at; or prepare a fresh run."""
+        """Load the checkpoint (weights, optimizer, scaler, RNG states) -> the iteration to start at; or prepare a
+        fresh run."""
         tc = self.cfg.detector_train
         if not self.checkpoint.exists():
             if bool(self.cfg.model.calibrate_bn) and not self.cfg.model.init_weights:
@@ -335,7 +343,8 @@ class DetectorTrainer(TrainLoop):
         ck = DetectorCheckpoint.load(self.checkpoint)
         if ck.identity != self.identity:
             raise UsageError(
-                f"checkpoint {self.checkpoint} was written under a different training config; use another --out or --force"
+                f"checkpoint {self.checkpoint} was written under a different training config; use another --out or "
+                "--force"
             )
         if ck.processes != self.ctx.world:  # each process's batches depend on the world size
             raise UsageError(
@@ -428,7 +437,7 @@ class DetectorTrainer(TrainLoop):
         return values
 
     def run(self) -> TrainResult:
-        """Train from the checkpoint's iteration to ``detector_train.max_iter``, then export ``detector.pth`` (rank 0)."""
+        """Train from the checkpoint's iteration to ``detector_train.max_iter``; rank 0 exports ``detector.pth``."""
         self.start = self.done = self._resume()
         t0 = time.perf_counter()
         self.train()

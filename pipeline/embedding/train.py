@@ -1,9 +1,9 @@
 """Training the grounded sentence encoder: the ``encoder`` stage of a run directory (``cli train-encoder``).
 
-Built on the training core (:mod:`pipeline.core.training`): the device and DDP context
+Built on the training core (:mod:`pipeline.core.training`): the loop and its hooks, the device and DDP context
 (:mod:`pipeline.core.distributed`), ``precision``, seeding, the stop-on-signal context, the non-finite check,
-the optimizer step and the resume bookkeeping, atomic checkpoints (:mod:`pipeline.core.checkpoint`) and the
-stage manifest (:func:`pipeline.core.stages.run_stage`). Only the batches, the loss and the validation are
+the optimizer step and the resume bookkeeping, the typed checkpoint (:mod:`pipeline.embedding.checkpoint`) and
+the stage manifest (:func:`pipeline.core.stages.run_stage`). Only the batches, the loss and the validation are
 encoder-specific: the objective's loss (Yoo et al. 2021, §3.4: L_VG, L_C or their sum), Adam and value
 clipping to [-5, 5].
 
@@ -336,7 +336,8 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
         if section[key] is None:
             if not default.exists():
                 raise UsageError(
-                    f"sentence_encoder.{key} is not set and {default} does not exist; pass --set sentence_encoder.{key}=PATH"
+                    f"sentence_encoder.{key} is not set and {default} does not exist; pass --set "
+                    f"sentence_encoder.{key}=PATH"
                 )
             sets[key] = str(default)
     return section.with_overrides(sets) if sets else section

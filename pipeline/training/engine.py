@@ -1,8 +1,9 @@
 """The captioner trainer: cross-entropy then SCST, validation, best/last checkpoints, exact resume, DDP.
 
 This module holds only what is special to captioners (batches, the XE/SCST losses, validation, the stage
-sequence); device, precision, seeding, signals, the non-finite check, the optimizer step and the resume
-bookkeeping come from the training core (:mod:`pipeline.core.training`).
+sequence); the loop and its hooks (log, checkpoints, best-checkpoint selection, signals), device, precision,
+seeding, the non-finite check, the optimizer step and the resume bookkeeping come from the training core
+(:mod:`pipeline.core.training`).
 
 Per step (both stages): batch -> loss *sum* and count -> loss = sum * world / global count (the global
 token mean, :mod:`pipeline.core.distributed`) -> non-finite check on every rank (stop, last good checkpoint
@@ -15,7 +16,7 @@ when a stage finishes; it holds weights, optimiser/schedule/scaler states, every
 epoch and the number of batches done in it (``position``). The epoch's batch order is a pure function of
 (seed, stage, epoch), so a resumed run recomputes it, skips ``position`` batches and continues
 bit-identically (CPU, one process). A checkpoint marked ``stage_done`` moves on to the next stage.
-SIGTERM/SIGINT: :class:`~pipeline.core.training.StopOnSignal` (save at the next step, then
+SIGTERM/SIGINT: the :class:`~pipeline.core.training.loop.SignalStop` hook (save at the next step, then
 :class:`~pipeline.core.training.TrainingInterrupted`).
 """
 
@@ -191,7 +192,8 @@ class Trainer(TrainLoop):
         for r in self.recipes.values():
             if r.max_caption_len is not None and r.max_caption_len != self.data.max_length:
                 log.warning(
-                    "schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set prepare.max_length)",
+                    "schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set "
+                    "prepare.max_length)",
                     r.stage,
                     r.max_caption_len,
                     self.data.max_length,
@@ -397,7 +399,8 @@ class Trainer(TrainLoop):
         scores = broadcast_object(scores, self.ctx)
         if self.metric not in scores:
             raise UsageError(
-                f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})"
+                f"train.validation.metric {self.metric!r} is not computed (available: "
+                f"{', '.join(k for k in scores if k[0].isupper())})"
             )
         return {k: v for k, v in scores.items() if isinstance(v, float)}
 

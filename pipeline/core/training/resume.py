@@ -69,7 +69,8 @@ def restore_training_state(
     ctx: DistContext,
     fallback_seed: int,
 ) -> bool:
-    """Load what :func:`training_state` saved into ``optimizer``/``scaler`` and the RNGs (see :func:`restore_rng_states`)."""
+    """Load what :func:`training_state` saved into ``optimizer``/``scaler`` and the RNGs (see
+    :func:`restore_rng_states`)."""
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
