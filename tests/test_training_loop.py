@@ -69,6 +69,7 @@ def test_the_captioner_trainer_runs_its_steps_under_the_hooks(run, tmp_path) -> 
     cfg = load_config(
         "train", None, train_overrides(run, "san", "train.stages=[xe]", "train.xe={epochs: 2, batch_size: 8}")
     )
+    (tmp_path / "cap").mkdir()  # the stage directory (made by the stage runner)
     t = Trainer(tmp_path / "cap", cfg.train, DistContext())
     rec = Recorder()
     t.register_hooks([rec])
