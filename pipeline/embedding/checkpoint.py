@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from models.sentence_encoder import SentenceEncoder, encoder_config
 from pipeline.core.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.training.resume import ResumeState
 from pipeline.core.vocab import Vocab
+from pipeline.embedding.sentence_encoder import SentenceEncoder, encoder_config
 
 MODEL_NAME = "sentence_encoder"
 KINDS = ("train", "weights")

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core import distributed
 from pipeline.core.config import Config
@@ -59,6 +58,7 @@ from pipeline.embedding.checkpoint import EncoderCheckpoint, EncoderProgress, re
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.embedding.retrieval import split_similarity
+from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
 from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.store import FeatureStore
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.base import Captioner
-from models.captions import caption_words
+from models.captioners.base import Captioner
 from models.decoding import DecodeOptions, generate
+from models.decoding.captions import caption_words
 from pipeline.core.console import track
 from pipeline.core.distributed import DistContext, gather_objects
 from pipeline.core.training import autocast
