@@ -81,7 +81,7 @@ def test_a_rank_with_nothing_to_train_on_takes_the_same_collectives(tmp_path) ->
     from tests.train_helpers import make_world_run
 
     run = make_world_run(tmp_path / "world", num_images=30)
-    n = len(EncoderTrainer(tmp_path / "probe", _encoder_cfg(run).sentence_encoder, DistContext()).train.positions)
+    n = len(EncoderTrainer(tmp_path / "probe", _encoder_cfg(run).sentence_encoder, DistContext()).train_split.positions)
     extra = [
         f"sentence_encoder.batch_size={n - 1}",
         "sentence_encoder.validation.max_images=4",

@@ -131,7 +131,7 @@ def test_resume_is_exact(trained, tmp_path) -> None:
     with pytest.raises(TrainingInterrupted, match="batch 1"):
         stopped.run()
     resumed = EncoderTrainer(tmp_path / "c", two, DistContext())
-    assert resumed._resume()["position"] == 1  # picks up after the first batch of epoch 0
+    assert resumed._resume().position == 1  # picks up after the first batch of epoch 0
     resumed.run()
     wa = torch.load(tmp_path / "a/last.pt", weights_only=True)["weights"]
     for other in ("b", "c"):

@@ -159,7 +159,7 @@ def test_train_encoder_reads_its_image_table_in_workers(world, tmp_path, monkeyp
         tmp_path / "b", _encoder_cfg(run, "sentence_encoder.num_workers=2").sentence_encoder, DistContext()
     )
     _assert_read_in_workers(log)
-    assert torch.equal(base.train_images, workers.train_images) and base.train_images.shape[0] == len(base.train.keys)
+    assert torch.equal(base.train_images, workers.train_images) and base.train_images.shape[0] == len(base.train_split.keys)
     assert np.array_equal(base.val_images, workers.val_images)
 
 

@@ -30,9 +30,10 @@ import torch
 
 from extractors import box_coding
 from extractors.bottom_up import BottomUpDetector
-from extractors.preprocess import DEFAULT_MAX_PIXELS
+from extractors.factory import configure_recipe
 from extractors.inputs import ImageItem
 from extractors.photos import Photo, PhotoDataset, detect_guarded, photo_batches
+from extractors.preprocess import DEFAULT_MAX_PIXELS
 from extractors.selector import Selector, to_resized
 from extractors.training.data import load_instances
 from extractors.weights import load_detector
@@ -202,13 +203,12 @@ def evaluate_model(
     if int(batch_size) < 1 or int(workers) < 0:
         raise UsageError(f"eval.batch_size must be >= 1 and eval.num_workers >= 0, got {batch_size} and {workers}")
     if rule is None:
-        from extractors.factory import configure_recipe
-
         _recipe, rule = configure_recipe(model, "butd", None, "eval")
     data = load_instances(ann_file, image_root, class_names=classes, keep_empty=True)
     if attributes is not None and data.attribute_names != list(attributes):
         raise UsageError(
-            f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's {list(attributes)[:5]}..."
+            f"{ann_file}: its attributes table {data.attribute_names[:5]}... differs from the detector's "
+            f"{list(attributes)[:5]}..."
         )
     group = [i + 1 for i, t in enumerate(data.attribute_types) if attribute_group and t == attribute_group]
     if attribute_group and not group:
@@ -276,8 +276,6 @@ def evaluate_weights(
 ) -> dict[str, Any]:
     """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids), with
     the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``)."""
-    from extractors.factory import configure_recipe
-
     model, info = load_detector(weights)
     if info["layout"] != "butd":
         raise UsageError(

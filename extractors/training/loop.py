@@ -1,22 +1,23 @@
 """The resumable detector trainer (single process, or DDP under ``torchrun``: gloo on CPU, NCCL on GPU).
 
-Built on the training core (:mod:`pipeline.core.training`): device and distributed context, ``precision``,
-seeding, the stop-on-signal context, the non-finite check, the optimizer step (scaler, clipping) and the
-exact-resume bookkeeping. This module keeps what is special to the detector: its batches
+Built on the training core (:mod:`pipeline.core.training`): the loop and its hooks, device and distributed
+context, ``precision``, seeding, the stop-on-signal context, the non-finite check, the optimizer step (scaler,
+clipping) and the exact-resume bookkeeping. This module keeps what is special to the detector: its batches
 (:class:`~extractors.training.data.TrainBatches`), its losses (:class:`~extractors.training.model.DetectorForTraining`)
 and the warm-up + step learning rate.
 
-Exact resume: the checkpoint (``checkpoints/last.pt``, written atomically every ``checkpoint_every``
-iterations, and at the next iteration after SIGTERM/SIGINT) holds the weights and frozen statistics, the
-optimizer state (SGD momentum or AdamW moments), the gradient scaler, the iteration and every process's RNG
-states; batches are a pure function of the iteration. A run killed at any moment (or stopped by a signal)
-and started again therefore ends with bitwise the same weights on CPU as an uninterrupted one (same thread
-count).
+Exact resume: the checkpoint (``checkpoints/last.pt``, :class:`~extractors.training.checkpoint.DetectorCheckpoint`,
+written atomically every ``checkpoint_every`` iterations, at the last and at the next iteration after
+SIGTERM/SIGINT) holds the weights and frozen statistics, the optimizer state (SGD momentum or AdamW moments),
+the gradient scaler, the iteration and every process's RNG states; batches are a pure function of the
+iteration. A run killed at any moment (or stopped by a signal) and started again therefore ends with bitwise
+the same weights on CPU as an uninterrupted one (same thread count).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader
 from extractors import EXTRACTORS
 from extractors.bottom_up import BottomUpDetector
 from extractors.spec import BottomUpSpec
+from extractors.training.checkpoint import DetectorCheckpoint
 from extractors.training.data import InstanceSet, TrainBatches, collate_one, load_instances, pad_blobs
 from extractors.training.export import export_weights, reinit_heads, scale_bbox_pred
 from extractors.training.model import DetectorForTraining, LossConfig
@@ -42,11 +44,9 @@ from extractors.training.targets import SamplingConfig
 from extractors.weights import load_detector
 from pipeline.core import distributed
 from pipeline.core import threads as thread_policy
-from pipeline.core.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import UsageError
-from pipeline.core.training.determinism import deterministic_mode
 from pipeline.core.training import (
     StopOnSignal,
     autocast,
@@ -54,10 +54,11 @@ from pipeline.core.training import (
     make_scaler,
     optimizer_step,
     resolve_precision,
-    restore_training_state,
     seed_everything,
-    training_state,
 )
+from pipeline.core.training.determinism import deterministic_mode
+from pipeline.core.training.loop import DistributedSync, HookBase, LogHook, PeriodicCheckpoint, SignalStop, TrainLoop
+from pipeline.core.training.resume import ResumeState
 
 log = get_logger("train-detector")
 
@@ -76,12 +77,14 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
         if det.spec.flavor != "caffe":
             raise UsageError(
-                f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have detectron2 semantics)"
+                f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have "
+                "detectron2 semantics)"
             )
         if bool(mcfg.reinit_heads):
             det = reinit_heads(det, data.num_classes, data.num_attributes, int(cfg.detector_train.seed))
             log.info(
-                "initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads re-initialised for "
+                "initialised from %s (%s layout): backbone, RPN and res5 kept; class and attribute heads "
+                "re-initialised for "
                 "%d classes / %d attributes",
                 mcfg.init_weights,
                 info["layout"],
@@ -93,9 +96,10 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
             det.spec.has_attributes and det.spec.num_attributes != data.num_attributes
         ):
             raise UsageError(
-                f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but the "
-                f"annotations give {data.num_classes} / {data.num_attributes} (both counting background / 'no attribute'); "
-                "--reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh for the annotations' labels"
+                f"{mcfg.init_weights} has {det.spec.num_classes} classes / {det.spec.num_attributes} attributes but "
+                f"the annotations give {data.num_classes} / {data.num_attributes} (both counting background / "
+                "'no attribute'); --reinit-heads (model.reinit_heads=true) starts the class and attribute heads afresh "
+                "for the annotations' labels"
             )
         sd = det.state_dict()
         scale_bbox_pred(sd, sampling.box_weights)  # the file's raw deltas -> the normalised training targets
@@ -108,7 +112,8 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         )
         if spec.num_classes != data.num_classes or (spec.has_attributes and spec.num_attributes != data.num_attributes):
             raise UsageError(
-                f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations give "
+                f"model.spec sets {spec.num_classes} classes / {spec.num_attributes} attributes but the annotations "
+                "give "
                 f"{data.num_classes} / {data.num_attributes}"
             )
         if spec.flavor != "caffe":
@@ -119,7 +124,8 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
 
 
 def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer:
-    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo preset)."""
+    """SGD with momentum (the Faster R-CNN recipe) or AdamW (``detector_train.optimizer: adamw``; see the demo
+    preset)."""
     groups = param_groups(
         model, float(tc.base_lr), float(tc.weight_decay), float(tc.weight_decay_bias), float(tc.bias_lr_factor)
     )
@@ -195,14 +201,16 @@ def train(stage_dir: str | Path, cfg: Config) -> TrainResult:
 
 
 def training_model(cfg: Config, data: InstanceSet) -> DetectorForTraining:
-    """The detector of ``cfg`` (:func:`build_detector`) with ``detector_train.freeze_at`` applied, wrapped with its losses."""
+    """The detector of ``cfg`` (:func:`build_detector`) with ``detector_train.freeze_at`` applied, wrapped with its
+    losses."""
     det = build_detector(cfg, data)
     set_trainable(det, int(cfg.detector_train.freeze_at))
     return DetectorForTraining(det, sampling_config(cfg), loss_config(cfg))
 
 
 def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
-    """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test scale."""
+    """Training scale (shortest side, longest-side cap): ``detector_train.min_size``/``max_size`` or the spec's test
+    scale."""
     tc = cfg.detector_train
     return (
         spec.min_size if tc.min_size is None else int(tc.min_size),
@@ -210,11 +218,44 @@ def train_scales(cfg: Config, spec: BottomUpSpec) -> tuple[int, int]:
     )
 
 
-class DetectorTrainer:
-    """Trains the detector of ``cfg`` (a ``train_detector`` config) in ``stage_dir``, resuming its checkpoint."""
+class _ProgressBar(HookBase):
+    """The console progress bar of the iterations (from the resumed iteration to ``max_iter``)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._bar: Any = None
+        self._task: Any = None
+
+    def before_train(self) -> None:
+        self._bar = make_progress()
+        progress = self._bar.__enter__()
+        self._task = progress.add_task("train-detector", total=self.total, completed=self.trainer.start)
+
+    def after_step(self) -> None:
+        self._bar.advance(self._task)
+
+    def after_train(self) -> None:
+        self._bar.__exit__(None, None, None)
+
+
+class _ExportWeights(HookBase):
+    """After a completed run, rank 0 exports ``detector.pth`` (before the processes leave the loop together)."""
+
+    def after_train(self) -> None:
+        if self.trainer.completed and self.trainer.ctx.main:
+            self.trainer.export()
+
+
+class DetectorTrainer(TrainLoop):
+    """Trains the detector of ``cfg`` (a ``train_detector`` config) in ``stage_dir``, resuming its checkpoint.
+
+    Hooks (:mod:`pipeline.core.training.loop`), in order: the loss log every ``log_every`` iterations, the
+    checkpoint every ``checkpoint_every`` iterations and at the last, the progress bar, the stop on a signal
+    (saving unless this iteration just saved), the export of ``detector.pth`` and the distributed entry/exit."""
 
     def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
         """``ctx``: this process's place in the process group, joined and left by :func:`train`."""
+        super().__init__()
         self.dir, self.cfg, tc = Path(stage_dir), cfg, cfg.detector_train
         self.ctx = ctx
         self.precision = resolve_precision(tc.precision, self.ctx.device, "detector_train.precision")
@@ -236,7 +277,7 @@ class DetectorTrainer:
         self.model = training_model(cfg, data).to(self.ctx.device)
         self.model.train()
         spec = self.model.detector.spec
-        self.batches = TrainBatches(
+        self.batches_of = TrainBatches(
             data.records,
             int(tc.images_per_batch),
             int(tc.seed),
@@ -250,43 +291,74 @@ class DetectorTrainer:
         self.scaler = make_scaler(self.precision, self.ctx.device)
         self.checkpoint = self.dir / CHECKPOINT
         self.identity = _training_identity(cfg)
-        self.stop = StopOnSignal()
         self.steps = [int(s) for s in tc.steps]
         self.lr = float(tc.base_lr)
+        self.max_iter = int(tc.max_iter)
+        self.start = self.done = 0
+        self.failures = self.images_seen = 0
+        self.running: dict[str, float] = {}
+        self.recent: dict[str, list[float]] = {}
+        self.net: torch.nn.Module = self.model
+        self.checkpointer = PeriodicCheckpoint(
+            lambda: self._save(self.done), int(tc.checkpoint_every), lambda: self.done, last=self.max_iter
+        )
+        self.signal_stop = SignalStop(
+            ctx,
+            lambda: None if self.checkpointer.saved_at == self.done else self._save(self.done),
+            lambda: f"iteration {self.done} of {self.max_iter}",
+            self.checkpoint,
+            when=lambda: self.done < self.max_iter,
+        )
+        self.register_hooks(
+            [
+                LogHook(
+                    self._log_losses, int(tc.log_every), lambda: self.done, self._average_losses, last=self.max_iter
+                ),
+                self.checkpointer,
+                _ProgressBar(self.max_iter),
+                self.signal_stop,
+                _ExportWeights(),
+                DistributedSync(ctx),
+            ]
+        )
+
+    @property
+    def stop(self) -> StopOnSignal:
+        """The stop-on-signal state of this run's :class:`SignalStop` hook."""
+        return self.signal_stop.stop
 
     def _resume(self) -> int:
-        """Load the checkpoint (weights, optimizer, scaler, RNG states) -> the iteration to start at; or prepare a fresh run."""
+        """Load the checkpoint (weights, optimizer, scaler, RNG states) -> the iteration to start at; or prepare a
+        fresh run."""
         tc = self.cfg.detector_train
         if not self.checkpoint.exists():
             if bool(self.cfg.model.calibrate_bn) and not self.cfg.model.init_weights:
                 blob, rois = calibration_batch(
-                    self.batches, max(1, 8 // int(tc.images_per_batch)), int(tc.seed), self.ctx.device
+                    self.batches_of, max(1, 8 // int(tc.images_per_batch)), int(tc.seed), self.ctx.device
                 )
                 n = calibrate_batchnorm(self.model.detector, blob, rois)
                 log.info("calibrated %d frozen BatchNorms on %d training images", n, blob.shape[0])
             seed_everything(int(tc.seed) * 1009 + self.ctx.rank)
             return 0
-        ck = load_checkpoint(self.checkpoint, required=("model", "optimizer", "iteration", "rng", "identity"))
-        if ck["identity"] != self.identity:
+        ck = DetectorCheckpoint.load(self.checkpoint)
+        if ck.identity != self.identity:
             raise UsageError(
-                f"checkpoint {self.checkpoint} was written under a different training config; use another --out or --force"
+                f"checkpoint {self.checkpoint} was written under a different training config; use another --out or "
+                "--force"
             )
-        if len(ck["rng"]) != self.ctx.world:  # each process's batches depend on the world size
+        if ck.processes != self.ctx.world:  # each process's batches depend on the world size
             raise UsageError(
-                f"checkpoint {self.checkpoint} comes from {len(ck['rng'])} processes, this run has {self.ctx.world}"
+                f"checkpoint {self.checkpoint} comes from {ck.processes} processes, this run has {self.ctx.world}"
             )
-        self.model.detector.load_state_dict(ck["model"])
-        restore_training_state(ck, self.optimizer, self.scaler, self.ctx, int(tc.seed))
-        log.info("resuming from %s at iteration %d", self.checkpoint, int(ck["iteration"]))
-        return int(ck["iteration"])
+        self.model.detector.load_state_dict(ck.weights)
+        ck.state.restore(self.optimizer, self.scaler, self.ctx, int(tc.seed))
+        log.info("resuming from %s at iteration %d", self.checkpoint, ck.iteration)
+        return ck.iteration
 
     def _save(self, iteration: int) -> None:
-        state = training_state(self.optimizer, self.scaler, self.ctx)  # every rank: the RNG states are gathered
+        state = ResumeState.capture(self.optimizer, self.scaler, self.ctx)  # every rank: the RNG states are gathered
         if self.ctx.main:
-            save_checkpoint(
-                self.checkpoint,
-                {"model": self.model.detector.state_dict(), **state, "iteration": iteration, "identity": self.identity},
-            )
+            DetectorCheckpoint(self.model.detector.state_dict(), iteration, self.identity, state).save(self.checkpoint)
 
     def _step(self, net: torch.nn.Module, batch: dict[str, Any], it: int) -> dict[str, float]:
         """One iteration: learning rate, forward under autocast, non-finite check, optimizer step -> the losses."""
@@ -295,10 +367,10 @@ class DetectorTrainer:
             it, float(tc.base_lr), int(tc.warmup_iters), float(tc.warmup_factor), self.steps, float(tc.gamma)
         )
         apply_lr(self.optimizer, self.lr)
-        if distributed.any_rank(
-            not batch["images"], self.ctx
-        ):  # every rank skips together: one rank alone leaving would hang the
-            if batch["images"]:  # others in DDP's gradient all-reduce and check_finite
+        # every rank skips together: one rank alone leaving would hang the others in DDP's gradient all-reduce
+        # and check_finite
+        if distributed.any_rank(not batch["images"], self.ctx):
+            if batch["images"]:
                 log.warning("iteration %d: another process has no decodable image; every process skips it", it)
             return {}
         images, sizes = pad_blobs(batch["images"])
@@ -316,96 +388,90 @@ class DetectorTrainer:
         optimizer_step(total, self.optimizer, self.scaler, clip_norm=float(tc.clip_grad_norm))
         return values
 
-    def run(self) -> TrainResult:
-        """Train from the checkpoint's iteration to ``detector_train.max_iter``, then export ``detector.pth`` (rank 0)."""
+    def _average_losses(self) -> dict[str, Any] | None:
+        """Rank 0: the mean of each loss since the last log line (None when there is none)."""
+        if not self.ctx.main or not self.recent:
+            return None
+        self.running, self.recent = {k: sum(v) / len(v) for k, v in self.recent.items()}, {}
+        return {"iteration": self.done, "lr": self.lr, "losses": self.running}
+
+    def _log_losses(self, record: dict[str, Any]) -> None:
+        losses = record["losses"]
+        log.info(
+            "iter %d/%d lr %.5g loss %.4f (%s)",
+            record["iteration"],
+            self.max_iter,
+            record["lr"],
+            sum(losses.values()),
+            ", ".join(f"{k} {v:.4f}" for k, v in losses.items()),
+        )
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def batches(self) -> Iterator[dict[str, Any]]:
         tc, ctx = self.cfg.detector_train, self.ctx
-        start = self._resume()
         # DDP broadcasts rank 0's parameters and buffers at construction: every process starts identical
-        net = (
-            torch.nn.parallel.DistributedDataParallel(
+        if ctx.distributed:
+            self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
             )
-            if ctx.distributed
-            else self.model
-        )
-        max_iter, log_every, every = int(tc.max_iter), int(tc.log_every), int(tc.checkpoint_every)
-        loader = DataLoader(
-            self.batches,
+        yield from DataLoader(
+            self.batches_of,
             batch_size=1,
-            sampler=range(start, max_iter),
+            sampler=range(self.start, self.max_iter),
             collate_fn=collate_one,
             num_workers=thread_policy.loader_workers(int(self.cfg.data.num_workers)),
             generator=torch.Generator().manual_seed(int(tc.seed)),
             persistent_workers=False,
         )
-        running: dict[str, float] = {}
-        recent: dict[str, list[float]] = {}
-        failures = images_seen = 0
-        t0 = time.perf_counter()
-        with self.stop, make_progress() as progress:
-            task = progress.add_task("train-detector", total=max_iter, completed=start)
-            for batch in loader:
-                it = batch["iteration"]
-                for f in batch["failures"]:
-                    failures += 1
-                    log.warning("iteration %d: skipped image %s", it, f)
-                for k, v in self._step(net, batch, it).items():
-                    recent.setdefault(k, []).append(v)
-                images_seen += len(batch["images"])
-                done = it + 1
-                if ctx.main and (done % log_every == 0 or done == max_iter) and recent:
-                    running, recent = {k: sum(v) / len(v) for k, v in recent.items()}, {}
-                    log.info(
-                        "iter %d/%d lr %.5g loss %.4f (%s)",
-                        done,
-                        max_iter,
-                        self.lr,
-                        sum(running.values()),
-                        ", ".join(f"{k} {v:.4f}" for k, v in running.items()),
-                    )
-                saved = done % every == 0 or done == max_iter
-                if saved:
-                    self._save(done)
-                progress.advance(task)
-                if done < max_iter:
-                    self.stop.check(
-                        ctx,
-                        lambda: None if saved else self._save(done),
-                        f"iteration {done} of {max_iter}",
-                        self.checkpoint,
-                    )
-        seconds = time.perf_counter() - t0
-        if recent:
-            running = {k: sum(v) / len(v) for k, v in recent.items()}
-        return self._finish(start, seconds, running, images_seen, failures)
 
-    def _finish(
-        self, start: int, seconds: float, running: dict[str, float], images_seen: int, failures: int
-    ) -> TrainResult:
-        max_iter, data = int(self.cfg.detector_train.max_iter), self.data
-        if start >= max_iter:
-            log.info("training already finished (%d iterations)", max_iter)
-        weights = self.dir / WEIGHTS
-        if self.ctx.main:
-            export_weights(
-                self.model.detector,
-                weights,
-                self.model.sampling.bbox_normalize_stds,
-                data.class_names,
-                data.attribute_names,
-                {
-                    "iterations": max_iter,
-                    "images": len(data.records),
-                    "annotations": str(self.cfg.data.train_annotations),
-                },
-            )
-        distributed.barrier(self.ctx)
+    def run_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        it = batch["iteration"]
+        for f in batch["failures"]:
+            self.failures += 1
+            log.warning("iteration %d: skipped image %s", it, f)
+        values = self._step(self.net, batch, it)
+        for k, v in values.items():
+            self.recent.setdefault(k, []).append(v)
+        self.images_seen += len(batch["images"])
+        self.done = it + 1
+        return values
+
+    def run(self) -> TrainResult:
+        """Train from the checkpoint's iteration to ``detector_train.max_iter``; rank 0 exports ``detector.pth``."""
+        self.start = self.done = self._resume()
+        t0 = time.perf_counter()
+        self.train()
+        seconds = time.perf_counter() - t0
+        if self.recent:
+            self.running = {k: sum(v) / len(v) for k, v in self.recent.items()}
+        if self.start >= self.max_iter:
+            log.info("training already finished (%d iterations)", self.max_iter)
+        data = self.data
         return TrainResult(
-            max_iter,
+            self.max_iter,
             seconds,
-            images_seen * self.ctx.world / seconds if seconds > 0 else 0.0,
-            {k: round(v, 5) for k, v in running.items()},
-            weights,
-            start,
-            {**{k: int(v) for k, v in data.counts.items()}, **({"undecodable": failures} if failures else {})},
+            self.images_seen * self.ctx.world / seconds if seconds > 0 else 0.0,
+            {k: round(v, 5) for k, v in self.running.items()},
+            self.dir / WEIGHTS,
+            self.start,
+            {
+                **{k: int(v) for k, v in data.counts.items()},
+                **({"undecodable": self.failures} if self.failures else {}),
+            },
+        )
+
+    def export(self) -> None:
+        """Write ``detector.pth`` (the trained weights in the public layout, with its labels and provenance)."""
+        data = self.data
+        export_weights(
+            self.model.detector,
+            self.dir / WEIGHTS,
+            self.model.sampling.bbox_normalize_stds,
+            data.class_names,
+            data.attribute_names,
+            {
+                "iterations": self.max_iter,
+                "images": len(data.records),
+                "annotations": str(self.cfg.data.train_annotations),
+            },
         )

@@ -12,8 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from extractors.training.evaluate import evaluate_weights, summary_line
+from extractors.training.loop import CHECKPOINT, WEIGHTS, train
 from pipeline.core.config import CONFIG_DIR, Config, load_config
 from pipeline.core.console import get_logger
+from pipeline.core.distributed import env_context, resolve_device
 
 log = get_logger("train-detector")
 
@@ -24,7 +27,8 @@ DEMO_PRESET = CONFIG_DIR / "detector" / "demo.yaml"
 def load_detector_config(
     config_file: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
 ) -> Config:
-    """``configs/train_detector.yaml`` defaults, then a preset file (e.g. ``configs/detector/demo.yaml``), then overrides."""
+    """``configs/train_detector.yaml`` defaults, then a preset file (e.g. ``configs/detector/demo.yaml``), then
+    overrides."""
     return load_config(STAGE, config_file, overrides)
 
 
@@ -49,10 +53,6 @@ def train_detector(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[s
     Returns ``(outputs, summary)``: outputs ``weights`` / ``checkpoint`` (paths relative to ``stage_dir``);
     summary: iterations, training seconds, images/s, last losses, and the evaluation numbers.
     """
-    from extractors.training.evaluate import summary_line
-    from extractors.training.loop import CHECKPOINT, WEIGHTS, train
-    from pipeline.core.distributed import env_context
-
     result = train(stage_dir, cfg)
     summary: dict[str, Any] = {
         "iterations": result.iterations,
@@ -80,9 +80,6 @@ def evaluate_detector(
     """Evaluate a ``butd`` weights file on a COCO instances split with the ``eval`` section of ``cfg``: its recipe,
     IoU and attribute group, and how it runs (``device`` (an argument given wins), ``batch_size``, ``precision``,
     ``workers``)."""
-    from extractors.training.evaluate import evaluate_weights
-    from pipeline.core.distributed import resolve_device
-
     ecfg = (cfg or load_detector_config()).eval
     dev = resolve_device(str(device if device is not None else ecfg.device))
     return evaluate_weights(

@@ -117,11 +117,10 @@ def _java_version() -> str:
 
 
 def _environment() -> None:
-    from rich.table import Table
-
     import importlib.metadata as md
 
     import torch
+    from rich.table import Table
 
     from pipeline import __version__
 
@@ -227,9 +226,9 @@ def _encoder_info(path: Path) -> bool:
     con = stdout_console()
     for key, value in (
         ("file", str(path)),
-        ("format", f"butd-caption checkpoint ({ckpt['kind']})"),
+        ("format", f"butd-caption checkpoint ({ckpt.kind})"),
         ("model", "sentence_encoder"),
-        ("vocabulary", f"{len(ckpt['vocab']):,} words"),
+        ("vocabulary", f"{len(ckpt.vocab):,} words"),
     ):
         con.print(f"{key}: {value}", highlight=False, markup=False)
     return True

@@ -1,9 +1,9 @@
 """Training the grounded sentence encoder: the ``encoder`` stage of a run directory (``cli train-encoder``).
 
-Built on the training core (:mod:`pipeline.core.training`): the device and DDP context
+Built on the training core (:mod:`pipeline.core.training`): the loop and its hooks, the device and DDP context
 (:mod:`pipeline.core.distributed`), ``precision``, seeding, the stop-on-signal context, the non-finite check,
-the optimizer step and the resume bookkeeping, atomic checkpoints (:mod:`pipeline.core.checkpoint`) and the
-stage manifest (:func:`pipeline.core.stages.run_stage`). Only the batches, the loss and the validation are
+the optimizer step and the resume bookkeeping, the typed checkpoint (:mod:`pipeline.embedding.checkpoint`) and
+the stage manifest (:func:`pipeline.core.stages.run_stage`). Only the batches, the loss and the validation are
 encoder-specific: the objective's loss (Yoo et al. 2021, §3.4: L_VG, L_C or their sum), Adam and value
 clipping to [-5, 5].
 
@@ -19,9 +19,8 @@ keeps the best epoch.
 
 from __future__ import annotations
 
-import json
-import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
 from pipeline.caption_data.prepared import PreparedCaptions
-from pipeline.core.checkpoint import save_checkpoint
+from pipeline.core import distributed
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
-from pipeline.embedding.checkpoint import read_encoder_checkpoint
-from pipeline.embedding.data import SplitCaptions, image_table
-from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
-from pipeline.embedding.retrieval import split_similarity
 from pipeline.core.errors import UsageError
-from pipeline.core.fileio import open_own_file
-from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.core.stages import StageResult, run_stage
-from pipeline.store import FeatureStore
-from pipeline.core import distributed
 from pipeline.core.training import (
     StopOnSignal,
     autocast,
@@ -51,13 +41,30 @@ from pipeline.core.training import (
     make_scaler,
     optimizer_step,
     resolve_precision,
-    restore_training_state,
     seed_everything,
-    training_state,
 )
+from pipeline.core.training.loop import (
+    BestCheckpoint,
+    DistributedSync,
+    JsonlLog,
+    LogHook,
+    PeriodicCheckpoint,
+    SignalStop,
+    TrainLoop,
+    ValidationHook,
+)
+from pipeline.core.training.resume import ResumeState
+from pipeline.embedding.checkpoint import EncoderCheckpoint, EncoderProgress, read_encoder_checkpoint
+from pipeline.embedding.data import SplitCaptions, image_table
+from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
+from pipeline.embedding.retrieval import split_similarity
+from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
+from pipeline.metrics.retrieval import retrieval_metrics
+from pipeline.store import FeatureStore
 
 log = get_logger("encoder")
 STAGE = "encoder"
+BEST_METRIC = "c2i_R@1"  # caption-to-image Recall@1 on the validation split selects best.pt
 
 
 class _Objective(nn.Module):
@@ -95,18 +102,25 @@ def evaluate_retrieval(
     return retrieval_metrics(sim, caption_image.numpy())
 
 
-class EncoderTrainer:
-    """Trains the encoder of ``cfg`` (an ``encoder:`` section) into ``stage_dir``."""
+class EncoderTrainer(TrainLoop):
+    """Trains the encoder of ``cfg`` (an ``encoder:`` section) into ``stage_dir``.
+
+    Hooks (:mod:`pipeline.core.training.loop`), in order: the distributed entry/exit, validation (caption-to-image
+    R@1), the best checkpoint (``best.pt`` by ``c2i_R@1``), the epoch log, ``last.pt`` every ``checkpoint_every``
+    steps and the stop on a signal."""
 
     def __init__(self, stage_dir: Path, cfg: Config, ctx: distributed.DistContext) -> None:
+        super().__init__()
         self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
         self.dir.mkdir(parents=True, exist_ok=True)
         seed_everything(int(cfg.seed) + 1000003 * ctx.rank)  # the initial weights depend on the seed only
         self.data = PreparedCaptions.load(cfg.data)
         store = FeatureStore(cfg.store)
-        self.train = SplitCaptions.load(self.data, "train", store)
+        self.train_split = SplitCaptions.load(self.data, "train", store)
         workers = int(cfg.num_workers)  # the image vectors are read from the store in this many DataLoader processes
-        self.train_images = torch.from_numpy(image_table(store, self.train.keys, cfg.max_boxes, workers)).to(ctx.device)
+        self.train_images = torch.from_numpy(image_table(store, self.train_split.keys, cfg.max_boxes, workers)).to(
+            ctx.device
+        )
         val = cfg.validation.split
         self.val = SplitCaptions.load(self.data, val, store) if val else None
         self.val_images = image_table(store, self.val.keys, cfg.max_boxes, workers) if self.val else None
@@ -122,16 +136,51 @@ class EncoderTrainer:
             )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(cfg.lr))
         self.scaler = make_scaler(self.precision, ctx.device)
-        self.stop = StopOnSignal()
+        self.progress = EncoderProgress()
+        self.log_file = JsonlLog(self.dir / "log.jsonl", ctx)
+        self._epoch: dict[str, Any] = {}
+        last = self.dir / "last.pt"
+        self.signal_stop = SignalStop(
+            ctx,
+            lambda: self._save("last.pt", "train"),
+            lambda: f"epoch {self.progress.epoch}, batch {self.progress.position}",
+            last,
+        )
+        self.best_checkpoint = BestCheckpoint(
+            BEST_METRIC,
+            lambda: self.progress,
+            lambda: self._save("best.pt", "weights"),
+            fields=lambda: {"epoch": self.progress.epoch},
+            unvalidated=self._keep_last_epoch,
+        )
+        self.register_hooks(
+            [
+                DistributedSync(ctx),
+                ValidationHook(self._validate, report=self._report),
+                self.best_checkpoint,
+                LogHook(self.log_file.write, epoch_record=self._epoch_record),
+                PeriodicCheckpoint(
+                    lambda: self._save("last.pt", "train"),
+                    int(cfg.checkpoint_every),
+                    lambda: self.progress.global_step,
+                ),
+                self.signal_stop,
+            ]
+        )
         log.info(
             "sentence encoder (%s, self-attention %s, %.2fM parameters), %d train images, device %s, precision %s",
             self.model.objective,
             self.model.self_attention,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
-            len(self.train.keys),
+            len(self.train_split.keys),
             ctx.device,
             self.precision,
         )
+
+    @property
+    def stop(self) -> StopOnSignal:
+        """The stop-on-signal state of this run's :class:`SignalStop` hook."""
+        return self.signal_stop.stop
 
     @property
     def stop_signal(self) -> int | None:
@@ -142,49 +191,39 @@ class EncoderTrainer:
     def stop_signal(self, signum: int | None) -> None:
         self.stop.signum = signum
 
-    def _payload(self, kind: str, prog: dict[str, Any]) -> dict[str, Any]:
-        payload = {
-            "kind": kind,
-            "model": {
-                "name": "sentence_encoder",
-                "config": self.model_cfg,
-                "vocab_size": len(self.data.vocab),
-                "image_dim": self.model.image_dim,
-            },
-            "vocab": list(self.data.vocab.words),
-            "weights": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            **prog,
-            "train_config": self.cfg.to_dict(),
-        }
-        if kind == "train":  # every rank takes part (the RNG states are gathered)
-            payload.update(training_state(self.optimizer, self.scaler, self.ctx))
-        return payload
+    def _checkpoint(self, kind: str) -> EncoderCheckpoint:
+        """The checkpoint of now; ``kind`` "train" adds the resume state (every rank takes part: RNG states)."""
+        state = ResumeState.capture(self.optimizer, self.scaler, self.ctx) if kind == "train" else None
+        return EncoderCheckpoint(
+            model_config=self.model_cfg,
+            image_dim=self.model.image_dim,
+            vocab=tuple(self.data.vocab.words),
+            weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            progress=self.progress,
+            train_config=self.cfg.to_dict(),
+            state=state,
+        )
 
-    def _save(self, name: str, kind: str, prog: dict[str, Any]) -> None:
-        payload = self._payload(kind, prog)
+    def _save(self, name: str, kind: str) -> None:
+        ckpt = self._checkpoint(kind)
         if self.ctx.main:
-            save_checkpoint(self.dir / name, payload)
+            ckpt.save(self.dir / name)
 
-    def _log(self, record: dict[str, Any]) -> None:
-        if self.ctx.main:
-            log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
-            with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-    def _resume(self) -> dict[str, Any]:
-        prog: dict[str, Any] = {"epoch": 0, "position": 0, "global_step": 0, "best": {}, "history": []}
+    def _resume(self) -> EncoderProgress:
         last = self.dir / "last.pt"
         if not last.exists():
-            return prog
+            return EncoderProgress()
         ckpt = read_encoder_checkpoint(last, self.data.vocab)
-        if dict(ckpt["model"]["config"]) != self.model_cfg:
+        if ckpt.model_config != self.model_cfg:
             raise UsageError(
                 f"checkpoint {last} was trained with another encoder configuration; use --force to start over"
             )
-        self.model.load_state_dict(ckpt["weights"])
-        prog.update({k: ckpt[k] for k in prog})
-        restore_training_state(ckpt, self.optimizer, self.scaler, self.ctx, int(self.cfg.seed) + prog["global_step"])
-        log.info("resuming from %s: epoch %d, batch %d", last, prog["epoch"], prog["position"])
+        if ckpt.state is None or ckpt.progress is None:
+            raise UsageError(f"checkpoint {last} is not a training checkpoint (kind {ckpt.kind!r})")
+        self.model.load_state_dict(ckpt.weights)
+        prog = ckpt.progress
+        ckpt.state.restore(self.optimizer, self.scaler, self.ctx, int(self.cfg.seed) + prog.global_step)
+        log.info("resuming from %s: epoch %d, batch %d", last, prog.epoch, prog.position)
         return prog
 
     def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -212,64 +251,67 @@ class EncoderTrainer:
             )
         return None
 
+    def _report(self, scores: dict[str, float]) -> None:
+        self.progress.history.append({"epoch": self.progress.epoch, **scores})
+
+    def _keep_last_epoch(self) -> None:
+        """Without validation scores (no split, the cap2cap objective): ``best.pt`` is the last epoch."""
+        if self.ctx.main:
+            self.progress.best = {"metric": "last epoch", "value": float("nan"), "epoch": self.progress.epoch}
+            self._save("best.pt", "weights")
+
+    def _epoch_record(self) -> dict[str, Any]:
+        scores = self.scores
+        record: dict[str, Any] = {**self._epoch, **(scores or {})}
+        log.info(
+            "epoch %d: loss %.4f%s",
+            self.progress.epoch,
+            record["loss"] or float("nan"),
+            f", val c2i R@1 {scores['c2i_R@1']:.2f} (chance {scores['c2i_chance_R@1']:.2f})" if scores else "",
+        )
+        return record
+
+    # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Train (resuming ``last.pt``) until ``epochs``; returns the summary (best, recent history, global steps)."""
-        with self.stop:
-            return self._run()
+        self.train()
+        prog = self.progress
+        return {"best": prog.best, "history": prog.history[-10:], "global_steps": prog.global_step}
 
-    def _run(self) -> dict[str, Any]:
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
-        prog = self._resume()
-        epochs, every = int(self.cfg.epochs), int(self.cfg.checkpoint_every)
-        while prog["epoch"] < epochs:
-            batches = list(self.train.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog["epoch"]))
-            t0, losses, parts = time.perf_counter(), [], {}
-            for batch in batches[prog["position"] :]:
-                batch = rank_slice(batch, self.ctx)
-                if batch is not None:
-                    stats = self._step(batch)
-                    losses.append(stats["loss"])
-                    for k in ("vg", "cap"):
-                        if k in stats:
-                            parts.setdefault(f"loss_{k}", []).append(stats[k])
-                prog["position"] += 1
-                prog["global_step"] += 1
-                if every and prog["global_step"] % every == 0:
-                    self._save("last.pt", "train", prog)
-                self.stop.check(
-                    self.ctx,
-                    lambda: self._save("last.pt", "train", prog),
-                    f"epoch {prog['epoch']}, batch {prog['position']}",
-                    self.dir / "last.pt",
-                )
-            record: dict[str, Any] = {
+        self.progress = prog = self._resume()
+        while prog.epoch < int(self.cfg.epochs):
+            batches = list(self.train_split.batches(int(self.cfg.batch_size), int(self.cfg.seed), prog.epoch))
+            t0 = time.perf_counter()
+            self._losses: list[float] = []
+            self._parts: dict[str, list[float]] = {}
+            yield from batches[prog.position :]
+            self._epoch = {
                 "event": "epoch",
-                "epoch": prog["epoch"],
-                "loss": float(np.mean(losses)) if losses else None,
+                "epoch": prog.epoch,
+                "loss": float(np.mean(self._losses)) if self._losses else None,
                 "seconds": round(time.perf_counter() - t0, 3),
-                **{k: float(np.mean(v)) for k, v in parts.items()},
+                **{k: float(np.mean(v)) for k, v in self._parts.items()},
             }
-            scores = self._validate()
-            if scores is not None:
-                record.update(scores)
-                prog["history"].append({"epoch": prog["epoch"], **scores})
-                if not prog["best"] or scores["c2i_R@1"] > prog["best"]["value"]:
-                    prog["best"] = {"metric": "c2i_R@1", "value": scores["c2i_R@1"], "epoch": prog["epoch"]}
-                    self._save("best.pt", "weights", prog)
-            elif self.ctx.main:
-                prog["best"] = {"metric": "last epoch", "value": float("nan"), "epoch": prog["epoch"]}
-                self._save("best.pt", "weights", prog)
-            self._log(record)
-            log.info(
-                "epoch %d: loss %.4f%s",
-                prog["epoch"],
-                record["loss"] or float("nan"),
-                f", val c2i R@1 {scores['c2i_R@1']:.2f} (chance {scores['c2i_chance_R@1']:.2f})" if scores else "",
-            )
-            prog["epoch"] += 1
-            prog["position"] = 0
-            self._save("last.pt", "train", prog)
-        return {"best": prog["best"], "history": prog["history"][-10:], "global_steps": prog["global_step"]}
+            self.end_epoch()
+            prog.epoch += 1
+            prog.position = 0
+            self._save("last.pt", "train")
+
+    def run_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """This rank's share of ``batch`` (none: every rank skips it) -> the step's losses; then the counters."""
+        part = rank_slice(batch, self.ctx)
+        stats: dict[str, float] = {}
+        if part is not None:
+            stats = self._step(part)
+            self._losses.append(stats["loss"])
+            for k in ("vg", "cap"):
+                if k in stats:
+                    self._parts.setdefault(f"loss_{k}", []).append(stats[k])
+        self.progress.position += 1
+        self.progress.global_step += 1
+        return stats
 
 
 def rank_slice(batch: dict[str, torch.Tensor], ctx: distributed.DistContext) -> dict[str, torch.Tensor] | None:
@@ -294,7 +336,8 @@ def resolve_encoder_paths(run_dir: str | Path, section: Config) -> Config:
         if section[key] is None:
             if not default.exists():
                 raise UsageError(
-                    f"sentence_encoder.{key} is not set and {default} does not exist; pass --set sentence_encoder.{key}=PATH"
+                    f"sentence_encoder.{key} is not set and {default} does not exist; pass --set "
+                    f"sentence_encoder.{key}=PATH"
                 )
             sets[key] = str(default)
     return section.with_overrides(sets) if sets else section

@@ -12,10 +12,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.config import Config
+from models.decoding import check_max_len
+from models.decoding.captions import decoding_for
+from models.loading import load_captioner
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core import distributed
+from pipeline.core.config import Config, load_config
 from pipeline.core.console import get_logger
+from pipeline.core.distributed import DistContext, resolve_device
 from pipeline.core.errors import UsageError
+from pipeline.core.fileio import atomic_write_json
 from pipeline.core.stages import StageResult, read_manifest, run_stage
+from pipeline.core.training.determinism import deterministic_mode
+from pipeline.core.vocab import Vocab
+from pipeline.data import CaptionDataset
+from pipeline.metrics.coco import EvalOptions
+from pipeline.store import FeatureStore
+from pipeline.training.batches import BatchSource
+from pipeline.training.engine import Trainer
+from pipeline.training.validation import decode_split, score_split
 
 log = get_logger("train")
 
@@ -38,16 +53,13 @@ def resolve_paths(run_dir: str | Path, cfg: Config) -> Config:
 def train_captioner(
     run_dir: str | Path, cfg: Config, force: bool = False, stage_name: str | None = None
 ) -> StageResult:
-    """Train ``cfg.train.model`` (or a bare ``train`` section) into ``run_dir/train-<model>`` (or ``run_dir/<stage_name>``).
+    """Train ``cfg.train.model`` (or a bare ``train`` section) into ``run_dir/train-<model>`` (or
+    ``run_dir/<stage_name>``).
 
     Works under ``torchrun`` too: rank 0 keeps the stage manifest, every rank trains.
     Returns the stage result: ``outputs`` = {last, best, xe, log} (paths relative to ``result.directory``),
     ``summary`` = {model, stages, best {metric, value, stage, epoch}, global_steps, history}.
     """
-    from pipeline.core import distributed
-    from pipeline.core.training.determinism import deterministic_mode
-    from pipeline.training.engine import Trainer
-
     section = resolve_paths(
         run_dir, cfg
     )  # torch's threads: the one policy (--threads / BUTD_THREADS, pipeline.core.threads)
@@ -82,8 +94,6 @@ def train_captioner(
 def _decoding_source(dataset: Any, dev: Any, num_workers: int) -> Any:
     """The batches ``evaluate --model`` decodes: the split preloaded (RAM, or the CUDA device) with 0 workers,
     else read from the store per batch in ``num_workers`` DataLoader processes."""
-    from pipeline.training.batches import BatchSource
-
     if num_workers < 0:
         raise UsageError(f"evaluate.num_workers must be >= 0, not {num_workers}")
     preload = "none" if num_workers > 0 else "memory" if dev.type == "cpu" else "cuda"
@@ -127,19 +137,6 @@ def evaluate_checkpoint(
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
-    from models.decoding.captions import decoding_for
-    from models.decoding import check_max_len
-    from pipeline.caption_data.prepared import PreparedCaptions
-    from pipeline.core.config import load_config
-    from pipeline.data import CaptionDataset
-    from pipeline.core.fileio import atomic_write_json
-    from pipeline.metrics.coco import EvalOptions
-    from pipeline.store import FeatureStore
-    from models.loading import load_captioner
-    from pipeline.core.distributed import DistContext, resolve_device
-    from pipeline.core.vocab import Vocab
-    from pipeline.training.validation import decode_split, score_split
-
     checkpoint = Path(checkpoint)
     prepared = PreparedCaptions.load(data)
     dev = resolve_device(device)
@@ -151,7 +148,8 @@ def evaluate_checkpoint(
     if want is not None and features.feature_dim is not None and features.feature_dim != want:
         hint = " (released models need the Caffe bottom-up 2048-d features, see README)" if ckpt.release else ""
         raise UsageError(
-            f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects {want}-d{hint}"
+            f"{store} holds {features.feature_dim}-d region features, but the captioner {checkpoint} expects "
+            f"{want}-d{hint}"
         )
     dataset = CaptionDataset(features, prepared, split)
     options, resolved = decoding_for(ckpt, decoding, precision, dev, "evaluate.precision")  # as caption decodes it

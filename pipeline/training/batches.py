@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger
-from pipeline.data import BucketBatchSampler, CaptionDataset, FeatureBank, PreloadedLoader, collate_images
-from pipeline.core.errors import UsageError
 from pipeline.core.distributed import DistContext, shard
+from pipeline.core.errors import UsageError
+from pipeline.core.loaders import guarded, loader_timeout
+from pipeline.data import BucketBatchSampler, CaptionDataset, FeatureBank, PreloadedLoader, collate_images
 
 log = get_logger("train.data")
 

@@ -1,8 +1,9 @@
 """The captioner trainer: cross-entropy then SCST, validation, best/last checkpoints, exact resume, DDP.
 
 This module holds only what is special to captioners (batches, the XE/SCST losses, validation, the stage
-sequence); device, precision, seeding, signals, the non-finite check, the optimizer step and the resume
-bookkeeping come from the training core (:mod:`pipeline.core.training`).
+sequence); the loop and its hooks (log, checkpoints, best-checkpoint selection, signals), device, precision,
+seeding, the non-finite check, the optimizer step and the resume bookkeeping come from the training core
+(:mod:`pipeline.core.training`).
 
 Per step (both stages): batch -> loss *sum* and count -> loss = sum * world / global count (the global
 token mean, :mod:`pipeline.core.distributed`) -> non-finite check on every rank (stop, last good checkpoint
@@ -15,16 +16,15 @@ when a stage finishes; it holds weights, optimiser/schedule/scaler states, every
 epoch and the number of batches done in it (``position``). The epoch's batch order is a pure function of
 (seed, stage, epoch), so a resumed run recomputes it, skips ``position`` batches and continues
 bit-identically (CPU, one process). A checkpoint marked ``stage_done`` moves on to the next stage.
-SIGTERM/SIGINT: :class:`~pipeline.core.training.StopOnSignal` (save at the next step, then
+SIGTERM/SIGINT: the :class:`~pipeline.core.training.loop.SignalStop` hook (save at the next step, then
 :class:`~pipeline.core.training.TrainingInterrupted`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,18 +33,14 @@ import torch
 from torch import nn
 
 from models import build_captioner, model_card, model_config
+from models.checkpoints import CaptionerCheckpoint, Progress, TrainingState
 from models.decoding import DecodeOptions, decoding_options
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
-from pipeline.data import CaptionDataset
-from pipeline.core.errors import PipelineError, UsageError
-from pipeline.core.fileio import atomic_write_bytes, open_own_file
-from pipeline.metrics.cider import CiderD
-from pipeline.store import FeatureStore
-from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
-from models.checkpoints import CaptionerCheckpoint, Progress, TrainingState
 from pipeline.core.distributed import DistContext, all_sums, broadcast_object
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import atomic_write_bytes
 from pipeline.core.training import (
     StopOnSignal,
     TrainingInterrupted,
@@ -57,6 +53,21 @@ from pipeline.core.training import (
     seed_everything,
     training_state,
 )
+from pipeline.core.training.loop import (
+    BestCheckpoint,
+    DistributedSync,
+    HookBase,
+    JsonlLog,
+    LogHook,
+    PeriodicCheckpoint,
+    SignalStop,
+    TrainLoop,
+    ValidationHook,
+)
+from pipeline.data import CaptionDataset
+from pipeline.metrics.cider import CiderD
+from pipeline.store import FeatureStore
+from pipeline.training.batches import BatchSource, choose_preload, epoch_batches
 from pipeline.training.recipe import StageRecipe, stage_recipe
 from pipeline.training.schedules import apply_lr, build_schedule
 from pipeline.training.scst_step import greedy_rewards, scst_loss
@@ -104,10 +115,54 @@ def build_optimizer(recipe: StageRecipe, params: Any) -> torch.optim.Optimizer:
     return cls(params, lr=0.0, **{**impl, **recipe.optimizer_kwargs})
 
 
-class Trainer:
-    """Trains ``cfg.model`` on (``cfg.store``, ``cfg.data``) into ``stage_dir`` (see the module docstring)."""
+class _TensorBoard(HookBase):
+    """``train.tensorboard``: every number of the log records also goes to ``STAGE_DIR/tensorboard`` (rank 0)."""
+
+    def __init__(self, out: Path, log_file: JsonlLog, enabled: bool) -> None:
+        self.out, self.log_file, self.enabled = out, log_file, enabled
+
+    def before_train(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 -- optional dependency (tensorboard)
+        except ImportError:
+            log.warning("train.tensorboard is set but tensorboard is not installed; metrics go to log.jsonl only")
+            return
+        self.log_file.scalars = SummaryWriter(str(self.out))
+
+    def after_train(self) -> None:
+        if self.log_file.scalars is not None:
+            self.log_file.scalars.close()
+            self.log_file.scalars = None
+
+
+class _EpochEnd(HookBase):
+    """After validation and the best checkpoint: the patience count (``recipe.patience`` epochs without a gain
+    stop the stage) and the schedule's epoch end (``plateau`` reads the validation metric)."""
+
+    def after_epoch(self) -> None:
+        t = self.trainer
+        prog, recipe = t.progress, t.recipes[t.progress.stage]
+        if t.best_checkpoint.improved is False:
+            prog.bad_epochs += 1
+            t.stop_early = recipe.patience is not None and prog.bad_epochs >= recipe.patience
+        if t.schedule.name == "plateau":
+            t.schedule.epoch_end(t.scores[t.metric] if t.scores is not None else None)
+        else:
+            t.schedule.epoch_end()
+
+
+class Trainer(TrainLoop):
+    """Trains ``cfg.model`` on (``cfg.store``, ``cfg.data``) into ``stage_dir`` (see the module docstring).
+
+    Hooks (:mod:`pipeline.core.training.loop`), in order: TensorBoard, the log (a train record every ``log_every``
+    steps, an epoch record), validation, the best checkpoint (``best.pt`` by ``train.validation.metric``), the
+    patience and schedule epoch end, ``last.pt`` every ``checkpoint_every`` steps, the stop on a signal and the
+    distributed entry/exit."""
 
     def __init__(self, stage_dir: Path, cfg: Config, ctx: DistContext) -> None:
+        super().__init__()
         self.dir, self.cfg, self.ctx = Path(stage_dir), cfg, ctx
         if cfg.store is None or cfg.data is None:
             raise UsageError("train.store (feature store) and train.data (prepared captions folder) are required")
@@ -137,7 +192,8 @@ class Trainer:
         for r in self.recipes.values():
             if r.max_caption_len is not None and r.max_caption_len != self.data.max_length:
                 log.warning(
-                    "schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set prepare.max_length)",
+                    "schedule %s: max_caption_len %s differs from the prepared captions' max_length %d (set "
+                    "prepare.max_length)",
                     r.stage,
                     r.max_caption_len,
                     self.data.max_length,
@@ -168,8 +224,49 @@ class Trainer:
                 find_unused_parameters=bool(cfg.find_unused_parameters),
             )
         self._scorer: CiderD | None = None
-        self.stop = StopOnSignal()
-        self._tb = None
+        self.progress = Progress(stage=self.stages[0])
+        self.optimizer: Any = None
+        self.schedule: Any = None
+        self.scaler: Any = None
+        self.stop_early = False
+        self._epoch_t0, self._images, self._losses, self._seconds = 0.0, 0, [], 0.0
+        self.log_file = JsonlLog(self.dir / "log.jsonl", ctx)
+        last = self.dir / "last.pt"
+        self.signal_stop = SignalStop(
+            ctx,
+            lambda: self._save("last.pt", self._resumable()),
+            lambda: f"{self.progress.stage} epoch {self.progress.epoch}, batch {self.progress.position}",
+            last,
+        )
+        self.best_checkpoint = BestCheckpoint(
+            self.metric,
+            lambda: self.progress,
+            self._save_best,
+            fields=lambda: {"stage": self.progress.stage, "epoch": self.progress.epoch},
+            unvalidated=self._unvalidated,
+        )
+        self.register_hooks(
+            [
+                _TensorBoard(self.dir / "tensorboard", self.log_file, bool(ctx.main and cfg.tensorboard)),
+                LogHook(
+                    self._log,
+                    int(cfg.log_every),
+                    lambda: self.progress.iteration,
+                    self._train_record,
+                    self._epoch_record,
+                ),
+                ValidationHook(lambda: self.validate(self.progress), self._validation_due, self._report),
+                self.best_checkpoint,
+                _EpochEnd(),
+                PeriodicCheckpoint(
+                    lambda: self._save("last.pt", self._resumable()),
+                    int(cfg.checkpoint_every),
+                    lambda: self.progress.iteration,
+                ),
+                self.signal_stop,
+                DistributedSync(ctx),
+            ]
+        )
 
     # -- bookkeeping --------------------------------------------------------------------------------------
     @property
@@ -177,18 +274,13 @@ class Trainer:
         """The validation metric that picks ``best.pt`` (``train.validation.metric``)."""
         return str(self.cfg.validation.metric)
 
+    @property
+    def stop(self) -> StopOnSignal:
+        """The stop-on-signal state of this run's :class:`SignalStop` hook."""
+        return self.signal_stop.stop
+
     def _log(self, record: dict[str, Any]) -> None:
-        if not self.ctx.main:
-            return
-        record = {"time": round(time.time(), 3), **record}
-        log_fd = open_own_file(self.dir / "log.jsonl", "training log", append=True)
-        with os.fdopen(log_fd, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            step = record.get("global_step", 0)
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("time", "global_step", "epoch", "iteration"):
-                    self._tb.add_scalar(f"{record.get('event')}/{record.get('stage')}/{k}", v, step)
+        self.log_file.write(record)
 
     def _checkpoint(
         self, prog: Progress, optimizer: Any = None, schedule: Any = None, scaler: Any = None
@@ -212,6 +304,19 @@ class Trainer:
     def _save(self, name: str, ckpt: CaptionerCheckpoint) -> None:
         if self.ctx.main:
             ckpt.save(self.dir / name)
+
+    def _resumable(self) -> CaptionerCheckpoint:
+        return self._checkpoint(self.progress, self.optimizer, self.schedule, self.scaler)
+
+    def _save_best(self) -> None:
+        """``best.pt`` of a new best validation score (the patience count starts again, in the file too)."""
+        self.progress.bad_epochs = 0
+        self._save("best.pt", self._checkpoint(self.progress))
+
+    def _unvalidated(self) -> None:
+        """Without a validation split every epoch's weights are ``best.pt``."""
+        if self.val_source is None:
+            self._save("best.pt", self._checkpoint(self.progress))
 
     # -- setup --------------------------------------------------------------------------------------------
     def _new_stage(self, stage: str) -> tuple[Any, Any, Any]:
@@ -294,40 +399,16 @@ class Trainer:
         scores = broadcast_object(scores, self.ctx)
         if self.metric not in scores:
             raise UsageError(
-                f"train.validation.metric {self.metric!r} is not computed (available: {', '.join(k for k in scores if k[0].isupper())})"
+                f"train.validation.metric {self.metric!r} is not computed (available: "
+                f"{', '.join(k for k in scores if k[0].isupper())})"
             )
         return {k: v for k, v in scores.items() if isinstance(v, float)}
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Train every stage (resuming ``last.pt``); returns the summary (best, global steps, recent history)."""
-        if self.ctx.main and self.cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-            except ImportError:
-                log.warning("train.tensorboard is set but tensorboard is not installed; metrics go to log.jsonl only")
-        seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
-        prog, state = self._resume()
-        with self.stop:
-            try:
-                for stage in self.stages[self.stages.index(prog.stage) :]:
-                    if prog.stage != stage:
-                        prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
-                        state = None
-                    if prog.stage_done:
-                        continue
-                    if state is None:
-                        if stage == "scst" and self.cfg.scst_init == "best" and (self.dir / "xe.pt").exists():
-                            self._load_weights(self.dir / "xe.pt")
-                            log.info("SCST starts from the best XE weights (xe.pt)")
-                        state = self._new_stage(stage)
-                    prog = self._run_stage(prog, *state)
-                    state = None
-            finally:
-                if self._tb is not None:
-                    self._tb.close()
+        self.train()
+        prog = self.progress
         return {
             "model": self.cfg.model,
             "stages": self.stages,
@@ -335,6 +416,27 @@ class Trainer:
             "global_steps": prog.global_step,
             "history": prog.history[-10:],
         }
+
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """Every stage from the resumed one on: its optimizer, schedule and scaler, then its epochs' batches."""
+        seed_everything(int(self.cfg.seed) + 1000003 * self.ctx.rank)
+        prog, state = self._resume()
+        self.progress = prog
+        for stage in self.stages[self.stages.index(prog.stage) :]:
+            if prog.stage != stage:
+                prog = Progress(stage=stage, global_step=prog.global_step, best=prog.best, history=prog.history)
+                self.progress = prog
+                state = None
+            if prog.stage_done:
+                continue
+            if state is None:
+                if stage == "scst" and self.cfg.scst_init == "best" and (self.dir / "xe.pt").exists():
+                    self._load_weights(self.dir / "xe.pt")
+                    log.info("SCST starts from the best XE weights (xe.pt)")
+                state = self._new_stage(stage)
+            self.optimizer, self.schedule, self.scaler = state
+            yield from self._stage_batches()
+            state = None
 
     def _scst_scorer(self) -> CiderD:
         if self._scorer is None:
@@ -393,41 +495,64 @@ class Trainer:
             out.update(reward=info.reward, baseline=info.baseline_reward)
         return out
 
-    def _end_epoch(self, prog: Progress, recipe: StageRecipe, schedule: Any) -> bool:
-        """Validation, best.pt, patience and the schedule's epoch end; returns True to stop the stage early."""
-        v = self.cfg.validation
-        due = (
-            (prog.epoch + 1) % int(v.every_epochs) == 0 or prog.epoch + 1 == recipe.epochs or schedule.name == "plateau"
-        )
-        scores = self.validate(prog) if due else None
-        stop = False
-        if scores is not None:
-            value = scores[self.metric]
-            record = {"stage": prog.stage, "epoch": prog.epoch, "global_step": prog.global_step, **scores}
-            prog.history.append(record)
-            self._log({"event": "val", **record})
-            log.info(
-                "validation %s epoch %d: %s",
-                prog.stage,
-                prog.epoch,
-                ", ".join(f"{k} {x:.4f}" for k, x in scores.items()),
-            )
-            if not prog.best or value > prog.best["value"]:
-                prog.best = {"metric": self.metric, "value": value, "stage": prog.stage, "epoch": prog.epoch}
-                prog.bad_epochs = 0
-                self._save("best.pt", self._checkpoint(prog))
-            else:
-                prog.bad_epochs += 1
-                stop = recipe.patience is not None and prog.bad_epochs >= recipe.patience
-        elif self.val_source is None:
-            self._save("best.pt", self._checkpoint(prog))
-        if schedule.name == "plateau":
-            schedule.epoch_end(scores[self.metric] if scores is not None else None)
-        else:
-            schedule.epoch_end()
-        return stop
+    def _validation_due(self) -> bool:
+        prog, every = self.progress, int(self.cfg.validation.every_epochs)
+        epochs = self.recipes[prog.stage].epochs
+        return (prog.epoch + 1) % every == 0 or prog.epoch + 1 == epochs or self.schedule.name == "plateau"
 
-    def _run_stage(self, prog: Progress, optimizer: Any, schedule: Any, scaler: Any) -> Progress:
+    def _report(self, scores: dict[str, float]) -> None:
+        prog = self.progress
+        record = {"stage": prog.stage, "epoch": prog.epoch, "global_step": prog.global_step, **scores}
+        prog.history.append(record)
+        self._log({"event": "val", **record})
+        log.info(
+            "validation %s epoch %d: %s", prog.stage, prog.epoch, ", ".join(f"{k} {x:.4f}" for k, x in scores.items())
+        )
+
+    def _train_record(self) -> dict[str, Any]:
+        prog = self.progress
+        rate = self._images / max(time.perf_counter() - self._epoch_t0, 1e-9)
+        return {
+            "event": "train",
+            "stage": prog.stage,
+            "epoch": prog.epoch,
+            "iteration": prog.iteration,
+            "global_step": prog.global_step,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "images_per_s": rate * self.ctx.world,
+            **self.step_stats,
+        }
+
+    def _epoch_record(self) -> dict[str, Any]:
+        prog = self.progress
+        return {
+            "event": "epoch",
+            "stage": prog.stage,
+            "epoch": prog.epoch,
+            "global_step": prog.global_step,
+            "loss": sum(self._losses) / max(len(self._losses), 1),
+            "seconds": round(self._seconds, 3),
+            "images_per_s": self._images * self.ctx.world / max(self._seconds, 1e-9),
+        }
+
+    def run_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        """One step of the current stage, then the schedule and the counters."""
+        prog = self.progress
+        # the rate is a pure function of the schedule's saved state, written just before each step: a run that
+        # goes on past an epoch end and one resumed there train every batch at the same rate
+        apply_lr(self.optimizer, self.schedule.lr())
+        stats = self._step(prog.stage, self.recipes[prog.stage], batch, prog, self.optimizer, self.scaler)
+        self.schedule.step()
+        prog.position += 1
+        prog.iteration += 1
+        prog.global_step += 1
+        self._images += len(batch["keys"])
+        self._losses.append(stats["loss"])
+        return stats
+
+    def _stage_batches(self) -> Iterator[dict[str, Any]]:
+        """The batches of the current stage's remaining epochs; epoch ends (hooks, ``last.pt``) and the stage end."""
+        prog = self.progress
         stage = prog.stage
         recipe = self.recipes[stage]
         seed = int(self.cfg.seed) + STAGE_SEED_OFFSET[stage]
@@ -438,65 +563,21 @@ class Trainer:
             recipe.batch_size,
             recipe.schedule,
         )
-        every = int(self.cfg.checkpoint_every)
-        stop_early = False
-        while prog.epoch < recipe.epochs and not stop_early:
+        self.stop_early = False
+        while prog.epoch < recipe.epochs and not self.stop_early:
             batches = epoch_batches(
                 self.train_set, recipe.batch_size, seed, prog.epoch, self.ctx, str(self.cfg.batching)
             )
-            t0, images, losses = time.perf_counter(), 0, []
-            for batch in self.train_source.iterate(
+            self._epoch_t0, self._images, self._losses = time.perf_counter(), 0, []
+            yield from self.train_source.iterate(
                 batches[prog.position :], seed * 100003 + prog.epoch * 1009 + prog.position
-            ):
-                # the rate is a pure function of the schedule's saved state, written just before each step: a run that
-                # goes on past an epoch end and one resumed there train every batch at the same rate
-                apply_lr(optimizer, schedule.lr())
-                stats = self._step(stage, recipe, batch, prog, optimizer, scaler)
-                schedule.step()
-                prog.position += 1
-                prog.iteration += 1
-                prog.global_step += 1
-                images += len(batch["keys"])
-                losses.append(stats["loss"])
-                if prog.iteration % int(self.cfg.log_every) == 0:
-                    rate = images / max(time.perf_counter() - t0, 1e-9)
-                    self._log(
-                        {
-                            "event": "train",
-                            "stage": stage,
-                            "epoch": prog.epoch,
-                            "iteration": prog.iteration,
-                            "global_step": prog.global_step,
-                            "lr": optimizer.param_groups[0]["lr"],
-                            "images_per_s": rate * self.ctx.world,
-                            **stats,
-                        }
-                    )
-                if every and prog.iteration % every == 0:
-                    self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
-                self.stop.check(
-                    self.ctx,
-                    lambda: self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler)),
-                    f"{stage} epoch {prog.epoch}, batch {prog.position}",
-                    self.dir / "last.pt",
-                )
-            seconds = time.perf_counter() - t0
-            self._log(
-                {
-                    "event": "epoch",
-                    "stage": stage,
-                    "epoch": prog.epoch,
-                    "global_step": prog.global_step,
-                    "loss": sum(losses) / max(len(losses), 1),
-                    "seconds": round(seconds, 3),
-                    "images_per_s": images * self.ctx.world / max(seconds, 1e-9),
-                }
             )
-            stop_early = self._end_epoch(prog, recipe, schedule)
+            self._seconds = time.perf_counter() - self._epoch_t0
+            self.end_epoch()
             prog.epoch += 1
             prog.position = 0
-            self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
-        if stop_early:
+            self._save("last.pt", self._resumable())
+        if self.stop_early:
             log.info("stage %s: no %s gain for %d epochs, stopping it", stage, self.metric, recipe.patience)
         prog.stage_done = True
         if stage == "xe" and self.ctx.main:
@@ -504,5 +585,4 @@ class Trainer:
                 atomic_write_bytes(self.dir / "xe.pt", (self.dir / "best.pt").read_bytes())
             else:
                 self._save("xe.pt", self._checkpoint(prog))
-        self._save("last.pt", self._checkpoint(prog, optimizer, schedule, scaler))
-        return prog
+        self._save("last.pt", self._resumable())

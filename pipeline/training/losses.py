@@ -1,7 +1,7 @@
 """Cross-entropy with label smoothing over padded caption batches.
 
-Implements AoANet's label-smoothed loss (husthuaan/AoANet ``misc/utils.py``; docs/models.md#scst-and-cider-d): the target
-distribution puts ``1 - eps`` on the ground-truth word and ``eps / (V - 1)`` on each of the other V - 1
+Implements AoANet's label-smoothed loss (husthuaan/AoANet ``misc/utils.py``; docs/models.md#scst-and-cider-d):
+the target distribution puts ``1 - eps`` on the ground-truth word and ``eps / (V - 1)`` on each of the other V - 1
 classes; the per-token loss is KL(target || model) = sum_c q_c (log q_c - log p_c), averaged over the
 non-padding target tokens. With ``eps = 0`` it is exactly the masked negative log-likelihood (M2, SAN).
 

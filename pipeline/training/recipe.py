@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.core.config import deep_merge
 from pipeline.core.errors import ConfigError
+from pipeline.training.schedules import SCHEDULES
 from pipeline.training.scst import BASELINES
 
 OPTIMIZERS = ("adam", "adamw", "adamax", "sgd")
@@ -122,8 +123,6 @@ def _noam_warmup(r: Mapping[str, Any], where: str) -> int:
 
 
 def _schedule_spec(r: Mapping[str, Any], where: str) -> dict[str, Any]:
-    from pipeline.training.schedules import SCHEDULES
-
     kind = r.get("lr_schedule")
     lr = r.get("lr")
     if kind is None:

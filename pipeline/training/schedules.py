@@ -11,7 +11,8 @@ Built from a YAML ``schedule:`` mapping by :func:`build_schedule`; ``type`` pick
 ``noam`` (M2, ruotianluo's Transformer, X-LAN)
     lr(s) = factor * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), s = iteration + 1
     (Vaswani et al. Eq. 3; M2 ``train.py:191-199`` with d_model 512, warmup 10000). M2's code also steps
-    its scheduler once at the start of every XE epoch, the first included (aimagelab/meshed-memory-transformer ``train.py``);
+    its scheduler once at the start of every XE epoch, the first included (aimagelab/meshed-memory-transformer
+    ``train.py``);
     ``extra_step_per_epoch: true`` reproduces that quirk: during epoch e (0-based), s = iteration + e + 2.
 ``step`` (AoANet, NG-SAN)
     lr = lr0 * min(1, (iteration + 1) / warmup_iters) * rate^k with k = (epoch - decay_start) // decay_every
@@ -79,7 +80,8 @@ class Schedule:
         """Restore from :meth:`state_dict`; a state from a different schedule or parameters is refused."""
         if dict(state.get("config", {})) != self.config():
             raise ConfigError(
-                f"schedule state does not match the configured schedule: saved {state.get('config')}, configured {self.config()}"
+                f"schedule state does not match the configured schedule: saved {state.get('config')}, configured "
+                f"{self.config()}"
             )
         self.iteration = int(state["iteration"])
         self.epoch = int(state["epoch"])

@@ -99,7 +99,8 @@ def policy_gradient_loss(
         advantage: (N,) r - b per sample (no gradient flows through it).
         normalize: ``"tokens"``: sum over all tokens divided by the number of tokens (ruotianluo);
             ``"steps"``: per sample the sum over its tokens divided by T, then the mean over samples
-            (M2's ``-mean_t(log p) * (r - b)`` over the fixed number of decoding steps, aimagelab/meshed-memory-transformer ``train.py``).
+            (M2's ``-mean_t(log p) * (r - b)`` over the fixed number of decoding steps,
+            aimagelab/meshed-memory-transformer ``train.py``).
     """
     if token_log_probs.shape != mask.shape or token_log_probs.ndim != 2:
         raise ValueError(

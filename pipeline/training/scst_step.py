@@ -26,9 +26,9 @@ import torch
 
 from models.captioners.base import Captioner
 from models.decoding import DecodeOptions, beam_search, greedy, sample, sample_with_greedy
+from pipeline.core.vocab import Vocab
 from pipeline.metrics.cider import CiderD
 from pipeline.training.scst import advantages, policy_gradient_loss, sample_rewards
-from pipeline.core.vocab import Vocab
 
 
 @dataclass
@@ -80,7 +80,8 @@ def scst_loss(
     baseline_rewards: np.ndarray | None = None,
 ) -> ScstOutput:
     """Policy-gradient loss of one batch (``baseline_rewards``: the greedy rewards, for ``greedy``; without them the
-    greedy baseline is decoded here, with multinomial samples in the samples' loop: :func:`~models.decoding.sample_with_greedy`)."""
+    greedy baseline is decoded here, with multinomial samples in the samples' loop:
+    :func:`~models.decoding.sample_with_greedy`)."""
     keys = batch["keys"]
     k = num_samples
     if baseline == "greedy" and baseline_rewards is None and method == "beam":

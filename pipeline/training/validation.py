@@ -15,14 +15,15 @@ import numpy as np
 import torch
 
 from models.captioners.base import Captioner
-from models.decoding.captions import caption_words
 from models.decoding import DecodeOptions, generate
+from models.decoding.captions import caption_words
 from pipeline.core.console import track
-from pipeline.metrics.cider import CiderD
-from pipeline.training.batches import BatchSource, eval_batches
 from pipeline.core.distributed import DistContext, gather_objects
 from pipeline.core.training import autocast
 from pipeline.core.vocab import Vocab
+from pipeline.metrics.cider import CiderD
+from pipeline.metrics.coco import score_captions
+from pipeline.training.batches import BatchSource, eval_batches
 
 
 @torch.no_grad()
@@ -68,8 +69,6 @@ def score_split(
     tokenization (their ``CIDEr`` replaces it) plus ``skipped``/``notes``/``tokenizer``."""
     out: dict[str, Any] = {"CIDEr": fast_cider(predictions, references)}
     if full:
-        from pipeline.metrics.coco import score_captions
-
         res = score_captions({k: references[k] for k in predictions}, predictions, options)
         out.update(res.metrics)
         out["skipped"], out["notes"], out["tokenizer"] = res.skipped, res.notes, res.tokenizer

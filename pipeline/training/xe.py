@@ -20,8 +20,8 @@ import torch
 
 from models.captioners.base import Captioner, index_state
 from models.decoding import draw
-from pipeline.training.losses import label_smoothed_nll
 from pipeline.core.vocab import PAD
+from pipeline.training.losses import label_smoothed_nll
 
 
 def scheduled_sampling_log_probs(

@@ -3,6 +3,9 @@ encoder ``pipeline/embedding/train.py`` and the detector ``extractors/training/l
 
 Each trainer keeps only its batches, its loss and its validation; everything else comes from here:
 
+* :mod:`.loop`       :class:`TrainLoop` and its hooks (:class:`HookBase`): the one loop every trainer runs, with
+  logging, checkpoints, best-checkpoint selection, the stop on a signal and the distributed entry/exit as hooks;
+
 * :mod:`pipeline.core.precision` (re-exported) the one ``precision`` vocabulary: resolver, autocast, gradient scaler;
 * :mod:`.seeding`    :func:`seed_everything` (Python, NumPy, torch CPU and CUDA generators);
 * :mod:`.signals`    :class:`StopOnSignal` (SIGTERM/SIGINT: save at the next step, then stop with
@@ -16,14 +19,24 @@ The device and the distributed context (:class:`~pipeline.core.distributed.DistC
 """
 
 from pipeline.core.precision import PRECISIONS, autocast, make_scaler, resolve_precision
-from pipeline.core.training.resume import gather_rng_states, restore_rng_states, restore_training_state, training_state
+from pipeline.core.training.loop import HookBase, TrainLoop
+from pipeline.core.training.resume import (
+    ResumeState,
+    gather_rng_states,
+    restore_rng_states,
+    restore_training_state,
+    training_state,
+)
 from pipeline.core.training.seeding import seed_everything
 from pipeline.core.training.signals import StopOnSignal, TrainingInterrupted
 from pipeline.core.training.step import check_finite, optimizer_step
 
 __all__ = [
     "PRECISIONS",
+    "HookBase",
+    "ResumeState",
     "StopOnSignal",
+    "TrainLoop",
     "TrainingInterrupted",
     "autocast",
     "check_finite",

@@ -10,6 +10,7 @@ reproducible streams (not bitwise then).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ import torch
 from pipeline.core.checkpoint import capture_rng_state, restore_rng_state
 from pipeline.core.console import get_logger
 from pipeline.core.distributed import DistContext, gather_objects
+from pipeline.core.errors import PipelineError
+from pipeline.core.training.seeding import seed_everything
 
 log = get_logger("train")
 
@@ -32,8 +35,6 @@ def restore_rng_states(states: list[dict[str, Any]] | dict[str, Any], ctx: DistC
     ``states`` is what :func:`gather_rng_states` saved (a single dict, from older checkpoints, counts as one
     process). Ranks without a saved state are seeded with ``fallback_seed + 1000003 * rank``.
     """
-    from pipeline.core.training.seeding import seed_everything
-
     states = [states] if isinstance(states, dict) else list(states)
     if len(states) == ctx.world:
         restore_rng_state(states[ctx.rank])
@@ -68,8 +69,53 @@ def restore_training_state(
     ctx: DistContext,
     fallback_seed: int,
 ) -> bool:
-    """Load what :func:`training_state` saved into ``optimizer``/``scaler`` and the RNGs (see :func:`restore_rng_states`)."""
+    """Load what :func:`training_state` saved into ``optimizer``/``scaler`` and the RNGs (see
+    :func:`restore_rng_states`)."""
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     return restore_rng_states(ckpt["rng"], ctx, fallback_seed)
+
+
+@dataclass
+class ResumeState:
+    """What a resumable checkpoint holds besides the weights and the counters: optimizer, gradient scaler and
+    every rank's RNG states (top-level keys ``optimizer``, ``scaler``, ``rng`` on disk)."""
+
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: Any
+
+    KEYS = ("optimizer", "scaler", "rng")
+
+    @classmethod
+    def capture(
+        cls, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ctx: DistContext
+    ) -> ResumeState:
+        """The state of now (call on every rank: it gathers the RNG states)."""
+        return cls(**training_state(optimizer, scaler, ctx))
+
+    def restore(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        ctx: DistContext,
+        fallback_seed: int,
+    ) -> bool:
+        """Put the state back (see :func:`restore_training_state`)."""
+        return restore_training_state(self.to_dict(), optimizer, scaler, ctx, fallback_seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "scaler": self.scaler, "rng": self.rng}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: Any) -> ResumeState:
+        """The state in a loaded checkpoint ``data``; a missing or malformed part fails naming ``path``."""
+        missing = [k for k in cls.KEYS if k not in data]
+        if missing:
+            raise PipelineError(f"checkpoint {path} lacks {', '.join(missing)}")
+        if not isinstance(data["optimizer"], dict) or not isinstance(data["scaler"], dict):
+            raise PipelineError(f"checkpoint {path}: the optimizer and scaler states are not mappings")
+        if not isinstance(data["rng"], (dict, list)):
+            raise PipelineError(f"checkpoint {path}: the RNG states are neither a mapping nor a list")
+        return cls(optimizer=data["optimizer"], scaler=data["scaler"], rng=data["rng"])

@@ -63,7 +63,8 @@ class StopOnSignal:
         return any_rank(self.signum is not None, ctx)
 
     def check(self, ctx: DistContext, save: Callable[[], None], where: str, checkpoint: str | Path) -> None:
-        """When a stop was requested: ``save()`` and raise :class:`TrainingInterrupted` naming ``where`` and the file."""
+        """When a stop was requested: ``save()`` and raise :class:`TrainingInterrupted` naming ``where`` and the
+        file."""
         if self.requested(ctx):
             save()
             raise TrainingInterrupted(
