@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from pipeline.core.errors import UsageError
+
 COMMAND_MODULES = (
     "pipeline.commands.extract",
     "pipeline.commands.import_features",
@@ -34,8 +36,6 @@ def load_plugins(spec: str | None = None) -> list[str]:
     (``@models.register_captioner``, ``pipeline.importers.register_format``, ...), so the commands, their help and
     their checks see the new names (docs/extending.md). Returns the names imported; a module that cannot be
     imported is a :class:`pipeline.core.errors.UsageError` naming it."""
-    from pipeline.core.errors import UsageError
-
     names = [n.strip() for n in (os.environ.get(PLUGINS_ENV, "") if spec is None else spec).split(",") if n.strip()]
     for name in names:
         try:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.captioning.output import FORMATS
+from pipeline.captioning.run import caption_photos
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
@@ -124,7 +125,6 @@ def register(app: typer.Typer) -> None:
             butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
         """
         root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
-        from pipeline.captioning.run import caption_photos
 
         cfg, decoding = root.caption, root.decoding.to_dict()
         caption_photos(

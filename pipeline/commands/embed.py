@@ -12,6 +12,8 @@ from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option, output_option
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
+from pipeline.embedding.embed import embed_file
+from pipeline.embedding.train import train_encoder
 
 ENCODER_EVERYDAY = Everyday(
     device="sentence_encoder.device",
@@ -41,8 +43,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption train-encoder --out runs/w --set 'sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}'
         """
-        from pipeline.embedding.train import train_encoder
-
         result = train_encoder(out, opts.resolve("embed", show=opts.verbose), force=opts.force)
         if is_main_process():
             print_stage_result(result, best_format=".2f")
@@ -78,7 +78,6 @@ def register(app: typer.Typer) -> None:
         """
         if visualize is not None and visualize.suffix.lower() != ".png":
             raise UsageError(f"--visualize must name a .png file, not {visualize.name!r}")
-        from pipeline.embedding.embed import embed_file
 
         result = embed_file(checkpoint, input_path, output, opts.resolve("embed", show=opts.verbose).embed, visualize)
         con = stdout_console()

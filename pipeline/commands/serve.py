@@ -9,6 +9,8 @@ import typer
 
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
+from pipeline.serving.server import bind, load_service, run_server
+from pipeline.serving.settings import settings_from
 
 #: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
 SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision")
@@ -73,8 +75,6 @@ def register(app: typer.Typer) -> None:
             butd-caption serve --model best.pt --weights bua.pth --host 0.0.0.0 --token "$TOKEN" --device cuda --batch-size 16
         """
         cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
-        from pipeline.serving.server import bind, load_service, run_server
-        from pipeline.serving.settings import settings_from
 
         settings = settings_from(cfg.serve, token, host=host, port=port)
         decoding = cfg.decoding.to_dict()

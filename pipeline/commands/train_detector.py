@@ -8,10 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from extractors.training.stage import evaluate_detector, train_detector
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
+from pipeline.core.console import stdout_console
+from pipeline.core.distributed import check_gpu_per_process, env_context
 from pipeline.core.errors import UsageError
-
+from pipeline.core.precision import check_precision
+from pipeline.core.stages import run_stage
 
 #: images per batch is the detector's batch size; ``--num-workers`` decodes images
 DETECTOR_EVERYDAY = Everyday(
@@ -69,9 +73,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=mine.json --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --reinit-heads --out runs/mine   (your own categories)
         """
-        from pipeline.core.console import stdout_console
-        from pipeline.core.stages import run_stage
-
         first: list[str] = []
         if world is not None:
             if not (world / "annotations" / "instances_train.json").is_file():
@@ -86,8 +87,6 @@ def register(app: typer.Typer) -> None:
             ]
         if reinit_heads:
             first.append("model.reinit_heads=true")
-        from extractors.training.stage import train_detector
-        from pipeline.core.distributed import check_gpu_per_process, env_context
 
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
@@ -107,7 +106,7 @@ def register(app: typer.Typer) -> None:
             highlight=False,
         )
         if "eval" in s:
-            from extractors.training.evaluate import summary_line
+            from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
 
             con.print("evaluation: " + summary_line(s["eval"]), highlight=False)
 
@@ -133,13 +132,9 @@ def register(app: typer.Typer) -> None:
 
             butd-caption eval-detector runs/detector/detector.pth -a world/annotations/instances_test.json --batch-size 8 --num-workers 2 --precision bf16
         """
-        from extractors.training.evaluate import summary_line
-        from extractors.training.stage import evaluate_detector
-        from pipeline.core.console import stdout_console
+        from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
 
         cfg = opts.resolve("train_detector", show=False)
-        from pipeline.core.precision import check_precision
-
         check_precision(cfg.eval.precision, "eval.precision", fp16=False)
         result = evaluate_detector(weights, annotations, images, cfg)
         con = stdout_console()
