@@ -33,14 +33,16 @@ from extractors.selector import Selector
 from models.base import Captioner
 from models.captions import caption_words
 from models.decoding import DecodeOptions, generate
+from pipeline.captioning.output import result_row
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import key_to_text
 from pipeline.core.precision import autocast, resolve_precision
 from pipeline.core.regions import RegionRecord
-from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
+from pipeline.data.dataset import cap_boxes, pad_regions
+from pipeline.store import FeatureStore, open_writer
 
 log = get_logger("caption")
 
@@ -62,8 +64,6 @@ class CaptionResult:
 
     def to_json(self, with_nbest: bool) -> dict[str, Any]:
         """The output row (see :func:`pipeline.captioning.output.result_row`)."""
-        from pipeline.captioning.output import result_row
-
         return result_row(self, with_nbest)
 
 
@@ -109,8 +109,6 @@ class FeatureCache:
     a run without ``--cache``); an existing store (e.g. a float16 one made by ``extract``) keeps its dtype."""
 
     def __init__(self, path: Path, identity: FeatureIdentity) -> None:
-        from pipeline.store import FeatureStore, open_writer
-
         # any store whose settings agree on what determines the features will do (e.g. one made by `extract`)
         self.writer = open_writer(path, identity, "float32", match="features")
         self.reader = FeatureStore(path)

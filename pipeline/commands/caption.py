@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.captioning.output import FORMATS
-from pipeline.captioning.run import caption_photos
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
@@ -124,8 +123,9 @@ def register(app: typer.Typer) -> None:
 
             butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
         """
-        root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
+        from pipeline.captioning.run import caption_photos  # noqa: PLC0415 -- keeps cli --help fast
 
+        root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
         cfg, decoding = root.caption, root.decoding.to_dict()
         caption_photos(
             photos,

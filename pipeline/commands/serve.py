@@ -9,7 +9,6 @@ import typer
 
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
-from pipeline.serving.server import bind, load_service, run_server
 from pipeline.serving.settings import settings_from
 
 #: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
@@ -74,14 +73,15 @@ def register(app: typer.Typer) -> None:
 
             butd-caption serve --model best.pt --weights bua.pth --host 0.0.0.0 --token "$TOKEN" --device cuda --batch-size 16
         """
-        cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
+        from pipeline.serving import server  # noqa: PLC0415 -- keeps cli --help fast
 
+        cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
         settings = settings_from(cfg.serve, token, host=host, port=port)
         decoding = cfg.decoding.to_dict()
-        sock = bind(settings.host, settings.port)  # a port in use fails before the models load
+        sock = server.bind(settings.host, settings.port)  # a port in use fails before the models load
         try:
-            service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)
+            service, batcher = server.load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)
         except BaseException:
             sock.close()
             raise
-        raise typer.Exit(run_server(service, batcher, settings, sock))
+        raise typer.Exit(server.run_server(service, batcher, settings, sock))

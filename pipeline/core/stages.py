@@ -39,6 +39,7 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write_json, read_json
 from pipeline.core.locks import acquire_lock
+from pipeline.core.renamed import upgrade_recorded_config
 
 log = get_logger("stages")
 
@@ -86,8 +87,6 @@ def _same_config(record: Mapping[str, Any], digest: str) -> bool:
     recorded = record.get("config")
     if not isinstance(recorded, Mapping):
         return False
-    from pipeline.core.config import Config
-    from pipeline.core.renamed import upgrade_recorded_config
 
     return Config(upgrade_recorded_config(recorded)).digest() == digest
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import exception_line
@@ -187,8 +189,6 @@ class Batcher:
         return self._engines[options]
 
     def _run(self) -> None:
-        import torch
-
         # the engine applies caption.precision itself, in this thread (autocast is per thread)
         with torch.inference_mode(False):
             while (batch := self._take()) is not None:

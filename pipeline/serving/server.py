@@ -12,14 +12,23 @@ HTTP/1.1 is uvicorn's h11 protocol with a header timeout (:mod:`pipeline.serving
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
+from pipeline import __version__
+from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
+from pipeline.serving.app import Service, create_app
+from pipeline.serving.batcher import Batcher
+from pipeline.serving.metrics import Metrics
+from pipeline.serving.protocol import head_timeout_protocol
 from pipeline.serving.settings import ServeSettings
 
 log = get_logger("serve")
@@ -50,12 +59,6 @@ def load_service(
     decoding: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The :class:`~pipeline.serving.app.Service` over ``caption``'s engine (models loaded once) and its batcher."""
-    from pipeline import __version__
-    from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
-    from pipeline.serving.app import Service
-    from pipeline.serving.batcher import Batcher
-    from pipeline.serving.metrics import Metrics
-
     ckpt_path = find_checkpoint(model, captioner)
     det_weights = find_detector(model, ckpt_path, weights)
     engine, classes, attributes, info = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
@@ -84,8 +87,6 @@ def load_service(
 def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSettings:
     """``serve.max_len`` capped, up front and in one log line, at the captioner's position table (``limit`` tokens;
     None: no table), so that a request's ``max_len`` is refused as an option (400) rather than failing each image."""
-    import dataclasses
-
     if limit is None or settings.max_len <= limit:
         return settings
     log.warning(
@@ -100,10 +101,6 @@ def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSe
 
 def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket.socket) -> int:
     """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was answered."""
-    import uvicorn
-
-    from pipeline.serving.app import create_app
-    from pipeline.serving.protocol import head_timeout_protocol
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM/SIGINT: draining starts now

@@ -45,6 +45,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
@@ -160,8 +161,6 @@ def is_store(path: str | Path) -> bool:
         return (path / MANIFEST).is_file()
     if path.is_file():
         try:
-            import h5py
-
             with h5py.File(path, "r", locking=False) as fh:
                 return fh.attrs.get("format") == FORMAT
         except (OSError, ValueError):
