@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import harness, nms
 from extractors.preprocess import Frame, caffe_blob, load_rgb
+from extractors.random_weights import random_detector
 from extractors.recipes import recipe_from_config
 from extractors.selector import make_selector
-from pipeline.core.precision import autocast
 from extractors.spec import caffe_r101
-from extractors.random_weights import random_detector
+from pipeline.core.precision import autocast
 
 
 def _sync(dev: torch.device) -> None:
@@ -84,8 +85,6 @@ def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, fl
 def bench_nms(repeats: int = 3) -> str:
     """The per-class NMS row of :mod:`bench.nms` (300 x 1600, uniform boxes) through the harness: warm-up,
     interleaved repeats and the exact check on every timed round on both sides."""
-    from bench import harness, nms
-
     row = harness.measure(nms.cases("default")[0], repeats=repeats, warmup=1)
     return (
         f"per-class NMS ({row.work}, CPU): loop {row.baseline_min:.1f} ms, extractors.nms {row.project_min:.2f} ms "

@@ -26,14 +26,19 @@ import logging
 import os
 import resource
 import signal
-import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from extractors.inputs import items_from_paths
+from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
+from pipeline.core import threads as thread_policy
+from pipeline.core.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench.serve")
@@ -57,8 +62,6 @@ def multipart(files: list[tuple[str, bytes]], fields: dict[str, Any]) -> tuple[b
 
 def start_server(args: list[str], timeout: float = 300) -> tuple[subprocess.Popen, int]:
     """``cli.py serve --port 0 ARGS`` in a child process; its port once ``/healthz`` answers."""
-    import tempfile
-
     env = dict(os.environ, BUTD_NO_PROGRESS="1")
     errors = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
@@ -136,11 +139,6 @@ def peak_rss_mb(pid: int) -> float:
 
 def baseline(model: str, weights: str | None, photos: Path, sets: list[str], seconds: float) -> dict[str, Any]:
     """``caption``'s engine in this process: images per second over whole rounds of the photos."""
-    from extractors.inputs import items_from_paths
-    from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
-    from pipeline.core import threads as thread_policy
-    from pipeline.core.config import load_config
-
     thread_policy.prepare_process(None)
     thread_policy.apply()
     cfg = load_config("caption", None, sets).caption

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from pipeline.core.regions import RegionRecord
 
 from bench.harness import Case
+from pipeline.core.regions import RegionRecord
 from pipeline.store import FeatureStore, open_writer
 
 IDENTITY = {"name": "bench-synthetic", "config": {"boxes": [10, 100]}}

@@ -26,20 +26,22 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from models import build_captioner, model_card
-from pipeline.metrics.cider import CiderD
-from pipeline.core.distributed import resolve_device
+from pipeline.core.distributed import DistContext, resolve_device
 from pipeline.core.training import make_scaler, resolve_precision
 from pipeline.core.training.determinism import CUBLAS_SETTING, deterministic_mode
-from pipeline.training.engine import build_optimizer
+from pipeline.core.vocab import BOS, EOS, Vocab
+from pipeline.metrics.cider import CiderD
+from pipeline.training.engine import Progress, Trainer, _Policy, build_optimizer
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.xe import xe_loss_sum
-from pipeline.core.vocab import BOS, EOS, Vocab
 from pipeline.world.captions import make_captions, tokenize
 from pipeline.world.scene import SceneParams, sample_scene
 
@@ -179,12 +181,6 @@ def trainer_step(
     """``step(batch) -> loss``: :meth:`pipeline.training.engine.Trainer._step` (the trainer's own step) on what it
     reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler);
     ``overrides``: recipe keys over the model card's (e.g. ``{"baseline_loop": "separate"}``)."""
-    import types
-    from pathlib import Path
-
-    from pipeline.core.distributed import DistContext
-    from pipeline.training.engine import Progress, Trainer, _Policy
-
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), overrides, 30, name)
     me = types.SimpleNamespace(
         model=model,
@@ -289,7 +285,8 @@ def main() -> None:
                     f"{name:<7}{stage:<6}deterministic costs x{seconds[1] / seconds[0]:.2f} the step time", flush=True
                 )
     if args.cider:
-        from bench.__main__ import main as bench_main
+        # bench.__main__ imports this module (through bench.gpu): imported here, when it runs
+        from bench.__main__ import main as bench_main  # noqa: PLC0415 -- import cycle
 
         bench_main(["--only", "cider", "--repeats", "5", "--threads", str(torch.get_num_threads())])
 

@@ -37,8 +37,6 @@ from pipeline.core.fileio import create_new_file
 from pipeline.core.keys import check_key, display_key, key_from_bytes, key_to_bytes
 from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
 
-STR_DTYPE = None  # set lazily (h5py import is deferred)
-
 
 def field_dtype(name: str, feature_dtype: str) -> np.dtype:
     if name == "features":
@@ -126,7 +124,6 @@ def write_segment(
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
         _write_segment_file(
-            h5py,
             path,
             blocks,
             num_images,
@@ -163,7 +160,6 @@ def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
 
 
 def _write_segment_file(
-    h5py: Any,
     path: Path,
     blocks: Iterable[Block],
     num_images: int,
