@@ -254,7 +254,6 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
             lengths[row] = len(ids)
             row += 1
         offsets[i + 1] = row
-    train_refs = [e.captions for e in entries if e.split == "train"]
     unk = sum(1 for e in entries for c in e.captions for w in c if vocab.id(w) == UNK)
     total_words = sum(len(c) for e in entries for c in e.captions)
     outputs = save_prepared(

@@ -28,12 +28,12 @@ import numpy as np
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
+from pipeline.core.fileio import fsync_dir
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import display_key
 from pipeline.core.locks import WriterLock, acquire_lock
 from pipeline.core.regions import RegionRecord
-from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
-from pipeline.core.identity import FeatureIdentity
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
 from pipeline.core.stages import STAGE_LOCK
 from pipeline.store.format import (
