@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from extractors.inputs import items_from_paths
-from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
+from pipeline.captioning.choose import find_checkpoint, find_detector
+from pipeline.captioning.run import build_engine
 from pipeline.core import threads as thread_policy
 from pipeline.core.config import load_config
 

@@ -25,7 +25,7 @@ from models.captions import command_decoding, decoding_for
 from models.checkpoints import load_captioner
 from models.decoding import check_max_len
 from models.released import features_line
-from pipeline.captioning.choose import find_checkpoint, find_detector  # noqa: F401 - the public entry points
+from pipeline.captioning.choose import find_checkpoint, find_detector
 from pipeline.captioning.engine import FeatureCache, PhotoCaptioner
 from pipeline.captioning.gallery import GallerySink
 from pipeline.captioning.journal import Journal

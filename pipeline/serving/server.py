@@ -21,7 +21,8 @@ from typing import Any
 import uvicorn
 
 from pipeline import __version__
-from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
+from pipeline.captioning.choose import find_checkpoint, find_detector
+from pipeline.captioning.run import build_engine
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError

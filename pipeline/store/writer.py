@@ -50,7 +50,7 @@ from pipeline.store.format import (
     write_manifest,
 )
 from pipeline.store.segment import Block, read_segment_index, write_segment
-from pipeline.store.validate import BOX_TOLERANCE, _all_finite, _RowBuffer, validate_image  # noqa: F401  (re-exported)
+from pipeline.store.validate import _all_finite, _RowBuffer, validate_image
 
 log = get_logger("store")
 
