@@ -220,7 +220,8 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
     coco_files = {split: str(f) for split, f in dict(cfg.coco_captions).items() if f}
     if bool(cfg.karpathy_json) == bool(coco_files):
         raise UsageError(
-            "give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE"
+            "give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, "
+            "prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE"
         )
     try:
         if cfg.karpathy_json:

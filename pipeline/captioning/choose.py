@@ -46,12 +46,14 @@ def _pick_best(model: Path, found: list[Path]) -> Path:
     missing = [_stage_name(p) for p, s in scored if s is None]
     if missing:
         raise UsageError(
-            f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass --captioner NAME"
+            f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass "
+            "--captioner NAME"
         )
     metrics = {s["metric"] for _, s in scored if s}
     if len(metrics) > 1:
         raise UsageError(
-            f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass --captioner NAME ({listing})"
+            f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass "
+            f"--captioner NAME ({listing})"
         )
     ranked = sorted(scored, key=lambda ps: -float(ps[1]["value"]))  # type: ignore[index]
     (best, score), rest = ranked[0], ranked[1:]

@@ -284,7 +284,8 @@ class PhotoCaptioner:
         dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)
         if expected is not None and dim != expected:
             raise PipelineError(
-                f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with"
+                f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it "
+                "was trained with"
             )
 
     def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:

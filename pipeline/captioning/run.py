@@ -92,7 +92,8 @@ _NUMBERS = {
 
 def check_numbers(cfg: Any) -> None:
     """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
-    here (the config refuses them). The decoding settings are checked where they are layered (:func:`models.captions.layered_decoding`)."""
+    here (the config refuses them). The decoding settings are checked where they are layered
+    (:func:`models.captions.layered_decoding`)."""
     if cfg is None:
         return
 

@@ -126,7 +126,10 @@ def os_error_message(exc: OSError, action: str | None = None) -> str:
         errno_mod.EPERM: "check the permissions or choose another path",
         errno_mod.EROFS: "the file system is read-only: choose a writable path",
         errno_mod.ENOENT: "check the path",
-        errno_mod.EFBIG: "the file-size limit was reached (ulimit -f or the file system's): raise it or write elsewhere; finished work is kept",
+        errno_mod.EFBIG: (
+            "the file-size limit was reached (ulimit -f or the file system's): raise it or write elsewhere; "
+            "finished work is kept"
+        ),
     }.get(code or -1)
     from pipeline.core.keys import key_to_text  # noqa: PLC0415 -- import cycle: pipeline.core.keys raises UsageError
 

@@ -119,7 +119,8 @@ def request_options(
         raise BadOptions(str(exc)) from None
     if options.method == "beam" and options.beam_size > limits.max_beam_size:
         raise BadOptions(
-            f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's {limits.max_beam_size}"
+            f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's "
+            f"{limits.max_beam_size}"
         )
     return options, want_regions, timeout
 

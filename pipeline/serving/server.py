@@ -1,10 +1,11 @@
 """Running ``cli serve``: load the models once, bind the socket, run uvicorn, drain on SIGTERM and exit 0.
 
 The socket is bound here before the models load (``--port 0`` picks a free port; the line ``serving on
-http://HOST:PORT`` on stdout names it once the models are loaded), so a port in use is one ``error:`` line at once. SIGTERM or Ctrl-C: uvicorn stops accepting connections,
-closes idle ones, lets every request in flight finish (at most ``serve.drain_timeout_s``), then the lifespan's
-end closes the batcher (which has answered everything it admitted) and the process exits 0; uvicorn's own
-re-raising of the signal after a graceful stop (which would make the exit status 143) is not wanted here.
+http://HOST:PORT`` on stdout names it once the models are loaded), so a port in use is one ``error:`` line at once.
+SIGTERM or Ctrl-C: uvicorn stops accepting connections, closes idle ones, lets every request in flight finish (at most
+``serve.drain_timeout_s``), then the lifespan's end closes the batcher (which has answered everything it admitted) and
+the process exits 0; uvicorn's own re-raising of the signal after a graceful stop (which would make the exit status 143)
+is not wanted here.
 HTTP/1.1 is uvicorn's h11 protocol with a header timeout (:mod:`pipeline.serving.protocol`,
 ``serve.header_timeout_s``), whichever HTTP parsers are installed.
 """
@@ -101,7 +102,8 @@ def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSe
 
 
 def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket.socket) -> int:
-    """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was answered."""
+    """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was
+    answered."""
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM/SIGINT: draining starts now

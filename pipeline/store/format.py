@@ -34,9 +34,9 @@ Segment attributes: ``format``, ``schema_version``, ``identity`` (JSON), ``num_i
 ``feature_dim``, ``feature_dtype``, ``fields`` (JSON list), ``checksum`` (``crc32``), ``index_crc32`` (CRC-32
 of keys, offsets and sizes) and ``complete`` (set last). Segments written before checksums lack
 ``row_crc32``/``index_crc32``/``checksum`` and are still read (``info`` says their damage cannot be detected);
-``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`). A segment file is
-also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store is
-shipped as one file.
+``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`).
+A segment file is also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store
+is shipped as one file.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def _check_compatible(stores: Sequence[FeatureStore]) -> None:
         ):
             raise UsageError(
                 f"cannot merge {s.path} into {ref.path}: dtype/dimension/fields differ "
-                f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, {ref.fields})"
+                f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, "
+                f"{ref.fields})"
             )
 
 

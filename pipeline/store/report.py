@@ -89,7 +89,8 @@ def print_verify_report(path: Path) -> bool:
         )
     status = "ok" if report.ok else "DAMAGED"
     con.print(
-        f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} segments; "
+        f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} "
+        "segments; "
         f"{len(report.bad_images)} damaged images, {len(report.bad_segments)} damaged segments",
         highlight=False,
         markup=False,

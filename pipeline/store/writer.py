@@ -125,7 +125,8 @@ class FeatureStoreWriter:
         fields = self._manifest["fields"]
         if fields is not None and sorted(given) != sorted(fields):
             raise PipelineError(
-                f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has {sorted(fields)}"
+                f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has "
+                f"{sorted(fields)}"
             )
         box_arr = np.asarray(boxes, dtype=np.float32)
         where = f"feature store {self.path}"
@@ -319,7 +320,8 @@ def open_writer(
         path: the store directory (created if missing).
         extractor: identity of what produced the features: a detector's
             :class:`~pipeline.core.identity.FeatureIdentity` (stored as :meth:`FeatureIdentity.to_dict`), or any
-            other producer's record with a ``name`` (importers, the oracle, an ``--identity`` file); resuming a store written under another identity (or dtype) fails naming both.
+            other producer's record with a ``name`` (importers, the oracle, an ``--identity`` file); resuming a store
+            written under another identity (or dtype) fails naming both.
         feature_dtype: ``float16`` (default) or ``float32``.
         commit_every: also commit automatically every this many images (0: only by size/explicitly).
         commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
