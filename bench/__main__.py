@@ -92,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.stderr.write(
-            f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU machine\n"
+            f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU "
+            "machine\n"
         )
         return 2
     torch.set_num_threads(args.threads)

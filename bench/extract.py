@@ -5,8 +5,10 @@ Random weights with the full ResNet-101 preset (the speed does not depend on the
 photos of ``--photos DIR`` (``.jpg`` files), cycled; decoding is timed separately (it runs in DataLoader workers in
 ``cli extract``).
 
-    python -m bench.extract --photos DIR --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 --batches 1,4
-    python -m bench.extract --photos DIR --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 --channels-last
+    python -m bench.extract --photos DIR --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 \
+        --batches 1,4
+    python -m bench.extract --photos DIR --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 \
+        --channels-last
 """
 
 from __future__ import annotations
@@ -138,8 +140,10 @@ def main() -> None:
         sizes.append((h, w))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(
-        f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
-        f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)"
+        f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale "
+        f"{args.min_size}/{args.max_size}; "
+        f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; "
+        f"build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)"
     )
     rule = _selector(model, args.boxes)
     print(f"{'precision':>9} {'batch':>5} {'images/s':>9} {'peak MB':>9}")
@@ -151,7 +155,8 @@ def main() -> None:
         n = min(len(blobs), 8)
         cmin, cmean, same = bench_agreement(model, blobs, scales, sizes, dev, n)
         print(
-            f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}"
+            f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; "
+            f"identical selections {same:.0%}"
         )
     if not args.skip_nms:
         print(bench_nms())

@@ -129,7 +129,10 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
 
         return go
 
-    work = f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
+    work = (
+        f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, "
+        f"{spec.post_nms_topk} proposals"
+    )
     precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
     rows = [
         Case(

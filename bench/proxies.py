@@ -11,11 +11,11 @@ can be counted on any CPU with the torch profiler, so the GPU work can be judged
   reads inside ``optimizer.step()`` (its step counters live on the host also on a GPU). On CPU every tensor is a
   host tensor, so a read of a small host-side tensor elsewhere counts too: the figure is an upper bound.
 
-Rows: one SCST step and one XE step of each captioner **as the trainer runs it** (:func:`pipeline.training.engine.Trainer._step`
-with its precision, clipping and optimizer; paper sizes, batch 10 = the papers' SCST batch, 36 x 2048 regions), one
-beam-5 decode (per decoding step), and one extracted image of a shrunk bottom-up detector. The captioner is first
-fitted for a few XE steps to captions of 8-16 words, so that its samples end like a trained model's, not at
-``max_len`` (the mean decoded length is printed).
+Rows: one SCST step and one XE step of each captioner **as the trainer runs it**
+(:func:`pipeline.training.engine.Trainer._step` with its precision, clipping and optimizer; paper sizes, batch 10 = the
+papers' SCST batch, 36 x 2048 regions), one beam-5 decode (per decoding step), and one extracted image of a shrunk
+bottom-up detector. The captioner is first fitted for a few XE steps to captions of 8-16 words, so that its samples end
+like a trained model's, not at ``max_len`` (the mean decoded length is printed).
 
     python -m bench.proxies [--models m2,ngsan] [--batch 10] [--json proxies.json]
 """

@@ -12,7 +12,8 @@ throughput of the same captioning engine run in one process the way ``caption`` 
    overrides), one untimed request per photo, then ``--clients`` threads each posting ``--images-per-request``
    photos at a time (round robin) for ``--seconds``, every request bounded by a timeout. Prints throughput (images
    per second answered 200), latency p50/p95/p99, answers by status (no answer and 500 counted apart), the
-   server's peak RSS (VmHWM) and the ratio to (1). A client told 503 waits its Retry-After before the next request. Captions the server gave are compared with (1)'s per photo.
+   server's peak RSS (VmHWM) and the ratio to (1). A client told 503 waits its Retry-After before the next request.
+   Captions the server gave are compared with (1)'s per photo.
 
 Only 127.0.0.1 is contacted; the server is stopped with SIGTERM (and killed by its pid if it hangs).
 """
@@ -327,16 +328,21 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     s = served
     print(
-        f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} photos in "
-        f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS {base['peak_rss_mb']:.0f} MB)"
+        f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} "
+        "photos in "
+        f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS "
+        f"{base['peak_rss_mb']:.0f} MB)"
     )
     print(
-        f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, latency p50 "
-        f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean batch "
+        f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, "
+        "latency p50 "
+        f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean "
+        "batch "
         f"{mean_batch:.2f} images; server peak RSS {s['peak_rss_mb']:.0f} MB"
     )
     print(
-        f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server exit {code}; "
+        f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server "
+        f"exit {code}; "
         f"load average {load0:.1f} -> {load1:.1f} on {result['cores']} cores"
     )
     bad = {k: v for k, v in s["statuses"].items() if k not in ("200", "503")}

@@ -180,7 +180,9 @@ def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], 
                 lambda r=read: [r(k) for k in keys],
                 differing_reads,
                 0.0,
-                note=f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache",
+                note=(
+                    f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache"
+                ),
             )
         )
 

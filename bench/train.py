@@ -262,10 +262,10 @@ def main() -> None:
     amp = resolve_precision(args.precision, device, "--precision")
     scorer = reference_corpus(Vocab(("<pad>", "<bos>", "<eos>", "<unk>")))
     vocab = bench_vocab()
+    batch_note = f", batch {args.batch} images for every model (reduced from the papers)" if args.batch else ""
     print(
-        f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
-        f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
-        f", deterministic {args.deterministic}"
+        f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations "
+        f"per row{batch_note or ', paper batch sizes'}, deterministic {args.deterministic}"
     )
     print(f"{'model':<7}{'stage':<6}{'det':<5}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
     for name in args.models.split(","):
@@ -277,7 +277,8 @@ def main() -> None:
                 ips = b / sec
                 epoch = COCO_TRAIN_IMAGES / ips
                 print(
-                    f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m",
+                    f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}"
+                    f"{epoch / 60:>10.1f} m",
                     flush=True,
                 )
             if len(seconds) == 2:
