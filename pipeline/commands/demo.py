@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
             butd-caption demo --generate-only --out world --num-images 2000 --seed 1
 
             butd-caption demo --config configs/demo_relations.yaml --models san,ngsan,ngsan-signed --seeds 3 --out runs/relations
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         first = list(load_config("demo", opts.config).demo.quick_overrides) if quick else []
         extra = [
             f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None
@@ -125,7 +125,8 @@ def _print_report(report) -> None:
         con.print(comparison_table(report))
         if report.grounding:
             con.print(
-                "true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
+                "true objects / relations: noun phrases and spatial relations of the test captions that hold in the "
+                "image; "
                 "guess: what a random relation word between the same phrases would score"
             )
     for name, pics in report.pictures.items():

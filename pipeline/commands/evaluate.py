@@ -65,7 +65,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.",
+                help="Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best "
+                f"captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor "
+                "--retrieval is given.",
             ),
         ] = None,
         captioner: Annotated[
@@ -78,21 +80,24 @@ def register(app: typer.Typer) -> None:
             Optional[Path],
             typer.Option(
                 "--vocab",
-                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with --model).",
+                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with "
+                "--model).",
             ),
         ] = None,
         store: Annotated[
             Optional[Path],
             typer.Option(
                 "--store",
-                help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).",
+                help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run "
+                "directory --model).",
             ),
         ] = None,
         data: Annotated[
             Optional[Path],
             typer.Option(
                 "--data",
-                help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).",
+                help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default "
+                "RUN/data of a run directory --model).",
             ),
         ] = None,
         split: Annotated[
@@ -123,7 +128,7 @@ def register(app: typer.Typer) -> None:
             butd-caption evaluate --model meshed_memory_transformer.pth --vocab vocab.pkl --store STORE --data DATA --split test
 
             butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         extra: list[str] = []
         if metrics is not None:
             names = [m.strip() for m in metrics.split(",") if m.strip()]
@@ -151,7 +156,8 @@ def register(app: typer.Typer) -> None:
             return
         if predictions is None or references is None:
             raise UsageError(
-                "give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)"
+                "give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval "
+                "ENCODER.pt)"
             )
         _score_files(predictions, references, output, cfg.evaluate, retrieval, store, data)
 
@@ -203,7 +209,8 @@ def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output
 
 def _print_retrieval(report: dict[str, Any]) -> None:
     table = Table(
-        title=f"retrieval on {report['split']}: {report['split_images']} images (encoder {Path(report['checkpoint']).name})",
+        title=f"retrieval on {report['split']}: {report['split_images']} images (encoder "
+        f"{Path(report['checkpoint']).name})",
         show_edge=False,
     )
     table.add_column("retrieval")

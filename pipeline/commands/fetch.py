@@ -22,7 +22,8 @@ def register(app: typer.Typer) -> None:
         names: Annotated[
             Optional[list[str]],
             typer.Argument(
-                help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, hf:OWNER/NAME@REVISION)."
+                help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, "
+                "hf:OWNER/NAME@REVISION)."
             ),
         ] = None,
         list_: Annotated[

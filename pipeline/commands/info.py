@@ -44,14 +44,16 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.",
+                help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its "
+                "parameter count.",
             ),
         ] = None,
         verify: Annotated[
             bool,
             typer.Option(
                 "--verify",
-                help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).",
+                help="With a feature store: read every row, check its checksums and list damaged images by key (exit "
+                "1 if any).",
             ),
         ] = False,
     ) -> None:
@@ -94,7 +96,8 @@ def register(app: typer.Typer) -> None:
             _weights_info(target, list(opts.overrides))
         else:
             raise UsageError(
-                f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)"
+                f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector "
+                "weights (.pth/.pkl/.bin)"
             )
 
 

@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option(
                 "--reinit-heads",
-                help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.",
+                help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN "
+                "and res5 kept.",
             ),
         ] = False,
     ) -> None:
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=vg/train.json --set data.train_images=vg/images --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --out runs/vg
 
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=mine.json --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --reinit-heads --out runs/mine   (your own categories)
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         first: list[str] = []
         if world is not None:
             if not (world / "annotations" / "instances_train.json").is_file():
@@ -102,7 +103,8 @@ def register(app: typer.Typer) -> None:
         s = result.summary
         con.print(f"detector weights: {result.directory / result.outputs['weights']}", highlight=False)
         con.print(
-            f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, losses {s.get('losses')}",
+            f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, "
+            f"losses {s.get('losses')}",
             highlight=False,
         )
         if "eval" in s:
@@ -131,7 +133,7 @@ def register(app: typer.Typer) -> None:
             butd-caption eval-detector runs/detector/detector.pth --annotations world/annotations/instances_test.json --images world/images
 
             butd-caption eval-detector runs/detector/detector.pth -a world/annotations/instances_test.json --batch-size 8 --num-workers 2 --precision bf16
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
 
         cfg = opts.resolve("train_detector", show=False)

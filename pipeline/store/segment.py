@@ -124,6 +124,7 @@ def write_segment(
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
         _write_segment_file(
+            h5py,
             path,
             blocks,
             num_images,
@@ -160,6 +161,7 @@ def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
 
 
 def _write_segment_file(
+    h5py: Any,
     path: Path,
     blocks: Iterable[Block],
     num_images: int,
