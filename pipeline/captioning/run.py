@@ -21,9 +21,9 @@ from rich.table import Table
 from extractors.factory import configure_recipe, load_for_inference, record_settings
 from extractors.inputs import items_from_file_list, items_from_paths, unique_items
 from extractors.names import detector_names
-from models.captions import command_decoding, decoding_for
-from models.checkpoints import load_captioner
 from models.decoding import check_max_len
+from models.decoding.captions import command_decoding, decoding_for
+from models.loading import load_captioner
 from models.released import features_line
 from pipeline.captioning.choose import find_checkpoint, find_detector
 from pipeline.captioning.engine import FeatureCache, PhotoCaptioner
@@ -93,7 +93,7 @@ _NUMBERS = {
 def check_numbers(cfg: Any) -> None:
     """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
     here (the config refuses them). The decoding settings are checked where they are layered
-    (:func:`models.captions.layered_decoding`)."""
+    (:func:`models.decoding.captions.layered_decoding`)."""
     if cfg is None:
         return
 
@@ -127,9 +127,9 @@ def build_engine(
 ) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
-    ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.captions.layered_decoding`);
-    ``vocab`` is a released model's vocabulary file. ``caption.precision`` is resolved as ``evaluate`` resolves
-    its own (:func:`models.captions.decoding_for`).
+    ``decoding``: the command's ``decoding:`` section (over the checkpoint's,
+    :func:`models.decoding.captions.layered_decoding`); ``vocab`` is a released model's vocabulary file.
+    ``caption.precision`` is resolved as ``evaluate`` resolves its own (:func:`models.decoding.captions.decoding_for`).
     """
     device = resolve_device(str(cfg.device))
     if vocab is not None:  # a file, or a catalogue name such as m2-vocab (docs/downloads.md)

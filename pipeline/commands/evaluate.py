@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from models.captions import command_decoding
+from models.decoding.captions import command_decoding
 from pipeline.captioning.choose import find_checkpoint
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
