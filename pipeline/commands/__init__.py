@@ -1,6 +1,7 @@
 """CLI command modules. Each module exposes ``register(app)`` adding its commands to the root Typer app.
 
-Heavy imports (torch, h5py, the models) happen inside the commands so that ``cli --help`` stays fast.
+Imports sit at the top of each module; a command whose implementation loads torchvision or the web server imports it
+inside the command (one commented import), so that ``cli --help`` stays fast.
 """
 
 from __future__ import annotations
