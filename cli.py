@@ -17,7 +17,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands import COMMAND_MODULES, load_plugins
+from pipeline.commands.common import fail
+from pipeline.core import threads as thread_policy
+from pipeline.core.config import check_config_dir
 from pipeline.core.environment import drop_odd_terminal_size
+from pipeline.core.errors import UsageError
 from pipeline.core.threads import drop_odd_openmp_count
 
 # Every console of the process (ours, and the help and usage errors of the CLI framework) reads COLUMNS / LINES,
@@ -25,8 +30,6 @@ from pipeline.core.threads import drop_odd_openmp_count
 # with one warning, before anything is printed or torch is imported.
 drop_odd_terminal_size()
 drop_odd_openmp_count()
-
-from pipeline.commands import COMMAND_MODULES, load_plugins
 
 app = typer.Typer(
     name="butd-caption",
@@ -56,10 +59,6 @@ def _global_options(
     ] = None,
 ) -> None:
     """Process-wide settings applied before any command runs (the thread policy)."""
-    from pipeline.commands.common import fail
-    from pipeline.core import threads as thread_policy
-    from pipeline.core.errors import UsageError
-
     try:
         if threads is not None and not threads.strip().isdigit():
             raise UsageError(f"--threads must be a whole number, got {threads!r}")
@@ -71,10 +70,6 @@ def _global_options(
 
 def _load_plugins() -> None:
     """Extension modules from $BUTD_PLUGINS register their captioners and formats before the commands are built."""
-    import sys
-
-    from pipeline.core.errors import UsageError
-
     try:
         load_plugins()
     except UsageError as exc:
@@ -82,6 +77,8 @@ def _load_plugins() -> None:
         raise SystemExit(2) from None
 
 
+# The plugins and the command modules import torch: they are imported here, after the environment checks above
+# (no module imported at the top of this file loads torch).
 _load_plugins()
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)
@@ -89,9 +86,6 @@ for _module in COMMAND_MODULES:
 
 def main() -> None:
     """Console-script entry point (from the source checkout: see ``pipeline.core.config.check_config_dir``)."""
-    from pipeline.core.config import check_config_dir
-    from pipeline.core.errors import UsageError
-
     try:
         check_config_dir()
     except UsageError as exc:

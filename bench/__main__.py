@@ -17,6 +17,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+# before torch loads: OpenMP reads its wait policy once, at load; idle threads then sleep instead of spinning
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+
+from bench import cider, gpu, harness, nms, proxies, store, vinvl
+from pipeline.core.fileio import atomic_write_text
+
 CPU_BENCHES = ("cider", "nms", "store", "vinvl", "proxies")
 CPU_DEFAULT = (
     "cider",
@@ -74,7 +81,6 @@ def _select(only: str | None, device: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected benches; 0 ok, 1 a mismatch or runtime failure, 2 a usage error."""
     args = _parser().parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         names = _select(args.only, args.device)
@@ -83,15 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.stderr.write(
-            f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU machine\n"
+            f"error: --device cuda: CUDA is not available here (torch {torch.__version__}); run on CPU or on a GPU "
+            "machine\n"
         )
         return 2
     torch.set_num_threads(args.threads)
-    from bench import harness
 
     env = harness.environment(args.device, args.threads)
     rows: list[harness.Row] = []
@@ -111,8 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             cleanup()
     text = harness.to_json(rows, env)
     if args.json is not None:
-        from pipeline.core.fileio import atomic_write_text
-
         atomic_write_text(args.json, text + "\n")
     print(text if args.format == "json" else harness.table(rows, env))
     return 0
@@ -120,28 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cases(name: str, args: argparse.Namespace, cleanups: list[Callable[[], None]]) -> list:
     if name == "vinvl":
-        from bench import vinvl
-
         return vinvl.cases(args.size, args.device)
     if name == "cider":
-        from bench import cider
-
         return cider.cases(args.size)
     if name == "nms":
-        from bench import nms
-
         return nms.cases(args.size)
     if name == "store":
-        from bench import store
-
         found, cleanup = store.cases(args.size, args.store_dir)
         cleanups.append(cleanup)
         return found
     if name == "proxies":
-        from bench import proxies
-
         return proxies.cases(args.size, args.models.split(","))
-    from bench import gpu
 
     return gpu.cases(name, args.size, args.models.split(","))
 

@@ -16,8 +16,12 @@ candidate), so both sides get exactly that reference set, and the scores must ag
 from __future__ import annotations
 
 import numpy as np
+from pycocoevalcap.cider.cider import Cider
 
 from bench.harness import Case
+from pipeline.metrics.cider import CiderD
+from pipeline.world.captions import make_captions, tokenize
+from pipeline.world.scene import SceneParams, sample_scene
 
 SIZES = {
     "tiny": {"images": 30, "batch_images": 5, "samples": 5},
@@ -27,9 +31,6 @@ SIZES = {
 
 def corpus(num_images: int, seed: int) -> dict[int, list[list[str]]]:
     """Five tokenised synthetic-world captions per image."""
-    from pipeline.world.captions import make_captions, tokenize
-    from pipeline.world.scene import SceneParams, sample_scene
-
     rng = np.random.default_rng(seed)
     return {i: [tokenize(c) for c in make_captions(sample_scene(rng, SceneParams()), rng)] for i in range(num_images)}
 
@@ -56,10 +57,6 @@ def _max_abs(ours: np.ndarray, theirs: np.ndarray) -> float:
 
 def cases(size: str = "default") -> list[Case]:
     """The two CIDEr-D rows (see the module docstring)."""
-    from pycocoevalcap.cider.cider import Cider
-
-    from pipeline.metrics.cider import CiderD
-
     cfg = SIZES[size]
     refs = corpus(cfg["images"], 0)
     rng = np.random.default_rng(1)

@@ -148,7 +148,10 @@ def main() -> None:
         f"torch {torch.__version__}, cpu threads {torch.get_num_threads()}, V={VOCAB}, regions={args.regions}, "
         f"max_len={args.max_len}, repeats={args.repeats}, overrides={args.set or 'none'}"
     )
-    header = f"{'model':8} {'device':6} {'params':>8} {'batch':>5} {'decoder':>8} {'captions/s':>11} {'peak MiB':>9} {'mean len':>8}"
+    header = (
+        f"{'model':8} {'device':6} {'params':>8} {'batch':>5} {'decoder':>8} {'captions/s':>11} {'peak MiB':>9} "
+        f"{'mean len':>8}"
+    )
     print(header)
     print("-" * len(header))
     for name in names:

@@ -71,7 +71,10 @@ def main() -> None:
             flush=True,
         )
     if args.captioner:
-        tiny = "train.model_overrides={d_model: 256, num_heads: 8, d_ff: 1024, num_layers: 2, dropout: 0.1, embed_dropout: 0.1}"
+        tiny = (
+            "train.model_overrides={d_model: 256, num_heads: 8, d_ff: 1024, num_layers: 2, dropout: 0.1, "
+            "embed_dropout: 0.1}"
+        )
         cfg = load_config(
             "train",
             None,
@@ -101,11 +104,13 @@ def main() -> None:
             rows.append((f"SAN {stage} captions (CIDEr-D {ev['metrics']['CIDEr']:.3f})", rep["generated"], 0.0))
             print(stage, ev["metrics"], json.dumps(rep["generated"]), flush=True)
     print(
-        f"\n{'captions / encoder':44s} {'c2i R@1':>8s} {'R@5':>6s} {'R@10':>6s} {'i2c R@1':>8s} {'R@5':>6s} {'R@10':>6s} {'chance':>7s}"
+        f"\n{'captions / encoder':44s} {'c2i R@1':>8s} {'R@5':>6s} {'R@10':>6s} {'i2c R@1':>8s} {'R@5':>6s} "
+        f"{'R@10':>6s} {'chance':>7s}"
     )
     for name, m, _ in rows:
         print(
-            f"{name:44s} {m['c2i_R@1']:8.2f} {m['c2i_R@5']:6.2f} {m['c2i_R@10']:6.2f} {m['i2c_R@1']:8.2f} {m['i2c_R@5']:6.2f} "
+            f"{name:44s} {m['c2i_R@1']:8.2f} {m['c2i_R@5']:6.2f} {m['c2i_R@10']:6.2f} {m['i2c_R@1']:8.2f} "
+            f"{m['i2c_R@5']:6.2f} "
             f"{m['i2c_R@10']:6.2f} {m['c2i_chance_R@1']:7.2f}"
         )
 

@@ -5,8 +5,10 @@ Random weights with the full ResNet-101 preset (the speed does not depend on the
 photos of ``--photos DIR`` (``.jpg`` files), cycled; decoding is timed separately (it runs in DataLoader workers in
 ``cli extract``).
 
-    python -m bench.extract --photos DIR --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 --batches 1,4
-    python -m bench.extract --photos DIR --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 --channels-last
+    python -m bench.extract --photos DIR --device cpu --min-size 300 --max-size 500 --proposals 20 --images 4 \
+        --batches 1,4
+    python -m bench.extract --photos DIR --device cuda --images 96 --batches 1,4,8 --precisions fp32,bf16 \
+        --channels-last
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import harness, nms
 from extractors.preprocess import Frame, caffe_blob, load_rgb
+from extractors.random_weights import random_detector
 from extractors.recipes import recipe_from_config
 from extractors.selector import make_selector
-from pipeline.core.precision import autocast
 from extractors.spec import caffe_r101
-from extractors.random_weights import random_detector
+from pipeline.core.precision import autocast
 
 
 def _sync(dev: torch.device) -> None:
@@ -84,8 +87,6 @@ def bench_agreement(model, blobs, scales, sizes, dev, n: int) -> tuple[float, fl
 def bench_nms(repeats: int = 3) -> str:
     """The per-class NMS row of :mod:`bench.nms` (300 x 1600, uniform boxes) through the harness: warm-up,
     interleaved repeats and the exact check on every timed round on both sides."""
-    from bench import harness, nms
-
     row = harness.measure(nms.cases("default")[0], repeats=repeats, warmup=1)
     return (
         f"per-class NMS ({row.work}, CPU): loop {row.baseline_min:.1f} ms, extractors.nms {row.project_min:.2f} ms "
@@ -139,8 +140,10 @@ def main() -> None:
         sizes.append((h, w))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(
-        f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale {args.min_size}/{args.max_size}; "
-        f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)"
+        f"device: {name}; torch {torch.__version__}; ResNet-101 C4 bottom-up (random weights); scale "
+        f"{args.min_size}/{args.max_size}; "
+        f"{args.images} images; {args.proposals} proposals; boxes {args.boxes}; channels_last {args.channels_last}; "
+        f"build {build:.1f}s; decode+blob {decode_ms:.1f} ms/img (1 process)"
     )
     rule = _selector(model, args.boxes)
     print(f"{'precision':>9} {'batch':>5} {'images/s':>9} {'peak MB':>9}")
@@ -152,7 +155,8 @@ def main() -> None:
         n = min(len(blobs), 8)
         cmin, cmean, same = bench_agreement(model, blobs, scales, sizes, dev, n)
         print(
-            f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; identical selections {same:.0%}"
+            f"bf16 vs fp32 features on the same boxes ({n} images): cosine min {cmin:.5f}, mean {cmean:.5f}; "
+            f"identical selections {same:.0%}"
         )
     if not args.skip_nms:
         print(bench_nms())

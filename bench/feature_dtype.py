@@ -16,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from extractors.stage import ExtractJob, extract_features
+from pipeline.core.config import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -30,8 +33,6 @@ def main() -> None:
     parser.add_argument("--split", default="test")
     args = parser.parse_args()
     run = args.run.resolve()
-    from extractors.stage import ExtractJob, extract_features
-    from pipeline.core.config import load_config
 
     manifest = json.loads((run / "features" / "manifest.json").read_text())
     detector = json.loads((run / "detector" / "manifest.json").read_text())

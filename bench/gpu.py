@@ -20,12 +20,27 @@ test suite runs the same code on CPU at ``size="tiny"`` (no GPU there), so it is
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
+from bench.decode import make_inputs
 from bench.harness import Case
+from bench.train import COCO_TRAIN_IMAGES, VOCAB_SIZE, bench_stage, fitted_model, make_batch, reference_corpus
+from extractors.bucketing import ShapeBuckets
+from extractors.preprocess import recipe_blob
+from extractors.random_weights import random_detector
+from extractors.recipes import apply_recipe, recipe_from_config
+from extractors.selector import make_selector
+from extractors.spec import caffe_r101
+from models import model_card
+from models.decoding import DecodeOptions, beam_search
+from pipeline.core.precision import autocast
+from pipeline.core.training import resolve_precision
+from pipeline.core.vocab import Vocab
+from pipeline.training.recipe import FUSED_OPTIMIZERS, stage_recipe
 
-COCO_TRAIN_IMAGES = 113_287
 #: (height, width) of the bench photos: sizes common among COCO photos (long side 640 or 500)
 PHOTO_SIZES = (
     (480, 640),
@@ -68,16 +83,6 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 
 
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
-    from types import SimpleNamespace
-
-    from extractors.bucketing import ShapeBuckets
-    from extractors.preprocess import recipe_blob
-    from extractors.recipes import apply_recipe, recipe_from_config
-    from pipeline.core.precision import autocast
-    from extractors.selector import make_selector
-    from extractors.spec import caffe_r101
-    from extractors.random_weights import random_detector
-
     images, batch = (2, 2) if size == "tiny" else (64, 8)
     spec = caffe_r101()
     if size == "tiny":  # a shrunk network of the same architecture: the code path, not the figure
@@ -124,7 +129,10 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
 
         return go
 
-    work = f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, {spec.post_nms_topk} proposals"
+    work = (
+        f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, "
+        f"{spec.post_nms_topk} proposals"
+    )
     precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
     rows = [
         Case(
@@ -158,11 +166,6 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
 
 
 def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
-    from bench.train import COCO_TRAIN_IMAGES as images
-    from bench.train import VOCAB_SIZE, bench_stage, reference_corpus
-    from pipeline.core.vocab import Vocab
-    from pipeline.core.training import resolve_precision
-
     amp = resolve_precision("auto", dev)
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
@@ -190,14 +193,14 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
                 fit_steps=2 if size == "tiny" else 25,
                 overrides=overrides,
             )
-            return images / batch * sec
+            return COCO_TRAIN_IMAGES / batch * sec
 
         out.append(
             Case(
                 f"train {stage}",
                 f"{name} {stage} epoch (projected, {amp}){label}",
                 None,
-                f"{images} images at the paper batch size; the trainer's step timed x epoch length",
+                f"{COCO_TRAIN_IMAGES} images at the paper batch size; the trainer's step timed x epoch length",
                 epoch,
                 unit="s",
                 reports="value",
@@ -209,27 +212,17 @@ def _train_cases(name: str, size: str, dev: torch.device) -> list[Case]:
 
 def _fusable(name: str) -> bool:
     """Whether both of ``name``'s stages use an optimizer PyTorch has a fused kernel for (``optimizer_impl: fused``)."""
-    from models import model_card
-    from pipeline.training.recipe import FUSED_OPTIMIZERS, stage_recipe
-
     schedule = model_card(name).schedule.to_dict()
     return all(stage_recipe(st, schedule, None, 30, name).optimizer in FUSED_OPTIMIZERS for st in ("xe", "scst"))
 
 
 def _greedy_sampled(name: str) -> bool:
     """Whether ``name``'s SCST recipe samples with a greedy baseline (where ``baseline_loop`` matters)."""
-    from models import model_card
-    from pipeline.training.recipe import stage_recipe
-
     r = stage_recipe("scst", model_card(name).schedule.to_dict(), None, 30, name)
     return r.baseline == "greedy" and r.sample_method == "sample"
 
 
 def _decode_case(name: str, size: str, dev: torch.device) -> Case:
-    from bench.decode import make_inputs
-    from bench.train import VOCAB_SIZE, fitted_model, make_batch
-    from models.decoding import DecodeOptions, beam_search
-
     total, batch, max_len = (4, 2, 5) if size == "tiny" else (5000, 500, 20)
     fit = make_batch(2 if size == "tiny" else 50, VOCAB_SIZE, dev, torch.Generator().manual_seed(0))
     model = fitted_model(name, fit, 2 if size == "tiny" else 25, dev).eval()

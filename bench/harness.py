@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 log = logging.getLogger("bench")
 
 
@@ -155,9 +158,6 @@ def measure(case: Case, repeats: int = 3, warmup: int = 1) -> Row:
 
 def environment(device: str, threads: int) -> dict[str, Any]:
     """Machine facts printed above the table and kept in the JSON."""
-    import numpy as np
-    import torch
-
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     return {
         "device": device,

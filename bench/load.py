@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(
-        f"demo --quick on {result['cores']} cores: alone {alone:.1f} s, beside {args.hogs} busy process(es) {loaded:.1f} s"
+        f"demo --quick on {result['cores']} cores: alone {alone:.1f} s, beside {args.hogs} busy process(es) "
+        f"{loaded:.1f} s"
     )
     if not same:
         sys.stderr.write("error: the runs' metrics differ; no slowdown reported\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from bench.harness import Case
+from extractors import box_coding, nms, selector
 
 SIZES = {"tiny": (40, 30), "default": (300, 1600)}
 
@@ -41,15 +42,11 @@ def class_scores(r: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 def loop_keeps(boxes: torch.Tensor, scores: torch.Tensor, thresh: float = 0.3) -> list[torch.Tensor]:
     """The baseline: one torchvision NMS call per class (Caffe ``+1`` areas, ``IoU >= thresh``)."""
-    from extractors import box_coding
-
     return [box_coding.nms_boxes(boxes, scores[:, c], thresh, legacy=True) for c in range(scores.shape[1])]
 
 
 def differing_classes(mask: torch.Tensor, loop: list[torch.Tensor], scores: torch.Tensor) -> float:
     """How many classes' kept index lists differ (0 when exact)."""
-    from extractors import nms
-
     if mask.shape[1] != len(loop):
         return float("inf")
     return float(
@@ -59,8 +56,6 @@ def differing_classes(mask: torch.Tensor, loop: list[torch.Tensor], scores: torc
 
 def cases(size: str = "default") -> list[Case]:
     """Kept indices on uniform and clustered boxes, and the extractor's ``max_conf``."""
-    from extractors import nms, selector
-
     r, k = SIZES[size]
     g = torch.Generator().manual_seed(0)
     out = []

@@ -11,11 +11,11 @@ can be counted on any CPU with the torch profiler, so the GPU work can be judged
   reads inside ``optimizer.step()`` (its step counters live on the host also on a GPU). On CPU every tensor is a
   host tensor, so a read of a small host-side tensor elsewhere counts too: the figure is an upper bound.
 
-Rows: one SCST step and one XE step of each captioner **as the trainer runs it** (:func:`pipeline.training.engine.Trainer._step`
-with its precision, clipping and optimizer; paper sizes, batch 10 = the papers' SCST batch, 36 x 2048 regions), one
-beam-5 decode (per decoding step), and one extracted image of a shrunk bottom-up detector. The captioner is first
-fitted for a few XE steps to captions of 8-16 words, so that its samples end like a trained model's, not at
-``max_len`` (the mean decoded length is printed).
+Rows: one SCST step and one XE step of each captioner **as the trainer runs it**
+(:func:`pipeline.training.engine.Trainer._step` with its precision, clipping and optimizer; paper sizes, batch 10 = the
+papers' SCST batch, 36 x 2048 regions), one beam-5 decode (per decoding step), and one extracted image of a shrunk
+bottom-up detector. The captioner is first fitted for a few XE steps to captions of 8-16 words, so that its samples end
+like a trained model's, not at ``max_len`` (the mean decoded length is printed).
 
     python -m bench.proxies [--models m2,ngsan] [--batch 10] [--json proxies.json]
 """
@@ -30,9 +30,22 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
+
+from bench.gpu import _fusable, _greedy_sampled
+from bench.harness import Case
+from bench.train import VOCAB_SIZE, fitted_model, make_batch, reference_corpus, trainer_step
+from extractors.preprocess import recipe_blob
+from extractors.random_weights import random_detector
+from extractors.recipes import apply_recipe, recipe_from_config
+from extractors.selector import make_selector
+from extractors.spec import caffe_r101
+from models.decoding import DecodeOptions, beam_search
+from pipeline.core.precision import autocast
+from pipeline.core.vocab import Vocab
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 SYNC_METHODS = ("tolist", "cpu", "numpy")
@@ -86,10 +99,6 @@ def _has_aten_parent(event: Any) -> bool:
 
 
 def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | None = None) -> list[dict[str, Any]]:
-    from bench.train import VOCAB_SIZE, fitted_model, make_batch, reference_corpus, trainer_step
-    from models.decoding import DecodeOptions, beam_search
-    from pipeline.core.vocab import Vocab
-
     words = ("<pad>", "<bos>", "<eos>", "<unk>")
     vocab = Vocab(words + tuple(f"w{i}" for i in range(VOCAB_SIZE - 4)))
     scorer = reference_corpus(Vocab(words), 200)
@@ -105,7 +114,6 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
             os.makedirs(fit_cache, exist_ok=True)
             torch.save(model.state_dict(), cached)
     rows = []
-    from bench.gpu import _fusable, _greedy_sampled
 
     variants = [("scst", None, ""), ("xe", None, "")]
     if _fusable(name):
@@ -147,15 +155,6 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
 
 
 def extract_row(images: int = 4) -> dict[str, Any]:
-    import numpy as np
-
-    from extractors.preprocess import recipe_blob
-    from extractors.random_weights import random_detector
-    from extractors.recipes import apply_recipe, recipe_from_config
-    from pipeline.core.precision import autocast
-    from extractors.selector import make_selector
-    from extractors.spec import caffe_r101
-
     spec = caffe_r101().with_(
         min_size=200,
         max_size=333,
@@ -191,8 +190,6 @@ def extract_row(images: int = 4) -> dict[str, Any]:
 def cases(size: str, models: list[str]) -> list:
     """The proxies as rows of ``python -m bench`` (``reports="value"``: each row's figure is the count itself).
     ``size="tiny"`` counts only the extraction row (seconds; what the test suite runs)."""
-    from bench.harness import Case
-
     found: list[dict[str, Any]] = []
 
     def rows() -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ throughput of the same captioning engine run in one process the way ``caption`` 
    overrides), one untimed request per photo, then ``--clients`` threads each posting ``--images-per-request``
    photos at a time (round robin) for ``--seconds``, every request bounded by a timeout. Prints throughput (images
    per second answered 200), latency p50/p95/p99, answers by status (no answer and 500 counted apart), the
-   server's peak RSS (VmHWM) and the ratio to (1). A client told 503 waits its Retry-After before the next request. Captions the server gave are compared with (1)'s per photo.
+   server's peak RSS (VmHWM) and the ratio to (1). A client told 503 waits its Retry-After before the next request.
+   Captions the server gave are compared with (1)'s per photo.
 
 Only 127.0.0.1 is contacted; the server is stopped with SIGTERM (and killed by its pid if it hangs).
 """
@@ -26,14 +27,20 @@ import logging
 import os
 import resource
 import signal
-import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from extractors.inputs import items_from_paths
+from pipeline.captioning.choose import find_checkpoint, find_detector
+from pipeline.captioning.run import build_engine
+from pipeline.core import threads as thread_policy
+from pipeline.core.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench.serve")
@@ -57,8 +64,6 @@ def multipart(files: list[tuple[str, bytes]], fields: dict[str, Any]) -> tuple[b
 
 def start_server(args: list[str], timeout: float = 300) -> tuple[subprocess.Popen, int]:
     """``cli.py serve --port 0 ARGS`` in a child process; its port once ``/healthz`` answers."""
-    import tempfile
-
     env = dict(os.environ, BUTD_NO_PROGRESS="1")
     errors = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
@@ -136,11 +141,6 @@ def peak_rss_mb(pid: int) -> float:
 
 def baseline(model: str, weights: str | None, photos: Path, sets: list[str], seconds: float) -> dict[str, Any]:
     """``caption``'s engine in this process: images per second over whole rounds of the photos."""
-    from extractors.inputs import items_from_paths
-    from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
-    from pipeline.core import threads as thread_policy
-    from pipeline.core.config import load_config
-
     thread_policy.prepare_process(None)
     thread_policy.apply()
     cfg = load_config("caption", None, sets).caption
@@ -328,16 +328,21 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     s = served
     print(
-        f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} photos in "
-        f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS {base['peak_rss_mb']:.0f} MB)"
+        f"caption, one process : {base['images_per_s']:.2f} images/s ({base['rounds']} rounds of {base['images']} "
+        "photos in "
+        f"{base['seconds']:.1f} s, batch {base['batch_size']}, {base['num_workers']} decoding workers; peak RSS "
+        f"{base['peak_rss_mb']:.0f} MB)"
     )
     print(
-        f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, latency p50 "
-        f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean batch "
+        f"serve, {args.clients} clients    : {s['images_per_s']:.2f} images/s, {s['requests_per_s']:.2f} requests/s, "
+        "latency p50 "
+        f"{s['p50_ms']:.0f} ms / p95 {s['p95_ms']:.0f} ms / p99 {s['p99_ms']:.0f} ms; answers {s['statuses']}; mean "
+        "batch "
         f"{mean_batch:.2f} images; server peak RSS {s['peak_rss_mb']:.0f} MB"
     )
     print(
-        f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server exit {code}; "
+        f"ratio serve / caption: x{result['ratio']:.2f}; captions equal for {result['captions_equal']} photos; server "
+        f"exit {code}; "
         f"load average {load0:.1f} -> {load1:.1f} on {result['cores']} cores"
     )
     bad = {k: v for k, v in s["statuses"].items() if k not in ("200", "503")}

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from pipeline.core.regions import RegionRecord
 
 from bench.harness import Case
+from pipeline.core.regions import RegionRecord
 from pipeline.store import FeatureStore, open_writer
 
 IDENTITY = {"name": "bench-synthetic", "config": {"boxes": [10, 100]}}
@@ -180,7 +180,9 @@ def cases(size: str = "default", root: Path | None = None) -> tuple[list[Case], 
                 lambda r=read: [r(k) for k in keys],
                 differing_reads,
                 0.0,
-                note=f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache",
+                note=(
+                    f"{name}: {mib:.0f} MiB on disk vs store {disk_bytes(store_path) / 2**20:.0f} MiB; warm page cache"
+                ),
             )
         )
 

@@ -26,20 +26,22 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from models import build_captioner, model_card
-from pipeline.metrics.cider import CiderD
-from pipeline.core.distributed import resolve_device
+from pipeline.core.distributed import DistContext, resolve_device
 from pipeline.core.training import make_scaler, resolve_precision
 from pipeline.core.training.determinism import CUBLAS_SETTING, deterministic_mode
-from pipeline.training.engine import build_optimizer
+from pipeline.core.vocab import BOS, EOS, Vocab
+from pipeline.metrics.cider import CiderD
+from pipeline.training.engine import Progress, Trainer, _Policy, build_optimizer
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.xe import xe_loss_sum
-from pipeline.core.vocab import BOS, EOS, Vocab
 from pipeline.world.captions import make_captions, tokenize
 from pipeline.world.scene import SceneParams, sample_scene
 
@@ -179,12 +181,6 @@ def trainer_step(
     """``step(batch) -> loss``: :meth:`pipeline.training.engine.Trainer._step` (the trainer's own step) on what it
     reads from a trainer, built as the trainer builds it (the stage's optimizer at ``lr``, the precision's scaler);
     ``overrides``: recipe keys over the model card's (e.g. ``{"baseline_loop": "separate"}``)."""
-    import types
-    from pathlib import Path
-
-    from pipeline.core.distributed import DistContext
-    from pipeline.training.engine import Progress, Trainer, _Policy
-
     recipe = stage_recipe(stage, model_card(name).schedule.to_dict(), overrides, 30, name)
     me = types.SimpleNamespace(
         model=model,
@@ -266,10 +262,10 @@ def main() -> None:
     amp = resolve_precision(args.precision, device, "--precision")
     scorer = reference_corpus(Vocab(("<pad>", "<bos>", "<eos>", "<unk>")))
     vocab = bench_vocab()
+    batch_note = f", batch {args.batch} images for every model (reduced from the papers)" if args.batch else ""
     print(
-        f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations per row"
-        f"{', batch ' + str(args.batch) + ' images for every model (reduced from the papers)' if args.batch else ', paper batch sizes'}"
-        f", deterministic {args.deterministic}"
+        f"device {device}, precision {amp}, torch threads {torch.get_num_threads()}, {args.iters} timed iterations "
+        f"per row{batch_note or ', paper batch sizes'}, deterministic {args.deterministic}"
     )
     print(f"{'model':<7}{'stage':<6}{'det':<5}{'batch':>6}{'s/iter':>9}{'iter/s':>8}{'images/s':>10}{'COCO epoch':>12}")
     for name in args.models.split(","):
@@ -281,7 +277,8 @@ def main() -> None:
                 ips = b / sec
                 epoch = COCO_TRAIN_IMAGES / ips
                 print(
-                    f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}{epoch / 60:>10.1f} m",
+                    f"{name:<7}{stage:<6}{'on' if det else 'off':<5}{b:>6}{sec:>9.3f}{1 / sec:>8.2f}{ips:>10.1f}"
+                    f"{epoch / 60:>10.1f} m",
                     flush=True,
                 )
             if len(seconds) == 2:
@@ -289,7 +286,8 @@ def main() -> None:
                     f"{name:<7}{stage:<6}deterministic costs x{seconds[1] / seconds[0]:.2f} the step time", flush=True
                 )
     if args.cider:
-        from bench.__main__ import main as bench_main
+        # bench.__main__ imports this module (through bench.gpu): imported here, when it runs
+        from bench.__main__ import main as bench_main  # noqa: PLC0415 -- import cycle
 
         bench_main(["--only", "cider", "--repeats", "5", "--threads", str(torch.get_num_threads())])
 

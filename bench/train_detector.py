@@ -100,14 +100,17 @@ def main() -> None:
         dt = time.perf_counter() - t0
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(
-            f"preset {args.preset}: ResNet blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, {spec.num_classes} classes, "
+            f"preset {args.preset}: ResNet blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, {spec.num_classes} "
+            "classes, "
             f"{spec.num_attributes} attributes, {n_params / 1e6:.2f}M trainable parameters, scale {min_size}/{max_size}"
         )
         print(
-            f"device {device} ({torch.get_num_threads()} threads), precision {precision}, {tc.images_per_batch} images/iteration"
+            f"device {device} ({torch.get_num_threads()} threads), precision {precision}, {tc.images_per_batch} "
+            "images/iteration"
         )
         print(
-            f"{args.iters / dt:.3f} iterations/s, {args.iters * int(tc.images_per_batch) / dt:.2f} images/s ({dt / args.iters * 1000:.0f} ms/iteration)"
+            f"{args.iters / dt:.3f} iterations/s, {args.iters * int(tc.images_per_batch) / dt:.2f} images/s "
+            f"({dt / args.iters * 1000:.0f} ms/iteration)"
         )
         if device.type == "cuda":
             print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

@@ -21,13 +21,15 @@ import numpy as np
 import torch
 
 from bench.harness import Case
+from extractors.preprocess import recipe_blob
+from extractors.random_weights import random_detector
+from extractors.recipes import apply_recipe, recipe_from_config
+from extractors.selector import make_selector
+from extractors.spec import caffe_r101, vinvl_x152c4
+from pipeline.core.precision import autocast
 
 
 def _setup(spec, recipe_name: str, boxes: str | None, dev, overrides: dict):
-    from extractors.random_weights import random_detector
-    from extractors.recipes import apply_recipe, recipe_from_config
-    from extractors.selector import make_selector
-
     model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
     section = {"recipe": recipe_name, "boxes": boxes}
     recipe = recipe_from_config(section, "random", spec.flavor).with_(**overrides)
@@ -36,9 +38,6 @@ def _setup(spec, recipe_name: str, boxes: str | None, dev, overrides: dict):
 
 
 def _runner(model, selector, recipe, photos, dev):
-    from pipeline.core.precision import autocast
-    from extractors.preprocess import recipe_blob
-
     decoded = [recipe_blob(p, recipe) for p in photos]
     blobs = [torch.from_numpy(b) for b, _ in decoded]
     frames = [f for _, f in decoded]
@@ -63,8 +62,6 @@ def _shared(dim: int, count: int):
 
 
 def cases(size: str, device: str = "cpu") -> list[Case]:
-    from extractors.spec import caffe_r101, vinvl_x152c4
-
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     images, short, long, props = (

@@ -220,7 +220,8 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
     coco_files = {split: str(f) for split, f in dict(cfg.coco_captions).items() if f}
     if bool(cfg.karpathy_json) == bool(coco_files):
         raise UsageError(
-            "give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE"
+            "give exactly one caption source: the Karpathy split file (`prepare dataset_coco.json`, "
+            "prepare.karpathy_json) or --set prepare.coco_captions.SPLIT=FILE"
         )
     try:
         if cfg.karpathy_json:
@@ -254,7 +255,6 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
             lengths[row] = len(ids)
             row += 1
         offsets[i + 1] = row
-    train_refs = [e.captions for e in entries if e.split == "train"]
     unk = sum(1 for e in entries for c in e.captions for w in c if vocab.id(w) == UNK)
     total_words = sum(len(c) for e in entries for c in e.captions)
     outputs = save_prepared(

@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from models.checkpoints import CaptionerCheckpoint
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
 from pipeline.core.fileio import read_json
+from pipeline.hub import resolve_file
 
 log = get_logger("caption")
 
@@ -31,8 +33,6 @@ def validation_score(best: Path) -> dict[str, Any] | None:
     if manifest.is_file():
         record = (read_json(manifest, "train stage manifest").get("summary") or {}).get("best")
     if not record:
-        from models.checkpoints import CaptionerCheckpoint
-
         progress = CaptionerCheckpoint.load(best).progress
         record = progress.best if progress else None
     if isinstance(record, dict) and isinstance(record.get("value"), (int, float)) and record.get("metric"):
@@ -46,12 +46,14 @@ def _pick_best(model: Path, found: list[Path]) -> Path:
     missing = [_stage_name(p) for p, s in scored if s is None]
     if missing:
         raise UsageError(
-            f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass --captioner NAME"
+            f"{model} holds several captioners ({listing}) and {', '.join(missing)} has no validation score: pass "
+            "--captioner NAME"
         )
     metrics = {s["metric"] for _, s in scored if s}
     if len(metrics) > 1:
         raise UsageError(
-            f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass --captioner NAME ({listing})"
+            f"{model} holds captioners validated on different metrics ({', '.join(sorted(metrics))}): pass "
+            f"--captioner NAME ({listing})"
         )
     ranked = sorted(scored, key=lambda ps: -float(ps[1]["value"]))  # type: ignore[index]
     (best, score), rest = ranked[0], ranked[1:]
@@ -71,8 +73,6 @@ def _pick_best(model: Path, found: list[Path]) -> Path:
 def find_checkpoint(model: Path, captioner: str | None = None) -> Path:
     """A checkpoint file, or the chosen captioner's ``best.pt`` in a run folder (by name, else by validation score).
     A catalogue name or ``hf:`` id (docs/downloads.md) is fetched into the cache first, with its vocabulary."""
-    from pipeline.hub import resolve_file
-
     model = Path(resolve_file(model, "captioner", "captioner"))
     if model.is_file():
         if captioner:
@@ -103,8 +103,6 @@ def find_detector(model: Path, checkpoint: Path, weights: str | None) -> str:
     """``--weights`` if given, else the detector of the run directory the checkpoint belongs to."""
     if weights:
         if weights != "random":
-            from pipeline.hub import resolve_file
-
             weights = resolve_file(weights, "detector weights", "detector")
         if weights != "random" and not Path(weights).is_file():
             raise UsageError(f"detector weights not found: {weights}")

@@ -31,16 +31,18 @@ from extractors.inputs import ImageItem
 from extractors.photos import Need, Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
 from models.captioners.base import Captioner
-from models.decoding.captions import caption_words
 from models.decoding import DecodeOptions, generate
+from models.decoding.captions import caption_words
+from pipeline.captioning.output import result_row
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
 from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import key_to_text
 from pipeline.core.precision import autocast, resolve_precision
 from pipeline.core.regions import RegionRecord
-from pipeline.data.dataset import cap_boxes, pad_regions
 from pipeline.core.vocab import BOS, Vocab
+from pipeline.data.dataset import cap_boxes, pad_regions
+from pipeline.store import FeatureStore, open_writer
 
 log = get_logger("caption")
 
@@ -62,8 +64,6 @@ class CaptionResult:
 
     def to_json(self, with_nbest: bool) -> dict[str, Any]:
         """The output row (see :func:`pipeline.captioning.output.result_row`)."""
-        from pipeline.captioning.output import result_row
-
         return result_row(self, with_nbest)
 
 
@@ -109,8 +109,6 @@ class FeatureCache:
     a run without ``--cache``); an existing store (e.g. a float16 one made by ``extract``) keeps its dtype."""
 
     def __init__(self, path: Path, identity: FeatureIdentity) -> None:
-        from pipeline.store import FeatureStore, open_writer
-
         # any store whose settings agree on what determines the features will do (e.g. one made by `extract`)
         self.writer = open_writer(path, identity, "float32", match="features")
         self.reader = FeatureStore(path)
@@ -286,7 +284,8 @@ class PhotoCaptioner:
         dim, expected = rec["features"].shape[1], getattr(self.model, "feat_dim", None)
         if expected is not None and dim != expected:
             raise PipelineError(
-                f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it was trained with"
+                f"the captioner expects {expected}-d region features, the detector gives {dim}-d: use the detector it "
+                "was trained with"
             )
 
     def _caption_guarded(self, recs: dict[int, dict[str, Any]], results: list[CaptionResult], relevance: bool) -> None:

@@ -9,8 +9,8 @@ Layout of ``--gallery DIR``::
 
 The page needs no server and no network: CSS and JavaScript are inline, images are relative links. Cards are
 plain HTML (readable without JavaScript); the script adds the word filter, the photo count and the box
-toggles; ``index.html?q=word`` opens it filtered, ``?boxes=1`` with every photo's boxes shown. Boxes are the few regions the caption attends to, one label per object
-(:func:`pipeline.captioning.pictures.attended_regions`).
+toggles; ``index.html?q=word`` opens it filtered, ``?boxes=1`` with every photo's boxes shown. Boxes are the few
+regions the caption attends to, one label per object (:func:`pipeline.captioning.pictures.attended_regions`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ THUMB_WIDTH = 360
 #: the gallery's look (the page of ``cli serve`` shares it)
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:0;background:#f4f4f4;color:#222}
-header{position:sticky;top:0;background:#fff;padding:10px 16px;border-bottom:1px solid #ddd;display:flex;gap:12px;align-items:center;flex-wrap:wrap;z-index:2}
+header{position:sticky;top:0;background:#fff;padding:10px 16px;border-bottom:1px solid
+#ddd;display:flex;gap:12px;align-items:center;flex-wrap:wrap;z-index:2}
 header h1{font-size:18px;margin:0}
 #q{font-size:15px;padding:4px 8px;min-width:220px}
 main{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:14px;padding:14px}
@@ -46,7 +47,8 @@ main{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:
 .boxes{display:none;position:absolute;inset:0}
 .card.show .boxes,body.all .boxes{display:block}
 .box{position:absolute;border:3px solid;box-sizing:border-box}
-.box span{position:absolute;left:-3px;top:-3px;color:#fff;font:bold 12px/16px sans-serif;padding:0 4px;white-space:nowrap}
+.box span{position:absolute;left:-3px;top:-3px;color:#fff;font:bold 12px/16px sans-serif;padding:0
+4px;white-space:nowrap}
 figcaption{padding:8px 10px}
 .caption{font-size:16px;font-weight:600;margin:0 0 4px}
 .nbest{margin:0 0 6px;padding-left:20px;font-size:13px;color:#555}
@@ -76,7 +78,8 @@ _SCRIPT = """
   var all=document.getElementById('all');
   all.addEventListener('change',function(){document.body.classList.toggle('all',all.checked);});
   if(/[?&]boxes=1/.test(location.search)){all.checked=true;document.body.classList.add('all');}
-  cards.forEach(function(c){var b=c.querySelector('button'); if(b){b.addEventListener('click',function(){c.classList.toggle('show');});}});
+  cards.forEach(function(c){var b=c.querySelector('button');
+  if(b){b.addEventListener('click',function(){c.classList.toggle('show');});}});
   update();
 })();
 """
@@ -174,10 +177,14 @@ class GallerySink:
 
     def _write_html(self, fh: BinaryIO) -> None:
         head = (
-            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>captions: {html.escape(self.dir.name)}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>\n<body>\n'
-            '<header><h1>captions</h1><input id="q" type="search" placeholder="filter by word" aria-label="filter by word">'
-            '<label><input id="all" type="checkbox"> boxes on every photo</label><span id="count"></span></header>\n<main>\n'
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>captions: '
+            f"{html.escape(self.dir.name)}</title>"
+            '<meta name="viewport" content="width=device-width, '
+            f'initial-scale=1"><style>{STYLE}</style></head>\n<body>\n'
+            '<header><h1>captions</h1><input id="q" type="search" placeholder="filter by word" aria-label="filter by '
+            'word">'
+            '<label><input id="all" type="checkbox"> boxes on every photo</label><span '
+            'id="count"></span></header>\n<main>\n'
         )
         fh.write(head.encode("utf-8"))
         for row in self.journal.read("records"):
@@ -201,12 +208,14 @@ def card_html(row: Mapping[str, Any]) -> str:
     words = " ".join([row["caption"]] + [c for c, _ in row["nbest"]] + [r["label"] for r in row["regions"]]).lower()
     boxes = "".join(
         f'<div class="box" style="left:{100 * b[0]:.2f}%;top:{100 * b[1]:.2f}%;width:{100 * (b[2] - b[0]):.2f}%;'
-        f'height:{100 * (b[3] - b[1]):.2f}%;border-color:{_colour(n)}"><span style="background:{_colour(n)}">{n + 1} {e(r["label"])}</span></div>'
+        f'height:{100 * (b[3] - b[1]):.2f}%;border-color:{_colour(n)}"><span style="background:{_colour(n)}">{n + 1} '
+        f"{e(r['label'])}</span></div>"
         for n, r in enumerate(row["regions"])
         for b in [r["box"]]
     )
     legend = " ".join(
-        f'<span><i style="background:{_colour(n)}"></i>{n + 1} {e(r["label"])}{" &larr; " + e(", ".join(r["words"])) if r["words"] else ""}</span>'
+        f'<span><i style="background:{_colour(n)}"></i>{n + 1} '
+        f"{e(r['label'])}{' &larr; ' + e(', '.join(r['words'])) if r['words'] else ''}</span>"
         for n, r in enumerate(row["regions"])
     )
     items = "".join(f'<li>{e(c)} <span class="score">{_score(s)}</span></li>' for c, s in row["nbest"])
@@ -217,5 +226,6 @@ def card_html(row: Mapping[str, Any]) -> str:
         f'<div class="boxes">{boxes}</div></div><figcaption><p class="caption">{e(row["caption"])} '
         f'<span class="score">{_score(row["score"])}</span></p>{nbest}<div class="legend">{legend}</div>'
         f'<button type="button">boxes</button> <a href="{e(row["picture"])}">picture</a> · '
-        f'<a href="{e(row["source"])}">photo</a> · <span class="score" title="{e(row["image"])}">{e(row["key"])}</span></figcaption></figure>\n'
+        f'<a href="{e(row["source"])}">photo</a> · <span class="score" '
+        f'title="{e(row["image"])}">{e(row["key"])}</span></figcaption></figure>\n'
     )

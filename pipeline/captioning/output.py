@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from pipeline.captioning.journal import dumps_row
 from pipeline.core.errors import UsageError
 from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.keys import key_to_text
-from pipeline.captioning.journal import dumps_row
 
 FORMATS = ("jsonl", "json", "csv", "coco")
 _SUFFIX = {"jsonl": ".jsonl", "json": ".json", "csv": ".csv", "coco": ".json"}

@@ -9,18 +9,38 @@ at the end (:mod:`pipeline.captioning.output`); the gallery page too (:mod:`pipe
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.captioning.choose import find_checkpoint, find_detector  # noqa: F401 - the public entry points
+import torch
+from rich.table import Table
+
+from extractors.factory import configure_recipe, load_for_inference, record_settings
+from extractors.inputs import items_from_file_list, items_from_paths, unique_items
+from extractors.names import detector_names
+from models.decoding import check_max_len
+from models.decoding.captions import command_decoding, decoding_for
+from models.loading import load_captioner
+from models.released import features_line
+from pipeline.captioning.choose import find_checkpoint, find_detector
+from pipeline.captioning.engine import FeatureCache, PhotoCaptioner
+from pipeline.captioning.gallery import GallerySink
 from pipeline.captioning.journal import Journal
 from pipeline.captioning.output import OutputPlan, coco_ids, failure_row, finalize, load_id_map, plan_output, result_row
+from pipeline.captioning.pictures import write_pictures
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger, make_progress, progress_enabled, stdout_console
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.distributed import resolve_device
+from pipeline.core.errors import ConfigError, PipelineError, UsageError
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import key_to_text, markup_escape
+from pipeline.core.locks import acquire_lock
+from pipeline.core.precision import check_precision
+from pipeline.core.vocab import Vocab
+from pipeline.hub import resolve_file
 
 if TYPE_CHECKING:
     from models.checkpoints import ReleaseInfo
@@ -43,8 +63,6 @@ class CaptionSummary:
 
 def collect_items(photos: list[str] | None, file_list: Path | None) -> list[Any]:
     """Items (key, path) from photo arguments and a ``--file-list`` (one path per line, ``#`` comments)."""
-    from extractors.inputs import items_from_file_list, items_from_paths, unique_items
-
     items = items_from_paths(list(photos or [])) if photos else []
     if file_list is not None:
         items = unique_items(items + items_from_file_list(file_list, Path.cwd()))
@@ -74,10 +92,10 @@ _NUMBERS = {
 
 def check_numbers(cfg: Any) -> None:
     """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
-    here (the config refuses them). The decoding settings are checked where they are layered (:func:`models.decoding.captions.layered_decoding`)."""
+    here (the config refuses them). The decoding settings are checked where they are layered
+    (:func:`models.decoding.captions.layered_decoding`)."""
     if cfg is None:
         return
-    from pipeline.core.precision import check_precision
 
     check_precision(cfg.precision, "caption.precision", fp16=False)  # the detector runs under it too
     for key, (low, high, nullable) in _NUMBERS.items():
@@ -98,9 +116,6 @@ def check_numbers(cfg: Any) -> None:
 
 def _checked_decoding(decoding: dict[str, Any] | None) -> None:
     """The command's ``decoding:`` keys and types, before any work (one line, exit 2)."""
-    from models.decoding.captions import command_decoding
-    from pipeline.core.errors import ConfigError
-
     try:
         command_decoding(decoding)
     except ConfigError as exc:
@@ -112,25 +127,12 @@ def build_engine(
 ) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
-    ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.decoding.captions.layered_decoding`);
-    ``vocab`` is a released model's vocabulary file. ``caption.precision`` is resolved as ``evaluate`` resolves
-    its own (:func:`models.decoding.captions.decoding_for`).
+    ``decoding``: the command's ``decoding:`` section (over the checkpoint's,
+    :func:`models.decoding.captions.layered_decoding`); ``vocab`` is a released model's vocabulary file.
+    ``caption.precision`` is resolved as ``evaluate`` resolves its own (:func:`models.decoding.captions.decoding_for`).
     """
-    from extractors.factory import configure_recipe, load_for_inference, record_settings
-    from pipeline.core.distributed import resolve_device
-    from extractors.names import detector_names
-    from models.decoding.captions import decoding_for
-    from models.loading import load_captioner
-    from models.decoding import check_max_len
-    from pipeline.core.errors import ConfigError
-    from pipeline.core.identity import FeatureIdentity
-    from pipeline.captioning.engine import PhotoCaptioner
-    from pipeline.core.vocab import Vocab
-
     device = resolve_device(str(cfg.device))
     if vocab is not None:  # a file, or a catalogue name such as m2-vocab (docs/downloads.md)
-        from pipeline.hub import resolve_file
-
         vocab = Path(resolve_file(vocab, "vocabulary file", "vocab"))
     captioner, ckpt = load_captioner(ckpt_path, device, companion=vocab)
     cfg = _release_features(cfg, ckpt.release)
@@ -233,8 +235,6 @@ def _take_locks(
 ) -> dict[str, Any]:
     """One writer per artifact, before any work: the output (``OUT.lock``), the gallery and pictures folders
     (``DIR/.lock``); a second process is refused naming the holder (:mod:`pipeline.core.locks`)."""
-    from pipeline.core.locks import acquire_lock
-
     hint = "wait for it to finish or choose another {}"
     locks: dict[str, Any] = {}
     if plan is not None:
@@ -275,8 +275,6 @@ def _caption_locked(
     results_journal = _open_results(plan, settings, n_best, force, locks.get("output"))
     gallery_sink = None
     if gallery is not None:
-        from pipeline.captioning.gallery import GallerySink
-
         gallery_sink = GallerySink(gallery, settings, classes, attributes, force=force, lock=locks.get("gallery"))
     journals = [j for j in (results_journal, gallery_sink and gallery_sink.journal) if j is not None]
     summary = CaptionSummary(total=len(items), output=plan.path if plan else None, gallery=gallery)
@@ -291,8 +289,6 @@ def _caption_locked(
         )
     writer = None
     if cache is not None:
-        from pipeline.captioning.engine import FeatureCache
-
         writer = FeatureCache(cache, engine.store_settings)
     try:
         try:
@@ -329,7 +325,6 @@ def _release_features(cfg: Config, release: ReleaseInfo | None) -> Config:
     unless the config names others (models.released); says so in one line."""
     if not release:
         return cfg
-    from models.released import features_line
 
     feats = release.features
     changes: dict[str, Any] = {}
@@ -368,10 +363,6 @@ def _run_batches(
     attributes: list[str],
 ) -> None:
     """Caption ``todo`` batch by batch: files first (results, failures, pictures, gallery), then the table rows."""
-    import torch
-
-    from pipeline.captioning.pictures import write_pictures
-
     n_best = int(engine.options.n_best)
     want_images = visualize is not None or gallery is not None
     with make_progress() as progress, torch.inference_mode(False):
@@ -408,10 +399,6 @@ def _run_batches(
 
 def _print_batch(progress: Any, batch: list[Any], n_best: int, header: bool) -> None:
     """This batch's rows of the results table (every user string escaped for rich markup)."""
-    import sys
-
-    from rich.table import Table
-
     table = Table(show_edge=False, show_header=header, expand=True)
     table.add_column("image", ratio=2, overflow="fold")
     table.add_column("caption", ratio=5)

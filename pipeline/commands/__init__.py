@@ -1,12 +1,15 @@
 """CLI command modules. Each module exposes ``register(app)`` adding its commands to the root Typer app.
 
-Heavy imports (torch, h5py, the models) happen inside the commands so that ``cli --help`` stays fast.
+Imports sit at the top of each module; a command whose implementation loads torchvision or the web server imports it
+inside the command (one commented import), so that ``cli --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+
+from pipeline.core.errors import UsageError
 
 COMMAND_MODULES = (
     "pipeline.commands.extract",
@@ -34,8 +37,6 @@ def load_plugins(spec: str | None = None) -> list[str]:
     (``@models.register_captioner``, ``pipeline.importers.register_format``, ...), so the commands, their help and
     their checks see the new names (docs/extending.md). Returns the names imported; a module that cannot be
     imported is a :class:`pipeline.core.errors.UsageError` naming it."""
-    from pipeline.core.errors import UsageError
-
     names = [n.strip() for n in (os.environ.get(PLUGINS_ENV, "") if spec is None else spec).split(",") if n.strip()]
     for name in names:
         try:

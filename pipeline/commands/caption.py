@@ -11,7 +11,8 @@ from pipeline.captioning.output import FORMATS
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
-#: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by the engine
+#: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by
+#: the engine
 CAPTION_EVERYDAY = Everyday(
     device="caption.device",
     batch_size="caption.batch_size",
@@ -34,14 +35,16 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, or a catalogue name (m2-coco).",
+                help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, "
+                "or a catalogue name (m2-coco).",
             ),
         ] = DEFAULT_RUN,
         vocab: Annotated[
             Optional[Path],
             typer.Option(
                 "--vocab",
-                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (default: found next to --model).",
+                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name "
+                "(default: found next to --model).",
             ),
         ] = None,
         weights: Annotated[
@@ -49,7 +52,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--weights",
                 "-w",
-                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).",
+                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke "
+                "tests).",
             ),
         ] = None,
         output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
@@ -58,7 +62,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--format",
                 "-f",
-                help=f"Output format: {' | '.join(FORMATS)} (coco: COCO results [{{image_id, caption}}]); default from the --output suffix.",
+                help=f"Output format: {' | '.join(FORMATS)} (coco: COCO results [{{image_id, caption}}]); default "
+                "from the --output suffix.",
             ),
         ] = None,
         image_ids: Annotated[
@@ -98,11 +103,11 @@ def register(app: typer.Typer) -> None:
         captioner describes them. Bad images are reported per file and skipped.
 
         --model takes a captioner checkpoint or a run directory (default {run}, where `demo` and `train` write), whose
-        detector is used unless --weights names another (any supported checkpoint, or `random`); in a run folder
-        with several captioners the one with the best validation CIDEr-D is used (--captioner NAME picks one). It also takes the
-        released M2 (meshed_memory_transformer.pth with --vocab vocab.pkl) and AoANet (model-best.pth with --vocab
-        infos_*.pkl) files: converted once to a native checkpoint, captioned with the Caffe bottom-up features and
-        the decoding of their papers.
+        detector is used unless --weights names another (any supported checkpoint, or `random`); in a run folder with
+        several captioners the one with the best validation CIDEr-D is used (--captioner NAME picks one). It also takes
+        the released M2 (meshed_memory_transformer.pth with --vocab vocab.pkl) and AoANet (model-best.pth with --vocab
+        infos_*.pkl) files: converted once to a native checkpoint, captioned with the Caffe bottom-up features and the
+        decoding of their papers.
 
         Results stream to --output as they are produced, with the images that failed in <output>.failures.jsonl; a
         rerun on the same --output (or --gallery) captions only the photos not done yet (--force starts them over).
@@ -122,10 +127,10 @@ def register(app: typer.Typer) -> None:
             butd-caption caption --file-list val.txt --model runs/coco --output results.json --format coco
 
             butd-caption caption photos/ --gallery gallery/   (then open gallery/index.html)
-        """
-        root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
-        from pipeline.captioning.run import caption_photos
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
+        from pipeline.captioning.run import caption_photos  # noqa: PLC0415 -- keeps cli --help fast
 
+        root = opts.resolve("caption")  # the decoding flags are decoding.* overrides, as in evaluate and serve
         cfg, decoding = root.caption, root.decoding.to_dict()
         caption_photos(
             photos,

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import typer
 
 from pipeline.core.config import Config, load_config
-from pipeline.core.console import get_logger, setup_logging, stderr_console
+from pipeline.core.console import get_logger, setup_logging, stderr_console, stdout_console
 from pipeline.core.errors import PipelineError, os_error_message
 from pipeline.core.keys import markup_escape
 
@@ -134,8 +134,6 @@ def print_stage_result(result: Any, best_format: str = ".4f", outputs: bool = Tr
 
     ``result`` is a :class:`pipeline.core.stages.StageResult`; ``best_format`` formats ``summary['best']['value']``.
     """
-    from pipeline.core.console import stdout_console
-
     con = stdout_console()
     con.print(
         f"{result.name}: {result.directory}{' (already done, skipped)' if result.skipped else ''}", highlight=False

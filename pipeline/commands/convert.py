@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from models.released import convert_release, write_native
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 
@@ -33,8 +34,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --output aoanet.pt
         """
-        from models.released import convert_release, write_native
-
         ckpt = convert_release(source, vocab)
         write_native(ckpt, output)
         n = sum(int(w.numel()) for w in ckpt.weights.values())

@@ -6,11 +6,16 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, command, out_option
+from pipeline.core.config import load_config
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
+from pipeline.core.stages import run_stage
+from pipeline.demo import run_demo
+from pipeline.world.generate import generate_world, world_stage_config
 
 log = get_logger("demo")
 
@@ -64,9 +69,7 @@ def register(app: typer.Typer) -> None:
             butd-caption demo --generate-only --out world --num-images 2000 --seed 1
 
             butd-caption demo --config configs/demo_relations.yaml --models san,ngsan,ngsan-signed --seeds 3 --out runs/relations
-        """
-        from pipeline.core.config import load_config
-
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         first = list(load_config("demo", opts.config).demo.quick_overrides) if quick else []
         extra = [
             f"world.{key}={value}" for key, value in (("num_images", num_images), ("seed", seed)) if value is not None
@@ -80,9 +83,6 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--models lists a captioner twice")
 
         if generate_only:
-            from pipeline.core.stages import run_stage
-            from pipeline.world.generate import generate_world, world_stage_config
-
             result = run_stage(
                 out.parent if out.name else out,
                 out.name,
@@ -93,16 +93,12 @@ def register(app: typer.Typer) -> None:
             stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
 
-        from pipeline.demo import run_demo
-
         kinds = [k.strip() for k in features.split(",") if k.strip()] if features else None
         report = run_demo(out, cfg, names, force=opts.force, features=kinds)
         _print_report(report)
 
 
 def _print_report(report) -> None:
-    from rich.table import Table
-
     con = stdout_console()
     stages = Table(title="butd-caption demo: stages", show_edge=False)
     for col in ("stage", "status", "seconds", "result"):
@@ -129,7 +125,8 @@ def _print_report(report) -> None:
         con.print(comparison_table(report))
         if report.grounding:
             con.print(
-                "true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
+                "true objects / relations: noun phrases and spatial relations of the test captions that hold in the "
+                "image; "
                 "guess: what a random relation word between the same phrases would score"
             )
     for name, pics in report.pictures.items():
@@ -152,8 +149,6 @@ def _cell(mean: float | None, sd: float | None, seeds: int, percent: bool) -> st
 
 def comparison_table(report):
     """The captioners' metrics (mean ± sample sd over the seeds when there are several) and grounding columns."""
-    from rich.table import Table
-
     seeds = max((len(r) for r in report.runs.values()), default=1)
     title = "captioning metrics (synthetic test split" + (f", mean ± sd over {seeds} seeds)" if seeds > 1 else ")")
     table = Table(title=title, show_edge=False)

@@ -12,6 +12,8 @@ from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option, output_option
 from pipeline.core.console import is_main_process, stdout_console
 from pipeline.core.errors import UsageError
+from pipeline.embedding.embed import embed_file
+from pipeline.embedding.train import train_encoder
 
 ENCODER_EVERYDAY = Everyday(
     device="sentence_encoder.device",
@@ -40,9 +42,7 @@ def register(app: typer.Typer) -> None:
             butd-caption train-encoder --out runs/w --set sentence_encoder.model_overrides.objective=cap2img
 
             butd-caption train-encoder --out runs/w --set 'sentence_encoder.model_overrides={self_attention: false, hidden_size: 2048}'
-        """
-        from pipeline.embedding.train import train_encoder
-
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         result = train_encoder(out, opts.resolve("embed", show=opts.verbose), force=opts.force)
         if is_main_process():
             print_stage_result(result, best_format=".2f")
@@ -75,10 +75,9 @@ def register(app: typer.Typer) -> None:
         Example:
 
             butd-caption embed --checkpoint runs/w/encoder/best.pt --input sents.txt --output emb.npy --visualize att.png
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         if visualize is not None and visualize.suffix.lower() != ".png":
             raise UsageError(f"--visualize must name a .png file, not {visualize.name!r}")
-        from pipeline.embedding.embed import embed_file
 
         result = embed_file(checkpoint, input_path, output, opts.resolve("embed", show=opts.verbose).embed, visualize)
         con = stdout_console()

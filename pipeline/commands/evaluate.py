@@ -16,15 +16,23 @@ Two modes share the ``evaluate:`` config section (configs/evaluate.yaml):
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.table import Table
 
+from models.decoding.captions import command_decoding
+from pipeline.captioning.choose import find_checkpoint
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
-from pipeline.metrics.coco import METRICS
+from pipeline.core.fileio import atomic_write_json
+from pipeline.embedding.retrieval import evaluate_retrieval_files
+from pipeline.hub import resolve_file
+from pipeline.metrics.coco import METRICS, EvalOptions, evaluate_files
+from pipeline.training.api import evaluate_checkpoint
 
 log = get_logger("evaluate")
 
@@ -57,7 +65,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help=f"Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor --retrieval is given.",
+                help="Captioner to decode a split with: a checkpoint (best.pt), a run directory (its best "
+                f"captioner), or a released M2/AoANet .pth; default {DEFAULT_RUN} when neither --predictions nor "
+                "--retrieval is given.",
             ),
         ] = None,
         captioner: Annotated[
@@ -70,21 +80,24 @@ def register(app: typer.Typer) -> None:
             Optional[Path],
             typer.Option(
                 "--vocab",
-                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with --model).",
+                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with "
+                "--model).",
             ),
         ] = None,
         store: Annotated[
             Optional[Path],
             typer.Option(
                 "--store",
-                help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run directory --model).",
+                help="Feature store of the images (with --model or --retrieval; default RUN/features/store of a run "
+                "directory --model).",
             ),
         ] = None,
         data: Annotated[
             Optional[Path],
             typer.Option(
                 "--data",
-                help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default RUN/data of a run directory --model).",
+                help="Prepared captions folder: vocabulary, splits, references (with --model or --retrieval; default "
+                "RUN/data of a run directory --model).",
             ),
         ] = None,
         split: Annotated[
@@ -115,7 +128,7 @@ def register(app: typer.Typer) -> None:
             butd-caption evaluate --model meshed_memory_transformer.pth --vocab vocab.pkl --store STORE --data DATA --split test
 
             butd-caption evaluate --model runs/w/train-san/best.pt --store runs/w/features/store --data runs/w/data --retrieval runs/w/encoder/best.pt
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         extra: list[str] = []
         if metrics is not None:
             names = [m.strip() for m in metrics.split(",") if m.strip()]
@@ -129,13 +142,10 @@ def register(app: typer.Typer) -> None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
             decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
-            from models.decoding.captions import command_decoding
 
             command_decoding(decoding)  # keys and types before any work (and any download), as caption checks them
             model, store, data = _run_inputs(model, captioner, store, data)
             if vocab is not None:
-                from pipeline.hub import resolve_file  # imported on use: the downloader is not needed for --help
-
                 vocab = Path(resolve_file(vocab, "vocabulary file", "vocab"))
             _score_checkpoint(model, store, data, output, cfg.evaluate, decoding, retrieval, vocab)
             return
@@ -146,7 +156,8 @@ def register(app: typer.Typer) -> None:
             return
         if predictions is None or references is None:
             raise UsageError(
-                "give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval ENCODER.pt)"
+                "give --predictions RESULTS.json and --references CAPTIONS.json (or --model CKPT, or --retrieval "
+                "ENCODER.pt)"
             )
         _score_files(predictions, references, output, cfg.evaluate, retrieval, store, data)
 
@@ -154,8 +165,6 @@ def register(app: typer.Typer) -> None:
 def _run_inputs(model: Path, captioner: str | None, store: Path | None, data: Path | None) -> tuple[Path, Path, Path]:
     """The checkpoint, store and prepared captions of ``--model``: a run directory gives its best captioner (or
     ``--captioner``'s) and defaults ``--store``/``--data`` to ``RUN/features/store``/``RUN/data``."""
-    from pipeline.captioning.choose import find_checkpoint
-
     if not model.exists() and all(name.strip() in METRICS for name in str(model).split(",")):
         raise UsageError(
             f"-m is --model (the captioner), not a metric list: give the metrics with --metrics/-e {model}"
@@ -178,8 +187,6 @@ def _run_inputs(model: Path, captioner: str | None, store: Path | None, data: Pa
 def _retrieval(
     encoder: Path, store: Path | None, data: Path | None, section: Any, predictions: Path | None = None
 ) -> dict[str, Any]:
-    from pipeline.embedding.retrieval import evaluate_retrieval_files
-
     return evaluate_retrieval_files(
         encoder,
         store,
@@ -193,8 +200,6 @@ def _retrieval(
 
 
 def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output: Path | None, section: Any) -> None:
-    from pipeline.core.fileio import atomic_write_json
-
     report = _retrieval(encoder, store, data, section)
     _print_retrieval(report)
     if output is not None:
@@ -203,10 +208,9 @@ def _retrieval_only(encoder: Path, store: Path | None, data: Path | None, output
 
 
 def _print_retrieval(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
     table = Table(
-        title=f"retrieval on {report['split']}: {report['split_images']} images (encoder {Path(report['checkpoint']).name})",
+        title=f"retrieval on {report['split']}: {report['split_images']} images (encoder "
+        f"{Path(report['checkpoint']).name})",
         show_edge=False,
     )
     table.add_column("retrieval")
@@ -234,9 +238,6 @@ def _score_files(
     store: Path | None = None,
     data: Path | None = None,
 ) -> None:
-    from pipeline.core.fileio import atomic_write_json
-    from pipeline.metrics.coco import EvalOptions, evaluate_files
-
     options = EvalOptions.from_config(section)
     result = evaluate_files(
         predictions,
@@ -268,11 +269,6 @@ def _score_checkpoint(
     encoder: Path | None = None,
     vocab: Path | None = None,
 ) -> None:
-    from types import SimpleNamespace
-
-    from pipeline.core.fileio import atomic_write_json
-    from pipeline.training.api import evaluate_checkpoint
-
     split = str(section.split)
     res = evaluate_checkpoint(
         model,
@@ -306,8 +302,6 @@ def _score_checkpoint(
 
 
 def _print_table(result: Any, predictions: Path) -> None:
-    from rich.table import Table
-
     table = Table(
         title=f"{predictions.name}: {len(result.image_ids)} images, {result.tokenizer} tokenizer", show_edge=False
     )

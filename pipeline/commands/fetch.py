@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
 from pipeline.commands.options import CommandOptions, command
+from pipeline.core.catalogue import ENTRIES, get_entry
+from pipeline.core.console import stdout_console
 from pipeline.core.errors import UsageError
+from pipeline.hub import resolve_file
+from pipeline.hub.resolve import entry_download
 
 
 def register(app: typer.Typer) -> None:
@@ -17,7 +22,8 @@ def register(app: typer.Typer) -> None:
         names: Annotated[
             Optional[list[str]],
             typer.Argument(
-                help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, hf:OWNER/NAME@REVISION)."
+                help="Catalogue names (see --list) or hub ids (hf:OWNER/NAME, hf:OWNER/NAME/FILE, "
+                "hf:OWNER/NAME@REVISION)."
             ),
         ] = None,
         list_: Annotated[
@@ -36,30 +42,20 @@ def register(app: typer.Typer) -> None:
 
             butd-caption fetch hf:unc-nlp/frcnn-vg-finetuned
         """
-        from pipeline.core.console import stdout_console
-
         con = stdout_console()
         if list_:
             con.print(_catalogue_table())
             return
         if not names:
             raise UsageError("give catalogue names or hf: ids to fetch, or --list")
-        from pipeline.hub import resolve_file
 
         for name in names:
             if not name.startswith("hf:"):
-                from pipeline.core.catalogue import get_entry
-
                 get_entry(name)  # an unknown name is refused before anything is fetched
             con.print(resolve_file(name, "catalogue file", "detector"), markup=False, highlight=False, soft_wrap=True)
 
 
 def _catalogue_table():
-    from rich.table import Table
-
-    from pipeline.core.catalogue import ENTRIES
-    from pipeline.hub.resolve import entry_download
-
     table = Table(title="catalogue (cli fetch NAME; --weights / --model NAME)", show_edge=False)
     for column in ("name", "kind", "file", "cached", "purpose"):
         table.add_column(column, overflow="fold")

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typer._click.exceptions import UsageError as ClickUsageError
 from typer.core import TyperCommand
+
+from pipeline.commands.common import fail
+from pipeline.core.renamed import renamed_option_line
 
 #: the default run directory: where `demo`, `prepare`, `train` and `train-encoder` write (--out), and what
 #: `evaluate`, `caption` and `serve` read (--model), so the stages chain without options
@@ -124,11 +128,6 @@ class GrammarCommand(TyperCommand):
     option or argument, a value of the wrong type."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        from typer._click.exceptions import UsageError as ClickUsageError
-
-        from pipeline.commands.common import fail
-        from pipeline.core.renamed import renamed_option_line
-
         line = renamed_option_line(self.name or "", list(args))
         if line is not None and not ctx.resilient_parsing:
             fail(line)

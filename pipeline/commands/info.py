@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import json
 import platform
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
+from rich.table import Table
 
 import models
+from extractors.recipes import describe_recipe, recipe_from_config, resolve_recipe
+from extractors.weights import describe_with_spec
+from models.released import describe_captioner
+from pipeline import __version__
 from pipeline.commands.options import CommandOptions, command
+from pipeline.core.catalogue import CATALOGUE
+from pipeline.core.config import load_config
 from pipeline.core.console import stdout_console
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.stages import RUNNING, read_manifest
+from pipeline.embedding.checkpoint import read_encoder_checkpoint
+from pipeline.hub import resolve_file
+from pipeline.hub.resolve import HUB_PREFIX
+from pipeline.store.report import print_store_info, print_verify_report
 
 
 def register(app: typer.Typer) -> None:
@@ -29,14 +44,16 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its parameter count.",
+                help=f"Build captioner architecture NAME ({' | '.join(models.available_captioners())}) and print its "
+                "parameter count.",
             ),
         ] = None,
         verify: Annotated[
             bool,
             typer.Option(
                 "--verify",
-                help="With a feature store: read every row, check its checksums and list damaged images by key (exit 1 if any).",
+                help="With a feature store: read every row, check its checksums and list damaged images by key (exit "
+                "1 if any).",
             ),
         ] = False,
     ) -> None:
@@ -52,8 +69,6 @@ def register(app: typer.Typer) -> None:
             butd-caption info --model ngsan --set num_layers=6
         """
         if target is not None and not target.exists() and _is_catalogue_name(str(target)):
-            from pipeline.hub import resolve_file  # imported on use: the downloader is not needed for --help
-
             target = Path(resolve_file(target, "file", "detector"))  # fetched on first use, then the cached file
         if model is not None:
             _model_info(model, list(opts.overrides))
@@ -66,14 +81,10 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(
                     f"--verify needs a feature store (a folder with store.json or an .h5 file), not {target}"
                 )
-            from pipeline.core.errors import PipelineError
-            from pipeline.store.report import print_verify_report
 
             if not print_verify_report(target):
                 raise PipelineError(f"feature store {target} is damaged (see the lines above)")
         elif _is_feature_store(target):
-            from pipeline.store.report import print_store_info
-
             print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
@@ -85,15 +96,13 @@ def register(app: typer.Typer) -> None:
             _weights_info(target, list(opts.overrides))
         else:
             raise UsageError(
-                f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector weights (.pth/.pkl/.bin)"
+                f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector "
+                "weights (.pth/.pkl/.bin)"
             )
 
 
 def _is_catalogue_name(text: str) -> bool:
     """A catalogue name (``cli fetch --list``) or a hub id ``hf:OWNER/NAME``."""
-    from pipeline.core.catalogue import CATALOGUE
-    from pipeline.hub.resolve import HUB_PREFIX
-
     return text in CATALOGUE or text.startswith(HUB_PREFIX)
 
 
@@ -117,13 +126,6 @@ def _java_version() -> str:
 
 
 def _environment() -> None:
-    import importlib.metadata as md
-
-    import torch
-    from rich.table import Table
-
-    from pipeline import __version__
-
     table = Table(title="butd-caption environment", show_header=False, show_edge=False)
     table.add_row("butd-caption", __version__)
     table.add_row("python", platform.python_version())
@@ -150,7 +152,7 @@ def _environment() -> None:
         table.add_row("cuda (torch build)", str(torch.version.cuda))
     table.add_row("cpu threads", str(torch.get_num_threads()))
     try:
-        from torchvision.ops import nms
+        from torchvision.ops import nms  # noqa: PLC0415 -- the check itself: a broken torchvision build fails here
 
         nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
         ops = "ok"
@@ -162,10 +164,6 @@ def _environment() -> None:
 
 
 def _run_dir(path: Path) -> None:
-    from rich.table import Table
-
-    from pipeline.core.stages import RUNNING, read_manifest
-
     stages = sorted(
         p for p in path.iterdir() if p.is_dir() and ((p / "manifest.json").exists() or (p / RUNNING).exists())
     )
@@ -189,8 +187,6 @@ def _run_dir(path: Path) -> None:
 
 
 def _model_info(name: str, overrides: list[str]) -> None:
-    import models
-
     cfg = models.model_config(name, overrides)
     vocab_size = 10000
     model = models.build_captioner(name, vocab_size, **cfg.to_dict())
@@ -203,8 +199,6 @@ def _model_info(name: str, overrides: list[str]) -> None:
 
 def _captioner_info(path: Path) -> bool:
     """A native captioner checkpoint or a released M2 / AoANet file (models.released); False if neither."""
-    from models.released import describe_captioner
-
     described = describe_captioner(path)
     if described is None:
         return False
@@ -216,9 +210,6 @@ def _captioner_info(path: Path) -> bool:
 
 def _encoder_info(path: Path) -> bool:
     """A sentence-encoder checkpoint (``cli train-encoder``: RUN/encoder/*.pt); False if it is not one."""
-    from pipeline.core.errors import PipelineError
-    from pipeline.embedding.checkpoint import read_encoder_checkpoint
-
     try:
         ckpt = read_encoder_checkpoint(path)
     except (PipelineError, UsageError):
@@ -237,12 +228,6 @@ def _encoder_info(path: Path) -> bool:
 def _weights_info(path: Path, overrides: list[str]) -> None:
     """Detector weights: which public layout (MILVLG / airsplay / HF), architecture, SHA-256 (strict check), and
     the test-time recipe ``cli extract`` would use with them (``configs/extract.yaml`` + ``--set extract.*``)."""
-    import json
-
-    from extractors.recipes import describe_recipe, recipe_from_config, resolve_recipe
-    from extractors.weights import describe_with_spec
-    from pipeline.core.config import load_config
-
     con = stdout_console()
     facts, spec = describe_with_spec(path)
     for key, value in facts.items():

@@ -30,13 +30,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from pipeline.commands import decoding_opts as d
 from pipeline.commands.common import guarded, init, resolve_config
+from pipeline.commands.decoding_opts import decoding_overrides
 from pipeline.commands.grammar import GrammarCommand
 from pipeline.core import threads as thread_policy
 from pipeline.core.config import Config
 from pipeline.core.errors import UsageError
 from pipeline.core.precision import PRECISIONS
-
 
 ConfigOpt = Annotated[
     Optional[Path],
@@ -156,7 +157,6 @@ class CommandOptions:
         last layer of :func:`models.decoding.captions.layered_decoding`, the same in every command that decodes."""
         if not self.decoding:
             return []
-        from pipeline.commands.decoding_opts import decoding_overrides
 
         return [f"decoding.{key}={json.dumps(value)}" for key, value in decoding_overrides(**self.decoding).items()]
 
@@ -186,8 +186,6 @@ DECODING_FLAGS = ("beam_size", "n_best", "max_len", "length_penalty", "block_tri
 
 
 def _decoding_params() -> list[tuple[str, Any, Any]]:
-    from pipeline.commands import decoding_opts as d
-
     types = (d.BeamSizeOpt, d.NBestOpt, d.MaxLenOpt, d.LengthPenaltyOpt, d.TrigramOpt, d.StopRuleOpt)
     return [(name, ann, None) for name, ann in zip(DECODING_FLAGS, types)]
 

@@ -8,9 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.caption_data.prepare import prepare_captions
 from pipeline.commands.common import print_stage_result
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, command, out_option
+from pipeline.core.stages import run_stage
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +22,8 @@ def register(app: typer.Typer) -> None:
         karpathy: Annotated[
             Optional[Path],
             typer.Argument(
-                help="Karpathy split file (dataset_coco.json: images[].sentences[].tokens, split, cocoid); or give COCO caption files with --set prepare.coco_captions.SPLIT=FILE.",
+                help="Karpathy split file (dataset_coco.json: images[].sentences[].tokens, split, cocoid); or give "
+                "COCO caption files with --set prepare.coco_captions.SPLIT=FILE.",
                 show_default=False,
             ),
         ] = None,
@@ -37,10 +40,7 @@ def register(app: typer.Typer) -> None:
             butd-caption prepare dataset_coco.json --out runs/coco
 
             butd-caption prepare --set prepare.coco_captions.train=world/annotations/captions_train.json --set prepare.coco_captions.val=world/annotations/captions_val.json --out runs/world
-        """
-        from pipeline.caption_data.prepare import prepare_captions
-        from pipeline.core.stages import run_stage
-
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         extra = [f"prepare.karpathy_json={json.dumps(str(karpathy))}"] if karpathy is not None else []
         result = run_stage(out, "data", opts.resolve("prepare", extra).prepare, prepare_captions, force=opts.force)
         print_stage_result(result, outputs=False, summary=True)

@@ -9,8 +9,10 @@ import typer
 
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
+from pipeline.serving.settings import settings_from
 
-#: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads threads
+#: --batch-size: images per detector/captioner batch across requests; uploads are decoded by serve.decode_threads
+#: threads
 SERVE_EVERYDAY = Everyday(device="caption.device", batch_size="serve.max_batch", precision="caption.precision")
 
 
@@ -23,7 +25,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--model",
                 "-m",
-                help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name (m2-coco).",
+                help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name "
+                "(m2-coco).",
             ),
         ] = DEFAULT_RUN,
         vocab: Annotated[
@@ -34,7 +37,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--weights",
                 "-w",
-                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke tests).",
+                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke "
+                "tests).",
             ),
         ] = None,
         captioner: Annotated[
@@ -62,7 +66,8 @@ def register(app: typer.Typer) -> None:
         (413), caption.max_pixels per image, serve.request_timeout_s per request (504), serve.header_timeout_s for a
         request's headers (408). Binds 127.0.0.1 unless --host says otherwise; --token (or $BUTD_SERVE_TOKEN) makes
         /v1/captions and /metrics need `Authorization: Bearer TOKEN`. Nothing is written to disk. SIGTERM or Ctrl-C:
-        stops accepting, answers what is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and /openapi.json.
+        stops accepting, answers what is in flight, exits 0. Metrics at /metrics (Prometheus), the API at /docs and
+        /openapi.json.
 
         Examples:
 
@@ -71,17 +76,16 @@ def register(app: typer.Typer) -> None:
             curl -F files=@photo.jpg -F n_best=3 http://127.0.0.1:8000/v1/captions
 
             butd-caption serve --model best.pt --weights bua.pth --host 0.0.0.0 --token "$TOKEN" --device cuda --batch-size 16
-        """
-        cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
-        from pipeline.serving.server import bind, load_service, run_server
-        from pipeline.serving.settings import settings_from
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
+        from pipeline.serving import server  # noqa: PLC0415 -- keeps cli --help fast
 
+        cfg = opts.resolve("serve")  # the decoding flags are decoding.* overrides, as in caption and evaluate
         settings = settings_from(cfg.serve, token, host=host, port=port)
         decoding = cfg.decoding.to_dict()
-        sock = bind(settings.host, settings.port)  # a port in use fails before the models load
+        sock = server.bind(settings.host, settings.port)  # a port in use fails before the models load
         try:
-            service, batcher = load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)
+            service, batcher = server.load_service(model, weights, cfg.caption, settings, captioner, vocab, decoding)
         except BaseException:
             sock.close()
             raise
-        raise typer.Exit(run_server(service, batcher, settings, sock))
+        raise typer.Exit(server.run_server(service, batcher, settings, sock))

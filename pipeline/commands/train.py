@@ -11,6 +11,7 @@ from pipeline.commands.common import print_stage_result
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
 from pipeline.core.console import is_main_process
+from pipeline.training.api import train_captioner
 
 #: the everyday options of `train`: both stages' batch size
 TRAIN_EVERYDAY = Everyday(
@@ -53,8 +54,6 @@ def register(app: typer.Typer) -> None:
 
             torchrun --nproc_per_node 8 cli.py train --out runs/coco --model m2
         """
-        from pipeline.training.api import train_captioner
-
         extra = [f"train.model={model}"] if model is not None else []
         if model is not None:
             models.CAPTIONERS.get(model)  # an unknown name: one line listing the known ones

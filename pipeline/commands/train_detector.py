@@ -8,10 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from extractors.training.stage import evaluate_detector, train_detector
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
+from pipeline.core.console import stdout_console
+from pipeline.core.distributed import check_gpu_per_process, env_context
 from pipeline.core.errors import UsageError
-
+from pipeline.core.precision import check_precision
+from pipeline.core.stages import run_stage
 
 #: images per batch is the detector's batch size; ``--num-workers`` decodes images
 DETECTOR_EVERYDAY = Everyday(
@@ -49,7 +53,8 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option(
                 "--reinit-heads",
-                help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN and res5 kept.",
+                help="Fine-tune model.init_weights on another label set: new class and attribute heads; backbone, RPN "
+                "and res5 kept.",
             ),
         ] = False,
     ) -> None:
@@ -68,10 +73,7 @@ def register(app: typer.Typer) -> None:
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=vg/train.json --set data.train_images=vg/images --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --out runs/vg
 
             butd-caption train-detector -c configs/detector/vg_r101.yaml --set data.train_annotations=mine.json --set model.init_weights=bua-caffe-frcn-r101_with_attributes.pth --reinit-heads --out runs/mine   (your own categories)
-        """
-        from pipeline.core.console import stdout_console
-        from pipeline.core.stages import run_stage
-
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         first: list[str] = []
         if world is not None:
             if not (world / "annotations" / "instances_train.json").is_file():
@@ -86,8 +88,6 @@ def register(app: typer.Typer) -> None:
             ]
         if reinit_heads:
             first.append("model.reinit_heads=true")
-        from extractors.training.stage import train_detector
-        from pipeline.core.distributed import check_gpu_per_process, env_context
 
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
@@ -103,11 +103,12 @@ def register(app: typer.Typer) -> None:
         s = result.summary
         con.print(f"detector weights: {result.directory / result.outputs['weights']}", highlight=False)
         con.print(
-            f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, losses {s.get('losses')}",
+            f"iterations {s.get('iterations')}, {s.get('train_seconds')} s, {s.get('images_per_second')} images/s, "
+            f"losses {s.get('losses')}",
             highlight=False,
         )
         if "eval" in s:
-            from extractors.training.evaluate import summary_line
+            from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
 
             con.print("evaluation: " + summary_line(s["eval"]), highlight=False)
 
@@ -132,14 +133,10 @@ def register(app: typer.Typer) -> None:
             butd-caption eval-detector runs/detector/detector.pth --annotations world/annotations/instances_test.json --images world/images
 
             butd-caption eval-detector runs/detector/detector.pth -a world/annotations/instances_test.json --batch-size 8 --num-workers 2 --precision bf16
-        """
-        from extractors.training.evaluate import summary_line
-        from extractors.training.stage import evaluate_detector
-        from pipeline.core.console import stdout_console
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
+        from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
 
         cfg = opts.resolve("train_detector", show=False)
-        from pipeline.core.precision import check_precision
-
         check_precision(cfg.eval.precision, "eval.precision", fp16=False)
         result = evaluate_detector(weights, annotations, images, cfg)
         con = stdout_console()

@@ -54,7 +54,8 @@ def check_bounds(data: Mapping[str, Any], prefix: str = "") -> None:
         elif key in INT_MIN:
             if not isinstance(value, int) or value < INT_MIN[key]:
                 raise ConfigError(
-                    f"{name} must be an integer >= {INT_MIN[key]}, not {value!r} (set by an option, --set or a config file)"
+                    f"{name} must be an integer >= {INT_MIN[key]}, not {value!r} (set by an option, --set or a config "
+                    "file)"
                 )
         elif key in UNIT_INTERVAL:
             if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.core.bounds import check_bounds
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.core.renamed import renamed_key_line
 
@@ -405,7 +406,6 @@ def load_config(
             raise ConfigError(f"config file not found: {path}")
         data = validate_against(defaults, load_yaml_with_bases(path), str(path), open_paths=open_paths)
     cfg = Config(data, open_paths).with_overrides(overrides)
-    from pipeline.core.bounds import check_bounds
 
     check_bounds(cfg.to_dict())
     return cfg

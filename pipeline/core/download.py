@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import __version__
 from pipeline.core.console import get_logger, make_download_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write_json, read_json
@@ -225,8 +226,6 @@ def _transfer_with_retries(item: Download, url: str) -> None:
 
 def _transfer(item: Download, url: str) -> None:
     """One HTTP GET into the ``.part`` file, continuing what it holds with ``Range``."""
-    from pipeline import __version__
-
     have = item.part.stat().st_size if item.part.is_file() else 0
     request = urllib.request.Request(url, headers={"User-Agent": f"butd-caption/{__version__}"})
     if have:

@@ -8,6 +8,9 @@ Exit-code convention (see docs/architecture.md):
 
 from __future__ import annotations
 
+import errno as errno_mod
+import os
+import re
 from dataclasses import dataclass
 
 
@@ -94,8 +97,6 @@ def annotate_os_error(exc: OSError, action: str, path: object = None) -> OSError
         except (AttributeError, TypeError):
             pass
     if exc.errno is None:
-        import re
-
         _ERRNO_IN_TEXT = _ERRNO_IN_TEXT or re.compile(r"errno = (\d+)")
         m = _ERRNO_IN_TEXT.search(exc.butd_text)  # type: ignore[attr-defined]
         if m:
@@ -108,9 +109,6 @@ def annotate_os_error(exc: OSError, action: str, path: object = None) -> OSError
 
 def os_error_message(exc: OSError, action: str | None = None) -> str:
     """One line for an OSError: the action, the path, the system's reason, and what to do about it."""
-    import errno as errno_mod
-    import os
-
     action = getattr(exc, "butd_action", None) or action or ("open" if exc.filename is not None else "access")
     path = exc.filename
     where = f" {os.fsdecode(path)!s}" if path is not None else ""
@@ -128,9 +126,12 @@ def os_error_message(exc: OSError, action: str | None = None) -> str:
         errno_mod.EPERM: "check the permissions or choose another path",
         errno_mod.EROFS: "the file system is read-only: choose a writable path",
         errno_mod.ENOENT: "check the path",
-        errno_mod.EFBIG: "the file-size limit was reached (ulimit -f or the file system's): raise it or write elsewhere; finished work is kept",
+        errno_mod.EFBIG: (
+            "the file-size limit was reached (ulimit -f or the file system's): raise it or write elsewhere; "
+            "finished work is kept"
+        ),
     }.get(code or -1)
-    from pipeline.core.keys import key_to_text
+    from pipeline.core.keys import key_to_text  # noqa: PLC0415 -- import cycle: pipeline.core.keys raises UsageError
 
     line = f"cannot {action}{key_to_text(where)}: {reason}"
     return f"{line} ({hint})" if hint else line

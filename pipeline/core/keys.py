@@ -38,6 +38,8 @@ from __future__ import annotations
 import os
 import unicodedata
 
+from rich.markup import escape
+
 from pipeline.core.errors import UsageError
 
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
@@ -124,8 +126,6 @@ def check_key(key: object, source: str = "key") -> str:
 
 def markup_escape(text: object) -> str:
     """``str(text)`` made safe for rich markup (``[/x]`` in a file name prints as itself, never as a tag)."""
-    from rich.markup import escape
-
     return escape(str(text))
 
 

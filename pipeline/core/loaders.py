@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+from torch.utils.data import get_worker_info
+
 from pipeline.core.environment import setting_float
 from pipeline.core.errors import PipelineError
 
@@ -101,8 +103,6 @@ def guarded(batches: Iterable[T], what: str = "the DataLoader workers") -> Itera
 def share_in_worker(tensors: Iterable[Any]) -> str | None:
     """In a DataLoader worker: move ``tensors`` into shared memory now (so handing them over allocates nothing
     more); returns the error's first line when shared memory cannot be had, None when it worked or outside a worker."""
-    from torch.utils.data import get_worker_info
-
     if get_worker_info() is None:
         return None
     try:

@@ -31,7 +31,8 @@ MOVED_KEYS = {
     ),
     "demo.detector_overrides": ("detector_train", "the demo's detector training: --set detector_train.KEY=VALUE"),
 }
-# top-level sections that were renamed: old -> (new, why); 'train.max_iter' in train_detector.yaml -> 'detector_train.max_iter'
+# top-level sections that were renamed: old -> (new, why); 'train.max_iter' in train_detector.yaml ->
+# 'detector_train.max_iter'
 RENAMED_SECTIONS = {
     "train": ("detector_train", "detector training has its own section, apart from captioner training's train:"),
     "encoder": ("sentence_encoder", "one name for the sentence encoder's keys, apart from a captioner's encoder"),
@@ -96,12 +97,13 @@ ADDED_DEFAULTS = {"extract": {"bucket_window": "auto", "channels_last": False}}
 
 
 def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
-    """A stage config recorded before the renames above, as the current schema reads it (:func:`pipeline.core.stages.run_stage`
-    compares its digest, so a stage finished or interrupted then is not refused for a new spelling alone):
-    the detector's ``train:`` -> ``detector_train:`` and the thread settings ``train.num_threads`` /
-    ``train.threads`` dropped (``--threads`` sets them; they never changed what a stage produces), and an ``extract``
-    section (or a bare one, as the demo records it) without the keys of :data:`ADDED_DEFAULTS` given them; a
-    ``caption`` section with the default ``beam_size``/``n_best`` (``decoding:`` keys in the current schema) as an empty ``decoding:``."""
+    """A stage config recorded before the renames above, as the current schema reads it
+    (:func:`pipeline.core.stages.run_stage` compares its digest, so a stage finished or interrupted then is not refused
+    for a new spelling alone): the detector's ``train:`` -> ``detector_train:`` and the thread settings
+    ``train.num_threads`` / ``train.threads`` dropped (``--threads`` sets them; they never changed what a stage
+    produces), and an ``extract`` section (or a bare one, as the demo records it) without the keys of
+    :data:`ADDED_DEFAULTS` given them; a ``caption`` section with the default ``beam_size``/``n_best`` (``decoding:``
+    keys in the current schema) as an empty ``decoding:``."""
     out = dict(recorded)
     if "train" in out and "detector_train" not in out and "sampling" in out:  # a detector training config
         out["detector_train"] = out.pop("train")

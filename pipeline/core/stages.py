@@ -9,9 +9,9 @@ Layout of a run directory (``--out DIR``)::
         .stage.lock            the lock of the process running the stage (pipeline.core.locks)
         ...                    the stage's own files (checkpoints, stores), each written crash-safely
 
-One process at a time per stage folder: ``run_stage`` holds ``DIR/<stage>/.stage.lock`` (:mod:`pipeline.core.locks`) for the
-whole stage, so a second run on the same folder is refused in one line naming the holder, before it reads,
-resumes or clears anything.
+One process at a time per stage folder: ``run_stage`` holds ``DIR/<stage>/.stage.lock`` (:mod:`pipeline.core.locks`)
+for the whole stage, so a second run on the same folder is refused in one line naming the holder, before it
+reads, resumes or clears anything.
 
 A stage whose ``manifest.json`` matches the resolved config digest is *done* and is skipped; a stage with
 a manifest from a different config is refused unless ``--force`` is given; an interrupted stage (only
@@ -39,6 +39,7 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write_json, read_json
 from pipeline.core.locks import acquire_lock
+from pipeline.core.renamed import upgrade_recorded_config
 
 log = get_logger("stages")
 
@@ -86,14 +87,13 @@ def _same_config(record: Mapping[str, Any], digest: str) -> bool:
     recorded = record.get("config")
     if not isinstance(recorded, Mapping):
         return False
-    from pipeline.core.config import Config
-    from pipeline.core.renamed import upgrade_recorded_config
 
     return Config(upgrade_recorded_config(recorded)).digest() == digest
 
 
 def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
-    """An interrupted stage: resume under the same config; restart when it wrote nothing; else refuse, naming ``--force``."""
+    """An interrupted stage: resume under the same config; restart when it wrote nothing; else refuse, naming
+    ``--force``."""
     previous = read_json(stage_dir / RUNNING, what="stage marker")
     if previous.get("config_digest") is None or _same_config(previous, digest):
         log.info("stage %s: resuming an interrupted run from %s", name, stage_dir)
@@ -105,8 +105,8 @@ def _check_interrupted(name: str, stage_dir: Path, digest: str) -> None:
         return
     failed = f" (it failed: {previous['error']})" if previous.get("error") else ""
     raise UsageError(
-        f"stage {name} in {stage_dir} was interrupted under a different config{failed}; rerun this command with --force "
-        "to clear it and start again (or use another --out)"
+        f"stage {name} in {stage_dir} was interrupted under a different config{failed}; rerun this command with "
+        "--force to clear it and start again (or use another --out)"
     )
 
 

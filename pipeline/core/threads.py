@@ -140,6 +140,14 @@ def plan(
     return ThreadPlan(cores, processes, max(1, budget - used_workers), used_workers)
 
 
+def _torch():
+    """The torch module, imported when a plan is applied: this module is imported before torch, so that
+    :func:`prepare_process` sets OpenMP's environment first."""
+    import torch  # noqa: PLC0415 -- OpenMP's environment is set by this module before torch loads
+
+    return torch
+
+
 def prepare_process(threads: int | None = None) -> None:
     """Call before torch is imported (the CLI does, first thing): OpenMP threads sleep when idle
     (``OMP_WAIT_POLICY=PASSIVE`` unless set) and ``threads`` (``--threads``) becomes ``BUTD_THREADS``, which
@@ -151,18 +159,16 @@ def prepare_process(threads: int | None = None) -> None:
     check_threads(threads)
     os.environ["BUTD_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(int(threads))  # torch reads the latter at import
     if torch_loaded():
-        import torch
-
-        torch.set_num_threads(int(threads))
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def apply(workers: int = 0, threads: int | None = None) -> ThreadPlan:
     """Resolve :func:`plan` and set torch's intra-op thread count to it; returns the plan.
 
     Without an explicit count the threads only ever go down: a lower count set earlier (a caller's
-    ``torch.set_num_threads``, e.g. a bench script's ``--threads``) is kept, and the workers are still capped by the budget."""
-    import torch
-
+    ``torch.set_num_threads``, e.g. a bench script's ``--threads``) is kept, and the workers are still capped by
+    the budget."""
+    torch = _torch()
     resolved = plan(workers=workers, threads=threads)
     if not resolved.explicit and torch.get_num_threads() < resolved.threads:
         resolved = replace(resolved, threads=torch.get_num_threads())
@@ -181,8 +187,7 @@ def loader_workers(requested: int, threads: int | None = None) -> int:
 def loader_threads(requested: int, threads: int | None = None) -> Iterator[int]:
     """:func:`loader_workers` for the span of a ``with`` block: yields the DataLoader workers to start and puts
     torch's thread count back at exit (the policy trades threads for workers only while the workers run)."""
-    import torch
-
+    torch = _torch()
     before = torch.get_num_threads()
     try:
         yield loader_workers(requested, threads)

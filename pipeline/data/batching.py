@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from pipeline.data.dataset import CaptionDataset, caption_tensor, collate_images, pad_regions
-from pipeline.core.loaders import loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.errors import UsageError
+from pipeline.core.loaders import loader_timeout
+from pipeline.data.dataset import CaptionDataset, cap_boxes, caption_tensor, collate_images, pad_regions
 
 PRELOAD_MODES = ("none", "memory", "pinned", "cuda")
 
@@ -143,7 +143,6 @@ class FeatureBank:
         else:  # fill a bounded host buffer, copy it over when full
             fstage = np.empty((min(stage_rows, total), dim), dtype=first.dtype)
             bstage = np.empty((min(stage_rows, total), 4), dtype=np.float32)
-        from pipeline.data.dataset import cap_boxes
 
         base = fill = 0  # table row of the staging buffer's first row; rows staged
 

@@ -26,8 +26,8 @@ from torch.utils.data import Dataset
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError
-from pipeline.store import FeatureStore
 from pipeline.core.vocab import BOS, EOS, PAD
+from pipeline.store import FeatureStore
 
 log = get_logger("data")
 

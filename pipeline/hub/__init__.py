@@ -6,4 +6,6 @@ the strict reader of their kind (:mod:`pipeline.hub.verify`: the layout readers 
 ``models/``), which is why this package sits above both libraries.
 """
 
-from pipeline.hub.resolve import HubFile, fetch_names, parse_hub_id, resolve_file  # noqa: F401
+from pipeline.hub.resolve import resolve_file
+
+__all__ = ["resolve_file"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.catalogue import CATALOGUE, CatalogueEntry, close_names, entry_with_companions
 from pipeline.core.download import Download, downloads_dir, fetch, hub_endpoint, is_hub_url, truthy
 from pipeline.core.errors import UsageError
-from pipeline.hub.verify import verifier
 
 HUB_PREFIX = "hf:"
 HUB_DEFAULT_FILE = "pytorch_model.bin"
@@ -67,7 +67,7 @@ def _offline(urls: tuple[str, ...]) -> bool:
 
 def fetch_entry(entry: CatalogueEntry) -> Path:
     """``entry``'s checked file in the cache (downloaded on first use)."""
-    return fetch(entry_download(entry), verifier(entry.kind), offline=_offline(entry.urls))
+    return fetch(entry_download(entry), _verifier(entry.kind), offline=_offline(entry.urls))
 
 
 def fetch_names(names: list[str]) -> list[Path]:
@@ -88,7 +88,7 @@ def fetch_hub(text: str, role: str) -> Path:
         if hub.url in entry.urls:
             return fetch_names([entry.name])[0]
     kind = "hf-config" if hub.filename.endswith((".yaml", ".yml")) else ROLE_KINDS[role]
-    return fetch(hub.download(), verifier(kind), offline=truthy(os.environ.get("HF_HUB_OFFLINE")))
+    return fetch(hub.download(), _verifier(kind), offline=truthy(os.environ.get("HF_HUB_OFFLINE")))
 
 
 def resolve_file(value: str | Path, what: str, role: str = "detector") -> str:
@@ -112,3 +112,11 @@ def resolve_file(value: str | Path, what: str, role: str = "detector") -> str:
         f"{what} not found: {text!r} is neither a file nor a catalogue name{hint}; "
         f"`cli fetch --list` lists the names, {hub_endpoint()} ids are written hf:OWNER/NAME"
     )
+
+
+def _verifier(kind: str) -> Callable[[Path], None]:
+    """The strict reader that checks a download of ``kind`` (:mod:`pipeline.hub.verify`)."""
+    # the readers import h5py and the detector and CLIP stacks: loaded when a file is fetched, not for --help
+    from pipeline.hub.verify import verifier  # noqa: PLC0415 -- keeps cli --help fast
+
+    return verifier(kind)

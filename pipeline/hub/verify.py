@@ -12,14 +12,21 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import h5py
+import yaml
+
+from extractors.clip.files import check_strict, read_clip
+from extractors.clip.model import ConfigError, infer_config
+from extractors.factory import read_labelmap
+from extractors.weights import describe
+from models.released import load_release
+from models.released.m2 import read_vocab
 from pipeline.core.catalogue import DETECTOR_LAYOUTS
 from pipeline.core.errors import PipelineError
 
 
 def detector(path: Path, layout: str | None = None) -> None:
     """Any detector layout (``layout=None``) or exactly ``layout``."""
-    from extractors.weights import describe
-
     found = describe(path)["layout"]  # reads the state dict and checks every key and shape of its layout
     if layout is not None and found != layout:
         raise PipelineError(f"{path} holds detector weights in the {found} layout, not {layout}")
@@ -27,9 +34,6 @@ def detector(path: Path, layout: str | None = None) -> None:
 
 def clip_weights(path: Path) -> None:
     """A CLIP image encoder in any of its layouts (docs/extractor.md#clip), every key and shape checked."""
-    from extractors.clip.files import check_strict, read_clip
-    from extractors.clip.model import ConfigError, infer_config
-
     layout, sd = read_clip(path)
     try:
         cfg = infer_config(sd)
@@ -39,14 +43,10 @@ def clip_weights(path: Path) -> None:
 
 
 def labelmap(path: Path) -> None:
-    from extractors.factory import read_labelmap
-
     read_labelmap(str(path))
 
 
 def hf_config(path: Path) -> None:
-    import yaml
-
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -56,8 +56,6 @@ def hf_config(path: Path) -> None:
 
 
 def _release(path: Path, kind: str) -> None:
-    from models.released import load_release
-
     found, _ = load_release(path)
     if found != kind:
         raise PipelineError(f"{path}: not the released {kind} weights (found {found or 'another file'})")
@@ -72,14 +70,10 @@ def aoanet(path: Path) -> None:
 
 
 def m2_vocab(path: Path) -> None:
-    from models.released.m2 import read_vocab
-
     read_vocab(path)
 
 
 def hdf5(path: Path) -> None:
-    import h5py
-
     try:
         with h5py.File(path, "r") as fh:
             if not len(fh):

@@ -46,8 +46,8 @@ import numpy as np
 
 from pipeline.core.errors import PipelineError
 from pipeline.core.fileio import atomic_write
-from pipeline.metrics.ngrams import flatten, key_order, max_token_id, ngram_keys, ranges
 from pipeline.core.vocab import EOS, PAD
+from pipeline.metrics.ngrams import flatten, key_order, max_token_id, ngram_keys, ranges
 
 DF_MODES = ("corpus", "batch")
 _CHUNK = 1 << 20  # reference rows per chunk when computing norms

@@ -207,7 +207,8 @@ def score_captions(
             metrics["SPICE"], per_image["SPICE"] = score, scores
     if tokenizer != options.tokenizer:
         notes.append(
-            "tokenizer: pure-Python PTB approximation (Java not found); scores may differ slightly from published PTB-tokenised numbers"
+            "tokenizer: pure-Python PTB approximation (Java not found); scores may differ slightly from published "
+            "PTB-tokenised numbers"
         )
     return CaptionScores(metrics, per_image, image_ids, tokenizer, skipped, notes)
 

@@ -70,7 +70,8 @@ def find_java(java: str | None = None) -> str:
         if found:
             return found
     raise JavaMissing(
-        f"Java not found (looked for {', '.join(candidates)}); install a JRE (e.g. openjdk-17-jre-headless) or set evaluate.java"
+        f"Java not found (looked for {', '.join(candidates)}); install a JRE (e.g. openjdk-17-jre-headless) or set "
+        "evaluate.java"
     )
 
 

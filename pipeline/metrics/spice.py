@@ -1,8 +1,8 @@
 """SPICE through pycocoevalcap's bundled jar, only when its Stanford CoreNLP jars are already present.
 
 pycocoevalcap's ``Spice()`` downloads CoreNLP 3.6.0 (~385 MB, no checksum, no timeout) at first use and
-writes its temp and LMDB cache files into the package directory (salaniz/pycocoevalcap ``spice/spice.py``). We never download:
-:func:`spice_available` only checks for the jars, and :func:`spice_scores` runs the same command
+writes its temp and LMDB cache files into the package directory (salaniz/pycocoevalcap ``spice/spice.py``).
+We never download: :func:`spice_available` only checks for the jars, and :func:`spice_scores` runs the same command
 (``java -jar -Xmx8G spice-1.0.jar IN -cache DIR -out OUT -subset -silent``) with temp files in the system
 temp dir, a private cache dir per run (no freezes from concurrent runs sharing one LMDB), a timeout, and
 ``--add-opens`` for Java >= 9 (SPICE's serializer touches ``java.lang`` internals that Java 16+ closes).

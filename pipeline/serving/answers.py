@@ -1,10 +1,10 @@
 """What a ``POST /v1/captions`` request asks for and what it gets back.
 
 Options (query parameters or multipart text fields): ``beam_size``, ``n_best``, ``max_len`` (within the server's
-``serve.max_*`` limits; HTTP 422 beyond them), ``regions`` (``true``/``false``) and ``timeout_s`` (a shorter
-time limit than ``serve.request_timeout_s``). They override the decoding of
-the served checkpoint the way ``caption --beam-size/--n-best/--max-len`` do (:func:`models.decoding.captions.merge_decoding`),
-so a request gets the captions ``caption`` writes with the same flags.
+``serve.max_*`` limits; HTTP 422 beyond them), ``regions`` (``true``/``false``) and ``timeout_s`` (a shorter time limit
+than ``serve.request_timeout_s``). They override the decoding of the served checkpoint the way ``caption
+--beam-size/--n-best/--max-len`` do (:func:`models.decoding.captions.merge_decoding`), so a request gets the captions
+``caption`` writes with the same flags.
 
 One entry per image, in upload order: the caption, its score, the n-best with scores, the image size and the
 regions the caption's words depend on (:func:`pipeline.captioning.pictures.attended_regions`: boxes in pixels,
@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from models.decoding.captions import merge_decoding
 from models.decoding import DecodeOptions
+from models.decoding.captions import merge_decoding
 from pipeline.captioning.pictures import attended_regions, region_labels
 from pipeline.core.errors import FAILURE_REASONS, ConfigError
 from pipeline.core.keys import key_to_text
@@ -119,7 +119,8 @@ def request_options(
         raise BadOptions(str(exc)) from None
     if options.method == "beam" and options.beam_size > limits.max_beam_size:
         raise BadOptions(
-            f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's {limits.max_beam_size}"
+            f"n_best {options.n_best} widens the beam to {options.beam_size}, beyond this server's "
+            f"{limits.max_beam_size}"
         )
     return options, want_regions, timeout
 

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -173,7 +174,6 @@ def _unauthorized() -> JSONResponse:
 
 def create_app(service: Service, on_shutdown: Any = None) -> FastAPI:
     """The FastAPI application over a running :class:`Service` (``on_shutdown``: called by the lifespan's end)."""
-    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

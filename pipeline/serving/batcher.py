@@ -10,11 +10,10 @@ it, and runs up to ``max_batch`` images with the same decoding options through
 per-image guard (a bad image is an error entry, the others of its batch are captioned) are exactly
 ``caption``'s. Images with other options wait for a later batch, in order.
 
-Bounds: at most ``queue_limit`` images are admitted (being decoded, waiting or in a batch); a request that does
-not fit is refused whole (:class:`QueueFull`, HTTP 503 with Retry-After) before any of its images is decoded. Images of a
-request that gave up (timeout, client gone) are dropped when their turn comes. On SIGTERM :meth:`Batcher.flush`
-sends what waits at once; :meth:`Batcher.close` stops admitting and returns once everything admitted has been
-answered.
+Bounds: at most ``queue_limit`` images are admitted (being decoded, waiting or in a batch); a request that does not fit
+is refused whole (:class:`QueueFull`, HTTP 503 with Retry-After) before any of its images is decoded. Images of a
+request that gave up (timeout, client gone) are dropped when their turn comes. On SIGTERM :meth:`Batcher.flush` sends
+what waits at once; :meth:`Batcher.close` stops admitting and returns once everything admitted has been answered.
 """
 
 from __future__ import annotations
@@ -22,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import exception_line
@@ -97,7 +98,8 @@ class Batcher:
                 raise Closed("the server is shutting down")
             if self._admitted + len(items) > self.queue_limit:
                 raise QueueFull(
-                    f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of {self.queue_limit}"
+                    f"{self._admitted} images admitted, {len(items)} more would pass the queue limit of "
+                    f"{self.queue_limit}"
                 )
             self._admitted += len(items)
             self._requests += 1
@@ -187,8 +189,6 @@ class Batcher:
         return self._engines[options]
 
     def _run(self) -> None:
-        import torch
-
         # the engine applies caption.precision itself, in this thread (autocast is per thread)
         with torch.inference_mode(False):
             while (batch := self._take()) is not None:

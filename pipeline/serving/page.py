@@ -58,7 +58,8 @@ def docs_html(spec: dict[str, Any]) -> str:
     info = spec.get("info", {})
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{e(info.get("title", ""))} API</title>'
-        f"<style>{STYLE}table{{border-collapse:collapse;margin:14px;background:#fff}}td,th{{border:1px solid #ddd;padding:6px;"
+        f"<style>{STYLE}table{{border-collapse:collapse;margin:14px;background:#fff}}"
+        "td,th{border:1px solid #ddd;padding:6px;"
         f"vertical-align:top;font-size:14px}}</style></head><body><header><h1>{e(info.get('title', ''))} API "
         f'{e(info.get("version", ""))}</h1><a href="openapi.json">openapi.json</a></header><p style="margin:14px">'
         f"{e(info.get('description', ''))}</p><table><tr><th>route</th><th>what</th><th>parameters</th><th>bodies</th>"

@@ -1,10 +1,11 @@
 """Running ``cli serve``: load the models once, bind the socket, run uvicorn, drain on SIGTERM and exit 0.
 
 The socket is bound here before the models load (``--port 0`` picks a free port; the line ``serving on
-http://HOST:PORT`` on stdout names it once the models are loaded), so a port in use is one ``error:`` line at once. SIGTERM or Ctrl-C: uvicorn stops accepting connections,
-closes idle ones, lets every request in flight finish (at most ``serve.drain_timeout_s``), then the lifespan's
-end closes the batcher (which has answered everything it admitted) and the process exits 0; uvicorn's own
-re-raising of the signal after a graceful stop (which would make the exit status 143) is not wanted here.
+http://HOST:PORT`` on stdout names it once the models are loaded), so a port in use is one ``error:`` line at once.
+SIGTERM or Ctrl-C: uvicorn stops accepting connections, closes idle ones, lets every request in flight finish (at most
+``serve.drain_timeout_s``), then the lifespan's end closes the batcher (which has answered everything it admitted) and
+the process exits 0; uvicorn's own re-raising of the signal after a graceful stop (which would make the exit status 143)
+is not wanted here.
 HTTP/1.1 is uvicorn's h11 protocol with a header timeout (:mod:`pipeline.serving.protocol`,
 ``serve.header_timeout_s``), whichever HTTP parsers are installed.
 """
@@ -12,14 +13,24 @@ HTTP/1.1 is uvicorn's h11 protocol with a header timeout (:mod:`pipeline.serving
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
+from pipeline import __version__
+from pipeline.captioning.choose import find_checkpoint, find_detector
+from pipeline.captioning.run import build_engine
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
+from pipeline.serving.app import Service, create_app
+from pipeline.serving.batcher import Batcher
+from pipeline.serving.metrics import Metrics
+from pipeline.serving.protocol import head_timeout_protocol
 from pipeline.serving.settings import ServeSettings
 
 log = get_logger("serve")
@@ -50,12 +61,6 @@ def load_service(
     decoding: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The :class:`~pipeline.serving.app.Service` over ``caption``'s engine (models loaded once) and its batcher."""
-    from pipeline import __version__
-    from pipeline.captioning.run import build_engine, find_checkpoint, find_detector
-    from pipeline.serving.app import Service
-    from pipeline.serving.batcher import Batcher
-    from pipeline.serving.metrics import Metrics
-
     ckpt_path = find_checkpoint(model, captioner)
     det_weights = find_detector(model, ckpt_path, weights)
     engine, classes, attributes, info = build_engine(ckpt_path, det_weights, cfg, decoding, vocab)
@@ -84,8 +89,6 @@ def load_service(
 def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSettings:
     """``serve.max_len`` capped, up front and in one log line, at the captioner's position table (``limit`` tokens;
     None: no table), so that a request's ``max_len`` is refused as an option (400) rather than failing each image."""
-    import dataclasses
-
     if limit is None or settings.max_len <= limit:
         return settings
     log.warning(
@@ -99,11 +102,8 @@ def within_position_table(settings: ServeSettings, limit: int | None) -> ServeSe
 
 
 def run_server(service: Any, batcher: Any, settings: ServeSettings, sock: socket.socket) -> int:
-    """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was answered."""
-    import uvicorn
-
-    from pipeline.serving.app import create_app
-    from pipeline.serving.protocol import head_timeout_protocol
+    """Serve on ``sock`` (from :func:`bind`) until SIGTERM/SIGINT; returns 0 once every admitted request was
+    answered."""
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM/SIGINT: draining starts now

@@ -14,7 +14,8 @@ Entry points::
 from pipeline.store.format import SCHEMA_VERSION, is_store
 from pipeline.store.merge import compact_store, merge_stores
 from pipeline.store.reader import FeatureStore, load_identity_file
-from pipeline.store.writer import FeatureStoreWriter, open_writer, validate_image
+from pipeline.store.validate import validate_image
+from pipeline.store.writer import FeatureStoreWriter, open_writer
 
 __all__ = [
     "SCHEMA_VERSION",

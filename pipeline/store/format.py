@@ -34,9 +34,9 @@ Segment attributes: ``format``, ``schema_version``, ``identity`` (JSON), ``num_i
 ``feature_dim``, ``feature_dtype``, ``fields`` (JSON list), ``checksum`` (``crc32``), ``index_crc32`` (CRC-32
 of keys, offsets and sizes) and ``complete`` (set last). Segments written before checksums lack
 ``row_crc32``/``index_crc32``/``checksum`` and are still read (``info`` says their damage cannot be detected);
-``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`). A segment file is
-also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store is
-shipped as one file.
+``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`).
+A segment file is also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store
+is shipped as one file.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
@@ -160,8 +161,6 @@ def is_store(path: str | Path) -> bool:
         return (path / MANIFEST).is_file()
     if path.is_file():
         try:
-            import h5py
-
             with h5py.File(path, "r", locking=False) as fh:
                 return fh.attrs.get("format") == FORMAT
         except (OSError, ValueError):

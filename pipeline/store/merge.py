@@ -11,6 +11,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+
 import numpy as np
 
 from pipeline.core.console import get_logger
@@ -19,6 +20,7 @@ from pipeline.core.fileio import fsync_dir, remove_entry
 from pipeline.store.format import identity_text, new_manifest, read_manifest, segment_name, write_manifest
 from pipeline.store.reader import FeatureStore, verify_block
 from pipeline.store.segment import Block, write_segment
+from pipeline.store.writer import open_writer
 
 log = get_logger("store")
 
@@ -53,7 +55,8 @@ def _check_compatible(stores: Sequence[FeatureStore]) -> None:
         ):
             raise UsageError(
                 f"cannot merge {s.path} into {ref.path}: dtype/dimension/fields differ "
-                f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, {ref.fields})"
+                f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, "
+                f"{ref.fields})"
             )
 
 
@@ -156,8 +159,6 @@ def merge_stores(
 
 def compact_store(path: str | Path, chunk_rows: int = 0, compression: str | None = None) -> int:
     """Rewrite a store directory's segments as one segment, in place and crash-safely. Returns images."""
-    from pipeline.store.writer import open_writer
-
     path = Path(path)
     manifest = read_manifest(path)
     # holding the writer lock keeps other writers out while we swap segments

@@ -19,11 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.fileio import read_json
 from pipeline.store.format import MANIFEST, canonical_identity, identity_mismatch, read_manifest
-from pipeline.store.segment import SegmentIndex, read_segment_index
+from pipeline.store.segment import SegmentIndex, read_segment_index, row_checksums
+from pipeline.store.stats import store_info
 
 
 class _State:
@@ -211,8 +214,6 @@ class FeatureStore:
 
     def info(self, sample: int = 256) -> dict[str, Any]:
         """Counts, box statistics, dtype, size on disk and identity (see :mod:`pipeline.store.stats`)."""
-        from pipeline.store.stats import store_info
-
         return store_info(self, sample=sample)
 
     # -- reading -------------------------------------------------------------------------------------------
@@ -237,8 +238,6 @@ class FeatureStore:
     def _h5(self, st: _State, si: int) -> Any:
         fh = st.h5.get(si)
         if fh is None:
-            import h5py
-
             if len(st.h5) >= self.max_open:
                 _, old = st.h5.popitem(last=False)
                 old.close()
@@ -315,7 +314,6 @@ def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray]) -> Non
     """Check images ``lo..`` of ``seg`` whose rows (from row ``offsets[lo]`` on) are ``rows``; refuse damage."""
     if seg.crc is None or not rows:
         return
-    from pipeline.store.segment import row_checksums
 
     n = len(next(iter(rows.values())))
     hi = int(np.searchsorted(seg.offsets, seg.offsets[lo] + n, side="right")) - 1
@@ -328,6 +326,4 @@ def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray]) -> Non
 
 def load_identity_file(path: str | Path) -> dict[str, Any]:
     """Read an extractor identity from a JSON file (for ``--identity`` options)."""
-    from pipeline.core.fileio import read_json
-
     return canonical_identity(read_json(path, what="extractor identity"), source=str(path))

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.keys import key_to_text
+from pipeline.store.reader import FeatureStore
+from pipeline.store.verify import verify_store
 
 
 def _human_bytes(n: int) -> str:
@@ -27,8 +30,6 @@ def print_store_info(path: Path) -> None:
 
     A file that is not a readable store is a user error here (exit 2) with a message naming it.
     """
-    from pipeline.store.reader import FeatureStore
-
     try:
         store = FeatureStore(path)
         info = store.info()
@@ -73,9 +74,6 @@ def print_verify_report(path: Path) -> bool:
 
     Returns True when nothing is damaged.
     """
-    from pipeline.core.keys import key_to_text
-    from pipeline.store.verify import verify_store
-
     report = verify_store(path)
     con = stdout_console()
     for seg, why in report.bad_segments:
@@ -91,7 +89,8 @@ def print_verify_report(path: Path) -> bool:
         )
     status = "ok" if report.ok else "DAMAGED"
     con.print(
-        f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} segments; "
+        f"verify {path}: {status}: {report.checked_images} of {report.images} images read in {report.segments} "
+        "segments; "
         f"{len(report.bad_images)} damaged images, {len(report.bad_segments)} damaged segments",
         highlight=False,
         markup=False,

@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
-from pipeline.core.errors import PipelineError, exception_line
+from pipeline.core.errors import PipelineError, annotate_os_error, exception_line
+from pipeline.core.fileio import create_new_file
 from pipeline.core.keys import check_key, display_key, key_from_bytes, key_to_bytes
 from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
-
-STR_DTYPE = None  # set lazily (h5py import is deferred)
 
 
 def field_dtype(name: str, feature_dtype: str) -> np.dtype:
@@ -119,10 +120,6 @@ def write_segment(
     ``blocks`` must together hold exactly ``num_images`` images and ``num_rows`` rows. ``chunk_rows`` 0 means
     contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows.
     """
-    import h5py
-
-    from pipeline.core.fileio import create_new_file
-
     row_fields = row_fields_of(fields)
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
@@ -143,8 +140,6 @@ def write_segment(
         if fsync:
             _fsync_file(path)
     except (OSError, RuntimeError) as exc:
-        from pipeline.core.errors import annotate_os_error
-
         path.unlink(missing_ok=True)
         os_error = exc if isinstance(exc, OSError) else _hdf5_os_error(exc)
         if os_error is None:
@@ -158,8 +153,6 @@ def write_segment(
 def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
     """The OS error inside an HDF5 failure that h5py reports as ``RuntimeError`` (some builds raise it when a
     close flushes to a full disk: "file write failed: ... errno = 28, error message = 'No space left on device'")."""
-    import re
-
     found = re.search(r"errno = (\d+)", str(exc))
     if not found:
         return None
@@ -304,8 +297,6 @@ def _attr(fh: Any, path: Path, name: str) -> Any:
 
 def read_segment_index(path: Path, expect_images: int | None = None, expect_rows: int | None = None) -> SegmentIndex:
     """Open ``path`` read-only, validate it thoroughly, and read its index; errors name the file."""
-    import h5py
-
     if not path.is_file():
         raise PipelineError(f"feature segment {path} is missing")
     try:

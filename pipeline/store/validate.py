@@ -47,7 +47,8 @@ def validate_image(
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise PipelineError(
-            f"{where}: image {key}: box {i} {boxes[i].tolist()} lies outside the {image_w}x{image_h} image or is inverted"
+            f"{where}: image {key}: box {i} {boxes[i].tolist()} lies outside the {image_w}x{image_h} image or is "
+            "inverted"
         )
     for name, arr in extras.items():
         if arr.shape != (n,):

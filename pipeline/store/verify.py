@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError
@@ -75,8 +76,6 @@ def _check_images(fh, seg: SegmentIndex, lo: int, hi: int, report: VerifyReport)
 
 def verify_store(path: str | Path) -> VerifyReport:
     """Read all of ``path`` (a store directory or a single segment file); never raises for damaged data."""
-    import h5py
-
     path = Path(path)
     report = VerifyReport(str(path))
     for seg_path, images, rows in _segment_list(path):

@@ -28,12 +28,12 @@ import numpy as np
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError, annotate_os_error
+from pipeline.core.fileio import fsync_dir
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import display_key
 from pipeline.core.locks import WriterLock, acquire_lock
 from pipeline.core.regions import RegionRecord
-from pipeline.core.fileio import fsync_dir
 from pipeline.core.stages import MANIFEST as STAGE_MANIFEST
-from pipeline.core.identity import FeatureIdentity
 from pipeline.core.stages import RUNNING as STAGE_RUNNING
 from pipeline.core.stages import STAGE_LOCK
 from pipeline.store.format import (
@@ -50,7 +50,7 @@ from pipeline.store.format import (
     write_manifest,
 )
 from pipeline.store.segment import Block, read_segment_index, write_segment
-from pipeline.store.validate import BOX_TOLERANCE, _all_finite, _RowBuffer, validate_image  # noqa: F401  (re-exported)
+from pipeline.store.validate import _all_finite, _RowBuffer, validate_image
 
 log = get_logger("store")
 
@@ -125,7 +125,8 @@ class FeatureStoreWriter:
         fields = self._manifest["fields"]
         if fields is not None and sorted(given) != sorted(fields):
             raise PipelineError(
-                f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has {sorted(fields)}"
+                f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has "
+                f"{sorted(fields)}"
             )
         box_arr = np.asarray(boxes, dtype=np.float32)
         where = f"feature store {self.path}"
@@ -319,7 +320,8 @@ def open_writer(
         path: the store directory (created if missing).
         extractor: identity of what produced the features: a detector's
             :class:`~pipeline.core.identity.FeatureIdentity` (stored as :meth:`FeatureIdentity.to_dict`), or any
-            other producer's record with a ``name`` (importers, the oracle, an ``--identity`` file); resuming a store written under another identity (or dtype) fails naming both.
+            other producer's record with a ``name`` (importers, the oracle, an ``--identity`` file); resuming a store
+            written under another identity (or dtype) fails naming both.
         feature_dtype: ``float16`` (default) or ``float32``.
         commit_every: also commit automatically every this many images (0: only by size/explicitly).
         commit_bytes: also commit automatically once pending arrays reach this many bytes (0: never).
