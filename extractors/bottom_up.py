@@ -22,6 +22,7 @@ from torch import nn
 from extractors import EXTRACTORS
 from extractors.box_head import Res5ROIHeads
 from extractors.preprocess import Frame
+from extractors.releases import Release, register_release
 from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.rpn import RPN
 from extractors.selector import Selector, to_resized
@@ -222,3 +223,43 @@ def preset_caffe_r101() -> BottomUpSpec:
 def preset_d2_r101() -> BottomUpSpec:
     """The airsplay / HF-lxmert port of the same network (detectron2 semantics, see :class:`BottomUpSpec`)."""
     return d2_r101()
+
+
+# releases ------------------------------------------------------------------------------------------------
+# The bottom-up layouts (milvlg, butd, airsplay, hf) are read by extractors.weights; each release names its own.
+register_release(
+    Release(
+        name="caffe",
+        source=(
+            "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch "
+            "caffe mode)"
+        ),
+        layouts=("milvlg", "butd"),
+        flavor="caffe",
+        preset="bottom-up-caffe-r101",
+        catalogue=("bua-r101", "bua-r101-fix36", "bua-r152"),
+        detector=BottomUpDetector,
+        random_identity="bottom-up-random",
+    )
+)
+register_release(
+    Release(
+        name="hf",
+        source="huggingface/transformers examples/research_projects/lxmert (unc-nlp/frcnn-vg-finetuned)",
+        layouts=("hf",),
+        flavor="d2",
+        preset="bottom-up-d2-r101",
+        catalogue=("frcnn-vg-finetuned",),
+        detector=BottomUpDetector,
+        random_identity="bottom-up-random",
+    )
+)
+register_release(
+    Release(
+        name="airsplay",
+        source="airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
+        layouts=("airsplay",),
+        preset="bottom-up-d2-r101",
+        detector=BottomUpDetector,
+    )
+)

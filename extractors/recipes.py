@@ -28,18 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from extractors import BUILTIN_RELEASES
+from extractors.releases import layout_recipes, release_of_flavor
+from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 
-RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
-LAYOUT_RECIPE = {
-    "milvlg": "caffe",
-    "butd": "caffe",
-    "hf": "hf",
-    "airsplay": "airsplay",
-    "vinvl": "vinvl",
-    "grid-feats": "grid-feats",
-}
-"""The recipe a weights layout defaults to (``--recipe`` / ``extract.recipe`` override it)."""
+RECIPES = BUILTIN_RELEASES
+"""The recipes of the built-in releases (``configs/extract.yaml`` holds their values; the help of ``--recipe``).
+The recipe a weights layout defaults to is its release's (:func:`extractors.releases.layout_recipes`)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),
@@ -248,16 +244,16 @@ def _plain(value: Any) -> Any:
 
 def default_recipes() -> dict[str, Any]:
     """The release recipes of ``configs/extract.yaml`` (``extract.recipes``): the one place they are written."""
-    from pipeline.core.config import load_config
-
     return _plain(load_config("extract").extract.recipes)
 
 
 def recipe_name_for(layout: str, flavor: str = "caffe") -> str:
-    """The default recipe of a weights layout (a random detector follows its semantics: caffe or hf)."""
-    if layout in LAYOUT_RECIPE:
-        return LAYOUT_RECIPE[layout]
-    return {"caffe": "caffe", "vinvl": "vinvl"}.get(flavor, "hf")
+    """The default recipe of a weights layout: its release's (a random detector follows the release of its
+    semantics: caffe, hf or vinvl)."""
+    recipes = layout_recipes()
+    if layout in recipes:
+        return recipes[layout]
+    return release_of_flavor(flavor).recipe_name
 
 
 def recipe_from_config(

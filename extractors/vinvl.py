@@ -30,14 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import roi_align
 
-from extractors import EXTRACTORS, box_coding, vinvl_select
-from pipeline.core.regions import RegionRecord
+from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
 from extractors.preprocess import Frame
+from extractors.releases import Release, register_release
 from extractors.resnet_caffe import ResNetC4, fold_all, make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 from extractors.to_host import records_to_host, stack_to_device
+from pipeline.core.regions import RegionRecord
 
 
 class AttributeHead(nn.Module):
@@ -246,3 +247,23 @@ class VinVLDetector(nn.Module):
 def preset_vinvl_x152c4() -> BottomUpSpec:
     """VinVL ``vinvl_vg_x152c4`` (ResNeXt-152 32x8d C4, 1594 classes, 524 attributes)."""
     return vinvl_x152c4()
+
+
+register_release(
+    Release(
+        name="vinvl",
+        source="microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
+        layouts=("vinvl",),
+        flavor="vinvl",
+        preset="vinvl-x152c4",
+        catalogue=("vinvl-x152c4",),
+        identity="vinvl",
+        detect=layouts.detect_vinvl,
+        normalise=layouts.normalise,
+        load=layouts.load_vinvl,
+        describe=layouts.describe_vinvl,
+        detector=VinVLDetector,
+        random_identity="vinvl-random",
+        selectors=("vinvl", "given", "grid"),
+    )
+)
