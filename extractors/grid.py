@@ -27,10 +27,11 @@ from torch import nn
 from torchvision.ops import deform_conv2d
 
 from extractors import layouts
+from extractors.detector import Detector
 from extractors.layouts import _err, _stage_blocks
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
-from extractors.resnet_caffe import ConvNorm, ResNetC4, fold_all
+from extractors.resnet_caffe import ConvNorm, ResNetC4
 from extractors.selector import SELECTORS, Selector, to_original
 from extractors.spec import VINVL_PIXEL_MEANS_BGR, BottomUpSpec
 from extractors.weight_bounds import check_spec, dims, groups_of
@@ -39,12 +40,11 @@ from pipeline.core.regions import RegionRecord
 X101_PIXEL_STD = (57.375, 57.120, 58.395)
 
 
-class GridFeatsModel(nn.Module):
+class GridFeatsModel(Detector):
     """The backbone of a grid-feats-vqa detector (res2..res5 in ``backbone``; the heads are not run)."""
 
     def __init__(self, spec: BottomUpSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.backbone = ResNetC4(
             tuple(spec.stage_blocks) + (spec.res5_blocks,),
             spec.stem_channels,
@@ -61,18 +61,7 @@ class GridFeatsModel(nn.Module):
                 block.conv2_offset = nn.Conv2d(width, 18, 3, padding=1)
                 nn.init.zeros_(block.conv2_offset.weight)
                 nn.init.zeros_(block.conv2_offset.bias)
-        self.roi_chunk = 0
-        self.eval()
-        for p in self.parameters():
-            p.requires_grad_(False)
-
-    def set_test_recipe(self, **changes) -> "GridFeatsModel":
-        self.spec = self.spec.with_(**changes)
-        return self
-
-    def fold_batchnorm(self) -> "GridFeatsModel":
-        fold_all(self)
-        return self
+        self.freeze()
 
     def detect(self, blobs, frames, selector, given_boxes=None) -> list[RegionRecord]:
         if not getattr(selector, "whole_image", False):

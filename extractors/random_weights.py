@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from extractors.releases import release_of_flavor

@@ -317,7 +317,7 @@ def resolve_recipe(recipe: Recipe, spec: Any) -> Recipe:
 
 def apply_recipe(model: Any, recipe: Recipe) -> Recipe:
     """Resolve ``recipe`` against the detector's own values and set its proposal settings and input scale on
-    the model (:meth:`BottomUpDetector.set_test_recipe`); returns the resolved recipe."""
+    the model (:meth:`extractors.detector.Detector.set_test_recipe`); returns the resolved recipe."""
     full = resolve_recipe(recipe, model.spec)
     model.set_test_recipe(
         min_size=full.min_size,

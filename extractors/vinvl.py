@@ -31,9 +31,10 @@ from torch import nn
 from torchvision.ops import roi_align
 
 from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
+from extractors.detector import Detector
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
-from extractors.resnet_caffe import ResNetC4, fold_all, make_res5
+from extractors.resnet_caffe import ResNetC4, make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
@@ -75,13 +76,14 @@ class VinVLHeads(nn.Module):
         ).to(feat.dtype)
 
 
-class VinVLDetector(nn.Module):
+class VinVLDetector(Detector):
     """``backbone`` + ``proposal_generator`` + ``roi_heads`` with internal (detectron2-style) key names; the
     ``vinvl`` weights layout maps them to scene_graph_benchmark's (:mod:`extractors.layouts`)."""
 
+    SHAPING = ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels")
+
     def __init__(self, spec: BottomUpSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.backbone = ResNetC4(
             spec.stage_blocks,
             spec.stem_channels,
@@ -98,24 +100,10 @@ class VinVLDetector(nn.Module):
             self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False
         )
         self.roi_heads = VinVLHeads(spec, self.backbone.out_channels)
-        self.roi_chunk = 0
-        self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
-        self.eval()
-        for p in self.parameters():
-            p.requires_grad_(False)
+        self.freeze()
 
-    def set_test_recipe(self, **changes) -> "VinVLDetector":
-        """Input scale and proposal settings of the spec (architecture fields may not change)."""
-        new = self.spec.with_(**changes)
-        for name in ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels"):
-            if getattr(new, name) != getattr(self.spec, name):
-                raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
-        self.spec = self.roi_heads.spec = new
-        return self
-
-    def fold_batchnorm(self) -> "VinVLDetector":
-        fold_all(self)
-        return self
+    def share_spec(self, spec: BottomUpSpec) -> None:
+        self.roi_heads.spec = spec
 
     # ----------------------------------------------------------------------------------------------------
     def proposals(self, feat: torch.Tensor, sizes: list[tuple[int, int]], variant: str) -> list[torch.Tensor]:
