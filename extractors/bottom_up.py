@@ -62,6 +62,10 @@ class BottomUpDetector(Detector):
     def share_spec(self, spec: BottomUpSpec) -> None:
         self.proposal_generator.spec = self.roi_heads.spec = spec
 
+    def scale_random_heads(self) -> None:
+        self.roi_heads.box_predictor.bbox_pred.weight.mul_(0.02)
+        self.roi_heads.box_predictor.cls_score.weight.mul_(4.0)
+
     # ----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def detect(

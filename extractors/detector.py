@@ -59,6 +59,11 @@ class Detector(nn.Module):
     def share_spec(self, spec: BottomUpSpec) -> None:
         """Hand a changed spec to the submodules that read it (none by default)."""
 
+    def scale_random_heads(self) -> None:
+        """Rescale freshly drawn head weights (:func:`extractors.random_weights.random_detector`) so that seeded
+        random features have a trained detector's spread: small box deltas, class scores with some confidence.
+        Nothing by default."""
+
     def fold_batchnorm(self) -> "Detector":
         """Fold the frozen BNs into the convs (faster inference, same function)."""
         fold_all(self)

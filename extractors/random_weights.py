@@ -39,12 +39,5 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
         # small box deltas (proposals near their anchors, as in a trained RPN) and a classifier with some
         # confidence so that the selection thresholds matter
         model.proposal_generator.rpn_head.anchor_deltas.weight.mul_(0.02)
-        if spec.flavor == "vinvl":  # VinVL heads: same scaling; attribute logits spread so that some pass 0.05
-            model.roi_heads.bbox_pred.weight.mul_(0.02)
-            model.roi_heads.cls_score.weight.mul_(0.3)
-            if model.roi_heads.attribute is not None:
-                model.roi_heads.attribute.attr_score.weight.mul_(4.0)
-        else:
-            model.roi_heads.box_predictor.bbox_pred.weight.mul_(0.02)
-            model.roi_heads.box_predictor.cls_score.weight.mul_(4.0)
+        model.scale_random_heads()
     return model

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from extractors import BUILTIN_RELEASES
-from extractors.releases import layout_recipes, release_of_flavor
+from extractors.releases import available_releases, layout_recipes, release_of_flavor
 from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 
@@ -256,6 +256,12 @@ def recipe_name_for(layout: str, flavor: str = "caffe") -> str:
     return release_of_flavor(flavor).recipe_name
 
 
+def grid_recipe() -> str:
+    """The recipe ``--boxes grid`` runs with ``recipe: auto``: that of the release whose weights make grid
+    features only (grid-feats-vqa)."""
+    return next(r.recipe_name for r in available_releases() if r.grid_only)
+
+
 def recipe_from_config(
     section: Any, layout: str, flavor: str = "caffe", where: str = "extract", shorthands: tuple[str, ...] = SHORTHANDS
 ) -> Recipe:
@@ -269,7 +275,7 @@ def recipe_from_config(
     name = str(_section_get(section, "recipe", "auto") or "auto")
     mode = _section_get(section, "boxes")
     if name == "auto":
-        name = "grid-feats" if mode == "grid" else recipe_name_for(layout, flavor)
+        name = grid_recipe() if mode == "grid" else recipe_name_for(layout, flavor)
     table = _plain(_section_get(section, "recipes")) or default_recipes()
     if name not in table:
         raise UsageError(f"unknown recipe {name!r} for {where}.recipe (known: auto, {', '.join(sorted(table))})")

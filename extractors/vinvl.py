@@ -105,6 +105,13 @@ class VinVLDetector(Detector):
     def share_spec(self, spec: BottomUpSpec) -> None:
         self.roi_heads.spec = spec
 
+    def scale_random_heads(self) -> None:
+        """The bottom-up scaling, with the attribute logits spread so that some pass the 0.05 threshold."""
+        self.roi_heads.bbox_pred.weight.mul_(0.02)
+        self.roi_heads.cls_score.weight.mul_(0.3)
+        if self.roi_heads.attribute is not None:
+            self.roi_heads.attribute.attr_score.weight.mul_(4.0)
+
     # ----------------------------------------------------------------------------------------------------
     def proposals(self, feat: torch.Tensor, sizes: list[tuple[int, int]], variant: str) -> list[torch.Tensor]:
         """``RPNPostProcessor.forward_for_single_feature_map`` for each image of an equal-sized batch."""
