@@ -7,7 +7,7 @@ the maker of seeded random weights of its kind, the line an imported store recor
 catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``,
 :mod:`extractors.vinvl` registers ``vinvl`` and :mod:`extractors.grid` registers ``grid-feats``; every table of
 the extractors, the importers and ``cli import-features`` reads this registry
-(docs/extending.md#a-new-detector-release).
+(docs/extending.md#a-new-detector-release-one-module--one-release-record).
 
 This module imports no torch, so the importers can name the releases cheaply; :func:`available_releases` imports
 the extractor modules (which register their records) the first time a record is needed.
