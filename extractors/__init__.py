@@ -19,7 +19,7 @@ BUILTIN_PRESETS = ("bottom-up-caffe-r101", "bottom-up-d2-r101", "vinvl-x152c4")
 
 #: the releases this package registers (:mod:`extractors.releases`), for the same reason: the help of
 #: ``import-features --release``; tests/test_releases.py keeps it equal to the registry's names
-BUILTIN_RELEASES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
+BUILTIN_RELEASES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats", "clip-vil")
 
 _LOADED = False
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from extractors import BUILTIN_RELEASES
 from extractors.releases import available_releases, layout_recipes, release_of_flavor
 from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 
-RECIPES = BUILTIN_RELEASES
-"""The recipes of the built-in releases (``configs/extract.yaml`` holds their values; the help of ``--recipe``).
-The recipe a weights layout defaults to is its release's (:func:`extractors.releases.layout_recipes`)."""
+RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
+"""The recipes of ``configs/extract.yaml`` (``extract.recipes``; the help of ``--recipe``, which cannot wait for
+the config to load; tests/test_releases.py keeps them equal). The recipe a weights layout defaults to is its
+release's (:func:`extractors.releases.layout_recipes`)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),

@@ -12,7 +12,7 @@ from extractors.bottom_up import BottomUpDetector
 from extractors.detector import Detector
 from extractors.grid import GridFeatsModel
 from extractors.random_weights import random_detector
-from extractors.recipes import recipe_name_for
+from extractors.recipes import RECIPES, default_recipes, recipe_name_for
 from extractors.releases import (
     Release,
     available_releases,
@@ -46,6 +46,7 @@ def test_each_layout_runs_its_release_recipe():
     }
     assert [recipe_name_for("random", flavor) for flavor in ("caffe", "d2", "vinvl")] == ["caffe", "hf", "vinvl"]
     assert release_of_layout("no-such-layout") is None
+    assert set(RECIPES) == set(default_recipes()) >= set(layout_recipes().values())
 
 
 def test_catalogue_names_and_formats_point_at_their_release():
@@ -60,6 +61,7 @@ def test_catalogue_names_and_formats_point_at_their_release():
         "m2-hdf5": "caffe",
         "vinvl-tsv": "vinvl",
         "grid-hdf5": "grid-feats",
+        "clip-vil": "clip-vil",
     }
     assert default_identity("vinvl-tsv")["release"] == {"recipe": "vinvl", "source": get_release("vinvl").source}
     assert default_identity("butd-tsv", "airsplay")["release"]["recipe"] == "airsplay"

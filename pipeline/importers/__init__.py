@@ -2,7 +2,7 @@
 
 Each format (``--format``) is one :class:`~pipeline.importers.formats.Format` record registered by the module that
 reads it: ``butd-tsv`` and ``obj36-tsv`` (:mod:`.tsv`), ``cocobu`` (:mod:`.cocobu`), ``m2-hdf5`` (:mod:`.m2`),
-``vinvl-tsv`` and ``grid-hdf5`` (:mod:`.vinvl`).
+``vinvl-tsv`` and ``grid-hdf5`` (:mod:`.vinvl`), ``clip-vil`` (:mod:`.clipvil`).
 Every source is streamed one image at a time; the import is resumable (images already committed to the
 store are skipped) and every bad row is either an error naming the file and row/id, or (``skip_bad``)
 reported and counted.
@@ -21,7 +21,7 @@ from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.regions import RegionRecord
-from pipeline.importers import cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
+from pipeline.importers import clipvil, cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 from pipeline.importers.untrusted import check_record, check_size
 
