@@ -17,6 +17,10 @@ EXTRACTORS: Registry = Registry("extractor")
 #: ``cli --help`` should not wait for); tests/test_cli_grammar.py keeps it equal to the registry's names
 BUILTIN_PRESETS = ("bottom-up-caffe-r101", "bottom-up-d2-r101", "vinvl-x152c4")
 
+#: the releases this package registers (:mod:`extractors.releases`), for the same reason: the help of
+#: ``import-features --release``; tests/test_releases.py keeps it equal to the registry's names
+BUILTIN_RELEASES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats", "clip-vil")
+
 _LOADED = False
 
 
@@ -34,4 +38,4 @@ def available_extractors() -> list[str]:
     return EXTRACTORS.names()
 
 
-__all__ = ["BUILTIN_PRESETS", "EXTRACTORS", "available_extractors"]
+__all__ = ["BUILTIN_PRESETS", "BUILTIN_RELEASES", "EXTRACTORS", "available_extractors"]

@@ -17,12 +17,13 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from torch import nn
 
 from extractors import EXTRACTORS
 from extractors.box_head import Res5ROIHeads
+from extractors.detector import Detector
 from extractors.preprocess import Frame
-from extractors.resnet_caffe import ResNetC4, fold_all
+from extractors.releases import Release, register_release
+from extractors.resnet_caffe import ResNetC4
 from extractors.rpn import RPN
 from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
@@ -30,52 +31,40 @@ from extractors.to_host import records_to_host, stack_to_device
 from pipeline.core.regions import RegionRecord
 
 
-class BottomUpDetector(nn.Module):
+class BottomUpDetector(Detector):
     """``backbone`` + ``proposal_generator`` + ``roi_heads`` (state-dict keys = MILVLG caffe-mode layout)."""
 
+    SHAPING = (
+        "flavor",
+        "stem_channels",
+        "res2_bottleneck",
+        "expansion",
+        "stage_blocks",
+        "res5_blocks",
+        "rpn_channels",
+        "num_classes",
+        "num_attributes",
+        "attr_embed_dim",
+        "attr_hidden",
+        "has_attributes",
+        "anchor_ratios",
+    )
+
     def __init__(self, spec: BottomUpSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.backbone = ResNetC4(
             spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps
         )
         self.proposal_generator = RPN(spec, self.backbone.out_channels)
         self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
-        self.roi_chunk = 0
-        self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
-        self.eval()
-        for p in self.parameters():
-            p.requires_grad_(False)
+        self.freeze()
 
-    def set_test_recipe(self, **changes) -> "BottomUpDetector":
-        """Change test-time settings of the spec (input scale, proposal counts, NMS) in place; the architecture
-        fields (those that shape the weights) must stay as they are."""
-        new = self.spec.with_(**changes)
-        shaping = (
-            "flavor",
-            "stem_channels",
-            "res2_bottleneck",
-            "expansion",
-            "stage_blocks",
-            "res5_blocks",
-            "rpn_channels",
-            "num_classes",
-            "num_attributes",
-            "attr_embed_dim",
-            "attr_hidden",
-            "has_attributes",
-            "anchor_ratios",
-        )
-        for name in shaping:
-            if getattr(new, name) != getattr(self.spec, name):
-                raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
-        self.spec = self.proposal_generator.spec = self.roi_heads.spec = new
-        return self
+    def share_spec(self, spec: BottomUpSpec) -> None:
+        self.proposal_generator.spec = self.roi_heads.spec = spec
 
-    def fold_batchnorm(self) -> "BottomUpDetector":
-        """Fold the frozen BNs into the convs (faster inference, same function)."""
-        fold_all(self)
-        return self
+    def scale_random_heads(self) -> None:
+        self.roi_heads.box_predictor.bbox_pred.weight.mul_(0.02)
+        self.roi_heads.box_predictor.cls_score.weight.mul_(4.0)
 
     # ----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -222,3 +211,43 @@ def preset_caffe_r101() -> BottomUpSpec:
 def preset_d2_r101() -> BottomUpSpec:
     """The airsplay / HF-lxmert port of the same network (detectron2 semantics, see :class:`BottomUpSpec`)."""
     return d2_r101()
+
+
+# releases ------------------------------------------------------------------------------------------------
+# The bottom-up layouts (milvlg, butd, airsplay, hf) are read by extractors.weights; each release names its own.
+register_release(
+    Release(
+        name="caffe",
+        source=(
+            "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch "
+            "caffe mode)"
+        ),
+        layouts=("milvlg", "butd"),
+        flavor="caffe",
+        preset="bottom-up-caffe-r101",
+        catalogue=("bua-r101", "bua-r101-fix36", "bua-r152"),
+        detector=BottomUpDetector,
+        random_identity="bottom-up-random",
+    )
+)
+register_release(
+    Release(
+        name="hf",
+        source="huggingface/transformers examples/research_projects/lxmert (unc-nlp/frcnn-vg-finetuned)",
+        layouts=("hf",),
+        flavor="d2",
+        preset="bottom-up-d2-r101",
+        catalogue=("frcnn-vg-finetuned",),
+        detector=BottomUpDetector,
+        random_identity="bottom-up-random",
+    )
+)
+register_release(
+    Release(
+        name="airsplay",
+        source="airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
+        layouts=("airsplay",),
+        preset="bottom-up-d2-r101",
+        detector=BottomUpDetector,
+    )
+)

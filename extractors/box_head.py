@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from extractors.resnet_caffe import make_res5
 from extractors.roi_pool import roi_pool
 from extractors.spec import BottomUpSpec

@@ -8,11 +8,14 @@ from typing import Any
 import torch
 
 from extractors import EXTRACTORS, available_extractors
-from extractors.weights import load_detector
 from extractors.random_weights import random_detector
+from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
+from extractors.releases import release_of_flavor, release_of_layout
+from extractors.selector import make_selector
+from extractors.weights import load_detector, sha256_file
 from pipeline.core.console import get_logger
-from pipeline.core.distributed import resolve_device  # noqa: F401  (the one resolver; imported from here by older callers)
 from pipeline.core.errors import UsageError
+from pipeline.core.fileio import read_json
 from pipeline.core.identity import FeatureIdentity
 
 log = get_logger("extract")
@@ -21,8 +24,6 @@ log = get_logger("extract")
 def read_labelmap(path: str) -> tuple[list[str], list[str]]:
     """(class names, attribute names) in 0-based vocabulary order from a VinVL labelmap json
     (``VG-SGG-dicts-vgoi6-clipped.json``: 1-based ``label_to_idx`` and ``attribute_to_idx``, docs/recipes.md#vinvl)."""
-    from pipeline.core.fileio import read_json
-
     data = read_json(path, "labelmap")
 
     def names(table_key: str) -> list[str]:
@@ -70,7 +71,7 @@ def load_for_inference(
         log.warning("=" * 60)
         model = random_detector(spec, seed)
         info = {"layout": "random", "weights_sha256": f"random-seed-{seed}", "weights_file": "random"}
-        name = "bottom-up-random"
+        name = release_of_flavor(spec.flavor).random_identity or "bottom-up-random"
     else:
         spec = None if preset == "auto" else EXTRACTORS.get(preset)()
         if spec_overrides:
@@ -78,14 +79,11 @@ def load_for_inference(
                 "extract.spec overrides apply to --weights random only; a weights file defines its architecture"
             )
         model, info = load_detector(weights, spec)
-        name = info["layout"] if info["layout"] in ("vinvl", "grid-feats") else f"bottom-up-{info['layout']}"
-    if model.spec.flavor == "vinvl" and weights == "random":
-        name = "vinvl-random"
+        release = release_of_layout(info["layout"])
+        name = release.identity_name(info["layout"]) if release is not None else f"bottom-up-{info['layout']}"
     model = model.to(device).fold_batchnorm()
     labelmap_sha256 = None
     if labelmap:
-        from extractors.weights import sha256_file
-
         info["classes"], info["attributes"] = read_labelmap(labelmap)
         n_cls, n_att = model.spec.num_classes - 1, model.spec.num_attributes - 1
         if len(info["classes"]) != n_cls or (info["attributes"] and len(info["attributes"]) != n_att):
@@ -110,18 +108,16 @@ def configure_recipe(
     """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`) for weights of
     ``layout``, applied to ``model`` (input scale, proposal settings). Returns (resolved recipe, selector);
     :func:`record_settings` records them in the feature identity."""
-    from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
-    from extractors.selector import make_selector
-
     recipe = apply_recipe(
         model,
         recipe_from_config(
             section, layout or "random", model.spec.flavor, where, SHORTHANDS if shorthands is None else shorthands
         ),
     )
-    if layout == "grid-feats" and recipe.selector != "grid":
+    release = release_of_layout(layout)
+    if release is not None and release.grid_only and recipe.selector != "grid":
         raise UsageError(
-            f"grid-feats weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid"
+            f"{layout} weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid"
         )
     log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))
     return recipe, make_selector(recipe, model.spec)

@@ -24,24 +24,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torchvision.ops import deform_conv2d
 
-from pipeline.core.regions import RegionRecord
+from extractors import layouts
+from extractors.detector import Detector
+from extractors.layouts import _err, _stage_blocks
 from extractors.preprocess import Frame
-from extractors.resnet_caffe import ConvNorm, ResNetC4, fold_all
-from extractors.selector import Selector, to_original
+from extractors.releases import Release, register_release
+from extractors.resnet_caffe import ConvNorm, ResNetC4
+from extractors.selector import SELECTORS, Selector, to_original
 from extractors.spec import VINVL_PIXEL_MEANS_BGR, BottomUpSpec
+from extractors.weight_bounds import check_spec, dims, groups_of
+from pipeline.core.regions import RegionRecord
 
 X101_PIXEL_STD = (57.375, 57.120, 58.395)
 
 
-class GridFeatsModel(nn.Module):
+class GridFeatsModel(Detector):
     """The backbone of a grid-feats-vqa detector (res2..res5 in ``backbone``; the heads are not run)."""
 
     def __init__(self, spec: BottomUpSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.backbone = ResNetC4(
             tuple(spec.stage_blocks) + (spec.res5_blocks,),
             spec.stem_channels,
@@ -58,18 +61,7 @@ class GridFeatsModel(nn.Module):
                 block.conv2_offset = nn.Conv2d(width, 18, 3, padding=1)
                 nn.init.zeros_(block.conv2_offset.weight)
                 nn.init.zeros_(block.conv2_offset.bias)
-        self.roi_chunk = 0
-        self.eval()
-        for p in self.parameters():
-            p.requires_grad_(False)
-
-    def set_test_recipe(self, **changes) -> "GridFeatsModel":
-        self.spec = self.spec.with_(**changes)
-        return self
-
-    def fold_batchnorm(self) -> "GridFeatsModel":
-        fold_all(self)
-        return self
+        self.freeze()
 
     def detect(self, blobs, frames, selector, given_boxes=None) -> list[RegionRecord]:
         if not getattr(selector, "whole_image", False):
@@ -161,21 +153,6 @@ def grid_cells(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> tupl
     return feats, to_original(boxes, frame, "per-axis", "none").numpy().astype(np.float32)
 
 
-def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
-    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (one image; :class:`GridCells` copies a batch at once)."""
-    feats, boxes = grid_cells(fmap, stride, frame, grid)
-    return RegionRecord(
-        features=feats.cpu().numpy().astype(np.float32),
-        boxes=boxes,
-        image_w=int(frame.width),
-        image_h=int(frame.height),
-        class_ids=None,
-        class_scores=None,
-        attr_ids=None,
-        attr_scores=None,
-    )
-
-
 class GridCells(Selector):
     """``--boxes grid``: the model's res5 map of the whole image, cells as regions (no RPN, no heads).
 
@@ -217,9 +194,6 @@ class GridCells(Selector):
 # --------------------------------------------------------------------------------------------------------
 def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     """The architecture of a grid-feats-vqa state dict (depth, widths, groups; the X-101 pixel std)."""
-    from extractors.layouts import _err, _stage_blocks
-    from extractors.weight_bounds import check_spec, dims, groups_of
-
     L = "grid-feats"
     deform = tuple(
         sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)})
@@ -257,3 +231,23 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
         deform_stages=deform,
     )
     return check_spec(spec, path, L, "architecture")
+
+
+SELECTORS["grid"] = GridCells
+
+register_release(
+    Release(
+        name="grid-feats",
+        source="facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
+        layouts=("grid-feats",),
+        catalogue=("grid-r-50", "grid-x-101", "grid-x-152", "grid-x-152pp"),
+        identity="grid-feats",
+        detect=layouts.detect_grid_feats,
+        normalise=layouts.normalise,
+        load=layouts.load_grid_feats,
+        describe=layouts.describe_grid_feats,
+        detector=GridFeatsModel,
+        selectors=("grid",),
+        grid_only=True,
+    )
+)

@@ -27,6 +27,7 @@ import numpy as np
 
 from extractors.preprocess import IMAGE_EXTENSIONS
 from pipeline.core.errors import UsageError
+from pipeline.core.fileio import read_json
 from pipeline.core.keys import key_from_name, key_to_text
 
 _COCO_ID = re.compile(r"^COCO_[A-Za-z]+\d*_(\d{12})$|^(\d{12})$")
@@ -230,8 +231,6 @@ def items_from_file_list(list_file: Path, base: Path | None = None) -> list[Imag
 def items_from_coco(ann_file: Path, image_root: Path | None, with_boxes: bool) -> list[ImageItem]:
     """COCO ``images`` (key = image id) from an annotations file; ``with_boxes`` attaches its ``bbox``es
     (xywh -> x1, y1, x1 + w, y1 + h) as given boxes."""
-    from pipeline.core.fileio import read_json
-
     data = read_json(ann_file, "COCO annotations file")
     if not isinstance(data.get("images"), list):
         raise UsageError(f"{ann_file}: not a COCO annotations file (no 'images' list)")

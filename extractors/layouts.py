@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 from extractors.weight_bounds import check_spec, dims, groups_of
+from extractors.weights import WeightsError
 
-RELEASE_LAYOUTS = ("vinvl", "grid-feats")
 ANCHORS = "proposal_generator.anchor_generator.cell_anchors.0"
 _CONV = re.compile(r"^(backbone|roi_heads)\.(res(\d)|stem)\.(?:(\d+)\.)?(conv\d|shortcut)\.(norm\.)?(\w+)$")
 _VINVL_FLAT = (
@@ -51,8 +50,6 @@ GRID_HEADS = (
 
 
 def _err(path: Any, layout: str, msg: str):
-    from extractors.weights import WeightsError
-
     return WeightsError(f"weights file {path} ({layout}): {msg}")
 
 
@@ -73,13 +70,24 @@ def to_vinvl_key(key: str) -> str:
     return key
 
 
-def detect(sd: Mapping[str, Any]) -> str | None:
-    """``vinvl`` / ``grid-feats`` from the key names (a ``module.`` prefix ignored), else None."""
-    keys = [k[7:] if k.startswith("module.") else k for k in sd]
+def _plain_keys(sd: Mapping[str, Any]) -> list[str]:
+    return [k[7:] if k.startswith("module.") else k for k in sd]
+
+
+def detect_vinvl(sd: Mapping[str, Any]) -> str | None:
+    """``vinvl`` when the key names are scene_graph_benchmark's (a ``module.`` prefix ignored), else None."""
+    keys = _plain_keys(sd)
     if any(k.startswith("backbone.body.") for k in keys) and any(k.startswith("roi_heads.box.") for k in keys):
         return "vinvl"
-    if any(k.startswith("backbone.res5.") for k in keys) and not any(k.startswith("roi_heads.res5.") for k in keys):
-        return "grid-feats"
+    return None
+
+
+def detect_grid_feats(sd: Mapping[str, Any]) -> str | None:
+    """``grid-feats`` when the backbone runs through ``backbone.res5`` (no ``roi_heads.res5``), else None."""
+    keys = _plain_keys(sd)
+    if detect_vinvl(sd) is None and any(k.startswith("backbone.res5.") for k in keys):
+        if not any(k.startswith("roi_heads.res5.") for k in keys):
+            return "grid-feats"
     return None
 
 
@@ -140,7 +148,7 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
 
 
 def internal_table(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
-    from extractors.vinvl import VinVLDetector
+    from extractors.vinvl import VinVLDetector  # noqa: PLC0415 -- cycle: extractors.vinvl registers this layout
 
     with torch.device("meta"):
         model = VinVLDetector(spec)
@@ -197,9 +205,9 @@ def check_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -
             raise _err(path, "vinvl", f"key '{k}' differs from the box head's res5 (the release shares one module)")
 
 
-def load_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
+def load_vinvl(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
     """Strictly check and load a ``vinvl`` state dict -> (:class:`VinVLDetector`, info)."""
-    from extractors.vinvl import VinVLDetector
+    from extractors.vinvl import VinVLDetector  # noqa: PLC0415 -- cycle: extractors.vinvl registers this loader
 
     inferred = infer_vinvl_spec(sd, path)
     spec = inferred if spec is None else spec
@@ -217,30 +225,8 @@ def load_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | N
     return model, {"anchors_from_file": to_vinvl_key(ANCHORS) in sd}
 
 
-def save_vinvl(
-    model: torch.nn.Module,
-    path: str | Path,
-    module_prefix: bool = True,
-    anchors: bool = True,
-    copies: bool = True,
-    wrap: bool = False,
-) -> Path:
-    """Write a :class:`VinVLDetector` in the release's layout (tests and conversions)."""
-    out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for k, v in model.state_dict().items():
-        if k == ANCHORS and not anchors:
-            continue
-        name = to_vinvl_key(k)
-        out[name] = v.detach().cpu().contiguous()
-        if copies and name.startswith(VINVL_RES5):
-            out[VINVL_RES5_COPY + name[len(VINVL_RES5) :]] = out[name]
-    if module_prefix:
-        out = OrderedDict(("module." + k, v) for k, v in out.items())
-    torch.save({"model": dict(out)} if wrap else dict(out), path)
-    return Path(path)
-
-
-def describe_vinvl(sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
+def describe_vinvl(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
+    """``cli info`` facts (strict-checked) for a ``vinvl`` file."""
     spec = infer_vinvl_spec(sd, path)
     check_vinvl(path, sd, spec)
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
@@ -257,16 +243,19 @@ def describe_vinvl(sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str,
 
 # --------------------------------------------------------------------------------------------------------
 def grid_tables(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
-    from extractors.grid import GridFeatsModel
+    from extractors.grid import GridFeatsModel  # noqa: PLC0415 -- cycle: extractors.grid registers this layout
 
     with torch.device("meta"):
         model = GridFeatsModel(spec)
     return OrderedDict((k, tuple(v.shape)) for k, v in model.state_dict().items())
 
 
-def load_grid_feats(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
+def load_grid_feats(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
     """Strictly check a grid-feats-vqa state dict (backbone loaded, heads checked by name) -> (model, info)."""
-    from extractors.grid import GridFeatsModel, infer_grid_spec
+    from extractors.grid import (  # noqa: PLC0415 -- cycle: extractors.grid registers this loader
+        GridFeatsModel,
+        infer_grid_spec,
+    )
 
     spec = infer_grid_spec(sd, path)
     strict_check(path, "grid-feats", sd, grid_tables(spec), set(), GRID_HEADS)
@@ -275,18 +264,9 @@ def load_grid_feats(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpe
     return model, {"anchors_from_file": False}
 
 
-def load_release(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
-    """(model, info) for a ``vinvl`` or ``grid-feats`` file (called by :func:`extractors.weights.load_detector`)."""
-    if layout == "vinvl":
-        return load_vinvl(path, sd, spec)
-    return load_grid_feats(path, sd, spec)
-
-
-def describe_release(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
-    """``cli info`` facts (strict-checked) for a ``vinvl`` or ``grid-feats`` file."""
-    if layout == "vinvl":
-        return describe_vinvl(sd, path)
-    from extractors.grid import infer_grid_spec
+def describe_grid_feats(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
+    """``cli info`` facts (strict-checked) for a ``grid-feats`` file."""
+    from extractors.grid import infer_grid_spec  # noqa: PLC0415 -- cycle: extractors.grid registers this describer
 
     spec = infer_grid_spec(sd, path)
     strict_check(path, "grid-feats", sd, grid_tables(spec), set(), GRID_HEADS)

@@ -22,6 +22,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.core.errors import exception_line
@@ -240,8 +241,6 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
       ``(x - mean) / std``; with ``to_bgr255`` (maskrcnn_benchmark ``ToTensor`` + ``Normalize(to_bgr255=True)``)
       the float is ``(x / 255) * 255`` in float32, as the release computes it.
     """
-    import torch
-
     img = rgb[:, :, ::-1] if recipe.colour == "bgr" else rgb
     h, w = rgb.shape[:2]
     mean = np.asarray(recipe.pixel_mean, dtype=np.float32)

@@ -28,18 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from extractors.releases import available_releases, layout_recipes, release_of_flavor
+from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 
 RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
-LAYOUT_RECIPE = {
-    "milvlg": "caffe",
-    "butd": "caffe",
-    "hf": "hf",
-    "airsplay": "airsplay",
-    "vinvl": "vinvl",
-    "grid-feats": "grid-feats",
-}
-"""The recipe a weights layout defaults to (``--recipe`` / ``extract.recipe`` override it)."""
+"""The recipes of ``configs/extract.yaml`` (``extract.recipes``; the help of ``--recipe``, which cannot wait for
+the config to load; tests/test_releases.py keeps them equal). The recipe a weights layout defaults to is its
+release's (:func:`extractors.releases.layout_recipes`)."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),
@@ -248,16 +244,22 @@ def _plain(value: Any) -> Any:
 
 def default_recipes() -> dict[str, Any]:
     """The release recipes of ``configs/extract.yaml`` (``extract.recipes``): the one place they are written."""
-    from pipeline.core.config import load_config
-
     return _plain(load_config("extract").extract.recipes)
 
 
 def recipe_name_for(layout: str, flavor: str = "caffe") -> str:
-    """The default recipe of a weights layout (a random detector follows its semantics: caffe or hf)."""
-    if layout in LAYOUT_RECIPE:
-        return LAYOUT_RECIPE[layout]
-    return {"caffe": "caffe", "vinvl": "vinvl"}.get(flavor, "hf")
+    """The default recipe of a weights layout: its release's (a random detector follows the release of its
+    semantics: caffe, hf or vinvl)."""
+    recipes = layout_recipes()
+    if layout in recipes:
+        return recipes[layout]
+    return release_of_flavor(flavor).recipe_name
+
+
+def grid_recipe() -> str:
+    """The recipe ``--boxes grid`` runs with ``recipe: auto``: that of the release whose weights make grid
+    features only (grid-feats-vqa)."""
+    return next(r.recipe_name for r in available_releases() if r.grid_only)
 
 
 def recipe_from_config(
@@ -273,7 +275,7 @@ def recipe_from_config(
     name = str(_section_get(section, "recipe", "auto") or "auto")
     mode = _section_get(section, "boxes")
     if name == "auto":
-        name = "grid-feats" if mode == "grid" else recipe_name_for(layout, flavor)
+        name = grid_recipe() if mode == "grid" else recipe_name_for(layout, flavor)
     table = _plain(_section_get(section, "recipes")) or default_recipes()
     if name not in table:
         raise UsageError(f"unknown recipe {name!r} for {where}.recipe (known: auto, {', '.join(sorted(table))})")
@@ -321,7 +323,7 @@ def resolve_recipe(recipe: Recipe, spec: Any) -> Recipe:
 
 def apply_recipe(model: Any, recipe: Recipe) -> Recipe:
     """Resolve ``recipe`` against the detector's own values and set its proposal settings and input scale on
-    the model (:meth:`BottomUpDetector.set_test_recipe`); returns the resolved recipe."""
+    the model (:meth:`extractors.detector.Detector.set_test_recipe`); returns the resolved recipe."""
     full = resolve_recipe(recipe, model.spec)
     model.set_test_recipe(
         min_size=full.min_size,

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from extractors.bottom_up import BottomUpDetector
 from extractors.bucketing import InOrder, ShapeBuckets
+from extractors.detector import Detector
 from extractors.inputs import ImageItem
 from extractors.photos import Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
@@ -52,7 +50,7 @@ class RunSummary:
 
 
 def run_extraction(
-    model: BottomUpDetector,
+    model: Detector,
     items: list[ImageItem],
     writer,
     selector: Selector,

@@ -31,6 +31,8 @@ import torch
 
 from extractors import box_coding, nms
 from extractors.preprocess import Frame
+from extractors.releases import release_of_flavor
+from pipeline.core.errors import UsageError
 
 
 def max_conf_vectorized(
@@ -244,21 +246,23 @@ class VinVLPostProcess(Selector):
     name = "vinvl"
 
 
-SELECTORS = {"per-class-nms": PerClassNMS, "nms-ladder": NMSLadder, "given": GivenBoxes, "vinvl": VinVLPostProcess}
+SELECTORS: dict[str, type[Selector]] = {
+    "per-class-nms": PerClassNMS,
+    "nms-ladder": NMSLadder,
+    "given": GivenBoxes,
+    "vinvl": VinVLPostProcess,
+}
+"""Selection name -> class; :mod:`extractors.grid` adds ``grid`` (:class:`extractors.grid.GridCells`, the whole-image
+res5 map, no proposals)."""
 
 
 def make_selector(recipe, spec) -> Selector:
-    """The selector a recipe names, bound to the detector's spec (box coder, class layout); ``grid`` is
-    :class:`extractors.grid.GridCells` (the whole-image res5 map, no proposals)."""
-    if recipe.selector == "grid":
-        from extractors.grid import GridCells
-
-        return GridCells(recipe, spec)
-    if (recipe.selector == "vinvl") != (spec.flavor == "vinvl") and recipe.selector not in ("given",):
-        from pipeline.core.errors import UsageError
-
+    """The selector a recipe names, bound to the detector's spec (box coder, class layout). The release of the
+    spec's semantics names the selections its detector runs; another one is a one-line :class:`UsageError`."""
+    release = release_of_flavor(spec.flavor)  # every extractor module imported: each selection is registered
+    if recipe.selector not in release.selectors:
         raise UsageError(
             f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
-            f"{'VinVL weights need the vinvl selection (or --boxes given / grid)' if spec.flavor == 'vinvl' else 'the vinvl selection needs VinVL weights'}"
+            f"their detector ({release.name} release) runs {', '.join(release.selectors)}"
         )
     return SELECTORS[recipe.selector](recipe, spec)

@@ -30,14 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import roi_align
 
-from extractors import EXTRACTORS, box_coding, vinvl_select
-from pipeline.core.regions import RegionRecord
+from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
+from extractors.detector import Detector
 from extractors.preprocess import Frame
-from extractors.resnet_caffe import ResNetC4, fold_all, make_res5
+from extractors.releases import Release, register_release
+from extractors.resnet_caffe import ResNetC4, make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 from extractors.to_host import records_to_host, stack_to_device
+from pipeline.core.regions import RegionRecord
 
 
 class AttributeHead(nn.Module):
@@ -74,13 +76,14 @@ class VinVLHeads(nn.Module):
         ).to(feat.dtype)
 
 
-class VinVLDetector(nn.Module):
+class VinVLDetector(Detector):
     """``backbone`` + ``proposal_generator`` + ``roi_heads`` with internal (detectron2-style) key names; the
     ``vinvl`` weights layout maps them to scene_graph_benchmark's (:mod:`extractors.layouts`)."""
 
+    SHAPING = ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels")
+
     def __init__(self, spec: BottomUpSpec) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.backbone = ResNetC4(
             spec.stage_blocks,
             spec.stem_channels,
@@ -97,24 +100,17 @@ class VinVLDetector(nn.Module):
             self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False
         )
         self.roi_heads = VinVLHeads(spec, self.backbone.out_channels)
-        self.roi_chunk = 0
-        self.channels_last = False  # extract.channels_last (extractors.to_host.use_channels_last)
-        self.eval()
-        for p in self.parameters():
-            p.requires_grad_(False)
+        self.freeze()
 
-    def set_test_recipe(self, **changes) -> "VinVLDetector":
-        """Input scale and proposal settings of the spec (architecture fields may not change)."""
-        new = self.spec.with_(**changes)
-        for name in ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels"):
-            if getattr(new, name) != getattr(self.spec, name):
-                raise ValueError(f"{name} shapes the weights and cannot change after the model is built")
-        self.spec = self.roi_heads.spec = new
-        return self
+    def share_spec(self, spec: BottomUpSpec) -> None:
+        self.roi_heads.spec = spec
 
-    def fold_batchnorm(self) -> "VinVLDetector":
-        fold_all(self)
-        return self
+    def scale_random_heads(self) -> None:
+        """The bottom-up scaling, with the attribute logits spread so that some pass the 0.05 threshold."""
+        self.roi_heads.bbox_pred.weight.mul_(0.02)
+        self.roi_heads.cls_score.weight.mul_(0.3)
+        if self.roi_heads.attribute is not None:
+            self.roi_heads.attribute.attr_score.weight.mul_(4.0)
 
     # ----------------------------------------------------------------------------------------------------
     def proposals(self, feat: torch.Tensor, sizes: list[tuple[int, int]], variant: str) -> list[torch.Tensor]:
@@ -246,3 +242,23 @@ class VinVLDetector(nn.Module):
 def preset_vinvl_x152c4() -> BottomUpSpec:
     """VinVL ``vinvl_vg_x152c4`` (ResNeXt-152 32x8d C4, 1594 classes, 524 attributes)."""
     return vinvl_x152c4()
+
+
+register_release(
+    Release(
+        name="vinvl",
+        source="microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
+        layouts=("vinvl",),
+        flavor="vinvl",
+        preset="vinvl-x152c4",
+        catalogue=("vinvl-x152c4",),
+        identity="vinvl",
+        detect=layouts.detect_vinvl,
+        normalise=layouts.normalise,
+        load=layouts.load_vinvl,
+        describe=layouts.describe_vinvl,
+        detector=VinVLDetector,
+        random_identity="vinvl-random",
+        selectors=("vinvl", "given", "grid"),
+    )
+)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torchvision.ops import nms as tv_nms
 
-from extractors import box_coding, nms as pcnms
+from extractors import box_coding
+from extractors import nms as pcnms
 
 NMS_VARIANTS = ("torchvision", "legacy-cuda", "legacy-cpu")
 

@@ -39,7 +39,7 @@ _BLOCK = re.compile(r"(?:^|\.)(?:res|layer)\d+\.(\d+)\.")
 
 
 def _err(path: Any, layout: str, msg: str):
-    from extractors.weights import WeightsError
+    from extractors.weights import WeightsError  # noqa: PLC0415 -- cycle: extractors.weights imports this module
 
     return WeightsError(f"weights file {path} ({layout}): {msg}")
 

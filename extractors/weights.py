@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from extractors.releases import detect_layout, release_of_flavor, release_of_layout
 from extractors.spec import BottomUpSpec
 from extractors.weight_bounds import check_keys, check_meta, check_spec, dims
 from pipeline.core.errors import PipelineError, UsageError
@@ -45,7 +46,7 @@ from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensor
 from pipeline.core.unpickle import IMPORT
 from pipeline.core.unpickle import RestrictedUnpickler as Unpickler
 
-LAYOUTS = ("milvlg", "airsplay", "hf", "butd")  # plus vinvl / grid-feats (extractors.layouts)
+LAYOUTS = ("milvlg", "airsplay", "hf", "butd")  # the bottom-up layouts; the releases register others
 BUTD_FORMAT = "butd-caption-detector"
 BUTD_VERSION = 1
 D2_RENAMES = (
@@ -145,10 +146,8 @@ def from_layout_key(key: str, layout: str) -> str:
 
 def internal_shapes(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
     """Key -> shape of the detector's state dict, built on the meta device (no memory for the tensors)."""
-    from extractors.bottom_up import BottomUpDetector
-
     with torch.device("meta"):
-        model = BottomUpDetector(spec)
+        model = release_of_flavor(spec.flavor).detector(spec)
     return OrderedDict((k, tuple(v.shape)) for k, v in model.state_dict().items())
 
 
@@ -173,12 +172,6 @@ def expected_table(layout: str, spec: BottomUpSpec) -> tuple["OrderedDict[str, t
 
 
 # --------------------------------------------------------------------------------------------------------
-def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
-    """Read a weights file -> (layout, flat state dict of tensors) without checking shapes."""
-    layout, sd, _ = read_weights(path)
-    return layout, sd
-
-
 def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]", dict[str, Any]]:
     """Read a weights file -> (layout, flat state dict, metadata of a ``butd`` file or ``{}``)."""
     path = Path(path)
@@ -230,10 +223,11 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
         check_tensors(path, sd.items())
     except BoundsError as exc:
         raise WeightsError(f"weights file {exc}") from None
-    from extractors import layouts  # the vinvl / grid-feats layouts (docs/extractor.md#weights-layouts)
-
-    if container == "torch" and layouts.detect(sd) is not None:
-        layout, sd = layouts.detect(sd), layouts.normalise(sd)
+    found = detect_layout(sd) if container == "torch" else None  # a release's own layout (vinvl, grid-feats, ...)
+    if found is not None:
+        release, layout = found
+        if release.normalise is not None:
+            sd = release.normalise(sd)
     else:
         layout = _detect_layout(path, sd, container)
     check_keys(path, layout, sd)
@@ -375,13 +369,10 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     ``spec`` fixes the expected architecture (a preset); ``None`` infers it from the file. The flavor always
     follows the layout: MILVLG files run with caffe semantics, airsplay/HF files with detectron2 semantics.
     """
-    from extractors.bottom_up import BottomUpDetector
-
     layout, sd, meta = read_weights(path)
-    if layout in ("vinvl", "grid-feats"):
-        from extractors.layouts import load_release
-
-        model, info = load_release(path, layout, sd, spec)
+    release = release_of_layout(layout)
+    if release is not None and release.load is not None:
+        model, info = release.load(path, layout, sd, spec)
         info.update(
             layout=layout, weights_sha256=sha256_file(path), weights_file=Path(path).name, spec=model.spec.to_dict()
         )
@@ -394,7 +385,7 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
             f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) but the preset expects {spec.flavor}"
         )
     check_strict(path, layout, sd, spec)
-    model = BottomUpDetector(spec)
+    model = release_of_flavor(spec.flavor).detector(spec)
     internal = to_internal(layout, sd)
     missing, unexpected = model.load_state_dict(internal, strict=False)
     bad = [k for k in missing if k != ANCHOR_KEY] + list(unexpected)
@@ -413,27 +404,6 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
     return model.to(device), info
 
 
-def save_layout(model_sd: Mapping[str, torch.Tensor], layout: str, path: str | Path) -> Path:
-    """Write an internal state dict in a public layout and container (used by tests and conversions)."""
-    path = Path(path)
-    out: OrderedDict[str, Any] = OrderedDict()
-    for k, v in model_sd.items():
-        out[to_layout_key(k, layout)] = v.detach().cpu().contiguous()
-        if layout == "hf" and k.endswith(".norm.running_var"):
-            out[k[: -len("running_var")] + NBT] = torch.tensor(0, dtype=torch.int64)
-    if layout == "airsplay":
-        arrays = OrderedDict((k, v.numpy()) for k, v in out.items())
-        with open(path, "wb") as fh:
-            pickle.dump({"model": arrays, "__author__": "butd-caption test"}, fh, protocol=2)
-    elif layout == "milvlg":
-        torch.save({"model": dict(out)}, path)
-    elif layout == "hf":
-        torch.save(dict(out), path)
-    else:
-        raise UsageError(f"unknown weights layout {layout!r}")
-    return path
-
-
 def describe(path: str | Path) -> dict[str, Any]:
     """Layout, architecture and digest of a weights file (for ``cli info``); strict-checks it too."""
     return describe_with_spec(path)[0]
@@ -442,10 +412,9 @@ def describe(path: str | Path) -> dict[str, Any]:
 def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
     """:func:`describe` and the :class:`BottomUpSpec` the file defines (its own test values included)."""
     layout, sd, meta = read_weights(path)
-    if layout in ("vinvl", "grid-feats"):
-        from extractors.layouts import describe_release
-
-        facts, spec = describe_release(layout, sd, path)
+    release = release_of_layout(layout)
+    if release is not None and release.describe is not None:
+        facts, spec = release.describe(layout, sd, path)
         return {
             "file": str(path),
             **facts,

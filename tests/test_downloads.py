@@ -12,17 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from detector_helpers import save_layout, save_vinvl
+from download_server import FileServer
+from extract_helpers import tiny_spec
+from release_helpers import write_m2_checkpoint
+from test_vinvl import narrow_spec
 from typer.testing import CliRunner
 
 from cli import app
-from download_server import FileServer
-from extract_helpers import tiny_spec
-from extractors import weights as W
-from extractors.layouts import save_vinvl
 from extractors.random_weights import random_detector
 from pipeline.core.catalogue import CATALOGUE
-from release_helpers import write_m2_checkpoint
-from test_vinvl import narrow_spec
 
 REPO = Path(__file__).resolve().parent.parent
 FEAT = 128  # the tiny MILVLG detector's region feature size
@@ -48,8 +47,8 @@ def release_files(tmp_path_factory, shared_data) -> dict[str, bytes]:
         "label_to_idx": {f"class{i}": i for i in range(1, 41)},
         "attribute_to_idx": {f"attr{i}": i for i in range(1, 31)},
     }
-    W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", d / "bua.pth")
-    W.save_layout(random_detector(tiny_spec(flavor="d2"), 1).state_dict(), "hf", d / "hf.bin")
+    save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", d / "bua.pth")
+    save_layout(random_detector(tiny_spec(flavor="d2"), 1).state_dict(), "hf", d / "hf.bin")
     from models.released.m2 import read_vocab
 
     itos = read_vocab(shared_data / "m2" / "vocab.pkl")

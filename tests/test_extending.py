@@ -1,6 +1,7 @@
-"""docs/extending.md, followed to the letter: its toy captioner (one module + one YAML) and toy importer (one
-module + one Format record) are written into a temporary folder exactly as printed, loaded through
-BUTD_PLUGINS, and run through the CLI (import, export, info, train, evaluate)."""
+"""docs/extending.md, followed to the letter: its toy captioner (one module + one YAML), toy importer (one
+module + one Format record) and toy detector release (one module + one Release record) are written into a
+temporary folder exactly as printed, loaded through BUTD_PLUGINS, and run through the CLI (import, export,
+info, train, evaluate, extract)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from pipeline.store import FeatureStore
+import torch
+from detector_helpers import save_layout
+from extract_helpers import tiny_spec
+from PIL import Image
 from train_helpers import make_world_run
+
+from extractors.random_weights import random_detector
+from pipeline.store import FeatureStore
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "extending.md"
@@ -31,7 +37,7 @@ def documented_files(dest: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def plugin_env(tmp_path_factory) -> dict[str, str]:
     plugins = tmp_path_factory.mktemp("plugins")
-    assert sorted(documented_files(plugins)) == ["toy.yaml", "toy_captioner.py", "toy_importer.py"]
+    assert sorted(documented_files(plugins)) == ["toy.yaml", "toy_captioner.py", "toy_importer.py", "toy_release.py"]
     return dict(
         os.environ,
         BUTD_PLUGINS="toy_captioner,toy_importer",
@@ -57,13 +63,27 @@ def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_
         np.savez(src / f"{key}.npz", features=feats, boxes=boxes, size=np.array([60, 40]))
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
+    res = cli("import-features", str(src), "--format", "toy-npz", "--store", str(store), env=plugin_env)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # the format names no release
+    assert "format 'toy-npz' names no release" in res.stderr and "--release" in res.stderr
     res = cli(
-        "import-features", str(src), "--format", "toy-npz", "--store", str(store), "--dtype", "float32", env=plugin_env
+        "import-features",
+        str(src),
+        "--format",
+        "toy-npz",
+        "--store",
+        str(store),
+        "--dtype",
+        "float32",
+        "--release",
+        "hf",
+        env=plugin_env,
     )
     assert res.returncode == 0, res.stderr
     assert "imported: 3" in res.stdout
     st = FeatureStore(store)
     assert sorted(st.keys()) == ["a", "b", "c"] and st.identity["name"] == "imported:toy-npz"
+    assert st.identity["release"]["recipe"] == "hf" and "lxmert" in st.identity["release"]["source"]
     for key, (feats, boxes) in expected.items():
         np.testing.assert_array_equal(st.get(key)["features"], feats)
         np.testing.assert_array_equal(st.get(key)["boxes"], boxes)
@@ -73,7 +93,17 @@ def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_
     assert res.returncode == 0 and "rows written: 3" in res.stdout, res.stderr
     assert sorted(out.read_text().splitlines()) == ["a\t3", "b\t1", "c\t5"]
     (src / "bad.npz").write_bytes(b"not a zip")  # the reader's PipelineError: one line, exit 2 (a bad input file)
-    res = cli("import-features", str(src), "--format", "toy-npz", "--store", str(tmp_path / "s2"), env=plugin_env)
+    res = cli(
+        "import-features",
+        str(src),
+        "--format",
+        "toy-npz",
+        "--store",
+        str(tmp_path / "s2"),
+        "--release",
+        "caffe",
+        env=plugin_env,
+    )
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "not a toy feature file" in res.stderr
 
 
@@ -142,3 +172,69 @@ def test_a_plugin_that_cannot_be_imported_is_one_line(cli, plugin_env):
     res = cli("info", env=dict(plugin_env, BUTD_PLUGINS="toy_captioner,no_such_plugin"))
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "BUTD_PLUGINS: cannot import 'no_such_plugin'" in res.stderr
+
+
+def test_the_toy_release_is_one_module():
+    """The section "A new detector release" prints one file: the release touches one module (and its test)."""
+    text = DOC.read_text()
+    section = text[text.index("## A new detector release") :]
+    section = section[: section.index("\n## ", 1)]
+    assert re.findall(r"<!-- file: (\S+) -->", section) == ["toy_release.py"]
+
+
+def _photo(path: Path, seed: int, size: tuple[int, int]) -> str:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path, quality=95)
+    return str(path)
+
+
+def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(cli, tmp_path, plugin_env):
+    """Weights in the toy layout are recognised by the plugin's record alone: ``info`` describes them, ``extract``
+    records the release's identity name and gives exactly the features of the same weights in the MILVLG layout;
+    without the plugin the file is refused in one line."""
+    env = dict(plugin_env, BUTD_PLUGINS="toy_release")
+    sd = random_detector(tiny_spec(flavor="caffe"), 5).state_dict()
+    milvlg = save_layout(sd, "milvlg", tmp_path / "bua.pth")
+    toy = tmp_path / "toy.pth"
+    torch.save({"detector." + k: v for k, v in sd.items()}, toy)
+    photos = [_photo(tmp_path / "a.jpg", 0, (320, 240)), _photo(tmp_path / "b.jpg", 1, (200, 300))]
+
+    res = cli("info", str(toy), env=env)
+    assert res.returncode == 0, res.stderr
+    assert "layout: toy" in res.stdout and "semantics: caffe" in res.stdout and "recipe: caffe" in res.stdout
+    res = cli("info", str(toy), env=plugin_env)  # the plugin not loaded: no release claims the layout
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and str(toy) in res.stderr
+    assert "toy" in cli("import-features", "--help", env=env).stdout.split("--release", 1)[1].split("--", 1)[0]
+
+    stores = {}
+    for name, weights in (("toy", toy), ("milvlg", milvlg)):
+        stores[name] = tmp_path / f"store-{name}"
+        res = cli(
+            "extract",
+            *photos,
+            "--weights",
+            str(weights),
+            "--store",
+            str(stores[name]),
+            "--boxes",
+            "36",
+            "--workers",
+            "0",
+            "--device",
+            "cpu",
+            "--set",
+            "extract.min_size=200",
+            "--set",
+            "extract.max_size=333",
+            env=env,
+        )
+        assert res.returncode == 0, res.stderr
+    got, want = FeatureStore(stores["toy"]), FeatureStore(stores["milvlg"])
+    assert got.identity["name"] == "toy-detector" and got.identity["layout"] == "toy"
+    assert got.identity["config"]["recipe"]["name"] == "caffe" == want.identity["config"]["recipe"]["name"]
+    assert sorted(got.keys()) == sorted(want.keys()) == ["a.jpg", "b.jpg"]
+    for key in got.keys():
+        a, b = got.get(key), want.get(key)
+        assert a["features"].shape[0] == 36 and a["features"].shape == b["features"].shape
+        np.testing.assert_array_equal(a["features"], b["features"])
+        np.testing.assert_array_equal(a["boxes"], b["boxes"])

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from detector_helpers import save_layout
+from extract_helpers import TINY_SET, read_obj36
 from PIL import Image
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import TINY_SET, read_obj36
 from extractors.preprocess import ImageLoadError, load_rgb
 from pipeline.store import FeatureStore, merge_stores
 
@@ -303,8 +304,9 @@ def test_full_r101_on_two_real_photos_writes_a_valid_store(tmp_path, shared_data
 @pytest.mark.parametrize("layout,suffix", [("milvlg", ".pth"), ("hf", ".bin")])
 def test_extract_with_a_weights_file_records_its_digest(tmp_path, shared_data, layout, suffix):
     from extract_helpers import tiny_spec
-    from extractors.weights import save_layout, sha256_file
+
     from extractors.random_weights import random_detector
+    from extractors.weights import sha256_file
 
     spec = tiny_spec(flavor="caffe" if layout == "milvlg" else "d2")
     weights = save_layout(random_detector(spec, 3).state_dict(), layout, tmp_path / f"w{suffix}")

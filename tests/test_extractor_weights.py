@@ -9,10 +9,11 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from detector_helpers import read_raw, save_layout
+from extract_helpers import tiny_spec
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import tiny_spec
 from extractors import weights as W
 from extractors.random_weights import random_detector
 from extractors.spec import BottomUpSpec
@@ -24,7 +25,7 @@ FLAVOR = {"milvlg": "caffe", "airsplay": "d2", "hf": "d2"}
 def _write(tmp_path, layout, spec=None, seed=0):
     spec = (spec or tiny_spec()).with_(flavor=FLAVOR[layout])
     model = random_detector(spec, seed)
-    path = W.save_layout(model.state_dict(), layout, tmp_path / f"w{SUFFIX[layout]}")
+    path = save_layout(model.state_dict(), layout, tmp_path / f"w{SUFFIX[layout]}")
     return model, path
 
 
@@ -154,7 +155,7 @@ def test_malicious_pickle_is_refused_and_never_executed(tmp_path, monkeypatch):
     with open(obj, "wb") as fh:
         pickle.dump({"model": {"a": np.array([1, "x"], dtype=object)}}, fh, protocol=2)
     with pytest.raises(W.WeightsError):
-        W.read_raw(obj)
+        read_raw(obj)
     # a torch file carrying a pickled object is refused by weights_only loading
     bad_pth = tmp_path / "evil.pth"
     torch.save({"model": {"x": _Evil()}}, bad_pth)
@@ -190,7 +191,7 @@ def test_milvlg_file_with_batchnorm_counters_and_without_anchors_loads(tmp_path)
 def test_airsplay_file_without_attribute_head(tmp_path):
     """``faster_rcnn_from_caffe.pkl`` (no attribute head): loads as a detector without attribute outputs."""
     spec = tiny_spec(flavor="d2", has_attributes=False)
-    path = W.save_layout(random_detector(spec, 0).state_dict(), "airsplay", tmp_path / "faster_rcnn_from_caffe.pkl")
+    path = save_layout(random_detector(spec, 0).state_dict(), "airsplay", tmp_path / "faster_rcnn_from_caffe.pkl")
     model, info = W.load_detector(path)
     assert info["layout"] == "airsplay" and not model.spec.has_attributes
     assert not hasattr(model.roi_heads.box_predictor, "attr_linear1")

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from detector_helpers import save_layout
 
 from pipeline.core.errors import PipelineError, UsageError
 
@@ -161,11 +162,10 @@ def test_a_hard_link_at_a_lock_path_is_refused(tmp_path: Path) -> None:
 def m2_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """A random-weight M2 release (model file, vocabulary beside it) and a tiny public-layout detector."""
     import torch
-
     from extract_helpers import tiny_spec
-    from extractors import weights as W
-    from extractors.random_weights import random_detector
     from release_helpers import write_m2_checkpoint, write_m2_vocab
+
+    from extractors.random_weights import random_detector
 
     torch.set_num_threads(1)
     models = tmp_path / "m2"
@@ -173,7 +173,7 @@ def m2_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
     words = ["a", "man", "dog", "on", "the", "grass"]
     write_m2_vocab(models / "vocab.pkl", words)
     write_m2_checkpoint(models / "meshed_memory_transformer.pth", 4 + len(words), d=16, d_ff=24, m=3, d_in=128)
-    bua = W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", tmp_path / "bua.pth")
+    bua = save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", tmp_path / "bua.pth")
     ENV["BUTD_CACHE"] = str(tmp_path / "cache")
     yield models / "meshed_memory_transformer.pth", bua
     ENV.pop("BUTD_CACHE")

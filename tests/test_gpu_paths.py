@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from detector_helpers import save_layout
 from typer.testing import CliRunner
 
 from cli import app
@@ -133,9 +134,9 @@ WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red", "sittin
 @pytest.fixture(scope="module")
 def released(tmp_path_factory, shared_data) -> dict[str, Path]:
     from extract_helpers import tiny_spec
-    from extractors import weights as W
-    from extractors.random_weights import random_detector
     from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
+
+    from extractors.random_weights import random_detector
 
     root = tmp_path_factory.mktemp("released")
     photos = root / "photos"
@@ -149,7 +150,7 @@ def released(tmp_path_factory, shared_data) -> dict[str, Path]:
     write_aoanet(root / "aoa", WORDS + ["UNK"], d=16, d_in=128)
     return {
         "photos": photos,
-        "bua": W.save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", root / "bua.pth"),
+        "bua": save_layout(random_detector(tiny_spec(flavor="caffe"), 0).state_dict(), "milvlg", root / "bua.pth"),
         "m2": root / "m2" / "meshed_memory_transformer.pth",
         "aoa": root / "aoa" / "model-best.pth",
     }
@@ -201,10 +202,11 @@ def test_caption_on_cuda_equals_the_cpu_for_released_layouts(released, model, tm
 def test_store_read_with_preload_cuda_equals_streaming(tmp_path):
     """``preload: cuda`` keeps the split's features on the GPU: the batches equal those read from the store
     (bitwise: a copy, no arithmetic), and they live on the CUDA device."""
+    from train_helpers import make_world_run
+
     from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.data import CaptionDataset
     from pipeline.training.batches import BatchSource
-    from train_helpers import make_world_run
 
     run = make_world_run(tmp_path, num_images=40)
     dataset = CaptionDataset(FeatureStore(run / "features" / "store"), PreparedCaptions.load(run / "data"), "train")

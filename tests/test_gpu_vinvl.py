@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from detector_helpers import random_grid_feats_file, save_vinvl
+from test_grid import grid_spec
+from test_vinvl import PHOTOS, narrow_spec
 from typer.testing import CliRunner
 
 from cli import app
-from extractors.layouts import save_vinvl
-from extractors.random_weights import random_detector, random_grid_feats_file
+from extractors.random_weights import random_detector
 from pipeline.store import FeatureStore
-from test_grid import grid_spec
-from test_vinvl import PHOTOS, narrow_spec
 
 pytestmark = pytest.mark.gpu
 

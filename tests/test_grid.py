@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from detector_helpers import grid_regions, random_grid_feats_file, save_layout, save_vinvl
 from PIL import Image, ImageOps
+from test_vinvl import _Net, narrow_spec
 from typer.testing import CliRunner
 
 from cli import app
-from extractors.layouts import save_vinvl
-from extractors.random_weights import random_detector, random_grid_feats_file
+from extractors.random_weights import random_detector
 from extractors.spec import BottomUpSpec
 from pipeline.store import FeatureStore
-from test_vinvl import _Net, narrow_spec
 
 PHOTOS = [
     "COCO_train2014_000000132417.jpg",
@@ -187,7 +187,6 @@ def test_caffe_r101_grid_geometry_and_refusals(tmp_path, shared_data, files):
     """The dilated R-101 head gives a stride-32 map with ``res5_dilation: 1`` and stride 16 with 2; modulated or
     grouped deformable offsets and region extraction with grid-feats weights are refused in one line."""
     from extract_helpers import tiny_spec
-    from extractors.weights import save_layout
 
     w = save_layout(random_detector(tiny_spec(), seed=1).state_dict(), "milvlg", tmp_path / "bua.pth")
     f = str(shared_data / "photos" / PHOTOS[1])  # 407x640 -> 600x943 (d2 rule)
@@ -305,7 +304,7 @@ def test_a_batch_of_grid_maps_reaches_the_host_in_one_copy_with_the_per_image_ar
     from types import SimpleNamespace
 
     from bench.proxies import count
-    from extractors.grid import GridCells, GridFeatsModel, grid_map, grid_regions
+    from extractors.grid import GridCells, GridFeatsModel, grid_map
     from extractors.preprocess import Frame
 
     torch.manual_seed(0)

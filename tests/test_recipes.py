@@ -16,14 +16,15 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from detector_helpers import save_layout
+from extract_helpers import tiny_spec
 from PIL import Image
 from torchvision.ops import nms
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import tiny_spec
-from extractors.weights import load_detector, save_layout
 from extractors.random_weights import random_detector
+from extractors.weights import load_detector
 from pipeline.store import FeatureStore
 
 PHOTOS = ["COCO_train2014_000000306661.jpg", "COCO_train2014_000000131486.jpg"]  # 640x427 and 407x640: inexact scales

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from detector_helpers import save_layout
 from typer.testing import CliRunner
 
 from cli import app
 from extractors import EXTRACTORS, available_extractors
+from extractors.random_weights import random_detector
 from extractors.training.data import load_instances
 from extractors.training.export import HEAD_KEYS
 from extractors.training.loop import build_detector
 from extractors.training.stage import load_detector_config
-from extractors.weights import describe, load_detector, save_layout
-from extractors.random_weights import random_detector
+from extractors.weights import describe, load_detector
 from pipeline.core.config import load_config
 from pipeline.world.generate import generate_world
 

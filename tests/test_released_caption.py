@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from detector_helpers import save_layout
+from extract_helpers import tiny_spec
+from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import tiny_spec
-from extractors import weights as W
 from extractors.random_weights import random_detector
-from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red", "sitting"]
 FEAT = 128  # the tiny detector's region feature size
@@ -30,7 +30,7 @@ def _cache(tmp_path, monkeypatch):
 @pytest.fixture
 def bua(tmp_path: Path) -> Path:
     spec = tiny_spec(flavor="caffe")
-    return W.save_layout(random_detector(spec, 0).state_dict(), "milvlg", tmp_path / "bua.pth")
+    return save_layout(random_detector(spec, 0).state_dict(), "milvlg", tmp_path / "bua.pth")
 
 
 @pytest.fixture

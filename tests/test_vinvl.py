@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from detector_helpers import save_vinvl
 from PIL import Image
 from torchvision.ops import nms, roi_align
 from typer.testing import CliRunner
 
 from cli import app
-from extractors.layouts import save_vinvl
 from extractors.preprocess import mrcnn_size
 from extractors.random_weights import random_detector
 from extractors.spec import vinvl_x152c4

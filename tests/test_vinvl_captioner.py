@@ -8,18 +8,18 @@ import json
 
 import pytest
 import torch
+from detector_helpers import save_vinvl
+from test_vinvl import narrow_spec
+from train_helpers import TINY
 from typer.testing import CliRunner
 
 from cli import app
-from extractors.layouts import save_vinvl
 from extractors.random_weights import random_detector
 from pipeline.caption_data.prepare import prepare_captions
 from pipeline.core.config import load_config
 from pipeline.core.stages import run_stage
 from pipeline.store import FeatureStore
 from pipeline.world.generate import generate_world
-from test_vinvl import narrow_spec
-from train_helpers import TINY
 
 SCALE = [
     "--set",

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from detector_helpers import random_grid_feats_file, read_raw, save_layout, save_vinvl
+from extract_helpers import tiny_spec
 from PIL import Image
 
-from extract_helpers import tiny_spec
 from extractors import weights as W
-from extractors.layouts import save_vinvl
-from extractors.random_weights import random_detector, random_grid_feats_file
+from extractors.random_weights import random_detector
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 
 AS_LIMIT = 5 << 30  # importing torch maps ~3.6 GB of address space; a refusal must stay within ~1.4 GB more
@@ -65,12 +65,12 @@ def state_of(layout: str, tmp_path: Path) -> OrderedDict:
     """An honest state dict of ``layout`` (as its file holds it), random values."""
     if layout in ("milvlg", "airsplay", "hf", "butd"):
         spec = tiny_spec(flavor="d2" if layout in ("airsplay", "hf") else "caffe")
-        path = W.save_layout(
+        path = save_layout(
             random_detector(spec, 0).state_dict(),
             "milvlg" if layout == "butd" else layout,
             tmp_path / f"honest{SUFFIX[layout]}",
         )
-        return W.read_raw(path)[1]
+        return read_raw(path)[1]
     path = tmp_path / "honest.pth"
     if layout == "vinvl":
         save_vinvl(random_detector(grouped("vinvl"), seed=1), path, module_prefix=False)

@@ -8,16 +8,16 @@ from typing import Annotated, Optional
 
 import typer
 
+from extractors.releases import listed_release_names
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
-from pipeline.importers import FORMAT_RELEASE, RELEASES
-from pipeline.importers.formats import KEY_RULES, format_choices, sizes_formats
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.formats import KEY_RULES, format_choices, import_formats, sizes_formats
 
 
 def release_defaults() -> str:
     """Which release each format's public files come from, for ``--release``'s help (``butd-tsv caffe, ...``)."""
-    return ", ".join(f"{fmt} {release}" for fmt, release in FORMAT_RELEASE.items())
+    return ", ".join(f"{f.name} {f.release}" for f in import_formats() if f.release is not None)
 
 
 def _user_error(exc: PipelineError) -> UsageError:
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--release",
-                help=f"Release (test-time recipe) the features came from: {' | '.join(RELEASES)} (default: the format's public files: {release_defaults()}).",
+                help=f"Release (test-time recipe) the features came from: {' | '.join(listed_release_names())} (default: the format's public files: {release_defaults()}).",
             ),
         ] = None,
         keys: Annotated[

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extractors.releases import get_release, release_names
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
@@ -48,37 +49,22 @@ class ImportReport:
         )
 
 
-RELEASES: dict[str, str] = {
-    "caffe": "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch caffe mode)",
-    "hf": "huggingface/transformers examples/research_projects/lxmert (unc-nlp/frcnn-vg-finetuned)",
-    "airsplay": "airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
-    "vinvl": "microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
-    "grid-feats": "facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
-    "clip-vil": "clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
-}
-"""The test-time recipes (docs/recipes.md) a public feature file can come from."""
-FORMAT_RELEASE = {
-    "butd-tsv": "caffe",
-    "obj36-tsv": "caffe",
-    "cocobu": "caffe",
-    "m2-hdf5": "caffe",
-    "vinvl-tsv": "vinvl",
-    "grid-hdf5": "grid-feats",
-    "clip-vil": "clip-vil",
-}
-"""Where each format's public files came from: the BUTD TSVs from the Caffe script, LXMERT's obj36 TSVs from the
-Caffe model (airsplay/lxmert ``extract_coco_image.py``), ruotianluo's cocobu files from the adaptive BUTD TSVs,
-M2's ``coco_detections.hdf5`` from the bottom-up features. airsplay's own d2 extraction writes obj36-tsv too:
-``--release airsplay`` says so."""
-
-
 def default_identity(fmt: str, release: str | None = None) -> dict[str, Any]:
     """Identity recorded for imported features when none is given: the public format they came from and the
-    release (test-time recipe) that produced them."""
-    name = release or FORMAT_RELEASE.get(fmt, "caffe")
-    if name not in RELEASES:
-        raise UsageError(f"--release must be one of {', '.join(RELEASES)}, not {name!r}")
-    return {"name": f"imported:{fmt}", "config": {"format": fmt}, "release": {"recipe": name, "source": RELEASES[name]}}
+    release (:mod:`extractors.releases`: its test-time recipe and source) that produced them, ``release`` or the
+    format's own (:attr:`Format.release`). A format that names no release needs ``release``; an unknown format
+    or release is a one-line :class:`UsageError` naming it."""
+    name = release or FORMATS.get(fmt).release
+    if name is None:
+        raise UsageError(
+            f"format {fmt!r} names no release its files came from: pass --release ({' | '.join(release_names())})"
+        )
+    found = get_release(name, "--release")
+    return {
+        "name": f"imported:{fmt}",
+        "config": {"format": fmt},
+        "release": {"recipe": found.name, "source": found.source},
+    }
 
 
 def read_sizes(path: str | Path) -> dict[str, tuple[int, int]]:

@@ -77,5 +77,6 @@ register_format(
         True,
         None,
         help="CLIP-ViL *_clip_<model>_att directory of <cocoid>.npz grids (feat: g x g x C); cells become regions",
+        release="clip-vil",
     )
 )

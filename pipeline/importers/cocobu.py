@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.formats import Format, register_format
 from pipeline.importers.untrusted import read_npy
 
 
@@ -91,5 +91,6 @@ register_format(
         True,
         None,
         help="ruotianluo cocobu_att and cocobu_box directories of npz/npy: give ATT_DIR, optionally BOX_DIR",
+        release="caffe",  # made from the adaptive bottom-up TSVs
     )
 )

@@ -33,7 +33,9 @@ class Format:
     ``name``: the ``--format`` value; ``reader``: see the module docstring; ``default_keys``: ``raw`` (ids as in
     the file) or ``coco-id`` (``COCO_train2014_000000123`` -> ``123``); ``needs_sizes``: the files carry no image
     sizes (``--sizes COCO_JSON`` is required); ``exporter``: writes a store back in this format (None: import
-    only); ``help``: one line for the CLI help and the README table.
+    only); ``help``: one line for the CLI help and the README table; ``release``: the detector release
+    (:mod:`extractors.releases`) the format's public files came from, recorded in an imported store's identity
+    (None: the files name none, and ``import-features`` asks for ``--release``).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Format:
     needs_sizes: bool = False
     exporter: Exporter | None = None
     help: str = ""
+    release: str | None = None
 
     def __post_init__(self) -> None:
         if self.default_keys not in KEY_RULES:

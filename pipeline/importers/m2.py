@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.formats import Format, register_format
 from pipeline.importers.untrusted import read_dataset
 
 SUFFIX = "_features"
@@ -72,4 +72,14 @@ def read_m2(
                 yield where, decode
 
 
-register_format(Format("m2-hdf5", read_m2, "raw", True, None, help="M2 Transformer coco_detections.hdf5"))
+register_format(
+    Format(
+        "m2-hdf5",
+        read_m2,
+        "raw",
+        True,
+        None,
+        help="M2 Transformer coco_detections.hdf5",
+        release="caffe",  # the bottom-up features
+    )
+)

@@ -26,9 +26,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pipeline.importers.formats import Format, register_format
 from pipeline.core.errors import PipelineError
 from pipeline.core.keys import key_from_text, key_to_text
+from pipeline.importers.formats import Format, register_format
 from pipeline.importers.untrusted import MAX_ROW_BYTES
 
 Record = dict[str, Any]
@@ -254,6 +254,7 @@ register_format(
         False,
         partial(write_tsv, fmt="butd"),
         help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes",
+        release="caffe",  # peteanderson80/bottom-up-attention tools/generate_tsv.py
     )
 )
 register_format(
@@ -264,5 +265,6 @@ register_format(
         False,
         partial(write_tsv, fmt="obj36"),
         help="LXMERT obj36 TSV, with object and attribute ids",
+        release="caffe",  # LXMERT's from the Caffe model (airsplay/lxmert extract_coco_image.py)
     )
 )

@@ -1,0 +1,174 @@
+"""Detector releases as records: one :class:`Release` per public release, registered by the module that defines it.
+
+A release is everything the toolkit knows about one family of published detector weights and the code that ran
+them: the weights layouts it wrote (and how to recognise and load a layout the bottom-up loader does not know),
+the test-time recipe its features were made with (``extract.recipes.<recipe>``), the preset of its architecture,
+the maker of seeded random weights of its kind, the line an imported store records as its source, and the
+catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``,
+:mod:`extractors.vinvl` registers ``vinvl`` and :mod:`extractors.grid` registers ``grid-feats``; every table of
+the extractors, the importers and ``cli import-features`` reads this registry
+(docs/extending.md#a-new-detector-release-one-module--one-release-record).
+
+This module imports no torch, so the importers can name the releases cheaply; :func:`available_releases` imports
+the extractor modules (which register their records) the first time a record is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from extractors import BUILTIN_RELEASES, available_extractors
+from pipeline.core.errors import UsageError
+from pipeline.core.registry import Registry
+
+#: the test-time selections a detector can run (``extract.recipes.*.selector``)
+ALL_SELECTORS = ("per-class-nms", "nms-ladder", "given", "vinvl", "grid")
+
+#: (path, layout, state dict, spec or None) -> (detector, info)
+Loader = Callable[[Any, str, Mapping[str, Any], Any], tuple[Any, dict[str, Any]]]
+#: (layout, state dict, path) -> (``cli info`` facts, spec)
+Describer = Callable[[str, Mapping[str, Any], Any], tuple[dict[str, Any], Any]]
+
+
+@dataclass(frozen=True)
+class Release:
+    """One detector release.
+
+    ``name``: the ``--release`` value of ``cli import-features`` and the release an imported store records;
+    ``source``: the repository and script the release's features came from (recorded in an imported store's
+    identity); ``recipe``: the ``extract.recipes`` entry its weights run with by default (the name when empty);
+    ``layouts``: the weights layouts this release wrote, whose default recipe is ``recipe``; ``flavor``: the
+    :class:`~extractors.spec.BottomUpSpec` semantics of its detector (a random detector of that flavor follows
+    this release); ``preset``: the :data:`extractors.EXTRACTORS` preset of its architecture; ``catalogue``:
+    names of its weights files in ``pipeline.core.catalogue``; ``identity``: the feature-identity name of
+    features extracted with its weights (``bottom-up-<layout>`` when empty).
+
+    The parts that make a layout loadable: ``detect`` names the layout from a torch state dict's keys (None: not
+    this release's); ``normalise`` rewrites the keys once detected; ``load`` and ``describe`` are the strict loader
+    and the ``cli info`` facts. Releases without them use the bottom-up layouts of :mod:`extractors.weights`.
+    ``detector``: the class built from a spec (random weights, shape tables); ``random_weights``: (spec, seed) ->
+    a detector with seeded random weights; ``random_identity``: the identity name of such a detector;
+    ``selectors``: the test-time selections its detector runs; ``grid_only``: the weights hold a backbone only,
+    so only the ``grid`` selection runs.
+    """
+
+    name: str
+    source: str
+    recipe: str = ""
+    layouts: tuple[str, ...] = ()
+    flavor: str | None = None
+    preset: str | None = None
+    catalogue: tuple[str, ...] = ()
+    identity: str = ""
+    detect: Callable[[Mapping[str, Any]], str | None] | None = None
+    normalise: Callable[[Any], Any] | None = None
+    load: Loader | None = None
+    describe: Describer | None = None
+    detector: Callable[[Any], Any] | None = None
+    random_weights: Callable[[Any, int], Any] | None = None
+    random_identity: str = ""
+    selectors: tuple[str, ...] = ("per-class-nms", "nms-ladder", "given", "grid")
+    grid_only: bool = False
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.selectors) - set(ALL_SELECTORS))
+        if bad:
+            raise ValueError(f"release {self.name}: unknown selector {bad[0]!r} (known: {', '.join(ALL_SELECTORS)})")
+        if (self.load is None) != (self.describe is None):
+            raise ValueError(f"release {self.name}: a loader needs its describer and the other way round")
+
+    @property
+    def recipe_name(self) -> str:
+        return self.recipe or self.name
+
+    def identity_name(self, layout: str) -> str:
+        """The feature-identity name of features extracted with this release's weights of ``layout``."""
+        return self.identity or f"bottom-up-{layout}"
+
+
+RELEASES: Registry[Release] = Registry("release")
+
+
+def register_release(release: Release) -> Release:
+    """Add ``release`` to :data:`RELEASES` (a name or a layout registered twice is a programming error)."""
+    taken = {layout: r.name for r in _records() for layout in r.layouts}
+    for layout in release.layouts:
+        if layout in taken:
+            raise ValueError(f"release {release.name}: layout {layout!r} already belongs to release {taken[layout]}")
+    return RELEASES.register(release.name)(release)
+
+
+def _records() -> list[Release]:
+    return [RELEASES.get(name) for name in RELEASES.names()]
+
+
+def available_releases() -> list[Release]:
+    """Every registered release (the extractor modules imported first, so that theirs are there)."""
+    available_extractors()
+    return _records()
+
+
+def release_names() -> list[str]:
+    return [r.name for r in available_releases()]
+
+
+def listed_release_names() -> list[str]:
+    """The built-in releases and every release registered so far (plugins), without importing the extractor
+    modules: what command help lists (``cli --help`` does not wait for torchvision)."""
+    return list(dict.fromkeys([*BUILTIN_RELEASES, *RELEASES.names()]))
+
+
+def get_release(name: str, what: str = "release") -> Release:
+    """The release called ``name``; an unknown name is one :class:`UsageError` line listing the known ones."""
+    for release in available_releases():
+        if release.name == name:
+            return release
+    raise UsageError(f"unknown {what} {name!r} (known: {', '.join(release_names())})")
+
+
+def release_of_layout(layout: str) -> Release | None:
+    """The release that wrote weights of ``layout`` (None: no release claims it)."""
+    for release in available_releases():
+        if layout in release.layouts:
+            return release
+    return None
+
+
+def release_of_flavor(flavor: str) -> Release:
+    """The release a detector of ``flavor`` semantics follows (the first registered with that flavor)."""
+    for release in available_releases():
+        if release.flavor == flavor:
+            return release
+    raise UsageError(f"no release runs {flavor!r} detectors (known: {', '.join(release_names())})")
+
+
+def detect_layout(sd: Mapping[str, Any]) -> tuple[Release, str] | None:
+    """(release, layout) of a torch state dict whose keys one release's ``detect`` recognises, else None."""
+    for release in available_releases():
+        if release.detect is not None:
+            layout = release.detect(sd)
+            if layout is not None:
+                return release, layout
+    return None
+
+
+def layout_recipes() -> dict[str, str]:
+    """Weights layout -> the recipe it runs with by default (``--recipe`` / ``extract.recipe`` override it)."""
+    return {layout: r.recipe_name for r in available_releases() for layout in r.layouts}
+
+
+__all__ = [
+    "ALL_SELECTORS",
+    "RELEASES",
+    "Release",
+    "available_releases",
+    "detect_layout",
+    "get_release",
+    "layout_recipes",
+    "listed_release_names",
+    "register_release",
+    "release_names",
+    "release_of_flavor",
+    "release_of_layout",
+]
