@@ -132,6 +132,8 @@ def _print_report(report) -> None:
                 "true objects / relations: noun phrases and spatial relations of the test captions that hold in the image; "
                 "guess: what a random relation word between the same phrases would score"
             )
+        if report.checkpoint:
+            con.print(f"checkpoint evaluated: {report.checkpoint}")
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")
