@@ -13,7 +13,9 @@ every captioner on each: ``grid`` is the res5 map of the whole image pooled to `
 cells (docs/recipes.md#grid), stages ``features-grid``, ``train-<name>+grid``, ``eval-<name>+grid``, and the
 table's rows ``<name>+grid`` sit beside the region rows. The kind ``oracle`` needs no detector: the world's
 ground-truth regions (:mod:`pipeline.world.oracle_features`, ``demo.oracle``), stages ``features-oracle``,
-``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it.
+``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it. A variant with an
+``oracle:`` mapping (keys of ``demo.oracle``, e.g. ``box_features: true``) trains on its own oracle store, stage
+``features-oracle-<name>``.
 ``demo.seeds`` trains (and evaluates) each captioner with that many training seeds (``train.seed``,
 ``train.seed + 1``, ...; the first keeps the single-run folder names, the others end in ``-seed<N>``); the
 report holds every seed's figures and their mean and sample standard deviation.
