@@ -27,6 +27,7 @@ tensors against the file's bytes (:mod:`pipeline.core.tensor_bounds`), the archi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import re
@@ -41,6 +42,8 @@ from extractors.spec import BottomUpSpec
 from extractors.weight_bounds import check_keys, check_meta, check_spec, dims
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
+from pipeline.core.unpickle import IMPORT
+from pipeline.core.unpickle import RestrictedUnpickler as Unpickler
 
 LAYOUTS = ("milvlg", "airsplay", "hf", "butd")  # plus vinvl / grid-feats (extractors.layouts)
 BUTD_FORMAT = "butd-caption-detector"
@@ -60,35 +63,6 @@ class WeightsError(PipelineError):
 
 # --------------------------------------------------------------------------------------------------------
 # restricted unpickling
-class RestrictedUnpickler(pickle.Unpickler):
-    """Admits only what a pickled dict of numpy arrays needs; any other global or persistent id is refused."""
-
-    ALLOWED = frozenset(
-        {
-            ("numpy.core.multiarray", "_reconstruct"),
-            ("numpy._core.multiarray", "_reconstruct"),
-            ("numpy.core.multiarray", "scalar"),
-            ("numpy._core.multiarray", "scalar"),
-            ("numpy", "ndarray"),
-            ("numpy", "dtype"),
-            ("collections", "OrderedDict"),
-            ("_codecs", "encode"),  # how Python 3 pickles bytes under protocol 2
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refused global {module}.{name}")
-        if name == "ndarray":
-            return _ArrayClass
-        if name == "_reconstruct":
-            return _reconstruct
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("refused persistent id")
-
-
 class _ArrayClass:
     """Stands for ``numpy.ndarray``: only the class argument of :func:`_reconstruct` (called, it would allocate
     an array of any shape)."""
@@ -102,6 +76,21 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> np.ndarray:
             "an array reconstructed with a declared shape (numpy pickles start from an empty one)"
         )
     return np.ndarray.__new__(np.ndarray, (0,), np.dtype("b"))
+
+
+#: what a pickled dict of numpy arrays needs; any other global or persistent id is refused
+WEIGHT_GLOBALS: dict[tuple[str, str], Any] = {
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.multiarray", "scalar"): IMPORT,
+    ("numpy._core.multiarray", "scalar"): IMPORT,
+    ("numpy", "ndarray"): _ArrayClass,
+    ("numpy", "dtype"): IMPORT,
+    ("collections", "OrderedDict"): IMPORT,
+    ("_codecs", "encode"): IMPORT,  # how Python 3 pickles bytes under protocol 2
+}
+#: the project's restricted unpickler admitting :data:`WEIGHT_GLOBALS`: ``RestrictedUnpickler(file, encoding=...)``
+RestrictedUnpickler = functools.partial(Unpickler, allowed=WEIGHT_GLOBALS)
 
 
 def restricted_load(path: Path) -> Any:

@@ -6,6 +6,13 @@ training recipe (``schedule:``, stages ``xe`` / ``scst``). ``build_captioner(nam
 applies ``overrides`` to the card's ``model:`` section (validated: unknown keys or wrong types fail with a clear
 message) and calls the class registered under ``name``. A new model is one module that registers itself with
 ``@register_captioner("name")``, plus one YAML file (docs/extending.md).
+
+Packages: :mod:`models.captioners` (the captioner contract and one module per captioner, all imported when a
+captioner is looked up), :mod:`models.layers` (attention, normalisation, geometry and the other building blocks
+the captioners share), :mod:`models.decoding` (model-agnostic greedy, sampling and beam search),
+:mod:`models.released` (other projects' released checkpoints converted to the native one) and
+:mod:`models.checkpoints` / :mod:`models.loading` (the typed captioner checkpoint and reading a captioner file).
+Imports go one way: layers <- captioners <- decoding; checkpoints <- released <- loading.
 """
 
 from __future__ import annotations
@@ -19,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.captioners.base import Captioner, index_state
 from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
 from pipeline.core.errors import ConfigError
 from pipeline.core.registry import Registry
-
-from models.base import Captioner, index_state
 
 CAPTIONERS: Registry = Registry("captioner")
 
@@ -31,13 +37,14 @@ _LOADED = False
 
 
 def _import_all() -> None:
-    """Import every module of this package once so that their ``register`` decorators run."""
+    """Import every module of :mod:`models.captioners` once so that their ``register`` decorators run."""
     global _LOADED  # one-time import guard, not configuration
     if _LOADED:
         return
-    for info in pkgutil.iter_modules(__path__):
+    captioners = importlib.import_module("models.captioners")
+    for info in pkgutil.iter_modules(captioners.__path__):
         if info.name not in ("base",):
-            importlib.import_module(f"{__name__}.{info.name}")
+            importlib.import_module(f"{captioners.__name__}.{info.name}")
     _LOADED = True
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from models import build_captioner
-from models.base import Captioner
+from models.captioners.base import Captioner
 from pipeline.core.checkpoint import load_checkpoint, save_checkpoint
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.vocab import Vocab
@@ -278,42 +278,3 @@ class CaptionerCheckpoint:
                 f"checkpoint {path}: weights do not fit a '{self.model_name}' model: {str(exc).splitlines()[0][:200]}"
             ) from None
         return model.to(device)
-
-
-def read_captioner_file(path: str | Path, companion: str | Path | None = None) -> tuple[Path, CaptionerCheckpoint]:
-    """The native checkpoint at ``path`` (and its path), or the cached native conversion of a released M2 / AoANet
-    model (``models.released``; ``companion`` is its vocab.pkl / infos pickle, found next to it when omitted)."""
-    path = Path(path)
-    try:
-        return path, CaptionerCheckpoint.load(path)
-    except PipelineError as native_error:
-        from models.released import cached_native, ensure_native, load_release
-
-        if path.is_file():
-            cached = cached_native(path, companion)  # converted before: only the native copy is read
-            if cached is not None:
-                return cached, CaptionerCheckpoint.load(cached)
-        try:
-            loaded = load_release(path)
-        except UsageError:
-            raise native_error from None
-        if loaded[0] is None:
-            raise native_error from None
-        target = ensure_native(path, companion, loaded)
-        return target, CaptionerCheckpoint.load(target)
-
-
-def load_captioner(
-    path: str | Path,
-    device: torch.device | str = "cpu",
-    vocab: Vocab | None = None,
-    companion: str | Path | None = None,
-) -> tuple[Captioner, CaptionerCheckpoint]:
-    """Rebuild the captioner stored in ``path`` (checked against ``vocab`` when given) with its weights.
-
-    ``path`` may also be a released M2 / AoANet weights file (converted once, see :func:`read_captioner_file`);
-    such a model brings its own vocabulary, so ``vocab`` is not compared with it.
-    """
-    path, ckpt = read_captioner_file(path, companion)
-    ckpt.check_compatible(path, None, None, None if ckpt.release else vocab)
-    return ckpt.build(path, device), ckpt

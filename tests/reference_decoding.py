@@ -1,5 +1,5 @@
 """Plain decoding loops that read the device back at every step (``nonzero``, ``multinomial``, per-hypothesis
-lists): the reference the sync-free loops of models/decoding.py are tested against (same samples, captions,
+lists): the reference the sync-free loops of models/decoding/ are tested against (same samples, captions,
 log-probabilities and losses)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.base import Captioner, State, index_state
-from models.base import state_device as _device, state_rows as _rows
+from models.captioners.base import Captioner, State, index_state
+from models.captioners.base import state_device as _device, state_rows as _rows
 from models.decoding import (
     NEG_INF,
     DecodeOptions,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import models
-from models.aoa import AoANet, AoARefinerLayer
-from models.aoa_layers import AttentionOnAttention, BesselLayerNorm
+from models.captioners.aoa import AoANet, AoARefinerLayer
+from models.layers.aoa_layers import AttentionOnAttention, BesselLayerNorm
 
 
 def count(model: torch.nn.Module) -> int:
@@ -158,7 +158,7 @@ def test_refiner_layers_identical_at_init_like_the_official_code() -> None:
 
 
 def test_docstrings_cite_paper_sections() -> None:
-    import models.aoa as aoa
+    import models.captioners.aoa as aoa
 
     assert "Encoder with AoA" in aoa.__doc__ and "Decoder with AoA" in aoa.__doc__
     assert "Attention on Attention" in AttentionOnAttention.__doc__ and "docs/models.md#aoa" in aoa.__doc__

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import models
-from models.ban import BANCaptioner
-from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
+from models.captioners.ban import BANCaptioner
+from models.layers.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
 from pipeline.core.errors import ConfigError
 from pipeline.core.vocab import BOS
 
@@ -147,8 +147,8 @@ def test_bad_readout_is_rejected() -> None:
 
 
 def test_docstring_documents_design_and_equations() -> None:
-    import models.ban as ban
-    import models.bilinear as bilinear
+    import models.captioners.ban as ban
+    import models.layers.bilinear as bilinear
 
     assert "Design choice" in ban.__doc__ and "causal" in ban.__doc__
     assert "Residual" in ban.__doc__ and "Bilinear attention map" in bilinear.__doc__

@@ -1,4 +1,4 @@
-"""Beam-search stop rules (models/decoding.py, models/beam_official.py).
+"""Beam-search stop rules (models/decoding/, models/decoding/beam_official.py).
 
 * ``exact`` never returns a caption scoring below one the search would still have found; a hand-built
   language model shows ``first_k`` (stop at beam_size finished) returning the worse caption.
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from models.base import Captioner
+from models.captioners.base import Captioner
 from models.decoding import DecodeOptions, beam_search
 from pipeline.core.errors import ConfigError
 from pipeline.core.vocab import BOS, EOS, PAD, UNK

@@ -1,4 +1,4 @@
-"""The contract every registered captioner must honour (models/base.py), checked for each of them.
+"""The contract every registered captioner must honour (models/captioners/base.py), checked for each of them.
 
 * causality: changing a later token never changes earlier log-probabilities;
 * incremental decoding (encode/init_state/step) equals the teacher-forced pass to 1e-5;

@@ -1,4 +1,4 @@
-"""Decoding (models/decoding.py): greedy, sampling, beam search, on real captioners and on a bigram model.
+"""Decoding (models/decoding/): greedy, sampling, beam search, on real captioners and on a bigram model.
 
 The bigram model is a tiny real :class:`Captioner` whose next-word distribution depends only on the previous
 word (a learnable table), so exact answers (exhaustive search, penalised ranking) can be computed by hand.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import models
-from models.base import Captioner
+from models.captioners.base import Captioner
 from models.decoding import (
     DecodeOptions,
     beam_search,

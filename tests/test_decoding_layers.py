@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from models.captions import decoding_for, layered_decoding
+from models.decoding.captions import decoding_for, layered_decoding
 from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
 from pipeline.commands.caption import CAPTION_EVERYDAY
 from pipeline.commands.evaluate import EVALUATE_EVERYDAY

@@ -6,7 +6,7 @@
 * Every ``docs/NAME.md`` (optionally ``#anchor``) named in code, configs or docs, and every relative link
   ``[text](NAME.md#anchor)`` inside ``docs/``, points to an existing file and, with an anchor, to one of its
   headings (GitHub's heading slugs).
-* Every repository path (``models/m2.py``, ``configs/...``) that README.md or a docs page names exists.
+* Every repository path (``models/captioners/m2.py``, ``configs/...``) that README.md or a docs page names exists.
 * docs/models.md has a section per registered captioner and names every key of its YAML ``model:`` section.
 
 Each checker is first run on planted problems, so the repository checks can fail.
@@ -149,7 +149,9 @@ def repo_files() -> dict[str, str]:
         text = read_text(rel)
         if text is not None:
             files[rel] = text
-    assert "docs/architecture.md" in files and "models/m2.py" in files, "the repository's files were not found"
+    assert "docs/architecture.md" in files and "models/captioners/m2.py" in files, (
+        "the repository's files were not found"
+    )
     return files
 
 

@@ -22,7 +22,7 @@ def test_aoanet_runs_in_float16_with_padded_regions() -> None:
         out = greedy(model, enc, DecodeOptions(method="greedy", max_len=4))
     assert out.tokens.shape[0] == 2 and torch.isfinite(out.logprob).all()
     # float32 keeps the official -1e9 exactly
-    from models.aoa_layers import mask_value
+    from models.layers.aoa_layers import mask_value
 
     assert mask_value(torch.float32) == -1e9 and mask_value(torch.float16) == float(torch.finfo(torch.float16).min)
 

@@ -17,9 +17,15 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_builtin_formats_are_records():
     by_name = {f.name: f for f in import_formats()}
-    assert sorted(by_name) == ["butd-tsv", "cocobu", "grid-hdf5", "m2-hdf5", "obj36-tsv", "vinvl-tsv"]
+    assert sorted(by_name) == ["butd-tsv", "clip-vil", "cocobu", "grid-hdf5", "m2-hdf5", "obj36-tsv", "vinvl-tsv"]
     assert by_name["obj36-tsv"].default_keys == "coco-id" and by_name["butd-tsv"].default_keys == "raw"
-    assert sorted(n for n, f in by_name.items() if f.needs_sizes) == ["cocobu", "grid-hdf5", "m2-hdf5", "vinvl-tsv"]
+    assert sorted(n for n, f in by_name.items() if f.needs_sizes) == [
+        "clip-vil",
+        "cocobu",
+        "grid-hdf5",
+        "m2-hdf5",
+        "vinvl-tsv",
+    ]
     assert sorted(n for n, f in by_name.items() if f.exporter) == ["butd-tsv", "obj36-tsv", "vinvl-tsv"]
     with pytest.raises(ValueError, match="default_keys"):
         Format("x", lambda *a, **k: iter(()), default_keys="filename")

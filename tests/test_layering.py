@@ -88,8 +88,8 @@ def upward_imports(path: str, source: str) -> list[str]:
 def test_the_checker_catches_upward_imports() -> None:
     assert (
         upward_imports(
-            "models/m2.py",
-            "import torch\nfrom pipeline.core.errors import ConfigError\nfrom models.base import Captioner\n",
+            "models/captioners/m2.py",
+            "import torch\nfrom pipeline.core.errors import ConfigError\nfrom models.captioners.base import Captioner\n",
         )
         == []
     )

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import models
-from models.m2 import M2Transformer, MeshedDecoderLayer, sinusoid_table
-from models.m2_attention import M2Attention
+from models.captioners.m2 import M2Transformer, MeshedDecoderLayer, sinusoid_table
+from models.layers.m2_attention import M2Attention
 from pipeline.core.vocab import BOS
 
 
@@ -163,8 +163,8 @@ def test_position_limit_is_a_clear_error() -> None:
 
 
 def test_docstrings_cite_equations() -> None:
-    import models.m2 as m2
-    import models.m2_attention as m2a
+    import models.captioners.m2 as m2
+    import models.layers.m2_attention as m2a
 
     assert "Eq. 2" in M2Attention.__doc__ and "Eq. 4" in m2a.PositionWiseFF.__doc__
     assert "Eq. 6-8" in MeshedDecoderLayer.meshed.__doc__ and "Eq. 5" in m2.__doc__

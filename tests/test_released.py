@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from models.checkpoints import load_captioner
+from models.loading import load_captioner
 from models.released import convert_release, detect, ensure_native, load_release
 from models.released import aoanet as rel_aoa
 from models.released import m2 as rel_m2

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.checkpoints import load_captioner
+from models.loading import load_captioner
 from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red"]

@@ -303,7 +303,7 @@ def test_evaluate_retrieval_bad_inputs(trained, tmp_path, case: str, message: st
 
 
 def _cap2cap_weights(vocab_size: int, config: dict) -> dict:
-    from models.sentence_encoder import SentenceEncoder
+    from pipeline.embedding.sentence_encoder import SentenceEncoder
 
     m = SentenceEncoder(vocab_size, 22, **{**config, "objective": "cap2cap"})
     return {k: v for k, v in m.state_dict().items() if k.startswith("decoder")}

@@ -1,4 +1,4 @@
-"""The NG-SAN family (models/san.py): sizes from the paper, invariances, NSA statistics, GSA equations."""
+"""The NG-SAN family (models/captioners/san.py): sizes from the paper, invariances, NSA statistics, GSA equations."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 import models
-from models.attention import MultiHeadAttention
-from models.geometry import GeometricBias, absolute_box_encoding, relative_geometry
-from models.normalization import LayerNorm, QueryNorm, masked_instance_norm
+from models.layers.attention import MultiHeadAttention
+from models.layers.geometry import GeometricBias, absolute_box_encoding, relative_geometry
+from models.layers.normalization import LayerNorm, QueryNorm, masked_instance_norm
 from pipeline.core.vocab import BOS
 
 V = 23

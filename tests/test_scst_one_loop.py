@@ -1,4 +1,4 @@
-"""SCST's samples and greedy baseline in one decoding loop (models.decoding.sample_with_greedy, models.row_dropout)
+"""SCST's samples and greedy baseline in one decoding loop (models.decoding.sample_with_greedy, models.layers.row_dropout)
 against the two loops the step ran before (``baseline_loop: separate``, kept as the reference path): same seed, dropout
 on, CPU fp32."""
 
@@ -95,7 +95,7 @@ def test_one_loop_equals_the_two_loops(name, monkeypatch) -> None:
 
 
 def test_row_dropout_drops_the_leading_rows_with_the_random_numbers_of_their_own_tensor() -> None:
-    from models.row_dropout import Dropout, dropout_rows
+    from models.layers.row_dropout import Dropout, dropout_rows
 
     x = torch.rand(7, 3, 5) + 1
     torch.manual_seed(4)
@@ -116,7 +116,7 @@ def test_row_dropout_drops_the_leading_rows_with_the_random_numbers_of_their_own
 def test_row_dropout_in_half_types_scales_in_float32_and_rounds_once(dtype) -> None:
     """Under autocast the kept activations are x / (1 - p) rounded once, as F.dropout's kernels give them (its
     float32 scale), not x times a scale already rounded to the half type (1.109375 for p = 0.1 in bf16)."""
-    from models.row_dropout import dropout, dropout_rows
+    from models.layers.row_dropout import dropout, dropout_rows
 
     x = (torch.rand(6, 64) + 1).to(dtype)
     with dropout_rows(4, 6):
@@ -147,7 +147,7 @@ def test_baseline_loop_is_a_recipe_key_joint_by_default() -> None:
 def test_one_loop_on_cuda(name) -> None:
     """On CUDA (other random numbers than CPU): the joint step runs (attention dropout leaves the fused kernel inside a
     split), its greedy rows take no dropout, the loss and gradients are finite."""
-    from models.row_dropout import Dropout, dropout_rows
+    from models.layers.row_dropout import Dropout, dropout_rows
     from pipeline.training import scst_step
 
     x = torch.rand(7, 3, 5, device="cuda") + 1

@@ -1,4 +1,4 @@
-"""The self-attentive grounded sentence encoder (models/sentence_encoder.py) and its losses: shapes,
+"""The self-attentive grounded sentence encoder (pipeline/embedding/sentence_encoder.py) and its losses: shapes,
 masking, the equations of Yoo et al. 2017 §3.1-3.3, the ablation and objective switches, Eq. 1 on hand-built batches."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, sentence_tensor
+from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, sentence_tensor
 from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.core.errors import ConfigError
 

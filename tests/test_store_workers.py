@@ -313,7 +313,7 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
 def test_evaluate_retrieval_encodes_under_the_precision_option(world, tmp_path, monkeypatch) -> None:
     """`evaluate --retrieval --precision` reaches the caption encoding: bf16 runs the encoder's linear layers in
     bfloat16 (seen by a forward hook) and gives a full report; fp16 on CPU is refused in one line."""
-    from models.sentence_encoder import SentenceEncoder
+    from pipeline.embedding.sentence_encoder import SentenceEncoder
 
     run, _, encoder = world
     args = (

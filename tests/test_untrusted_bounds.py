@@ -170,7 +170,7 @@ def test_aoanet_vocabulary_with_odd_keys_is_one_line_everywhere(tmp_path: Path, 
 )
 def test_release_weights_missing_a_tensor_are_one_line_everywhere(tmp_path: Path, kind: str, key: str) -> None:
     import cli
-    from models.checkpoints import load_captioner
+    from models.loading import load_captioner
     from models.released import describe_captioner
 
     if kind == "aoanet":

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from models import build_captioner
+from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
+from models.released import aoanet, m2
+from models.released.unpickle import load_weights_file
 from pipeline.core.console import get_logger
-from pipeline.core.errors import UsageError, exception_line
+from pipeline.core.download import cache_root
+from pipeline.core.errors import PipelineError, UsageError, exception_line
 from pipeline.core.locks import acquire_lock
-
-if TYPE_CHECKING:
-    from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
 
 log = get_logger("released")
 
@@ -42,8 +46,6 @@ RELEASES = {
 
 def detect(obj: Any) -> str | None:
     """``m2``, ``aoanet`` or None for an object loaded from a weights file."""
-    from models.released import aoanet, m2
-
     if m2.is_release(obj):
         return "m2"
     if aoanet.is_release(obj):
@@ -53,8 +55,6 @@ def detect(obj: Any) -> str | None:
 
 def load_release(path: str | Path) -> tuple[str | None, Any]:
     """Load ``path`` safely (weights only) and say which release it is (None: not a known release)."""
-    from models.released.unpickle import load_weights_file
-
     obj = load_weights_file(path, "captioner weights file")
     return detect(obj), obj
 
@@ -80,9 +80,6 @@ def convert_release(
     weights: str | Path, companion: str | Path | None = None, loaded: tuple[str | None, Any] | None = None
 ) -> CaptionerCheckpoint:
     """The native checkpoint of a released model (``kind: weights``, with its :class:`ReleaseInfo`)."""
-    from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
-    from models.released import aoanet, m2
-
     weights = Path(weights)
     kind, obj = loaded if loaded is not None else load_release(weights)
     if kind is None:
@@ -124,10 +121,6 @@ def convert_release(
 
 def _check_fits(conv: dict[str, Any], source: Path) -> None:
     """Build the project's model and load the converted weights strictly (key names and shapes)."""
-    import torch
-
-    from models import build_captioner
-
     with torch.device("meta"):
         model = build_captioner(conv["name"], len(conv["vocab"]), **conv["config"])
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -155,8 +148,6 @@ def _sha256(path: Path) -> str:
 
 def cache_dir() -> Path:
     """Where converted releases are kept: ``$BUTD_CACHE/released`` or ``~/.cache/butd-caption/released``."""
-    from pipeline.core.download import cache_root
-
     return cache_root() / "released"
 
 
@@ -243,9 +234,6 @@ def features_line(release: ReleaseInfo) -> str:
 
 def describe_captioner(path: str | Path) -> dict[str, Any] | None:
     """What a captioner file holds (a native checkpoint or a release), or None if it is neither (``cli info``)."""
-    from models.checkpoints import CaptionerCheckpoint
-    from pipeline.core.errors import PipelineError
-
     path = Path(path)
     if path.suffix == ".pkl":
         return _describe_vocabulary(path)
@@ -272,8 +260,6 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
         return None
     if kind is None:
         return None
-    from models.released import aoanet, m2
-
     module = m2 if kind == "m2" else aoanet
     state = obj["state_dict"] if kind == "m2" else aoanet.unwrap(obj)
     params = sum(int(v.numel()) for k, v in state.items() if hasattr(v, "numel") and "running_" not in k)
@@ -300,8 +286,6 @@ def describe_captioner(path: str | Path) -> dict[str, Any] | None:
 def _describe_vocabulary(path: Path) -> dict[str, Any] | None:
     """M2's ``vocab.pkl`` or AoANet's ``infos_*.pkl`` (restricted unpickler), else None. A file one of them
     recognises but refuses (a forbidden global, a reference bomb, odd vocabulary keys) is that one-line error."""
-    from models.released import aoanet, m2
-
     errors: list[UsageError] = []
     try:
         itos = m2.read_vocab(path)

@@ -1,5 +1,5 @@
 """The released AoANet (husthuaan/AoANet): ``model-best.pth`` (a state_dict) plus ``infos_*.pkl``, mapped onto this
-project's ``aoa`` captioner (:mod:`models.aoa`).
+project's ``aoa`` captioner (:mod:`models.captioners.aoa`).
 
 ``infos_*.pkl`` (written by the release's ``train.py``) is a dict whose ``opt`` is an ``argparse.Namespace`` of the
 training options and whose ``vocab`` maps index strings ``'1'..'V'`` to words (index 0 is shared by BOS, EOS and
@@ -8,7 +8,7 @@ dict; NumPy scalars such as ``best_val_score`` decoded from their bytes). The op
 
 * ``caption_model aoa``, ``use_multi_head 2``, ``multi_head_scale 1``, ``decoder_type AoA``, ``refine_aoa 1``,
   ``mean_feats 1``, ``use_bn 0``, ``logit_layers 1``, ``norm_att_feat 0``, ``use_box 0``, ``out_res 0`` and
-  ``input_encoding_size == rnn_size`` are what :mod:`models.aoa` implements (anything else is refused);
+  ``input_encoding_size == rnn_size`` are what :mod:`models.captioners.aoa` implements (anything else is refused);
 * ``rnn_size`` -> ``d_model``, ``num_heads``, ``att_feat_size`` -> ``feat_dim``, ``refine`` -> 6 refiner layers or 0,
   ``use_ff`` (FFN width 2048), ``drop_prob_lm``, ``dropout_aoa``, ``ctx_drop``.
 
@@ -56,7 +56,7 @@ NEVER = -1e30  # bias of the rows the release cannot output
 
 INFOS_GLOBALS = {("argparse", "Namespace"): NamespaceStandIn, **COMMON, **NUMPY}
 
-#: options that must have these values (what models.aoa implements); the release's opts.py defaults when absent
+#: options that must have these values (what models.captioners.aoa implements); the release's opts.py defaults when absent
 REQUIRED = {
     "caption_model": "aoa",
     "use_multi_head": 2,
@@ -159,7 +159,7 @@ def _check_options(opt: dict[str, Any], source: str) -> None:
         got = opt.get(key, want)
         if got != want:
             raise UsageError(
-                f"{source}: AoANet option {key}={got!r} is not supported here (models.aoa implements {key}={want!r})"
+                f"{source}: AoANet option {key}={got!r} is not supported here (models.captioners.aoa implements {key}={want!r})"
             )
     if opt.get("input_encoding_size", opt.get("rnn_size")) != opt.get("rnn_size"):
         raise UsageError(

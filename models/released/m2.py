@@ -1,5 +1,5 @@
 """The released Meshed-Memory Transformer (aimagelab/meshed-memory-transformer): ``meshed_memory_transformer.pth``
-plus ``vocab.pkl``, mapped onto this project's ``m2`` captioner (:mod:`models.m2`).
+plus ``vocab.pkl``, mapped onto this project's ``m2`` captioner (:mod:`models.captioners.m2`).
 
 The release (Cornia et al., CVPR 2020; ``test.py``) builds ``Transformer(<bos>, MemoryAugmentedEncoder(3, 0,
 m=40), MeshedDecoder(len(vocab), 54, 3, <pad>))`` and loads ``torch.load(...)['state_dict']``. The mapping:

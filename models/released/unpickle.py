@@ -1,7 +1,7 @@
 """Reading the files released captioners ship, without running anything from them.
 
-Pickles (M2's ``vocab.pkl``, AoANet's ``infos_*.pkl``) go through :class:`RestrictedUnpickler`: every global
-the file names must be in an explicit allowlist of ``(module, name)`` pairs, and each admitted name is bound to
+Pickles (M2's ``vocab.pkl``, AoANet's ``infos_*.pkl``) go through the project's restricted unpickler
+(:class:`pipeline.core.unpickle.RestrictedUnpickler`): every global the file names must be in an explicit allowlist of ``(module, name)`` pairs, and each admitted name is bound to
 a stand-in defined here (a plain container or a recorder of state), never to the real class or function.
 Nothing is imported and no constructor of the original code runs; a file naming any other global is refused
 with one line that names the file. Rebuilding is bounded in time and memory: every value built is counted and a
@@ -28,17 +28,9 @@ import torch
 
 from pipeline.core.errors import UsageError
 from pipeline.core.tensor_bounds import BoundsError, check_archive
-
+from pipeline.core.unpickle import Refused, RestrictedUnpickler
 
 _LOADING: contextvars.ContextVar[Any] = contextvars.ContextVar("restricted_unpickle_budget", default=None)
-
-
-class Refused(pickle.UnpicklingError):
-    """A pickle named a global outside the allowlist."""
-
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.qualified = f"{module}.{name}"
 
 
 class StandIn:
@@ -171,8 +163,6 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin-1")
 
 
-_PY = {"builtins": "builtins", "__builtin__": "builtins", "copy_reg": "copyreg", "copyreg": "copyreg"}
-
 #: the stand-ins every reader may use to rebuild the protocol-0/1 object form and NumPy values
 COMMON: dict[tuple[str, str], Any] = {
     ("copyreg", "_reconstructor"): _reconstructor,
@@ -186,26 +176,13 @@ NUMPY: dict[tuple[str, str], Any] = {
 } | {("numpy", "dtype"): _np_dtype, ("numpy", "ndarray"): _ArrayClass}
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` only returns the stand-ins of ``allowed``."""
-
-    def __init__(self, file: io.BufferedIOBase, allowed: Mapping[tuple[str, str], Any]) -> None:
-        super().__init__(file, encoding="latin-1")
-        self.allowed = dict(allowed)
-
-    def load_within(self, budget: "Budget") -> Any:
-        """:meth:`load`, with what the stand-ins copy counted against ``budget``."""
-        token = _LOADING.set(budget)
-        try:
-            return self.load()
-        finally:
-            _LOADING.reset(token)
-
-    def find_class(self, module: str, name: str) -> Any:
-        key = (_PY.get(module, module), name)
-        if key in self.allowed:
-            return self.allowed[key]
-        raise Refused(module, name)
+def load_within(data: bytes, allowed: Mapping[tuple[str, str], Any], budget: "Budget") -> Any:
+    """Unpickle ``data`` admitting only the stand-ins of ``allowed``, what they copy counted against ``budget``."""
+    token = _LOADING.set(budget)
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), allowed).load()
+    finally:
+        _LOADING.reset(token)
 
 
 #: what rebuilding one file may expand to: values (containers, numbers, strings) and bytes (strings, arrays), each a
@@ -292,7 +269,7 @@ def restricted_load(path: str | Path, allowed: Mapping[tuple[str, str], Any], wh
         raise UsageError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
     try:
         budget = Budget(len(data))
-        return plain(RestrictedUnpickler(io.BytesIO(data), {**COMMON, **allowed}).load_within(budget), budget=budget)
+        return plain(load_within(data, {**COMMON, **allowed}, budget), budget=budget)
     except TooLarge as exc:
         raise UsageError(f"{path}: refused to load the {what}: {exc} (nothing from the file was run)") from None
     except Refused as exc:
@@ -334,7 +311,7 @@ def need_tensors(weights: Mapping[str, Any], required: Mapping[str, int], source
 
 
 def _numpy_safe_globals() -> list[Any]:
-    from numpy._core import multiarray as ma
+    from numpy._core import multiarray as ma  # noqa: PLC0415 -- NumPy 2's module path; pyproject admits NumPy 1.24+
 
     dtypes = sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFD"}, key=str)
     return [

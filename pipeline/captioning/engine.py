@@ -30,8 +30,8 @@ from extractors.bottom_up import BottomUpDetector
 from extractors.inputs import ImageItem
 from extractors.photos import Need, Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
-from models.base import Captioner
-from models.captions import caption_words
+from models.captioners.base import Captioner
+from models.decoding.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line

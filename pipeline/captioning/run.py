@@ -74,7 +74,7 @@ _NUMBERS = {
 
 def check_numbers(cfg: Any) -> None:
     """Every numeric ``caption`` setting in range before any work (one line naming the key); NaN/inf never get
-    here (the config refuses them). The decoding settings are checked where they are layered (:func:`models.captions.layered_decoding`)."""
+    here (the config refuses them). The decoding settings are checked where they are layered (:func:`models.decoding.captions.layered_decoding`)."""
     if cfg is None:
         return
     from pipeline.core.precision import check_precision
@@ -98,7 +98,7 @@ def check_numbers(cfg: Any) -> None:
 
 def _checked_decoding(decoding: dict[str, Any] | None) -> None:
     """The command's ``decoding:`` keys and types, before any work (one line, exit 2)."""
-    from models.captions import command_decoding
+    from models.decoding.captions import command_decoding
     from pipeline.core.errors import ConfigError
 
     try:
@@ -112,15 +112,15 @@ def build_engine(
 ) -> tuple[Any, list[str], list[str], dict[str, Any]]:
     """The :class:`PhotoCaptioner`, class and attribute names, and the settings a resumed output must share.
 
-    ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.captions.layered_decoding`);
+    ``decoding``: the command's ``decoding:`` section (over the checkpoint's, :func:`models.decoding.captions.layered_decoding`);
     ``vocab`` is a released model's vocabulary file. ``caption.precision`` is resolved as ``evaluate`` resolves
-    its own (:func:`models.captions.decoding_for`).
+    its own (:func:`models.decoding.captions.decoding_for`).
     """
     from extractors.factory import configure_recipe, load_for_inference, record_settings
     from pipeline.core.distributed import resolve_device
     from extractors.names import detector_names
-    from models.captions import decoding_for
-    from models.checkpoints import load_captioner
+    from models.decoding.captions import decoding_for
+    from models.loading import load_captioner
     from models.decoding import check_max_len
     from pipeline.core.errors import ConfigError
     from pipeline.core.identity import FeatureIdentity

@@ -6,7 +6,7 @@ one ``error:`` line, exit 2.
 
 Each option is a ``decoding.*`` config override applied last (``--beam-size 5`` is ``--set decoding.beam_size=5``),
 over the command's ``decoding:`` section and the checkpoint's own (the paper's test-time setting for released
-models, ``configs/models/<name>.yaml`` for trained ones): one order, :func:`models.captions.layered_decoding`.
+models, ``configs/models/<name>.yaml`` for trained ones): one order, :func:`models.decoding.captions.layered_decoding`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def decoding_overrides(
     stop_rule: str | None = None,
 ) -> dict[str, Any]:
     """The given options as ``decoding:`` keys (unset ones are left to the lower layers; a beam size or n_best
-    given implies beam search there, :func:`models.captions.layered_decoding`)."""
+    given implies beam search there, :func:`models.decoding.captions.layered_decoding`)."""
     if stop_rule is not None and stop_rule not in STOP_RULES:
         raise UsageError(f"--stop-rule must be one of {', '.join(STOP_RULES)}, not {stop_rule!r}")
     for flag, value in (("--beam-size", beam_size), ("--n-best", n_best), ("--max-len", max_len)):

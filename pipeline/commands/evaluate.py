@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
             if predictions is not None:
                 raise UsageError("give either --model (decode and score a split) or --predictions, not both")
             decoding = cfg.decoding.to_dict()  # the decoding flags are decoding.* overrides, as in caption and serve
-            from models.captions import command_decoding
+            from models.decoding.captions import command_decoding
 
             command_decoding(decoding)  # keys and types before any work (and any download), as caption checks them
             model, store, data = _run_inputs(model, captioner, store, data)

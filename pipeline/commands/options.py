@@ -153,7 +153,7 @@ class CommandOptions:
 
     def decoding_overrides(self) -> list[str]:
         """``decoding.KEY=VALUE`` for the decoding flags given (``--beam-size 5`` -> ``decoding.beam_size=5``): the
-        last layer of :func:`models.captions.layered_decoding`, the same in every command that decodes."""
+        last layer of :func:`models.decoding.captions.layered_decoding`, the same in every command that decodes."""
         if not self.decoding:
             return []
         from pipeline.commands.decoding_opts import decoding_overrides

@@ -18,7 +18,7 @@ from pipeline.core.errors import UsageError
 #: detector weights layouts (docs/extractor.md#weights-layouts): a download must have exactly this one
 DETECTOR_LAYOUTS = ("milvlg", "hf", "vinvl", "grid-feats")
 #: the kinds of file, each checked after a download by its strict reader (pipeline.hub.verify.VERIFIERS)
-KINDS = DETECTOR_LAYOUTS + ("labelmap", "hf-config", "m2-weights", "m2-vocab", "aoanet", "hdf5", "zip")
+KINDS = DETECTOR_LAYOUTS + ("clip", "labelmap", "hf-config", "m2-weights", "m2-vocab", "aoanet", "hdf5", "zip")
 
 MILVLG = "MILVLG/bottom-up-attention.pytorch@4dbce86"
 ONEDRIVE = "https://awma1-my.sharepoint.com/:u:/g/personal/yuz_l0_tn/"
@@ -31,6 +31,24 @@ LXMERT = (
 SGB = "microsoft/scene_graph_benchmark@8e14944 README.md"
 M2_REPO = "aimagelab/meshed-memory-transformer@239100b"
 M2_LICENCE = "BSD-3-Clause (aimagelab/meshed-memory-transformer LICENSE)"
+OPENAI_CLIP = "https://openaipublic.azureedge.net/clip/models/"
+#: openai/CLIP ``clip/clip.py`` ``_MODELS``: name -> (catalogue name, SHA-256 = the URL's parent folder, file name)
+CLIP_RELEASES = (
+    ("RN50", "clip-rn50", "afeb0e10f9e5a86da6080e35cf09123aca3b358a0c3e3b6c78a7b63bc04b6762", "RN50.pt"),
+    ("RN101", "clip-rn101", "8fa8567bab74a42d41c5915025a8e4538c3bdbe8804a470a72f30b0d94fab599", "RN101.pt"),
+    ("RN50x4", "clip-rn50x4", "7e526bd135e493cef0776de27d5f42653e6b4c8bf9e0f653bb11773263205fdd", "RN50x4.pt"),
+    ("RN50x16", "clip-rn50x16", "52378b407f34354e150460fe41077663dd5b39c54cd0bfd2b27167a4a06ec9aa", "RN50x16.pt"),
+    ("RN50x64", "clip-rn50x64", "be1cfb55d75a9666199fb2206c106743da0f6468c9d327f3e0d0a543a9919d9c", "RN50x64.pt"),
+    ("ViT-B/32", "clip-vit-b32", "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af", "ViT-B-32.pt"),
+    ("ViT-B/16", "clip-vit-b16", "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f", "ViT-B-16.pt"),
+    ("ViT-L/14", "clip-vit-l14", "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836", "ViT-L-14.pt"),
+    (
+        "ViT-L/14@336px",
+        "clip-vit-l14-336",
+        "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02",
+        "ViT-L-14-336px.pt",
+    ),
+)
 COCO_LICENCE = "COCO terms of use: annotations CC BY 4.0, images under the Flickr terms of their owners"
 
 
@@ -151,6 +169,20 @@ ENTRIES: tuple[CatalogueEntry, ...] = (
             f"grid-feats-vqa {arch} backbone for grid features (extract --boxes grid)",
         )
         for arch in ("R-50", "X-101", "X-152", "X-152pp")
+    ),
+    *(
+        CatalogueEntry(
+            name,
+            (f"{OPENAI_CLIP}{sha}/{filename}",),
+            "openai/CLIP clip/clip.py (_MODELS)",
+            "clip",
+            filename,
+            "clip",
+            "MIT (openai/CLIP LICENSE)",
+            f"OpenAI's CLIP {model} image encoder, a TorchScript archive (extractors.clip: CLIP-ViL grid features)",
+            sha256=sha,
+        )
+        for model, name, sha, filename in CLIP_RELEASES
     ),
     CatalogueEntry(
         "m2-coco",

@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -409,3 +409,35 @@ def load_config(
 
     check_bounds(cfg.to_dict())
     return cfg
+
+
+def defaults_from(path: str | Path, section: str) -> Callable[[type], type]:
+    """Class decorator (under ``@dataclass``): the field defaults of a settings record are the ``section:`` mapping
+    of the YAML file ``path``, so each default is written once, in the file users read and override.
+
+    Every key of the section must be a field of the class, and every field a key of the section or a default of
+    the class itself (a field that is no config key, such as a secret taken from the environment); anything else
+    is a :class:`ConfigError` naming the file, raised when the class is defined."""
+
+    def apply(cls: type) -> type:
+        where = f"{path} ({section}:)"
+        data = load_yaml_with_bases(path).get(section)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: the file has no '{section}:' mapping for {cls.__name__}")
+        names = list(cls.__dict__.get("__annotations__", {}))
+        unknown = sorted(set(data) - set(names))
+        missing = [n for n in names if n not in data and n not in cls.__dict__]
+        if unknown or missing:
+            raise ConfigError(
+                f"{where} does not match {cls.__name__}: "
+                + "; ".join(
+                    ([f"keys without a field {unknown}"] if unknown else [])
+                    + ([f"fields without a default {missing}"] if missing else [])
+                )
+            )
+        for name in names:
+            if name in data:
+                setattr(cls, name, data[name])
+        return cls
+
+    return apply

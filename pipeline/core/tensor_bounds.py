@@ -7,8 +7,10 @@ entries can point at the same bytes again and again; a tensor is a view (shape, 
 so zero strides let a one-element storage stand for a tensor of any size. The checks here compare what a file
 declares with the bytes it actually holds:
 
-* :func:`check_archive` (before ``torch.load``): at most :data:`MAX_MEMBERS` members; a stored member declares
-  exactly the bytes it stores; all members together expand to at most the archive's own size plus
+* :func:`check_archive` (before ``torch.load``): no TorchScript archive (``<root>/code/`` members: ``torch.load``
+  hands such a file to ``torch.jit.load``, which compiles the code it carries, even with ``weights_only=True``;
+  :mod:`extractors.clip.files` reads OpenAI's CLIP archives without it); at most :data:`MAX_MEMBERS` members; a
+  stored member declares exactly the bytes it stores; all members together expand to at most the archive's own size plus
   :data:`INFLATE_ALLOWANCE` bytes (torch writes its members stored, so an honest file expands to its own size).
 * :func:`check_tensor` / :func:`check_tensors` (after loading, before anything is built from the tensors): a
   tensor declares no more elements than its storage holds, and all tensors together declare at most
@@ -42,8 +44,9 @@ class BoundsError(PipelineError):
     """A file that declares more than it holds or more than the bounds admit (exit 1)."""
 
 
-def check_archive(path: str | Path) -> None:
-    """Refuse a zip archive whose members would expand past the bounds, reading only its central directory.
+def check_archive(path: str | Path, code: bool = False) -> None:
+    """Refuse a zip archive whose members would expand past the bounds, reading only its central directory; and a
+    TorchScript archive unless ``code`` (its reader then reads the tensors without the code).
 
     Files that are not zip archives (pickles, the legacy torch format) are left to their reader: their unpickler
     reads them as a stream, so what they build is bounded by their own bytes.
@@ -61,6 +64,12 @@ def check_archive(path: str | Path) -> None:
         raise BoundsError(
             f"{path}: '{members[MAX_MEMBERS].filename}': the archive holds {len(members):,} members, "
             f"more than {MAX_MEMBERS:,}"
+        )
+    script = next((m.filename for m in members if m.filename.split("/")[1:2] == ["code"]), None)
+    if script is not None and not code:
+        raise BoundsError(
+            f"{path}: '{script}': a TorchScript archive (it carries code, which torch.load would compile through "
+            "torch.jit.load); not read as a weights file"
         )
     limit, total = size + INFLATE_ALLOWANCE, 0
     for info in members:

@@ -4,7 +4,7 @@ One item is one image: its region features (store dtype), boxes, size and *all* 
 ``captions_per_image`` sampled ones). The dataset holds only paths and small arrays, so it pickles cheaply
 to DataLoader workers (``fork``, ``forkserver`` or ``spawn``); the store is opened lazily in each worker.
 
-A batch (what :func:`collate_images` returns) matches :class:`models.base.Captioner`'s inputs:
+A batch (what :func:`collate_images` returns) matches :class:`models.captioners.base.Captioner`'s inputs:
 
 * ``feats`` (B, N, D) zero-padded to the batch's most boxes (store dtype: cast on the device),
 * ``mask`` (B, N) bool, True for real regions; ``boxes`` (B, N, 4) float32 pixels; ``sizes`` (B, 2) float32 w, h,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from models.sentence_encoder import SentenceEncoder, encoder_config
+from pipeline.embedding.sentence_encoder import SentenceEncoder, encoder_config
 from pipeline.core.checkpoint import load_checkpoint
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.vocab import Vocab

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.sentence_encoder import SentenceEncoder, sentence_tensor
+from pipeline.embedding.sentence_encoder import SentenceEncoder, sentence_tensor
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import cosine_matrix
 from pipeline.core.errors import UsageError

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
+from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, encoder_config
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import Config

@@ -25,6 +25,19 @@ def detector(path: Path, layout: str | None = None) -> None:
         raise PipelineError(f"{path} holds detector weights in the {found} layout, not {layout}")
 
 
+def clip_weights(path: Path) -> None:
+    """A CLIP image encoder in any of its layouts (docs/extractor.md#clip), every key and shape checked."""
+    from extractors.clip.files import check_strict, read_clip
+    from extractors.clip.model import ConfigError, infer_config
+
+    layout, sd = read_clip(path)
+    try:
+        cfg = infer_config(sd)
+    except (ConfigError, ValueError) as exc:
+        raise PipelineError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
+    check_strict(path, layout, sd, cfg)
+
+
 def labelmap(path: Path) -> None:
     from extractors.factory import read_labelmap
 
@@ -88,6 +101,7 @@ def zip_archive(path: Path) -> None:
 VERIFIERS: dict[str, Callable[[Path], None]] = {
     **{layout: partial(detector, layout=layout) for layout in DETECTOR_LAYOUTS},
     "detector": detector,
+    "clip": clip_weights,
     "labelmap": labelmap,
     "hf-config": hf_config,
     "m2-weights": m2_weights,

@@ -2,7 +2,7 @@
 
 Each format (``--format``) is one :class:`~pipeline.importers.formats.Format` record registered by the module that
 reads it: ``butd-tsv`` and ``obj36-tsv`` (:mod:`.tsv`), ``cocobu`` (:mod:`.cocobu`), ``m2-hdf5`` (:mod:`.m2`),
-``vinvl-tsv`` and ``grid-hdf5`` (:mod:`.vinvl`).
+``vinvl-tsv`` and ``grid-hdf5`` (:mod:`.vinvl`), ``clip-vil`` (:mod:`.clipvil`).
 Every source is streamed one image at a time; the import is resumable (images already committed to the
 store are skipped) and every bad row is either an error naming the file and row/id, or (``skip_bad``)
 reported and counted.
@@ -20,7 +20,7 @@ from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.regions import RegionRecord
-from pipeline.importers import cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
+from pipeline.importers import clipvil, cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 from pipeline.importers.untrusted import check_record, check_size
 
@@ -54,6 +54,7 @@ RELEASES: dict[str, str] = {
     "airsplay": "airsplay/py-bottom-up-attention demo/detectron2_mscoco_proposal_maxnms.py",
     "vinvl": "microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
     "grid-feats": "facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
+    "clip-vil": "clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
 }
 """The test-time recipes (docs/recipes.md) a public feature file can come from."""
 FORMAT_RELEASE = {
@@ -63,6 +64,7 @@ FORMAT_RELEASE = {
     "m2-hdf5": "caffe",
     "vinvl-tsv": "vinvl",
     "grid-hdf5": "grid-feats",
+    "clip-vil": "clip-vil",
 }
 """Where each format's public files came from: the BUTD TSVs from the Caffe script, LXMERT's obj36 TSVs from the
 Caffe model (airsplay/lxmert ``extract_coco_image.py``), ruotianluo's cocobu files from the adaptive BUTD TSVs,

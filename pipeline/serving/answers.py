@@ -3,7 +3,7 @@
 Options (query parameters or multipart text fields): ``beam_size``, ``n_best``, ``max_len`` (within the server's
 ``serve.max_*`` limits; HTTP 422 beyond them), ``regions`` (``true``/``false``) and ``timeout_s`` (a shorter
 time limit than ``serve.request_timeout_s``). They override the decoding of
-the served checkpoint the way ``caption --beam-size/--n-best/--max-len`` do (:func:`models.captions.merge_decoding`),
+the served checkpoint the way ``caption --beam-size/--n-best/--max-len`` do (:func:`models.decoding.captions.merge_decoding`),
 so a request gets the captions ``caption`` writes with the same flags.
 
 One entry per image, in upload order: the caption, its score, the n-best with scores, the image size and the
@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from models.captions import merge_decoding
+from models.decoding.captions import merge_decoding
 from models.decoding import DecodeOptions
 from pipeline.captioning.pictures import attended_regions, region_labels
 from pipeline.core.errors import FAILURE_REASONS, ConfigError

@@ -6,33 +6,36 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pipeline.core.config import CONFIG_DIR, defaults_from
 from pipeline.core.errors import UsageError
 
 
 @dataclass(frozen=True)
+@defaults_from(CONFIG_DIR / "serve.yaml", "serve")
 class ServeSettings:
-    """What bounds the server (see ``configs/serve.yaml`` for each key's meaning)."""
+    """What bounds the server: the defaults (one per field, each key's meaning beside it) are ``configs/serve.yaml``'s
+    ``serve:`` section (:func:`~pipeline.core.config.defaults_from`); ``token`` is never part of the file."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch: int = 8
-    max_wait_ms: float = 20.0
-    decode_threads: int = 2
-    queue_limit: int = 64
-    retry_after_s: int = 1
-    max_body_bytes: int = 20_000_000
-    max_images: int = 16
-    request_timeout_s: float = 60.0
-    max_beam_size: int = 5
-    max_n_best: int = 5
-    max_len: int = 30
-    regions: bool = True
-    max_regions: int = 5
-    token_env: str = "BUTD_SERVE_TOKEN"
-    drain_timeout_s: float = 90.0
-    max_connections: int = 256
-    header_timeout_s: float = 10.0
-    log_requests: bool = False
+    host: str
+    port: int
+    max_batch: int
+    max_wait_ms: float
+    decode_threads: int
+    queue_limit: int
+    retry_after_s: int
+    max_body_bytes: int
+    max_images: int
+    request_timeout_s: float
+    max_beam_size: int
+    max_n_best: int
+    max_len: int
+    regions: bool
+    max_regions: int
+    token_env: str
+    drain_timeout_s: float
+    max_connections: int
+    header_timeout_s: float
+    log_requests: bool
     token: str | None = None  # the bearer token (from --token or ``token_env``); never part of the config file
 
     def __post_init__(self) -> None:

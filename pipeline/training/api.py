@@ -113,11 +113,11 @@ def evaluate_checkpoint(
         out_dir: where ``predictions_<split>.json`` and ``metrics_<split>.json`` go (default: next to the checkpoint).
         eval_section: the ``evaluate:`` config section (metrics, tokenizer, Java); default configs/evaluate.yaml.
         decoding: the command's ``decoding:`` section over the checkpoint's (e.g. ``{"beam_size": 1}``;
-            :func:`models.captions.layered_decoding`).
+            :func:`models.decoding.captions.layered_decoding`).
         fast_only: only the fast CIDEr-D (no Java), e.g. for tests.
         precision: decoding precision, :mod:`pipeline.core.precision` (default ``tf32``, as ``caption``'s; ``auto``:
             bf16 on a CUDA device with native bf16, else fp32, and fp32 for a released model), resolved as ``caption``
-            resolves it (:func:`models.captions.decoding_for`).
+            resolves it (:func:`models.decoding.captions.decoding_for`).
         companion: a released model's vocabulary file (M2 ``vocab.pkl``, AoANet ``infos_*.pkl``) when
             ``checkpoint`` is a released weights file (``models.released``); such a model decodes with its own
             vocabulary and its captions are scored as text against the split's references.
@@ -127,7 +127,7 @@ def evaluate_checkpoint(
 
     Returns ``{"metrics": {...}, "num_images", "skipped", "notes", "predictions": path, "metrics_file": path}``.
     """
-    from models.captions import decoding_for
+    from models.decoding.captions import decoding_for
     from models.decoding import check_max_len
     from pipeline.caption_data.prepared import PreparedCaptions
     from pipeline.core.config import load_config
@@ -135,7 +135,7 @@ def evaluate_checkpoint(
     from pipeline.core.fileio import atomic_write_json
     from pipeline.metrics.coco import EvalOptions
     from pipeline.store import FeatureStore
-    from models.checkpoints import load_captioner
+    from models.loading import load_captioner
     from pipeline.core.distributed import DistContext, resolve_device
     from pipeline.core.vocab import Vocab
     from pipeline.training.validation import decode_split, score_split

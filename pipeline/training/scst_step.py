@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.base import Captioner
+from models.captioners.base import Captioner
 from models.decoding import DecodeOptions, beam_search, greedy, sample, sample_with_greedy
 from pipeline.metrics.cider import CiderD
 from pipeline.training.scst import advantages, policy_gradient_loss, sample_rewards

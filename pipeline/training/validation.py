@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.base import Captioner
-from models.captions import caption_words
+from models.captioners.base import Captioner
+from models.decoding.captions import caption_words
 from models.decoding import DecodeOptions, generate
 from pipeline.core.console import track
 from pipeline.metrics.cider import CiderD

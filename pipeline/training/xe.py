@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from models.base import Captioner, index_state
+from models.captioners.base import Captioner, index_state
 from models.decoding import draw
 from pipeline.training.losses import label_smoothed_nll
 from pipeline.core.vocab import PAD

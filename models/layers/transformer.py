@@ -1,7 +1,7 @@
 """Pre-norm Transformer encoder and decoder of the SAN family (Guo et al. 2020 §3.2; docs/models.md#san-equations).
 
 Every sub-layer is ``x + Dropout(sublayer(LN(x)))`` (pre-norm, the ruotianluo TransformerModel the SAN
-parameter counts match), each stack ends with a final :class:`~models.normalization.LayerNorm`.
+parameter counts match), each stack ends with a final :class:`~models.layers.normalization.LayerNorm`.
 
 * Encoder layer: self-attention over the regions (vanilla, NSA, GSA or both; the attention module and the
   geometric bias are injected), then the FFN ``W2 Dropout(ReLU(W1 x + b1)) + b2``.
@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
-from models.attention import MultiHeadAttention
-from models.geometry import GeometricBias
-from models.normalization import LayerNorm
+from models.layers.attention import MultiHeadAttention
+from models.layers.geometry import GeometricBias
+from models.layers.normalization import LayerNorm
+from models.layers.row_dropout import Dropout
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -11,17 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from models.base import Captioner, State, index_state, state_device, state_rows
-from models.decoding import (
-    NEG_INF,
-    DecodeOptions,
-    Generated,
-    _first_rows,
-    banned_tokens,
-    constrain,
-    length_penalty,
-    reachable_bound,
-)
+from models.captioners.base import Captioner, State, index_state, state_device, state_rows
+from models.decoding.constraints import NEG_INF, banned_tokens, constrain, first_rows, length_penalty, reachable_bound
+from models.decoding.options import DecodeOptions, Generated
 from pipeline.core.vocab import BOS, EOS, PAD
 
 
@@ -100,7 +92,7 @@ def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
             break
         if stopping:
             alive -= stopping
-            keep = _first_rows(done, alive)
+            keep = first_rows(done, alive)
             images, new_scores, new_rows, new_words = images[keep], new_scores[keep], new_rows[keep], new_words[keep]
             cur_enc = index_state(cur_enc, (keep[:, None] * k + beam_offsets).flatten())
         flat_rows = new_rows.flatten()

@@ -1,4 +1,4 @@
-"""The beam searches of the two released captioners, restated over the :class:`~models.base.Captioner` interface.
+"""The beam searches of the two released captioners, restated over the :class:`~models.captioners.base.Captioner` interface.
 
 ``decoding.stop_rule: official_m2 | official_aoanet`` selects them, to reproduce the published numbers of
 a released checkpoint (``models/released/``) caption for caption. Both differ from the project's own search
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from models.base import Captioner, State, index_state, state_device, state_rows
-from models.decoding import DecodeOptions, Generated
+from models.captioners.base import Captioner, State, index_state, state_device, state_rows
+from models.decoding.options import DecodeOptions, Generated
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
 
 M2_FROZEN = -999.0  # the score M2's search gives every other word of a finished slot
@@ -146,7 +146,7 @@ def aoanet_search(model: Captioner, enc: State, options: DecodeOptions) -> Gener
         ys, ix = ys[:, :, :k], ix[:, :, :k]  # (B, rows, cols)
         cand = (sums[:, :rows, None] + ys).transpose(1, 2).reshape(num_images, k * rows)  # word rank outer
         pick = torch.sort(-cand, dim=1, stable=True).indices[:, :k]
-        src, col = pick % rows, pick // rows
+        src = pick % rows
         words = ix.transpose(1, 2).reshape(num_images, k * rows).gather(1, pick)
         sums = cand.gather(1, pick)
         history = torch.cat(

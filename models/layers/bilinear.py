@@ -12,7 +12,7 @@ Official code: ``jnhwkim/ban-vqa`` (``fc.py``, ``bc.py``, ``attention.py``); doc
 * :class:`BilinearPooling`: a glimpse's joint representation (Kim et al. 2018, "Bilinear attention networks":
   ``f'_k = (X^T U')_k^T A (Y^T V')_k``; code ``BCNet`` with ``k = 1``):
   ``f[k] = sum_{i,j} X''[i, k] A[i, j] Y''[j, k]`` with ``X'' = ReLU(U'^T x)``, ``Y'' = ReLU(V'^T y)``; the caller
-  supplies the contraction with ``A`` (see :mod:`models.ban` for the causal factorisation).
+  supplies the contraction with ``A`` (see :mod:`models.captioners.ban` for the causal factorisation).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
+from models.layers.row_dropout import Dropout
 
 
 class WNLinear(nn.Module):

@@ -37,10 +37,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
 from models import register_captioner
-from models.base import Captioner, State
-from models.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
+from models.captioners.base import Captioner, State
+from models.layers.bilinear import BilinearAttentionMap, BilinearPooling, FCLayer, WNLinear
+from models.layers.row_dropout import Dropout
 from pipeline.core.errors import ConfigError
 
 READOUTS = ("last", "sum", "mean")

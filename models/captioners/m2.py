@@ -36,10 +36,10 @@ import math
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
 from models import register_captioner
-from models.base import Captioner, State
-from models.m2_attention import PositionWiseFF, PostNormAttention
+from models.captioners.base import Captioner, State
+from models.layers.m2_attention import PositionWiseFF, PostNormAttention
+from models.layers.row_dropout import Dropout
 from pipeline.core.errors import ConfigError
 from pipeline.core.vocab import PAD
 

@@ -10,10 +10,10 @@ All four share the SAN baseline (Guo et al. 2020 §3.2, §5.1; exact structure: 
 The variants change only the encoder self-attention (the decoder is never modified, §4.3):
 
 * ``nsan``: NSA, the projected queries are instance-normalized over the regions of each image (Eq. 6;
-  :mod:`models.normalization`); switches: ``norm_kind`` (instance/batch/layer), ``norm_affine``,
+  :mod:`models.layers.normalization`); switches: ``norm_kind`` (instance/batch/layer), ``norm_affine``,
   ``norm_queries``, ``norm_keys``.
 * ``gsan``: GSA, a geometric bias from the relative box geometry added to the logits (Eqs. 8-13;
-  :mod:`models.geometry`); switches: ``geometry`` (any of content/query/key), ``geometry_dim``,
+  :mod:`models.layers.geometry`); switches: ``geometry`` (any of content/query/key), ``geometry_dim``,
   ``geometry_head_proj``, ``geometry_scale``, ``geometry_signed`` (directions as two more inputs of Eq. 9; not
   in the paper, off by default), ``box_plus_one``, and ``absolute_position`` (Table 4's
   "absolute" ablation; use it with ``geometry: []``).
@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.row_dropout import Dropout
 from models import register_captioner
-from models.attention import MultiHeadAttention
-from models.base import Captioner, State
-from models.geometry import GEOMETRY_VARIANTS, GeometricBias, absolute_box_encoding, relative_geometry
-from models.normalization import NORM_KINDS, QueryNorm
+from models.captioners.base import Captioner, State
+from models.layers.attention import MultiHeadAttention
+from models.layers.geometry import GEOMETRY_VARIANTS, GeometricBias, absolute_box_encoding, relative_geometry
+from models.layers.normalization import NORM_KINDS, QueryNorm
+from models.layers.row_dropout import Dropout
+from models.layers.transformer import Decoder, Encoder, EncoderLayer
 from pipeline.core.errors import ConfigError
-from models.transformer import Decoder, Encoder, EncoderLayer
 
 
 def trim_padding(

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from models.decoding import DecodeOptions
+from models.checkpoints import CaptionerCheckpoint
+from models.decoding.options import DecodeOptions
 from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases, validate_against
 from pipeline.core.console import get_logger
 from pipeline.core.errors import ConfigError
+from pipeline.core.precision import resolve_precision
 from pipeline.core.vocab import EOS
-
-if TYPE_CHECKING:
-    from models.checkpoints import CaptionerCheckpoint
 
 log = get_logger("decoding")
 
@@ -25,8 +24,8 @@ def merge_decoding(saved: Mapping[str, Any] | None, overrides: Mapping[str, Any]
     """
     overrides = dict(overrides or {})
     out = {**dict(saved or {}), **overrides}
-    if out.get("method", "beam") == "beam" and "n_best" in out and "beam_size" not in overrides:
-        beam, n_best = int(out.get("beam_size", 3)), int(out["n_best"])
+    if out.get("method", DecodeOptions.method) == "beam" and "n_best" in out and "beam_size" not in overrides:
+        beam, n_best = int(out.get("beam_size", DecodeOptions.beam_size)), int(out["n_best"])
         if n_best > beam:
             log.info(
                 "n_best %d: the checkpoint's beam of %d is widened to %d (give a beam size to choose another)",
@@ -88,8 +87,6 @@ def decoding_for(
     model decodes in fp32 under ``auto``, as published). ``caption``, ``serve`` and ``evaluate --model`` all
     call this, so the same checkpoint under the same settings decodes the same way in each; ``fp16=False``
     where the detector runs under the same precision (``caption``, ``serve``)."""
-    from pipeline.core.precision import resolve_precision
-
     resolved = resolve_precision(precision, device, key, fp16=fp16, published=ckpt.release is not None)
     return layered_decoding(ckpt.decoding, command), resolved
 

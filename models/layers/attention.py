@@ -4,7 +4,7 @@
 dropout on the attention probabilities, and:
 
 * an optional normalization of the projected queries (and keys) over the regions, NG-SAN's NSA (Eq. 6),
-  see :class:`models.normalization.QueryNorm`;
+  see :class:`models.layers.normalization.QueryNorm`;
 * an optional additive logit bias ``(B, H, Nq, Nk)`` (G-SAN's geometric bias, Eq. 10), added **before**
   the key mask and the softmax;
 * keys/values that can be projected once and reused (encoder memory in the decoder, the decoder's
@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.normalization import QueryNorm
-from models.row_dropout import dropout as row_dropout, rows_limited
+from models.layers.normalization import QueryNorm
+from models.layers.row_dropout import dropout as row_dropout
+from models.layers.row_dropout import rows_limited
 
 
 def _math_attention(
@@ -31,7 +32,7 @@ def _math_attention(
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     probs = scores.softmax(-1)
     if dropout > 0:
-        probs = row_dropout(probs, dropout)  # F.dropout, or on the leading rows only (models.row_dropout)
+        probs = row_dropout(probs, dropout)  # F.dropout, or on the leading rows only (models.layers.row_dropout)
     return probs @ v
 
 

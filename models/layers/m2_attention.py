@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
+from models.layers.row_dropout import Dropout
 from pipeline.core.errors import ConfigError
 
 

@@ -25,11 +25,11 @@ import copy
 import torch
 from torch import nn
 
-from models.row_dropout import Dropout
 from models import register_captioner
-from models.aoa_layers import AttentionOnAttention, BesselLayerNorm, multi_head_attend
-from models.transformer import FeedForward
-from models.base import Captioner, State
+from models.captioners.base import Captioner, State
+from models.layers.aoa_layers import AttentionOnAttention, BesselLayerNorm, multi_head_attend
+from models.layers.row_dropout import Dropout
+from models.layers.transformer import FeedForward
 from pipeline.core.errors import ConfigError
 
 

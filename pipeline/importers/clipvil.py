@@ -1,0 +1,81 @@
+"""CLIP-ViL's caption feature folders (clip-vil/CLIP-ViL ``CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py``).
+
+``<output_dir>_clip_<model>_att/<cocoid>.npz`` holds key ``feat``: float32 (g, g, C), the grid (the ResNet's
+``layer4`` map, ``tmp_att[0].permute(1, 2, 0)``, or a ViT's patch tokens), g = 14 at the release's 448 x 448
+input; ``<output_dir>_clip_<model>_fc/<cocoid>.npy`` holds the pooled vector. The release resizes every image to
+448 x 448 whatever its aspect ratio, so cell (i, j) of a g_h x g_w grid covers ``[j W / g_w, i H / g_h, (j + 1)
+W / g_w, (i + 1) H / g_h]`` of the original image (the boxes ``extractors/clip/recipe.py`` gives the same
+cells); the files carry no image size, so sizes come from a COCO json (``--sizes``). Cells are stored row-major
+as regions. The ``_fc`` vectors are not imported: a feature store holds regions. Arrays are read from their
+``.npy`` headers first, never with pickle.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.errors import PipelineError, UsageError
+from pipeline.importers.formats import Format, register_format
+from pipeline.importers.untrusted import read_npy
+
+
+def grid_boxes(gh: int, gw: int, width: int, height: int) -> np.ndarray:
+    """(gh * gw, 4) float32 boxes of a grid that spans the whole image (row-major)."""
+    ys, xs = np.meshgrid(np.arange(gh, dtype=np.float64), np.arange(gw, dtype=np.float64), indexing="ij")
+    xs, ys = xs.ravel(), ys.ravel()
+    boxes = np.stack([xs * width / gw, ys * height / gh, (xs + 1) * width / gw, (ys + 1) * height / gh], axis=1)
+    return boxes.astype(np.float32)
+
+
+def _load_grid(path: Path) -> np.ndarray:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            if "feat.npy" not in zf.namelist():
+                names = [n[:-4] if n.endswith(".npy") else n for n in zf.namelist()]
+                raise PipelineError(f"{path}: npz has no 'feat' array, only {names}")
+            with zf.open("feat.npy") as fp:
+                return read_npy(fp, str(path), "array feat", ndim=3)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+        raise PipelineError(f"{path}: not a readable npz file ({str(exc).splitlines()[0][:80]})") from None
+
+
+def read_clipvil(
+    sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+    """Sources: one ``*_att`` directory of ``<cocoid>.npz`` files."""
+    if len(sources) != 1 or not sources[0].is_dir():
+        raise UsageError("clip-vil import takes one directory of <cocoid>.npz files (the release's *_att folder)")
+    if sizes is None:
+        raise UsageError(
+            "clip-vil files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
+        )
+    for path in sorted(sources[0].glob("*.npz")):
+        key = path.stem
+
+        def decode(path: Path = path, key: str = key) -> dict[str, Any]:
+            if key not in sizes:
+                raise PipelineError(f"{path}: image {key} has no size in the --sizes file")
+            grid = _load_grid(path)
+            gh, gw, c = grid.shape
+            w, h = sizes[key]
+            feats = np.ascontiguousarray(grid.reshape(gh * gw, c))
+            return {"key": key, "features": feats, "boxes": grid_boxes(gh, gw, w, h), "image_w": w, "image_h": h}
+
+        yield str(path), decode
+
+
+register_format(
+    Format(
+        "clip-vil",
+        read_clipvil,
+        "raw",
+        True,
+        None,
+        help="CLIP-ViL *_clip_<model>_att directory of <cocoid>.npz grids (feat: g x g x C); cells become regions",
+    )
+)
