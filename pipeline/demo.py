@@ -13,7 +13,9 @@ every captioner on each: ``grid`` is the res5 map of the whole image pooled to `
 cells (docs/recipes.md#grid), stages ``features-grid``, ``train-<name>+grid``, ``eval-<name>+grid``, and the
 table's rows ``<name>+grid`` sit beside the region rows. The kind ``oracle`` needs no detector: the world's
 ground-truth regions (:mod:`pipeline.world.oracle_features`, ``demo.oracle``), stages ``features-oracle``,
-``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it.
+``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it. A variant with an
+``oracle:`` mapping (keys of ``demo.oracle``, e.g. ``box_features: true``) trains on its own oracle store, stage
+``features-oracle-<name>``.
 ``demo.seeds`` trains (and evaluates) each captioner with that many training seeds (``train.seed``,
 ``train.seed + 1``, ...; the first keeps the single-run folder names, the others end in ``-seed<N>``); the
 report holds every seed's figures and their mean and sample standard deviation.
@@ -51,6 +53,7 @@ class DemoReport:
     )  # per row: {seed, metrics, grounding, train_seconds}
     detector: dict[str, Any] = field(default_factory=dict)
     pictures: dict[str, list[str]] = field(default_factory=dict)
+    checkpoint: str = ""  # which checkpoint each row evaluates (checkpoint_choice)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -67,6 +70,7 @@ class DemoReport:
             "spread": self.spread,
             "runs": self.runs,
             "pictures": self.pictures,
+            "checkpoint": self.checkpoint,
         }
 
 
@@ -235,7 +239,9 @@ def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Pat
     )
     layers = [_plain(_plain(cfg.demo.train_overrides).get(model))]
     if name != model:
-        layers.append({k: v for k, v in _plain(_plain(cfg.demo.variants).get(name)).items() if k != "model"})
+        layers.append(
+            {k: v for k, v in _plain(_plain(cfg.demo.variants).get(name)).items() if k not in VARIANT_DEMO_KEYS}
+        )
     for layer in layers:
         for key, value in layer.items():
             tcfg = tcfg.with_overrides({f"train.{key}": value}, source=f"demo overrides of {name}:")
@@ -243,6 +249,23 @@ def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Pat
 
 
 FEATURE_KINDS = ("region", "grid", "oracle")
+#: keys of a ``demo.variants`` entry that are not train keys: its captioner, and its oracle regions
+VARIANT_DEMO_KEYS = ("model", "oracle")
+ORACLE_KEYS = ("noise", "seed", "box_features")
+
+
+def variant_oracle(cfg: Config, name: str) -> dict[str, Any]:
+    """The ``demo.oracle`` section of one ``--models`` name: ``demo.oracle`` with the variant's ``oracle`` keys
+    on top (e.g. ``san-box: {model: san, oracle: {box_features: true}}``: SAN on regions that carry their box,
+    beside SAN on the position-free regions of the same world). Unknown keys are usage errors."""
+    base = _plain(cfg.demo.oracle)
+    entry = _plain(cfg.demo.variants).get(name)
+    own = entry.get("oracle") if isinstance(entry, dict) else None
+    if own is None:
+        return base
+    if not isinstance(own, dict) or set(own) - set(ORACLE_KEYS):
+        raise UsageError(f"demo.variants.{name}.oracle: a mapping of {', '.join(ORACLE_KEYS)}, got {own!r}")
+    return {**base, **own}
 
 
 def demo_feature_kinds(cfg: Config, kinds: list[str] | None = None) -> list[str]:
@@ -269,6 +292,15 @@ def grid_extract_section(cfg: Config) -> Config:
     )
 
 
+def checkpoint_choice(tcfg: Config) -> str:
+    """Which checkpoint ``best.pt`` holds under a train config: the best one by the validation metric, or (no
+    validation split) the last epoch's weights."""
+    val = tcfg.train.validation
+    if not val.split:
+        return "last epoch (train.validation.split: null)"
+    return f"best validation {val.metric} on split {val.split}"
+
+
 def run_demo(
     out: Path,
     cfg: Config,
@@ -279,6 +311,8 @@ def run_demo(
 ) -> DemoReport:
     """Run (or resume) the demo into ``out``; returns a :class:`DemoReport`."""
     captioners = demo_captioners(cfg, models)
+    for name in captioners:  # the variants' oracle keys checked before any stage runs
+        variant_oracle(cfg, name)
     kinds = demo_feature_kinds(cfg, features)
     if int(cfg.demo.seeds) < 1:
         raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
@@ -298,6 +332,7 @@ def run_demo(
         return report
 
     stores: dict[str, tuple[StageResult, Path]] = {}
+    own_oracle: dict[str, tuple[StageResult, Path]] = {}  # variants with their own oracle keys: their own store
     if "oracle" in kinds:
         feats = run_stage(
             out,
@@ -308,6 +343,18 @@ def run_demo(
         )
         report.stages.append(feats)
         stores["oracle"] = (feats, feats.directory / feats.outputs["store"])
+        for name in captioners:
+            section = variant_oracle(cfg, name)
+            if section != _plain(cfg.demo.oracle):
+                feats = run_stage(
+                    out,
+                    f"features-oracle-{name}",
+                    _with_inputs(section, world=world),
+                    _oracle_work(world.directory),
+                    force=force,
+                )
+                report.stages.append(feats)
+                own_oracle[name] = (feats, feats.directory / feats.outputs["store"])
     weights: Path | None = None
     if any(kind != "oracle" for kind in kinds):
         from extractors.training.stage import demo_detector_config, train_detector
@@ -348,11 +395,13 @@ def run_demo(
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
     seeds = int(cfg.demo.seeds)
     decoding = cfg.decoding.to_dict()  # over each checkpoint's own, for the eval and pictures stages alike
-    for kind, (features, store), name, model in [(k, stores[k], n, m) for k in kinds for n, m in captioners.items()]:
+    for kind, name, model in [(k, n, m) for k in kinds for n, m in captioners.items()]:
+        features, store = own_oracle[name] if kind == "oracle" and name in own_oracle else stores[kind]
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
         if kind == "grid":
             tcfg = tcfg.with_overrides({"train.max_boxes": int(cfg.demo.grid) ** 2})
         name = name if kind == "region" else f"{name}+{kind}"
+        report.checkpoint = report.checkpoint or checkpoint_choice(tcfg)
         runs = []
         for k in range(seeds):
             seed = int(tcfg.train.seed) + k

@@ -175,3 +175,75 @@ def test_stage_seconds_are_the_same_number_whether_the_stage_ran_or_was_skipped(
     manifest["seconds"] = 1.35
     (ran.directory / "manifest.json").write_text(json.dumps(manifest))
     assert _stage_seconds(replace(ran, seconds=1.34951)) == _stage_seconds(replace(ran, skipped=True)) == round(1.35, 1)
+
+
+def test_a_variant_with_its_own_oracle_keys_trains_on_its_own_store_and_the_table_names_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rel"
+    args = [
+        "demo",
+        "--config",
+        str(CONFIG),
+        "--out",
+        str(out),
+        "--models",
+        "san,san-box",
+        "--seeds",
+        "1",
+        "--quiet",
+        "--set",
+        "world.num_images=40",
+        "--set",
+        "world.num_workers=1",
+        "--set",
+        "demo.fast_metrics_only=true",
+        "--set",
+        "train.xe.epochs=1",
+        "--set",
+        "train.model_overrides={d_model: 32, num_heads: 4, d_ff: 64, num_layers: 1}",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["metrics"]) == ["san+oracle", "san-box+oracle"]
+    assert summary["checkpoint"] == "last epoch (train.validation.split: null)"
+    assert "checkpoint evaluated: last epoch" in res.output
+    plain = json.loads((out / "features-oracle" / "manifest.json").read_text())
+    boxed = json.loads((out / "features-oracle-san-box" / "manifest.json").read_text())
+    assert boxed["summary"]["feature_dim"] == plain["summary"]["feature_dim"] + 5 == oracle_dim()
+    with (
+        FeatureStore(out / "features-oracle" / "store") as sa,
+        FeatureStore(out / "features-oracle-san-box" / "store") as sb,
+    ):
+        key = sorted(sa.keys())[0]
+        a, b = np.asarray(sa.get(key)["features"]), np.asarray(sb.get(key)["features"])
+        assert a.shape[1] + 5 == b.shape[1]
+    train_cfgs = {
+        name: json.loads((out / f"train-{name}" / "manifest.json").read_text())["config"]
+        for name in ("san+oracle", "san-box+oracle")
+    }
+    assert train_cfgs["san+oracle"]["store"] != train_cfgs["san-box+oracle"]["store"]
+    assert "oracle" not in train_cfgs["san-box+oracle"]  # a demo key, not a train key
+    for cfg in train_cfgs.values():  # the relations recipe: no dropout, a constant lr, the last epoch's weights
+        assert cfg["model_overrides"]["dropout"] == cfg["model_overrides"]["embed_dropout"] == 0.0
+        assert cfg["xe"]["lr_schedule"] == "constant" and cfg["validation"]["split"] is None
+
+
+def test_a_variant_oracle_key_outside_the_oracle_section_is_one_clear_error(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        app,
+        [
+            "demo",
+            "--config",
+            str(CONFIG),
+            "--out",
+            str(tmp_path / "x"),
+            "--models",
+            "san-box",
+            "--set",
+            "demo.variants.san-box.oracle={box_feature: true}",
+        ],
+    )
+    assert res.exit_code != 0 and "demo.variants.san-box.oracle" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "x" / "world").exists()

@@ -129,6 +129,8 @@ def _print_report(report) -> None:
                 "image; "
                 "guess: what a random relation word between the same phrases would score"
             )
+        if report.checkpoint:
+            con.print(f"checkpoint evaluated: {report.checkpoint}")
     for name, pics in report.pictures.items():
         if pics:
             con.print(f"pictures ({name}): {Path(pics[0]).parent}")
