@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 KEY = re.compile(r"^(?:--set\s+)?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = (
     ".py",
+    ".safetensors",
+    ".bin",
     ".yaml",
     ".yml",
     ".json",
