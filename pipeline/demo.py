@@ -113,8 +113,8 @@ def _pictures_work(
     world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config, decoding: dict[str, Any]
 ):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from pipeline.captioning.run import caption_photos
         from pipeline.caption_data.prepared import PreparedCaptions
+        from pipeline.captioning.run import caption_photos
 
         prepared = PreparedCaptions.load(data)
         keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
@@ -389,7 +389,6 @@ def run_demo(
     report.stages.append(data)
 
     from pipeline.training.api import train_captioner
-
     from pipeline.world.grounding import load_scenes
 
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
-
 from extract_helpers import tiny_spec
-from extractors.training.export import export_weights
+from PIL import Image, ImageDraw
+from train_helpers import TINY
+
 from extractors.random_weights import random_detector
+from extractors.training.export import export_weights
 from pipeline.caption_data.prepare import prepare_captions
 from pipeline.core.config import load_config
 from pipeline.core.stages import run_stage
 from pipeline.training.api import train_captioner
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store
-from train_helpers import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["__background__"] + [f"thing{i}" for i in range(1, 21)]

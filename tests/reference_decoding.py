@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from models.captioners.base import Captioner, State, index_state
-from models.captioners.base import state_device as _device, state_rows as _rows
+from models.captioners.base import state_device as _device
+from models.captioners.base import state_rows as _rows
 from models.decoding import (
     NEG_INF,
     DecodeOptions,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from pipeline.core.regions import RegionRecord
 
 IDENTITY = {"name": "test-extractor", "weights_sha256": "0" * 64, "config": {"boxes": [10, 30]}}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.store import open_writer
 from store_helpers import IDENTITY, add_image, synthetic_image
+
+from pipeline.store import open_writer
 
 
 def main() -> None:

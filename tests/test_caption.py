@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_helpers import TINY
 from typer.testing import CliRunner
 
 from cli import app
@@ -21,7 +22,6 @@ from pipeline.core.stages import run_stage
 from pipeline.training.api import train_captioner
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store
-from train_helpers import TINY
 
 R101_DIM = 2048
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from pipeline.core.errors import UsageError
-from pipeline.store import FeatureStore, open_writer
 from pipeline.core.identity import FeatureIdentity
+from pipeline.store import FeatureStore, open_writer
 
 EXTRACTED = {
     "name": "bottom-up-random",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from extract_helpers import tiny_spec
 
 import models
-from extract_helpers import tiny_spec
 from extractors.factory import configure_recipe
 from extractors.inputs import items_from_paths
 from extractors.random_weights import random_detector

@@ -4,8 +4,8 @@ results; a run folder with several captioners picks the best by validation CIDEr
 
 from __future__ import annotations
 
-import json
 import gc
+import json
 import os
 import re
 import signal
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import REPO, SMALL, cli_process, small_photos, tiny_detector
 from cli import app
 from pipeline.captioning.choose import validation_score
 from pipeline.core import threads as thread_policy

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from caption_helpers import SMALL, small_photos, tiny_detector
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 from extractors.inputs import items_from_paths
 from extractors.photos import Need, Photo, PhotoDataset, photo_batches

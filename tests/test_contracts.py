@@ -182,11 +182,11 @@ def test_every_stored_identity_reads_back_to_the_same_record(record: dict) -> No
 
 def test_the_builder_gives_the_record_the_old_code_wrote_and_the_same_store_bytes(tmp_path: Path) -> None:
     import h5py
+    from store_helpers import add_image, synthetic_image
 
     from extractors.factory import record_settings
     from pipeline.core.identity import FeatureIdentity
     from pipeline.store import FeatureStore, open_writer
-    from store_helpers import add_image, synthetic_image
 
     class Spec:
         def to_dict(self):

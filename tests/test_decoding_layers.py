@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from models.decoding.captions import decoding_for, layered_decoding
 from models.checkpoints import CaptionerCheckpoint, ReleaseInfo
+from models.decoding.captions import decoding_for, layered_decoding
 from pipeline.commands.caption import CAPTION_EVERYDAY
 from pipeline.commands.evaluate import EVALUATE_EVERYDAY
 from pipeline.commands.options import CommandOptions

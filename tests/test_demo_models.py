@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import make_world_run, train_overrides
 from typer.testing import CliRunner
 
 from cli import app
 from pipeline.core.config import load_config
-from pipeline.demo import demo_captioners, demo_train_config
 from pipeline.core.errors import UsageError
+from pipeline.demo import demo_captioners, demo_train_config
 from pipeline.training.api import train_captioner
-from train_helpers import make_world_run, train_overrides
 
 
 def test_variants_resolve_to_their_captioner_and_layer_their_keys_over_its_cpu_sizes() -> None:

@@ -7,17 +7,16 @@ import errno
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from extract_helpers import TINY_SET, tiny_spec
 from PIL import Image
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import TINY_SET, tiny_spec
 from pipeline.core.keys import key_from_name
 from pipeline.store import FeatureStore
 
@@ -76,10 +75,11 @@ def test_an_image_on_which_the_model_raises_costs_only_itself(tmp_path, monkeypa
 
 def test_guarded_detect_on_a_batch_with_a_malformed_blob():
     from extract_helpers import selector_for
+
     from extractors.factory import random_detector
-    from extractors.preprocess import Frame
     from extractors.inputs import ImageItem
     from extractors.photos import Photo, detect_guarded
+    from extractors.preprocess import Frame
 
     model = random_detector(tiny_spec(), 0).eval().fold_batchnorm()
     frame = Frame(200, 266, 200, 266, 1.0)

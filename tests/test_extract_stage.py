@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extract_helpers import TINY_SET
 from typer.testing import CliRunner
 
 from cli import app
-from extract_helpers import TINY_SET
 from extractors.stage import ExtractJob, extract_features
 from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError

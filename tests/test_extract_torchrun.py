@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from extract_helpers import TINY_SET
+
 from pipeline.store import FeatureStore
 
 ROOT = Path(__file__).resolve().parent.parent

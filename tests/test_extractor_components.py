@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from extract_helpers import tiny_spec
 
 from extractors import box_coding, selector
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
 from extractors.box_head import Res5ROIHeads
-from extractors.resnet_caffe import BasicStem, ConvNorm, ResNetC4
 from extractors.random_weights import random_detector
-from extract_helpers import tiny_spec
+from extractors.resnet_caffe import BasicStem, ConvNorm, ResNetC4
 
 CAFFE_TABLE = [
     [-38, -16, 53, 31],

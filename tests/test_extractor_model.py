@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from extract_helpers import caffe_frames, selector_for, tiny_spec
+
 from extractors.preprocess import load_rgb
 from extractors.random_weights import random_detector
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import cv2
 import numpy as np
 import pytest
-
 from extract_helpers import read_obj36, read_trainval36
+
 from extractors.preprocess import caffe_blob, compute_scale, load_rgb
 from extractors.selector import clamp_selection
 

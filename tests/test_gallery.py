@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from caption_helpers import SMALL, small_photos, tiny_detector
 from PIL import Image
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -15,7 +15,6 @@ from pipeline.importers import export_tsv, import_features, read_sizes
 from pipeline.importers.tsv import decode_butd, decode_obj36, iter_lines
 from pipeline.store import FeatureStore
 
-
 # shared/data/README.md, obj36 table: id -> (w, h, objects_id range, conf range, feature max, zero fraction)
 OBJ36_ROWS = {
     "132417": (500, 333, (72, 601), (0.106, 0.853), 33.47, 0.385),

@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from pipeline.core.regions import RegionRecord
 import pytest
 import torch
 
 from pipeline.caption_data import PreparedCaptions
 from pipeline.caption_data.prepare import prepare_captions
 from pipeline.core.config import load_config
-from pipeline.data import BucketBatchSampler, CaptionDataset, build_loader, collate_images
 from pipeline.core.errors import PipelineError
+from pipeline.core.regions import RegionRecord
 from pipeline.core.stages import run_stage
-from pipeline.store import FeatureStore, open_writer
 from pipeline.core.vocab import BOS, EOS, PAD
+from pipeline.data import BucketBatchSampler, CaptionDataset, build_loader, collate_images
+from pipeline.store import FeatureStore, open_writer
 from pipeline.world.generate import generate_world
 
 DIM = 32

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from caption_helpers import SMALL, small_photos, tiny_detector
 from PIL import Image
 from typer.testing import CliRunner
 
 import models
-from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
 from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import load_config

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_world import check_caption
 from typer.testing import CliRunner
 
 from cli import app
@@ -18,7 +19,6 @@ from pipeline.store import FeatureStore
 from pipeline.world.generate import generate_world
 from pipeline.world.grounding import grounding_scores, judge_caption, load_scenes
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store
-from test_world import check_caption
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_relations.yaml"
 

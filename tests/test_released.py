@@ -7,15 +7,15 @@ import pickle
 
 import pytest
 import torch
+from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 from typer.testing import CliRunner
 
 from models.loading import load_captioner
-from models.released import convert_release, detect, ensure_native, load_release
 from models.released import aoanet as rel_aoa
+from models.released import convert_release, detect, ensure_native, load_release
 from models.released import m2 as rel_m2
 from pipeline.core.errors import UsageError
 from pipeline.core.vocab import BOS, EOS, PAD, UNK
-from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 SMALL_M2 = dict(d=16, d_ff=24, m=3, d_in=12, max_len=10)
 SMALL_AOA = dict(d=16, d_in=12)

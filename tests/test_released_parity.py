@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 from models.loading import load_captioner
-from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red"]
 

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_helpers import make_world_run
 from typer.testing import CliRunner
 
 from cli import app
 from pipeline.core.checkpoint import save_checkpoint
 from pipeline.core.config import load_config
-from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.core.distributed import DistContext
-from pipeline.training.engine import TrainingInterrupted
+from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.metrics.retrieval import caption_to_image_ranks, image_to_caption_ranks, recall_at, retrieval_metrics
-from train_helpers import make_world_run
+from pipeline.training.engine import TrainingInterrupted
 
 # -- metrics -------------------------------------------------------------------------------------------
 

@@ -11,13 +11,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from caption_helpers import SMALL, small_photos, tiny_detector
-from cli import app
-from pipeline.store import FeatureStore, open_writer
 from release_helpers import write_m2_checkpoint, write_m2_vocab
 from test_photo_path import random_captioner
+from typer.testing import CliRunner
+
+from cli import app
+from pipeline.store import FeatureStore, open_writer
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball", "red", "sitting"]
 

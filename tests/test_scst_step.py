@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.core.vocab import EOS
-
 from pipeline.core.config import load_config
 from pipeline.core.distributed import DistContext
+from pipeline.core.vocab import EOS
 from pipeline.training.engine import Progress, Trainer
 from tests.train_helpers import make_world_run, train_overrides
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, sentence_tensor
-from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
 from pipeline.core.errors import ConfigError
+from pipeline.embedding.losses import caption_loss, cosine_matrix, ranking_loss
+from pipeline.embedding.sentence_encoder import SentenceEncoder, build_sentence_encoder, sentence_tensor
 
 SMALL = dict(word_dim=6, hidden_size=5, attn_hidden=7, attn_rows=4, image_head_hidden=9, decoder_hidden=8)
 

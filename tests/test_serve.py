@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from caption_helpers import SMALL, small_photos, tiny_detector
 from PIL import Image
+from serve_helpers import Chromium, multipart, serving, start_server, stop_server
 from typer.testing import CliRunner
 
-from caption_helpers import SMALL, small_photos, tiny_detector
 from cli import app
-from serve_helpers import Chromium, multipart, serving, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -470,11 +470,11 @@ def test_uploads_are_parsed_in_memory(monkeypatch) -> None:
     import asyncio
     import tempfile
 
+    from serve_helpers import multipart
     from starlette.datastructures import Headers
     from starlette.formparsers import MultiPartParser
 
     from pipeline.serving.uploads import images_and_fields
-    from serve_helpers import multipart
 
     def refused(*args, **kwargs):
         raise AssertionError("a temporary file was made")

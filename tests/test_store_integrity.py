@@ -16,7 +16,7 @@ from store_helpers import IDENTITY, add_image, synthetic_image
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.errors import PipelineError
 from pipeline.core.keys import key_from_name
 from pipeline.store import FeatureStore, compact_store, merge_stores, open_writer
 

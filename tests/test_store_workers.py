@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_helpers import make_world_run, train_overrides
 from typer.testing import CliRunner
 
 from cli import app
@@ -28,7 +29,6 @@ from pipeline.embedding.retrieval import words_to_inputs
 from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.store import FeatureStore
 from pipeline.training.api import train_captioner
-from train_helpers import make_world_run, train_overrides
 
 ENC = "{objective: cap2img, word_dim: 16, hidden_size: 24, attn_hidden: 12, attn_rows: 3, image_head_hidden: 32, image_head_dropout: 0.0}"
 SENTENCES = [

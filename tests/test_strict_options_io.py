@@ -73,8 +73,8 @@ def test_every_model_command_refuses_a_zero_batch_and_negative_workers(tmp_path:
 
 
 def test_decoding_numbers_are_finite_and_n_best_is_never_silently_widened(tmp_path: Path) -> None:
-    from models.decoding.captions import merge_decoding
     from models.decoding import DecodeOptions
+    from models.decoding.captions import merge_decoding
     from pipeline.commands.decoding_opts import decoding_overrides
     from pipeline.core.config import load_config
 

@@ -13,13 +13,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from train_helpers import make_world_run, train_overrides
 
+from models.checkpoints import CaptionerCheckpoint
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.config import load_config
 from pipeline.training.api import evaluate_checkpoint, train_captioner
-from models.checkpoints import CaptionerCheckpoint
 from pipeline.training.validation import fast_cider
-from train_helpers import make_world_run, train_overrides
 
 
 @pytest.fixture(scope="module")

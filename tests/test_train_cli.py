@@ -8,20 +8,20 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from pipeline.core.regions import RegionRecord
 import pytest
 import torch
+from train_helpers import make_world_run, train_overrides
 from typer.testing import CliRunner
 
 from cli import app
+from models.checkpoints import CaptionerCheckpoint
 from pipeline.caption_data.prepare import prepare_captions
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.config import load_config
+from pipeline.core.regions import RegionRecord
 from pipeline.core.stages import run_stage
 from pipeline.store import FeatureStore, open_writer
 from pipeline.training.api import train_captioner
-from models.checkpoints import CaptionerCheckpoint
-from train_helpers import make_world_run, train_overrides
 
 needs_java = pytest.mark.skipif(
     shutil.which("java") is None, reason="Java is not installed (the PTB tokenizer needs it)"

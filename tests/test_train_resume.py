@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import make_world_run, train_overrides
 
 from models.checkpoints import CaptionerCheckpoint
-from train_helpers import make_world_run, train_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "BUTD_NO_PROGRESS": "1"}

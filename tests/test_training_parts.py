@@ -11,15 +11,15 @@ import torch
 
 from models import build_captioner
 from pipeline.core.config import CONFIG_DIR, load_config, load_yaml_with_bases
+from pipeline.core.distributed import DistContext
 from pipeline.core.errors import ConfigError
+from pipeline.core.vocab import BOS, EOS, PAD, Vocab
 from pipeline.metrics.cider import CiderD
 from pipeline.store import FeatureStore
-from pipeline.core.distributed import DistContext
 from pipeline.training.recipe import stage_recipe
 from pipeline.training.schedules import build_schedule
 from pipeline.training.scst_step import scst_loss
 from pipeline.training.xe import scheduled_sampling_log_probs, xe_loss_sum
-from pipeline.core.vocab import BOS, EOS, PAD, Vocab
 from pipeline.world.generate import generate_world
 from pipeline.world.oracle_features import oracle_dim, write_oracle_store
 from pipeline.world.vocab import COLOUR_NAMES, SHAPES

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 from pipeline.core.errors import UsageError
-from release_helpers import write_aoanet, write_m2_checkpoint, write_m2_vocab
 
 WORDS = ["a", "man", "dog", "on", "the", "grass", "with", "ball"]
 

@@ -87,7 +87,7 @@ def test_train_evaluate_caption_on_vinvl_features(world, kind):
     assert (first["boxes"].shape[0] == 16) if kind == "grid" else (10 <= first["boxes"].shape[0] <= 100)
     out = root / f"run-{kind}"
     sets = [
-        f"train.model=san",
+        "train.model=san",
         f"train.store={store}",
         f"train.data={root / 'run/data'}",
         "train.device=cpu",

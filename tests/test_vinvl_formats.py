@@ -8,10 +8,10 @@ import json
 
 import h5py
 import numpy as np
-from pipeline.core.regions import RegionRecord
 from typer.testing import CliRunner
 
 from cli import app
+from pipeline.core.regions import RegionRecord
 from pipeline.store import FeatureStore, open_writer
 
 SIZES = {"images": [{"id": 7, "width": 640, "height": 480}, {"id": 12, "width": 500, "height": 333}]}

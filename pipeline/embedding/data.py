@@ -20,13 +20,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pipeline.caption_data.prepared import PreparedCaptions
-from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import track
-from pipeline.data.dataset import caption_tensor
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.store import FeatureStore
+from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core.vocab import EOS, PAD
+from pipeline.data.dataset import caption_tensor
+from pipeline.store import FeatureStore
 
 
 class ImageMeans(Dataset):

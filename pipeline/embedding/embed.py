@@ -26,17 +26,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from pipeline.core import threads as thread_policy
+from pipeline.core.console import get_logger, track
+from pipeline.core.distributed import resolve_device
+from pipeline.core.errors import PipelineError, UsageError, exception_line
+from pipeline.core.fileio import atomic_write, atomic_write_text
+from pipeline.core.loaders import loader_timeout
+from pipeline.core.training import autocast, resolve_precision
+from pipeline.core.vocab import EOS, SPECIALS, UNK, Vocab
 from pipeline.embedding.checkpoint import load_encoder
 from pipeline.embedding.heatmap import attention_heatmap
 from pipeline.embedding.retrieval import encode_batches, words_to_inputs
-from pipeline.core.loaders import loader_timeout
-from pipeline.core import threads as thread_policy
-from pipeline.core.console import get_logger, track
-from pipeline.core.errors import PipelineError, UsageError, exception_line
-from pipeline.core.fileio import atomic_write, atomic_write_text
-from pipeline.core.distributed import resolve_device
-from pipeline.core.training import autocast, resolve_precision
-from pipeline.core.vocab import EOS, SPECIALS, UNK, Vocab
 
 OUTPUT_SUFFIXES = (".npy", ".jsonl")
 log = get_logger("embed")

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.embedding.sentence_encoder import SentenceEncoder, sentence_tensor
+from pipeline.core.errors import UsageError
+from pipeline.core.vocab import Vocab
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import cosine_matrix
-from pipeline.core.errors import UsageError
+from pipeline.embedding.sentence_encoder import SentenceEncoder, sentence_tensor
 from pipeline.metrics.retrieval import retrieval_metrics
 from pipeline.store import FeatureStore
-from pipeline.core.vocab import Vocab
 
 
 @torch.no_grad()
@@ -148,9 +148,9 @@ def evaluate_retrieval_files(
     from pathlib import Path
 
     from pipeline.caption_data.prepared import PreparedCaptions
-    from pipeline.embedding.checkpoint import load_encoder
-    from pipeline.core.fileio import read_json
     from pipeline.core.distributed import resolve_device
+    from pipeline.core.fileio import read_json
+    from pipeline.embedding.checkpoint import load_encoder
 
     if store_path is None or data_path is None:
         raise UsageError(

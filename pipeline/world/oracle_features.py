@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pipeline.core.regions import RegionRecord
 
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
 from pipeline.core.fileio import read_json
+from pipeline.core.regions import RegionRecord
 from pipeline.store import open_writer
 from pipeline.world.vocab import COLOUR_NAMES, SHAPES, SIZE_NAMES
 
