@@ -24,15 +24,27 @@ report holds every seed's figures and their mean and sample standard deviation.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import models as model_registry
+from extractors.stage import ExtractJob, extract_features
+from extractors.training.stage import demo_detector_config, train_detector
+from pipeline.caption_data.prepare import prepare_captions
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.captioning.run import caption_photos
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.errors import UsageError
-from pipeline.core.stages import StageResult, run_stage
+from pipeline.core.fileio import atomic_write_text, read_json
+from pipeline.core.stages import StageResult, read_manifest, run_stage
+from pipeline.training.api import evaluate_checkpoint, train_captioner
+from pipeline.world.generate import generate_world, world_stage_config
+from pipeline.world.grounding import grounding_scores, load_scenes
+from pipeline.world.oracle_features import write_oracle_store
 
 log = get_logger("demo")
 
@@ -76,8 +88,6 @@ class DemoReport:
 
 def _with_inputs(cfg: Config | dict[str, Any], **upstream: StageResult) -> Config:
     """A stage config that also records the manifests' digests of the stages it reads from."""
-    from pipeline.core.stages import read_manifest
-
     data = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
     data["inputs"] = {name: (read_manifest(r.directory) or {}).get("config_digest", "") for name, r in upstream.items()}
     return Config(data)
@@ -88,8 +98,6 @@ def _eval_work(checkpoint: Path, store: Path, data: Path, fast_only: bool, decod
     ``decoding:`` section (the one layering of docs/architecture.md#decoding)."""
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from pipeline.training.api import evaluate_checkpoint
-
         rep = evaluate_checkpoint(
             checkpoint,
             store,
@@ -113,9 +121,6 @@ def _pictures_work(
     world_dir: Path, checkpoint: Path, weights: Path, data: Path, ccfg: Config, decoding: dict[str, Any]
 ):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from pipeline.caption_data.prepared import PreparedCaptions
-        from pipeline.captioning.run import caption_photos
-
         prepared = PreparedCaptions.load(data)
         keys = [prepared.images[i]["key"] for i in prepared.split_indices("test")][: int(cfg.count)]
         photos = [str(world_dir / "images" / k) for k in keys]
@@ -141,8 +146,6 @@ def _pictures_work(
 
 def _oracle_work(world_dir: Path):
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from pipeline.world.oracle_features import write_oracle_store
-
         summary = write_oracle_store(
             world_dir,
             stage_dir / "store",
@@ -161,8 +164,6 @@ def _stage_seconds(result: StageResult) -> float:
 
     Both paths read the manifest's value (rounded to 3 places there), so a rerun that skips the stage reports
     the very number the first run did: rounding the unrounded timing to 1 place could differ at a boundary."""
-    from pipeline.core.stages import read_manifest
-
     recorded = (read_manifest(result.directory) or {}).get("seconds")
     if recorded is None:
         recorded = 0.0 if result.skipped else round(result.seconds, 3)
@@ -171,8 +172,6 @@ def _stage_seconds(result: StageResult) -> float:
 
 def mean_and_spread(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
     """Mean and sample standard deviation (0 for one row) of every numeric key the rows share."""
-    import statistics
-
     keys = (
         [
             k
@@ -199,9 +198,6 @@ def _plain(node: Any) -> dict[str, Any]:
 def _grounding(scenes: dict[int, Any], ev: StageResult) -> dict[str, Any]:
     """Grounding accuracy of the eval stage's test captions against the world's test scenes (recomputed on every
     run from the stage's files: cheap, and it needs no change to a finished stage)."""
-    from pipeline.core.fileio import read_json
-    from pipeline.world.grounding import grounding_scores
-
     predictions = read_json(ev.directory / ev.outputs["predictions"], "predictions file", expect=list)
     return grounding_scores(predictions, scenes)
 
@@ -209,8 +205,6 @@ def _grounding(scenes: dict[int, Any], ev: StageResult) -> dict[str, Any]:
 def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
     """Map each ``--models`` name to the registered captioner it trains: itself, or its ``demo.variants`` entry's
     ``model``. Unknown names and variants without a registered ``model`` are usage errors."""
-    import models as model_registry
-
     known = model_registry.available_captioners()
     variants = _plain(cfg.demo.variants)
     resolved: dict[str, str] = {}
@@ -220,7 +214,8 @@ def demo_captioners(cfg: Config, names: list[str]) -> dict[str, str]:
             continue
         if name not in variants:
             raise UsageError(
-                f"unknown captioner '{name}' in --models (captioners: {', '.join(known)}; demo.variants: {', '.join(variants) or 'none'})"
+                f"unknown captioner '{name}' in --models (captioners: {', '.join(known)}; "
+                f"demo.variants: {', '.join(variants) or 'none'})"
             )
         base = variants[name].get("model") if isinstance(variants[name], dict) else None
         if base not in known:
@@ -318,13 +313,9 @@ def run_demo(
         raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
     detector_overrides = {f"detector_train.{k}": v for k, v in cfg.detector_train.to_dict().items()}
     if any(kind != "oracle" for kind in kinds):  # the detector_train: keys checked before any stage runs
-        from extractors.training.stage import demo_detector_config
-
         demo_detector_config(out / "world", overrides=detector_overrides)
     t0 = time.perf_counter()
     report = DemoReport(out=out)
-    from pipeline.world.generate import generate_world, world_stage_config
-
     world = run_stage(out, "world", world_stage_config(cfg.world), generate_world, force=force)
     report.stages.append(world)
     if generate_only:
@@ -357,15 +348,11 @@ def run_demo(
                 own_oracle[name] = (feats, feats.directory / feats.outputs["store"])
     weights: Path | None = None
     if any(kind != "oracle" for kind in kinds):
-        from extractors.training.stage import demo_detector_config, train_detector
-
         det_cfg = demo_detector_config(world.directory, overrides=detector_overrides)
         detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
         report.stages.append(detector)
         report.detector = dict(detector.summary.get("eval", {}))
         weights = detector.directory / detector.outputs["weights"]
-
-    from extractors.stage import ExtractJob, extract_features
 
     for kind in [k for k in kinds if k != "oracle"]:
         section = cfg.extract if kind == "region" else grid_extract_section(cfg)
@@ -380,16 +367,11 @@ def run_demo(
         report.stages.append(feats)
         stores[kind] = (feats, feats.directory / feats.outputs["store"])
 
-    from pipeline.caption_data.prepare import prepare_captions
-
     prep_cfg = cfg.prepare.with_overrides(
         {"karpathy_json": str(world.directory / world.outputs["karpathy"]), "key": "filename"}
     )
     data = run_stage(out, "data", _with_inputs(prep_cfg, world=world), prepare_captions, force=force)
     report.stages.append(data)
-
-    from pipeline.training.api import train_captioner
-    from pipeline.world.grounding import load_scenes
 
     test_scenes = load_scenes(world.directory / "annotations" / "instances_test.json")
     seeds = int(cfg.demo.seeds)
@@ -455,7 +437,5 @@ def run_demo(
         )
         report.spread[name] = {**metric_sd, **ground_sd}
     report.seconds = time.perf_counter() - t0
-    from pipeline.core.fileio import atomic_write_text
-
     atomic_write_text(out / "summary.json", json.dumps(report.to_json(), indent=1) + "\n")
     return report

@@ -25,7 +25,7 @@ from pipeline.core.console import track
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.loaders import guarded, loader_timeout
 from pipeline.core.vocab import EOS, PAD
-from pipeline.data.dataset import caption_tensor
+from pipeline.data.dataset import cap_boxes, caption_tensor
 from pipeline.store import FeatureStore
 
 
@@ -42,8 +42,6 @@ class ImageMeans(Dataset):
         return len(self.keys)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        from pipeline.data.dataset import cap_boxes
-
         feats = cap_boxes(self.store.get(self.keys[i]), self.max_boxes)["features"]
         if not len(feats):
             return np.zeros(self.dim, dtype=np.float32)
@@ -67,7 +65,8 @@ def image_table(
     dataset = ImageMeans(store, keys, max_boxes)
     out = np.zeros((len(keys), dataset.dim), dtype=np.float32)
     with thread_policy.loader_threads(num_workers if len(keys) else 0) as workers:
-        # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial weights)
+        # an own generator: a DataLoader otherwise draws its base seed from the global RNG (the encoder's initial
+        # weights)
         loader = DataLoader(
             dataset,
             batch_size=chunk,

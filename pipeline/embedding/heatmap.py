@@ -1,8 +1,9 @@
-"""PNG heatmaps of the self-attention rows over the words of sentences (as in the attention figure of Yoo et al. 2017).
+"""PNG heatmaps of the self-attention rows over the words of sentences (as in the attention figure of Yoo et al.
+2017).
 
 One panel per sentence: a grid with one row per attention vector a_i (i = 1..n_a) and one column per word
-(``<eos>`` included), each cell shaded by its weight A[i, t] relative to the panel's largest weight (white 0 -> dark red =
-that maximum, written under the panel), the words written above their columns, and a last row with the
+(``<eos>`` included), each cell shaded by its weight A[i, t] relative to the panel's largest weight (white 0 -> dark
+red = that maximum, written under the panel), the words written above their columns, and a last row with the
 mean over the rows. Drawn with Pillow (no plotting library needed).
 """
 

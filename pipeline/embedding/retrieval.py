@@ -8,13 +8,19 @@ Self-retrieval (one generated caption per image) measures how distinctive a capt
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.caption_data.prepared import PreparedCaptions
+from pipeline.core.distributed import resolve_device
 from pipeline.core.errors import UsageError
+from pipeline.core.fileio import read_json
+from pipeline.core.training import autocast, resolve_precision
 from pipeline.core.vocab import Vocab
+from pipeline.embedding.checkpoint import load_encoder
 from pipeline.embedding.data import SplitCaptions, image_table
 from pipeline.embedding.losses import cosine_matrix
 from pipeline.embedding.sentence_encoder import SentenceEncoder, sentence_tensor
@@ -36,8 +42,6 @@ def encode_batches(
 
     ``precision``: a resolved precision (fp32 | bf16 | fp16, :func:`pipeline.core.training.resolve_precision`);
     the forward pass runs under its autocast, the vectors come back as float32."""
-    from pipeline.core.training import autocast
-
     was = model.training
     model.eval()
     out = []
@@ -90,7 +94,8 @@ def retrieval_report(
     captions are encoded under ``precision`` (resolved: fp32 | bf16 | fp16)."""
     if model.image_head is None:
         raise UsageError(
-            f"the encoder was trained with objective {model.objective} and has no image head: retrieval needs cap2img or cap2all"
+            f"the encoder was trained with objective {model.objective} and has no image head: "
+            "retrieval needs cap2img or cap2all"
         )
     images = image_table(store, split.keys, max_boxes, num_workers)
     tokens, lengths, caption_image = split.all_captions()
@@ -145,21 +150,12 @@ def evaluate_retrieval_files(
     results file), of the generated captions (self-retrieval); the store is read in ``num_workers`` processes,
     the captions encoded under ``precision`` (auto | fp32 | bf16 | fp16, checked for the device as
     ``evaluate.precision``)."""
-    from pathlib import Path
-
-    from pipeline.caption_data.prepared import PreparedCaptions
-    from pipeline.core.distributed import resolve_device
-    from pipeline.core.fileio import read_json
-    from pipeline.embedding.checkpoint import load_encoder
-
     if store_path is None or data_path is None:
         raise UsageError(
             "--retrieval needs --store FEATURES (the image vectors) and --data PREPARED (the split's captions)"
         )
     if not Path(store_path).exists():
         raise UsageError(f"feature store not found: {store_path}")
-    from pipeline.core.training import resolve_precision
-
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev, "evaluate.precision")
     data = PreparedCaptions.load(data_path)

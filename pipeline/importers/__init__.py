@@ -24,6 +24,8 @@ from pipeline.core.regions import RegionRecord
 from pipeline.importers import clipvil, cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
 from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
 from pipeline.importers.untrusted import check_record, check_size
+from pipeline.store import FeatureStore, open_writer
+from pipeline.store.format import MANIFEST
 
 log = get_logger("import")
 
@@ -120,8 +122,6 @@ def import_features(
         raise UsageError(
             f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
         )
-    from pipeline.store import open_writer
-
     report = ImportReport()
     seen_keys: set[str] = set()
     if identity is not None and release is not None:
@@ -183,9 +183,6 @@ def store_dtype(store: str | Path, asked: str | None, features: Any) -> str:
     source's (``float16`` features stay float16, every other dtype becomes float32, the widest the store holds)."""
     if asked is not None:
         return asked
-    from pipeline.store import FeatureStore
-    from pipeline.store.format import MANIFEST
-
     if (Path(store) / MANIFEST).exists():
         return FeatureStore(store).feature_dtype
     return "float16" if features is not None and str(getattr(features, "dtype", "")) == "float16" else "float32"
@@ -205,8 +202,6 @@ def export_tsv(store_path: str | Path, out: str | Path, fmt: str = "butd-tsv") -
     spec = FORMATS.get(fmt)
     if spec.exporter is None:
         raise UsageError(f"cannot export to {fmt!r}; choose one of {', '.join(f.name for f in export_formats())}")
-    from pipeline.store import FeatureStore
-
     store = FeatureStore(store_path)
     if store.feature_dtype != "float32":
         log.warning("store %s holds float16 features: the TSV will hold them widened to float32", store_path)

@@ -1,4 +1,5 @@
-"""ruotianluo ``cocobu_att`` / ``cocobu_box`` directories (ruotianluo/ImageCaptioning.pytorch ``scripts/make_bu_data.py``).
+"""ruotianluo ``cocobu_att`` / ``cocobu_box`` directories (ruotianluo/ImageCaptioning.pytorch
+``scripts/make_bu_data.py``).
 
 ``<dir>_att/<image_id>.npz`` holds key ``feat`` (or ``z``, as in ``cocotest_bu``): float32 [K, 2048];
 ``<dir>_box/<image_id>.npy``: float32 [K, 4] pixels. The files carry no image size, so sizes come from a

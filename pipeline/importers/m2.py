@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
@@ -24,8 +25,6 @@ SUFFIX = "_features"
 def read_m2(
     sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
-    import h5py
-
     if sizes is None:
         raise UsageError(
             "M2 detection files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"

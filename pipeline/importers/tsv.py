@@ -132,7 +132,8 @@ def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
     if len(fields) != len(BUTD_COLUMNS):
         raise PipelineError(
-            f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), found {len(fields)} (truncated row?)"
+            f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), "
+            f"found {len(fields)} (truncated row?)"
         )
     key = _key(fields[0], where)
     k = _int(fields[3], "num_boxes", where)
@@ -150,7 +151,8 @@ def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Reco
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
     if len(fields) != len(OBJ36_COLUMNS):
         raise PipelineError(
-            f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), found {len(fields)} (truncated row?)"
+            f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), "
+            f"found {len(fields)} (truncated row?)"
         )
     raw = _key(fields[0], where)
     k = _int(fields[7], "num_boxes", where)

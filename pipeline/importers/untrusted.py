@@ -22,7 +22,9 @@ import re
 import zipfile
 from typing import Any, BinaryIO, NamedTuple
 
+import h5py
 import numpy as np
+from h5py import h5l
 
 from pipeline.core.errors import PipelineError
 from pipeline.core.regions import OPTIONAL_FIELDS
@@ -139,9 +141,6 @@ class _Header(NamedTuple):
 def read_dataset(group: Any, name: str, where: str, ndim: int) -> np.ndarray:
     """The array of dataset ``name`` in an open h5py ``group``, checked before it is read: reached by a hard link
     (a soft or external link is refused, not followed), a dataset (not a group), and :func:`numeric_array`."""
-    import h5py
-    from h5py import h5l
-
     link = name.encode("utf-8", "surrogateescape")
     try:
         exists = group.id.links.exists(link)

@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
@@ -93,7 +94,8 @@ def decode_vinvl(fields: list[bytes], where: str, keys: str, sizes: dict[str, tu
         return {"key": key, "features": feats.copy(), "boxes": boxes, "image_w": w, "image_h": h}
     if len(fields) != 2:
         raise PipelineError(
-            f"{where}: expected 3 (key, num_boxes, features) or 2 (key, json) tab-separated columns, found {len(fields)}"
+            f"{where}: expected 3 (key, num_boxes, features) or 2 (key, json) tab-separated columns, "
+            f"found {len(fields)}"
         )
     row = parse_json(fields[1], where, "the predictions column")
     objects = row.get("objects") if isinstance(row, dict) else None
@@ -151,8 +153,6 @@ def write_vinvl(out: BinaryIO, records: Iterator[Record]) -> int:
 def read_grid_hdf5(
     sources: list[Path], keys: str = "raw", sizes: dict[str, tuple[int, int]] | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], Record]]]:
-    import h5py
-
     if sizes is None:
         raise UsageError(
             "grid HDF5 files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
@@ -195,7 +195,8 @@ register_format(
         "raw",
         True,
         write_vinvl,
-        help="VinVL / Oscar feature TSV (2054-d rows with the 6-d box position) or scene_graph_benchmark predictions TSV",
+        help="VinVL / Oscar feature TSV (2054-d rows with the 6-d box position) "
+        "or scene_graph_benchmark predictions TSV",
         release="vinvl",
     )
 )

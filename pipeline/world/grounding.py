@@ -175,8 +175,9 @@ def judge_caption(caption: str, scene: Scene, vocab: Mapping[str, set[str]]) -> 
 
 def grounding_scores(predictions: Iterable[Mapping[str, Any]], scenes: Mapping[int, Scene]) -> dict[str, Any]:
     """Fractions of true claims over ``predictions`` (``[{image_id, caption}]``): ``object_accuracy``
-    (noun phrases), ``relation_accuracy`` (with its guessing rate ``relation_chance``), ``position_accuracy``, with the number of claims of each kind and
-    ``captions_without_claims`` (captions in which no noun phrase could be parsed)."""
+    (noun phrases), ``relation_accuracy`` (with its guessing rate ``relation_chance``), ``position_accuracy``, with
+    the number of claims of each kind and ``captions_without_claims`` (captions in which no noun phrase could be
+    parsed)."""
     vocab: dict[str, set[str]] = {
         "shapes": {o.shape for s in scenes.values() for o in s.objects},
         "colours": set(),
