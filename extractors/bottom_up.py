@@ -7,7 +7,8 @@ pixels. The recipes (preprocessing, proposal settings, selection, rescaling per 
 :mod:`extractors.recipes` and docs/recipes.md.
 
 Batching: images whose blobs have the same size share one backbone pass (no padding, so a batched image gives
-the numbers of the image alone to float rounding: a convolution over another batch sums in another order); the res5 head runs once over the RoIs of the whole batch.
+the numbers of the image alone to float rounding: a convolution over another batch sums in another order); the
+res5 head runs once over the RoIs of the whole batch.
 Presets are registered in :data:`extractors.EXTRACTORS` as spec factories.
 """
 

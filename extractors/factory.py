@@ -117,7 +117,8 @@ def configure_recipe(
     release = release_of_layout(layout)
     if release is not None and release.grid_only and recipe.selector != "grid":
         raise UsageError(
-            f"{layout} weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): use --boxes grid"
+            f"{layout} weights hold a backbone for grid features only (recipe {recipe.name!r} selects regions): "
+            "use --boxes grid"
         )
     log.info("recipe %s: %s", recipe.name, "; ".join(f"{k} {v}" for k, v in describe_recipe(recipe)[1:]))
     return recipe, make_selector(recipe, model.spec)

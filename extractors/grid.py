@@ -203,8 +203,8 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
             raise _err(
                 path,
                 L,
-                f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one deformable group "
-                "(18, the X-152++ model) is supported, not modulated or grouped offsets",
+                f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one "
+                "deformable group (18, the X-152++ model) is supported, not modulated or grouped offsets",
             )
     stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:

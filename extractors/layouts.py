@@ -1,4 +1,5 @@
-"""Weights layouts of the newer Visual Genome detectors (docs/extractor.md#weights-layouts): ``vinvl`` and ``grid-feats``.
+"""Weights layouts of the newer Visual Genome detectors (docs/extractor.md#weights-layouts): ``vinvl`` and
+``grid-feats``.
 
 * ``vinvl`` - microsoft/scene_graph_benchmark ``vinvl_vg_x152c4.pth``: a flat torch state dict of ``AttrRCNN``
   (every key may carry the ``module.`` prefix of a DataParallel save; a ``{"model": ...}`` wrapper is accepted).
@@ -171,7 +172,8 @@ def strict_check(
         for name, keys in (("missing", missing), ("unexpected", extra)):
             if keys:
                 parts.append(
-                    f"{len(keys)} {name} key{'s' if len(keys) > 1 else ''} ({', '.join(repr(k) for k in keys[:5])}{', ...' if len(keys) > 5 else ''})"
+                    f"{len(keys)} {name} key{'s' if len(keys) > 1 else ''} "
+                    f"({', '.join(repr(k) for k in keys[:5])}{', ...' if len(keys) > 5 else ''})"
                 )
         raise _err(path, layout, "; ".join(parts))
     for k, shp in table.items():
@@ -234,7 +236,8 @@ def describe_vinvl(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tu
     return {
         "layout": "vinvl",
         "semantics": "vinvl (maskrcnn_benchmark: +1 boxes, sigmoid RPN, ROIAlign, background first)",
-        "architecture": f"ResNeXt-{depth} {spec.groups}x{width}d C4 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
+        "architecture": f"ResNeXt-{depth} {spec.groups}x{width}d C4 "
+        f"(blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
         "classes": spec.num_classes,
         "attributes": spec.num_attributes if spec.has_attributes else 0,
         "anchors_in_file": to_vinvl_key(ANCHORS) in sd,
@@ -279,7 +282,8 @@ def describe_grid_feats(layout: str, sd: Mapping[str, torch.Tensor], path: Any) 
     return {
         "layout": "grid-feats",
         "semantics": "d2 (detectron2 backbone through res5; grid features only)",
-        "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",
+        "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), "
+        f"feature {spec.feature_dim}-d",
         "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std),
         "classes": 0,
         "attributes": 0,

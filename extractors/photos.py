@@ -12,8 +12,8 @@
    decoded again in the main process, a dead or stuck worker hands the rest to the main process, each with
    one line of advice (``--ipc=host``, ``--shm-size``, ``--num-workers 0``).
 2. :func:`detect_guarded` runs the detector on a batch of decoded photos under the command's precision
-   (:func:`pipeline.core.precision.autocast`, a resolved precision); if the batch raises, each photo runs alone and the ones that still raise fail
-   with ``detector_failed``, so one odd photo never costs the others.
+   (:func:`pipeline.core.precision.autocast`, a resolved precision); if the batch raises, each photo runs alone
+   and the ones that still raise fail with ``detector_failed``, so one odd photo never costs the others.
 
 The reasons are those of :data:`pipeline.core.errors.FAILURE_REASONS` (one list, one spelling).
 """

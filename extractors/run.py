@@ -142,8 +142,8 @@ def run_extraction(
                 if stop.signum is not None:
                     writer.commit()
                     raise ExtractionInterrupted(
-                        f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, all committed "
-                        f"to {writer.path}: run the same command again to resume"
+                        f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, "
+                        f"all committed to {writer.path}: run the same command again to resume"
                     )
             detect(buckets.flush() if buckets is not None else [])
             order.release()

@@ -15,8 +15,9 @@ post-processing). Changing the selection touches a selector and one YAML (``conf
   the first ``max_boxes``; write the regressed boxes.
 * :class:`GivenBoxes`: the supplied boxes, in their order.
 
-The rules are the module's functions: :func:`max_conf_vectorized` (Caffe's per-class ``max_conf``, docs/extractor.md#box-selection),
-:func:`clamp_selection` (the ``conf_thresh`` / [min, max] rule) and :func:`maxnms_select` (the ladder).
+The rules are the module's functions: :func:`max_conf_vectorized` (Caffe's per-class ``max_conf``,
+docs/extractor.md#box-selection), :func:`clamp_selection` (the ``conf_thresh`` / [min, max] rule) and
+:func:`maxnms_select` (the ladder).
 The per-class NMS is vectorised (:mod:`extractors.nms`): one ``+1``-area IoU matrix per image gives the overlap
 graph shared by all classes, and a fixed-point iteration over it solves greedy NMS for every class (and every
 image of a batch) at once. It is exactly greedy NMS per class (the same survivors as the loop in
@@ -42,8 +43,9 @@ def max_conf_vectorized(
 
     ``boxes`` (B, R, 4) or (R, 4); ``scores`` (B, R, K) or (R, K) foreground class scores (>= 0);
     ``valid`` (B, R) marks real proposals (padding neither suppresses nor is scored). Returns (B, R) or (R,)
-    float32. On CPU :func:`extractors.nms.max_conf` (packed class words), on a GPU :func:`extractors.nms.max_conf_device`
-    (the same fixed point with device operators, a few sweeps instead of one sequential step per rank).
+    float32. On CPU :func:`extractors.nms.max_conf` (packed class words), on a GPU
+    :func:`extractors.nms.max_conf_device` (the same fixed point with device operators, a few sweeps instead of one
+    sequential step per rank).
     """
     if boxes.device.type == "cpu":
         return nms.max_conf(boxes, scores, thresh, valid)

@@ -93,7 +93,8 @@ class BottomUpSpec:
     # derived sizes -------------------------------------------------------------------------------------
     @property
     def background_first(self) -> bool:
-        """Background at class row 0 and regression rows for every class (caffe, vinvl) vs last / foreground only (d2)."""
+        """Background at class row 0 and regression rows for every class (caffe, vinvl) vs last / foreground only
+        (d2)."""
         return self.flavor != "d2"
 
     @property

@@ -22,11 +22,23 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from extractors.factory import configure_recipe, load_for_inference, record_settings
+from extractors.inputs import items_from_coco, items_from_file_list, items_from_paths, shard_items
+from extractors.recipes import BOX_MODES, validate_config
+from extractors.run import run_extraction
+from extractors.to_host import use_channels_last
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
+from pipeline.core.distributed import local_processes, resolve_device, shared_gpu, visible_gpus
 from pipeline.core.environment import launcher_int
 from pipeline.core.errors import ConfigError, UsageError
+from pipeline.core.keys import key_to_text
+from pipeline.core.precision import resolve_precision
 from pipeline.core.stages import MANIFEST, RUNNING, StageResult, read_manifest, run_stage
+from pipeline.hub import resolve_file
+from pipeline.store import open_writer
 
 log = get_logger("extract")
 
@@ -99,8 +111,6 @@ def selection_mode(section: Config) -> str | None:
     """Check the recipe settings of an ``extract:`` section (``recipe``, ``recipes``, the shorthands) before any
     work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself is built by
     :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
-    from extractors.recipes import BOX_MODES, validate_config
-
     mode = None if section.boxes is None else str(section.boxes)
     if mode is not None and mode not in BOX_MODES:
         raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
@@ -110,8 +120,6 @@ def selection_mode(section: Config) -> str | None:
 
 def collect_items(job: ExtractJob, mode: str) -> list[Any]:
     """The images of ``job`` (folders, file list, COCO file), sharded and limited; usage errors when there are none."""
-    from extractors.inputs import items_from_coco, items_from_file_list, items_from_paths, shard_items
-
     if mode == "given" and job.coco is None:
         raise UsageError("--boxes given needs --coco ANNOTATIONS (the boxes come from its 'annotations')")
     items = []
@@ -126,8 +134,6 @@ def collect_items(job: ExtractJob, mode: str) -> list[Any]:
     if not items:
         raise UsageError("no images found in the given inputs")
     if all(it.problem is not None for it in items):  # every input missing, a dangling link, not a file, ...
-        from pipeline.core.keys import key_to_text
-
         shown = "; ".join(f"{key_to_text(str(it.path))} ({it.problem[1]})" for it in items[:5])
         raise UsageError(f"no usable images in the given inputs: {shown}{' ...' if len(items) > 5 else ''}")
     if job.shard is not None:
@@ -142,10 +148,6 @@ def _device(section: Config, job: ExtractJob) -> Any:
     GPU, and more processes than visible GPUs share them: local rank ``r`` runs on ``cuda:(r mod GPUs)``
     (:func:`pipeline.core.distributed.shared_gpu`; each process holds its own detector, no collective runs on
     the GPU), said in the log."""
-    import torch
-
-    from pipeline.core.distributed import local_processes, resolve_device, shared_gpu, visible_gpus
-
     name = str(section.device)
     if (
         job.shard is not None
@@ -157,8 +159,8 @@ def _device(section: Config, job: ExtractJob) -> Any:
         procs, gpus = local_processes(local_rank), visible_gpus()
         if procs > gpus:  # said by rank 0 (the other ranks log warnings only), for every rank
             log.info(
-                "%d processes share %d visible GPU%s: local rank r extracts on cuda:(r mod %d) (this process: local rank %d "
-                "on %s)",
+                "%d processes share %d visible GPU%s: local rank r extracts on cuda:(r mod %d) "
+                "(this process: local rank %d on %s)",
                 procs,
                 gpus,
                 "" if gpus == 1 else "s",
@@ -181,12 +183,6 @@ def extract_work(
     """
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        from extractors.factory import configure_recipe, load_for_inference, record_settings
-        from extractors.run import run_extraction
-        from extractors.to_host import use_channels_last
-        from pipeline.core.precision import resolve_precision
-        from pipeline.store import open_writer
-
         todo = items if items is not None else collect_items(job, selection_mode(section))
         dev = _device(section, job)
         precision = resolve_precision(
@@ -195,8 +191,6 @@ def extract_work(
         spec = section.spec.to_dict() if hasattr(section.spec, "to_dict") else dict(section.spec)
         labelmap = section.labelmap if "labelmap" in section else None
         if labelmap:
-            from pipeline.hub import resolve_file
-
             labelmap = resolve_file(labelmap, "extract.labelmap file", "labelmap")
         model, identity, _info = load_for_inference(
             job.weights, str(section.preset), spec, int(section.random_seed), dev, labelmap=labelmap
@@ -278,8 +272,6 @@ def extract_features(
     inputs and the weights file are checked before the stage folder is touched.
     """
     if job.weights != "random":  # a catalogue name or hf: id becomes its file in the cache (docs/downloads.md)
-        from pipeline.hub import resolve_file
-
         job = replace(job, weights=resolve_file(job.weights, "weights file", "detector"))
     cfg = config if config is not None else stage_config(section, job)
     items = collect_items(job, selection_mode(section))

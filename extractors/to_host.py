@@ -57,7 +57,8 @@ def records_to_host(
 
 def stack_to_device(blobs: Sequence[torch.Tensor], device: torch.device, channels_last: bool = False) -> torch.Tensor:
     """``torch.stack(blobs).to(device)``; for a CUDA device from pinned memory when the blobs are pinned; in the
-    channels-last layout with ``channels_last`` (``extract.channels_last``: the detector's weights are converted too)."""
+    channels-last layout with ``channels_last`` (``extract.channels_last``: the detector's weights are converted
+    too)."""
     first = torch.as_tensor(blobs[0])
     if device.type != "cuda" or not first.is_pinned():
         batch = torch.stack([torch.as_tensor(b) for b in blobs]).to(device)

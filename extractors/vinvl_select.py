@@ -136,7 +136,8 @@ def _filter_standard_once(boxes: torch.Tensor, probs: torch.Tensor, recipe, thre
 
 
 def filter_standard(boxes: torch.Tensor, probs: torch.Tensor, recipe) -> VinVLPick:
-    """``nms_filter`` 0 with the caller's retry: the threshold halves while fewer than ``min_boxes`` survive (10 tries)."""
+    """``nms_filter`` 0 with the caller's retry: the threshold halves while fewer than ``min_boxes`` survive
+    (10 tries)."""
     thresh = recipe.conf_thresh
     pick = _filter_standard_once(boxes, probs, recipe, thresh)
     tries = 0

@@ -18,8 +18,9 @@ Layouts (docs/extractor.md#weights-layouts; key paths are detectron2 module path
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
-files, whose exact contents their authors do not document); the first mismatch is reported in one line naming the file and the key. Pickles are read with
-:class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
+files, whose exact contents their authors do not document); the first mismatch is reported in one line naming
+the file and the key. Pickles are read with :class:`RestrictedUnpickler` (numpy arrays and plain containers only);
+torch files with
 ``torch.load(weights_only=True)``. What a file declares is bounded before it is allocated: the archive and its
 tensors against the file's bytes (:mod:`pipeline.core.tensor_bounds`), the architecture against limits
 (:mod:`extractors.weight_bounds`); docs/extractor.md#bounds-on-weights-files.
@@ -197,7 +198,8 @@ def read_weights(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]
     if isinstance(obj, Mapping) and obj.get("format") == BUTD_FORMAT:
         if obj.get("version") != BUTD_VERSION or not isinstance(obj.get("spec"), Mapping):
             raise WeightsError(
-                f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} or without 'spec'"
+                f"weights file {path}: butd detector file of unsupported version {obj.get('version')!r} "
+                "or without 'spec'"
             )
         meta = {k: v for k, v in obj.items() if k != "model"}
         check_meta(path, meta)
@@ -382,7 +384,8 @@ def load_detector(path: str | Path, spec: BottomUpSpec | None = None, device: st
         spec = inferred
     elif spec.flavor != inferred.flavor:
         raise WeightsError(
-            f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) but the preset expects {spec.flavor}"
+            f"weights file {path} has the {layout} layout ({inferred.flavor} semantics) "
+            f"but the preset expects {spec.flavor}"
         )
     check_strict(path, layout, sd, spec)
     model = release_of_flavor(spec.flavor).detector(spec)
@@ -430,7 +433,8 @@ def describe_with_spec(path: str | Path) -> tuple[dict[str, Any], BottomUpSpec]:
         "file": str(path),
         "layout": layout,
         "semantics": spec.flavor,
-        "architecture": f"ResNet-{depth} C4 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, width {spec.res2_bottleneck}), feature {spec.feature_dim}-d",
+        "architecture": f"ResNet-{depth} C4 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}, "
+        f"width {spec.res2_bottleneck}), feature {spec.feature_dim}-d",
         "classes": spec.num_classes,
         "attributes": spec.num_attributes if spec.has_attributes else 0,
         "keys": len(sd),

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import torch.distributed as dist
 import typer
 
 from extractors import BUILTIN_PRESETS
 from extractors.recipes import BOX_MODES, RECIPES
+from extractors.stage import ExtractJob, extract_features
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
+from pipeline.core.console import get_logger, stdout_console
+from pipeline.core.distributed import all_sum, env_context
 from pipeline.core.environment import launcher_int
 from pipeline.core.errors import PipelineError, UsageError
+from pipeline.core.keys import key_to_text
+from pipeline.core.precision import check_precision
+from pipeline.store import merge_stores
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -40,9 +48,6 @@ def shard_store_path(store: Path, shard: tuple[int, int] | None) -> Path:
 
 def merge_shard_stores(store: Path) -> None:
     """Merge ``STORE.shards/i-of-n`` (all n present) into ``STORE``; each image must appear exactly once."""
-    from pipeline.core.console import stdout_console
-    from pipeline.store import merge_stores
-
     folder = store.parent / f"{store.name}.shards"
     shards = sorted(p for p in folder.glob("*-of-*") if p.is_dir()) if folder.is_dir() else []
     if not shards:
@@ -81,7 +86,9 @@ def register(app: typer.Typer) -> None:
                 "--weights",
                 "-w",
                 show_default=False,
-                help="Detector weights: a file (any layout of docs/extractor.md: MILVLG .pth, airsplay .pkl, HF .bin, VinVL, grid-feats), a catalogue name (cli fetch --list), hf:OWNER/NAME, or 'random'; required unless --merge-shards.",
+                help="Detector weights: a file (any layout of docs/extractor.md: MILVLG .pth, airsplay .pkl, HF .bin, "
+                "VinVL, grid-feats), a catalogue name (cli fetch --list), hf:OWNER/NAME, or 'random'; required unless "
+                "--merge-shards.",
             ),
         ] = "",
         store: Annotated[
@@ -94,7 +101,8 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--boxes",
-                help=f"{' | '.join(BOX_MODES)}: adaptive 10-100 per image, 36, given (needs --coco), grid (res5 map cells; docs/recipes.md#grid).",
+                help=f"{' | '.join(BOX_MODES)}: adaptive 10-100 per image, 36, given (needs --coco), grid (res5 map "
+                "cells; docs/recipes.md#grid).",
             ),
         ] = None,
         coco: Annotated[
@@ -114,7 +122,8 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--preset",
-                help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} (extract.preset).",
+                help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} "
+                "(extract.preset).",
             ),
         ] = None,
         recipe: Annotated[
@@ -128,7 +137,8 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--shard",
-                help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.",
+                help="i/n: process every n-th image from i into STORE.shards/i-of-n (merge with --merge-shards). "
+                "Under torchrun each rank takes every n-th batch and rank 0 merges the shards into STORE at the end.",
             ),
         ] = None,
         limit: Annotated[
@@ -162,7 +172,7 @@ def register(app: typer.Typer) -> None:
             butd-caption extract photos/ --weights vinvl-x152c4 --store runs/vinvl   (a catalogue name: fetched on first use)
 
             butd-caption extract photos/ --weights random --store /tmp/smoke   (random weights: smoke tests only)
-        """
+        """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         if limit is not None and limit < 0:
             raise UsageError(f"--limit must be 0 or more, not {limit}")
         # strings as JSON (= YAML) strings, so that `--boxes 36` stays the string "36"
@@ -172,20 +182,17 @@ def register(app: typer.Typer) -> None:
             if val is not None
         ]
         cfg = opts.resolve("extract", extra).extract
-        from pipeline.core.precision import check_precision
-
         check_precision(cfg.precision, "extract.precision", fp16=False)
         if merge_shards:
             merge_shard_stores(store)
             return
         if not weights:
             raise UsageError(
-                "--weights is required (a .pth/.pkl/.bin file, a catalogue name such as bua-r101, or 'random' for smoke tests)"
+                "--weights is required (a .pth/.pkl/.bin file, a catalogue name such as bua-r101, or 'random' for "
+                "smoke tests)"
             )
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
-        from extractors.stage import ExtractJob, extract_features
-
         parts = _parse_shard(shard)
         torchrun = shard is None and parts is not None
         job = ExtractJob(
@@ -213,13 +220,6 @@ def merge_after_ranks(store: Path, done: bool) -> None:
     """torchrun: wait for every rank (a gloo process group), then rank 0 merges ``STORE.shards/i-of-n`` into
     ``STORE``. Nothing is merged when a rank failed (its shard resumes on the next run) or when ``STORE`` already
     exists (it is never overwritten: merge the shards elsewhere with ``--merge-shards``)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from pipeline.core.console import get_logger
-    from pipeline.core.distributed import all_sum, env_context
-
     log = get_logger("extract")
     ctx = env_context()
     if not dist.is_initialized():
@@ -247,9 +247,6 @@ def merge_after_ranks(store: Path, done: bool) -> None:
 
 def _print_result(result: Any, strict: bool) -> None:
     """The stage's counts on stdout; with ``strict``, failures become exit 1."""
-    from pipeline.core.console import stdout_console
-    from pipeline.core.keys import key_to_text
-
     s, store = result.summary, result.directory / result.outputs["store"]
     con = stdout_console()
     if result.skipped:
@@ -257,8 +254,9 @@ def _print_result(result: Any, strict: bool) -> None:
             f"already done with this config ({key_to_text(str(store))}); the last pass:", highlight=False, markup=False
         )
     con.print(
-        f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, failed {s['failed']} of {s['images']} "
-        f"images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; store {key_to_text(str(store))}",
+        f"extracted {s['extracted']}, skipped (already in store) {s['already_in_store']}, "
+        f"failed {s['failed']} of {s['images']} images; {s['boxes']} boxes; {s['images_per_second']:.2f} images/s; "
+        f"store {key_to_text(str(store))}",
         highlight=False,
         markup=False,
     )

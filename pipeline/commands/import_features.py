@@ -12,7 +12,10 @@ from extractors.releases import listed_release_names
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.importers.formats import KEY_RULES, format_choices, import_formats, sizes_formats
+from pipeline.core.keys import key_from_text
+from pipeline.importers import export_tsv, import_features, read_sizes
+from pipeline.importers.formats import KEY_RULES, format_choices, format_help, import_formats, sizes_formats
+from pipeline.store import load_identity_file, merge_stores
 
 
 def release_defaults() -> str:
@@ -26,9 +29,7 @@ def _user_error(exc: PipelineError) -> UsageError:
 
 
 def register(app: typer.Typer) -> None:
-    from pipeline.importers import formats
-
-    @command(app, "import-features", config=False, overrides=False, help_fields={"formats": formats.format_help()})
+    @command(app, "import-features", config=False, overrides=False, help_fields={"formats": format_help()})
     def import_features_command(
         opts: CommandOptions,
         sources: Annotated[list[Path], typer.Argument(help="Input files (or cocobu directories).")],
@@ -38,7 +39,9 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--dtype",
-                help="Store dtype: float32 or float16 (half the disk; captions can change, see docs/benchmarks.md#float16-features). Default: the source's (float32 for the public files: an exact round trip).",
+                help="Store dtype: float32 or float16 (half the disk; captions can change, see "
+                "docs/benchmarks.md#float16-features). Default: the source's (float32 for the public files: an exact "
+                "round trip).",
             ),
         ] = None,
         identity: Annotated[
@@ -48,14 +51,16 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--release",
-                help=f"Release (test-time recipe) the features came from: {' | '.join(listed_release_names())} (default: the format's public files: {release_defaults()}).",
+                help=f"Release (test-time recipe) the features came from: {' | '.join(listed_release_names())} "
+                f"(default: the format's public files: {release_defaults()}).",
             ),
         ] = None,
         keys: Annotated[
             Optional[str],
             typer.Option(
                 "--keys",
-                help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids (coco-id: COCO_train2014_000000123 -> 123).",
+                help=f"{' | '.join(KEY_RULES)}: ids as in the file (raw) or COCO ids "
+                "(coco-id: COCO_train2014_000000123 -> 123).",
             ),
         ] = None,
         sizes: Annotated[
@@ -75,9 +80,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption import-features --format butd-tsv trainval_36.tsv --store feats
         """
-        from pipeline.importers import import_features, read_sizes
-        from pipeline.store import load_identity_file
-
         try:
             report = import_features(
                 fmt,
@@ -101,9 +103,7 @@ def register(app: typer.Typer) -> None:
         for where, message in report.bad:
             con.print(f"  bad: {message}", highlight=False, markup=False)
 
-    @command(
-        app, "export-features", config=False, overrides=False, help_fields={"formats": formats.format_help(export=True)}
-    )
+    @command(app, "export-features", config=False, overrides=False, help_fields={"formats": format_help(export=True)})
     def export_features_command(
         opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
@@ -118,8 +118,6 @@ def register(app: typer.Typer) -> None:
 
             butd-caption export-features feats --format butd-tsv --output feats.tsv
         """
-        from pipeline.importers import export_tsv
-
         try:
             n = export_tsv(store, output, fmt)
         except PipelineError as exc:
@@ -144,14 +142,10 @@ def register(app: typer.Typer) -> None:
 
             butd-caption merge-features shard-0 shard-1 --store feats
         """
-        from pipeline.store import merge_stores
-
         expected = None
         if expect is not None:
             if not expect.is_file():
                 raise UsageError(f"id list not found: {expect}")
-            from pipeline.core.keys import key_from_text
-
             text = expect.read_bytes().decode("utf-8", "surrogateescape")  # ids in the text form of pipeline.core.keys
             expected = [key_from_text(line.strip()) for line in text.splitlines() if line.strip()]
         try:
