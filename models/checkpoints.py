@@ -210,7 +210,8 @@ class CaptionerCheckpoint:
             lacking = [k for k in STATE_KEYS if k not in data]
             if lacking or progress is None:
                 raise PipelineError(
-                    f"checkpoint {path} lacks {', '.join(lacking or ['its progress counters'])} (a kind 'train' checkpoint)"
+                    f"checkpoint {path} lacks {', '.join(lacking or ['its progress counters'])} "
+                    "(a kind 'train' checkpoint)"
                 )
             state = TrainingState(**{k: data[k] for k in STATE_KEYS})
         release = None
@@ -261,11 +262,13 @@ class CaptionerCheckpoint:
                 if not _same(self.model_config.get(k), model_config.get(k))
             )
             raise UsageError(
-                f"checkpoint {path} was trained with another '{self.model_name}' configuration (differs in: {', '.join(diff)})"
+                f"checkpoint {path} was trained with another '{self.model_name}' configuration "
+                f"(differs in: {', '.join(diff)})"
             )
         if vocab is not None and list(self.vocab) != list(vocab.words):
             raise UsageError(
-                f"checkpoint {path} was trained with another vocabulary ({len(self.vocab)} words) than the prepared data ({len(vocab)} words)"
+                f"checkpoint {path} was trained with another vocabulary ({len(self.vocab)} words) "
+                f"than the prepared data ({len(vocab)} words)"
             )
 
     def build(self, path: str | Path, device: torch.device | str = "cpu") -> Captioner:

@@ -32,7 +32,8 @@ def read_raw(path: str | Path) -> tuple[str, "OrderedDict[str, torch.Tensor]"]:
 
 
 def save_layout(model_sd: Mapping[str, torch.Tensor], layout: str, path: str | Path) -> Path:
-    """Write an internal state dict in a public layout and container (MILVLG torch file, airsplay pickle, HF state dict with counters)."""
+    """Write an internal state dict in a public layout and container (MILVLG torch file, airsplay pickle, HF state
+    dict with counters)."""
     path = Path(path)
     out: OrderedDict[str, Any] = OrderedDict()
     for k, v in model_sd.items():
@@ -80,7 +81,8 @@ def random_grid_feats_file(
     spec, path, seed: int = 0, num_classes: int = 1601, num_attributes: int = 400, wrap: bool = True
 ):
     """A grid-feats-vqa detectron2 checkpoint with seeded random weights: the backbone of ``spec`` (``flavor d2``,
-    4 stages; ``deform_stages`` add the X-152++ ``conv2_offset`` convs) plus the RPN / box head / attribute predictor keys the release saves (``{"model": ...}``)."""
+    4 stages; ``deform_stages`` add the X-152++ ``conv2_offset`` convs) plus the RPN / box head / attribute predictor
+    keys the release saves (``{"model": ...}``)."""
     gen = torch.Generator().manual_seed(seed)
     model = GridFeatsModel(spec)
     with torch.no_grad():
@@ -129,7 +131,8 @@ def random_grid_feats_file(
 
 
 def grid_regions(fmap: torch.Tensor, stride: int, frame: Frame, grid: int) -> RegionRecord:
-    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (one image; :class:`GridCells` copies a batch at once)."""
+    """A (1, D, h, w) map -> one :class:`RegionRecord` of cells (one image; :class:`GridCells` copies a batch at
+    once)."""
     feats, boxes = G.grid_cells(fmap, stride, frame, grid)
     return RegionRecord(
         features=feats.cpu().numpy().astype(np.float32),

@@ -55,7 +55,7 @@ def test_a_wrong_project_output_fails_without_a_ratio(bench, monkeypatch, capsys
     elif bench == "nms":
         from extractors import nms
 
-        real_keep, real_conf = nms.per_class_keep, nms.max_conf
+        real_keep = nms.per_class_keep
 
         def wrong_keep(*a, **k):
             mask = real_keep(*a, **k).clone()
@@ -121,8 +121,8 @@ def test_the_cuda_table_code_runs_on_cpu_at_tiny_size():
         for case in gpu.cases(name, "tiny", ["ngsan"], device="cpu"):
             if case.name != "train scst":  # the same bench.train.bench_stage as XE, at 3x the cost
                 rows.append(harness.measure(case, repeats=1, warmup=0))
-    # bf16 extraction only on CUDA; the second extract row batches equal sizes across the folder (extract.bucket_window);
-    # the second XE row runs the opt-in fused optimizer (optimizer_impl: fused)
+    # bf16 extraction only on CUDA; the second extract row batches equal sizes across the folder
+    # (extract.bucket_window); the second XE row runs the opt-in fused optimizer (optimizer_impl: fused)
     assert [r.name for r in rows] == ["extract", "extract", "train xe", "train xe", "decode"]
     assert rows[3].project.endswith(", fused optimizer") and not rows[2].project.endswith("optimizer")
     for r in rows:

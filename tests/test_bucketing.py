@@ -124,7 +124,8 @@ def test_bucket_window_setting() -> None:
 
 
 def test_channels_last_switch_gives_the_same_regions_to_rounding(tmp_path) -> None:
-    """extract.channels_last: NHWC weights and inputs; on CPU the regions equal the default layout's to float rounding."""
+    """extract.channels_last: NHWC weights and inputs; on CPU the regions equal the default layout's to float
+    rounding."""
     from extractors.preprocess import recipe_blob
     from extractors.random_weights import random_detector
     from extractors.recipes import apply_recipe, recipe_from_config

@@ -140,8 +140,8 @@ def traced_peak_mb(env: dict[str, Path], *args: str) -> float:
 
 
 def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While 400 photos are captioned (batches of 2), at most one batch of results holds regions (features, boxes) at any
-    time (before streaming, every result was kept to the end), and the traced heap peak with 400 photos
+    """While 400 photos are captioned (batches of 2), at most one batch of results holds regions (features, boxes) at
+    any time (before streaming, every result was kept to the end), and the traced heap peak with 400 photos
     exceeds the peak with 40 by less than 3 MB. (Region features are torch-allocated, so tracemalloc cannot
     see them: hence the count of live results.)"""
     from pipeline.captioning.engine import CaptionResult, PhotoCaptioner
@@ -171,7 +171,8 @@ def test_memory_is_bounded_by_the_batch(env: dict[str, Path], tmp_path: Path, mo
     monkeypatch.setattr(PhotoCaptioner, "caption_batches", counting)
     many = traced_peak_mb(env, str(tmp_path / "many"), "--output", str(tmp_path / "many.jsonl"), *fast)
     print(
-        f"traced heap peak: {few:.1f} MB with 40 photos, {many:.1f} MB with 400; live results with regions: max {max(live)}"
+        f"traced heap peak: {few:.1f} MB with 40 photos, {many:.1f} MB with 400; "
+        f"live results with regions: max {max(live)}"
     )
     assert len(read_jsonl(tmp_path / "many.jsonl")) == 400 and len(live) == 25
     assert max(live) <= 2, f"{max(live)} results with regions alive after a batch (batch size 2)"

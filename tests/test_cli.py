@@ -38,8 +38,8 @@ def test_every_command_has_help_with_examples(cli, cmd: str) -> None:
 
 
 def one_error_line(res: subprocess.CompletedProcess | Result) -> str:
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
-    errors = [l for l in lines if l.startswith("error:")]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1, res.stderr
     assert "Traceback" not in res.stderr
     return errors[0]

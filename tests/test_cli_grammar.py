@@ -105,7 +105,8 @@ def test_docs_cli_md_holds_the_generated_table() -> None:
     between = text.partition(TABLE_BEGIN)[2].partition(TABLE_END)[0].strip()
     assert between == options_table(GROUP), (
         'docs/cli.md is out of step with the commands: python -c "import typer, cli; from pathlib import Path; '
-        "from pipeline.commands.grammar import write_table; write_table(Path('docs/cli.md'), typer.main.get_command(cli.app))\""
+        "from pipeline.commands.grammar import write_table; "
+        "write_table(Path('docs/cli.md'), typer.main.get_command(cli.app))\""
     )
     assert "(not in MEANINGS)" not in between
 

@@ -15,7 +15,8 @@ from cli import app
 from pipeline.core.config import CONFIG_DIR, load_yaml_with_bases
 
 REPO = Path(__file__).resolve().parents[1]
-#: a backticked config key, with or without ``--set`` and ``=value``: ``extract.num_workers``, ``--set train.xe.lr=1e-4``
+#: a backticked config key, with or without ``--set`` and ``=value``: ``extract.num_workers``,
+#: ``--set train.xe.lr=1e-4``
 KEY = re.compile(r"^(?:--set\s+)?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = (
     ".py",

@@ -244,7 +244,8 @@ def test_constraints_pin_what_the_image_installs_and_the_tests_run_on():
         pytest.skip("butd-caption is not installed here (pip install -e .)")
     if f"{sys.version_info.major}.{sys.version_info.minor}" != image_python:
         pytest.skip(
-            f"these tests run on Python {sys.version_info.major}.{sys.version_info.minor}; the image uses {image_python}"
+            f"these tests run on Python {sys.version_info.major}.{sys.version_info.minor}; "
+            f"the image uses {image_python}"
         )
     seen, todo = set(), [("butd-caption", {"dev"})]
     while todo:

@@ -157,7 +157,10 @@ def repo_files() -> dict[str, str]:
 
 # --- the checkers catch what they must (so that the repository checks below can fail) -------------------------
 def test_checkers_find_planted_problems() -> None:
-    planted = "see models.md §1.4\nFacts: ``shared/reference/extractor.md`` §3\n(peers.md A.2.6)\nload ../shared/data/x\nYOO-P §3.3\n"
+    planted = (
+        "see models.md §1.4\nFacts: ``shared/reference/extractor.md`` §3\n(peers.md A.2.6)\n"
+        "load ../shared/data/x\nYOO-P §3.3\n"
+    )
     found = violations("models/x.py", planted)
     assert [f.split(":")[1] for f in found] == ["1", "1", "2", "2", "3", "4", "5"], found
     # the harness may read fixtures beside the checkout, never cite notes
@@ -167,7 +170,9 @@ def test_checkers_find_planted_problems() -> None:
     assert len(violations("docs/x.md", "models.md §1.4\n")) == 1
 
     pages = {
-        "docs/a.md": "# Title\n\n## m2: encoder\n\n```\n# not a heading\n```\n[b](b.md#x) [self](#title) [gone](c.md)\n",
+        "docs/a.md": (
+            "# Title\n\n## m2: encoder\n\n```\n# not a heading\n```\n[b](b.md#x) [self](#title) [gone](c.md)\n"
+        ),
         "docs/b.md": "## X\n",
         "models/y.py": '"""docs/a.md#m2-encoder docs/a.md#not-a-heading docs/zzz.md docs/b.md"""\n',
     }
@@ -244,7 +249,8 @@ def missing_paths(rel: str, text: str, root: Path) -> list[str]:
 
 
 def test_paths_named_in_the_docs_exist(repo_files: dict[str, str], tmp_path: Path) -> None:
-    """Every ``pipeline/...``, ``models/...``, ``configs/...`` path that README.md or docs/ names is in the repository."""
+    """Every ``pipeline/...``, ``models/...``, ``configs/...`` path that README.md or docs/ names is in the
+    repository."""
     (tmp_path / "models").mkdir()
     (tmp_path / "configs" / "models").mkdir(parents=True)
     (tmp_path / "models" / "m2.py").write_text("")

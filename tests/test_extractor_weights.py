@@ -177,7 +177,8 @@ def test_cli_info_reports_the_layout(tmp_path):
 
 
 def test_milvlg_file_with_batchnorm_counters_and_without_anchors_loads(tmp_path):
-    """The MILVLG .pth contents are undocumented (docs/extractor.md#weights-layouts): counters tolerated, anchors default to Caffe's."""
+    """The MILVLG .pth contents are undocumented (docs/extractor.md#weights-layouts): counters tolerated, anchors
+    default to Caffe's."""
     model = random_detector(tiny_spec(), 0)
     sd = OrderedDict(model.state_dict())
     del sd[W.ANCHOR_KEY]

@@ -140,8 +140,8 @@ def test_extraction_shares_the_gpus_and_logs_it(monkeypatch, name):
     dev, text = _logged_device(section, job)
     assert dev == torch.device("cuda", 1)
     assert (
-        "4 processes share 2 visible GPUs: local rank r extracts on cuda:(r mod 2) (this process: local rank 3 on cuda:1)"
-        in text
+        "4 processes share 2 visible GPUs: local rank r extracts on cuda:(r mod 2) "
+        "(this process: local rank 3 on cuda:1)" in text
     )
     _simulate(monkeypatch, gpus=2, local_rank=1, local_world=2)  # one process per GPU: nothing to say
     dev, text = _logged_device(section, ExtractJob("random", ("x.jpg",), None, None, None, (1, 2), None, store="."))

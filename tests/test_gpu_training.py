@@ -206,7 +206,8 @@ def _train_cli(run: Path, out: Path) -> list[str]:
             "san",
             "train.checkpoint_every=3",
             "train.validation.decoding={method: greedy}",
-            "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
+            "train.model_overrides={d_model: 64, num_heads: 4, d_ff: 128, num_layers: 1, dropout: 0.1, "
+            "embed_dropout: 0.1}",
             "train.xe={epochs: 2, batch_size: 8, lr: 1.0e-3, warmup_iters: 0}",
             "train.scst={epochs: 1, batch_size: 16, lr: 1.0e-4, num_samples: 3}",
         )

@@ -89,7 +89,8 @@ def test_the_checker_catches_upward_imports() -> None:
     assert (
         upward_imports(
             "models/captioners/m2.py",
-            "import torch\nfrom pipeline.core.errors import ConfigError\nfrom models.captioners.base import Captioner\n",
+            "import torch\nfrom pipeline.core.errors import ConfigError\n"
+            "from models.captioners.base import Captioner\n",
         )
         == []
     )

@@ -129,7 +129,8 @@ def test_caption_refuses_a_second_writer_of_each_artifact(tmp_path: Path) -> Non
     locks = [out.with_name("out.jsonl.lock"), gallery / ".lock", pics / ".lock"]
     code = (
         f"import time; from pathlib import Path; from pipeline.core.locks import acquire_lock\n"
-        f"ls = [acquire_lock(Path(p), 'x') for p in {[str(p) for p in locks]!r}]; Path({str(ready)!r}).write_text('x'); time.sleep(60)"
+        f"ls = [acquire_lock(Path(p), 'x') for p in {[str(p) for p in locks]!r}]; "
+        f"Path({str(ready)!r}).write_text('x'); time.sleep(60)"
     )
     photo = tmp_path / "a.jpg"
     Image.new("RGB", (32, 32)).save(photo)

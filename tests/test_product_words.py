@@ -3,7 +3,8 @@
 The scan reads every *.py, *.md, *.yaml, *.yml, *.toml, *.html and *.txt file of the checkout (tracked or not,
 git's ignored files and .git excluded) and reports each line that tells the history of the code instead of what
 it does: the periods of work and the people behind the code, numbered tickets, comparisons with a former state
-of the code ("before/after this change", "no longer needed"); the pattern list is HISTORY below. A comment says what the code does and why; git keeps the history.
+of the code ("before/after this change", "no longer needed"); the pattern list is HISTORY below. A comment says what
+the code does and why; git keeps the history.
 
 The patterns are narrow on purpose: "a lock whose holder no longer runs", ``scope="session"`` and "draining
 starts now" describe the product and pass. Each check first runs on planted text, so it can fail.

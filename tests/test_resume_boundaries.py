@@ -34,8 +34,10 @@ SETS = [
     "train.validation.max_images=6",
     "train.batching=random",
     "train.model_overrides={d_model: 32, num_heads: 2, d_ff: 64, num_layers: 1, dropout: 0.1, embed_dropout: 0.1}",
-    "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0, decay_start_epoch: 1, decay_every_epochs: 1, decay_rate: 0.5}",
-    "train.scst={epochs: 2, batch_size: 12, lr: 1.0e-4, num_samples: 2, lr_schedule: step, lr_decay_every: 1, lr_decay_rate: 0.5}",
+    "train.xe={epochs: 3, batch_size: 8, lr: 1.0e-3, warmup_iters: 0, decay_start_epoch: 1, decay_every_epochs: 1, "
+    "decay_rate: 0.5}",
+    "train.scst={epochs: 2, batch_size: 12, lr: 1.0e-4, num_samples: 2, lr_schedule: step, lr_decay_every: 1, "
+    "lr_decay_rate: 0.5}",
 ]
 
 

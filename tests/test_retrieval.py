@@ -66,7 +66,10 @@ def test_random_scores_sit_near_chance() -> None:
 
 # -- training on the synthetic world ---------------------------------------------------------------------
 
-TINY = "{objective: cap2img, word_dim: 32, hidden_size: 48, attn_hidden: 24, attn_rows: 6, image_head_hidden: 96, image_head_dropout: 0.0}"
+TINY = (
+    "{objective: cap2img, word_dim: 32, hidden_size: 48, attn_hidden: 24, attn_rows: 6, image_head_hidden: 96, "
+    "image_head_dropout: 0.0}"
+)
 
 
 def _cfg(run: Path, *extra: str):
@@ -100,7 +103,8 @@ def test_cap2img_training_beats_chance_by_far(trained) -> None:
     best = res.summary["best"]
     chance = history[0]["c2i_chance_R@1"]
     print(
-        f"\nval caption-to-image R@1 {best['value']:.1f} (chance {chance:.1f}); per epoch {[round(h['c2i_R@1'], 1) for h in history]}"
+        f"\nval caption-to-image R@1 {best['value']:.1f} (chance {chance:.1f}); "
+        f"per epoch {[round(h['c2i_R@1'], 1) for h in history]}"
     )
     assert best["value"] > 5 * chance
     assert history[-1]["c2i_R@1"] > history[0]["c2i_R@1"] or best["epoch"] > 0

@@ -67,9 +67,12 @@ def test_permuting_regions_changes_nothing(name: str) -> None:
     model = small(name)
     feats, mask, boxes, sizes, caps = batch()
     perm = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i)) for i in range(3)])
-    take = lambda x: (
-        torch.gather(x, 1, perm[..., None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 else torch.gather(x, 1, perm)
-    )
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            return torch.gather(x, 1, perm[..., None].expand(-1, -1, x.shape[-1]))
+        return torch.gather(x, 1, perm)
+
     with torch.no_grad():
         a = model(feats, mask, boxes, sizes, caps)
         b = model(take(feats), take(mask), take(boxes), sizes, caps)

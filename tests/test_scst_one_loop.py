@@ -1,6 +1,6 @@
-"""SCST's samples and greedy baseline in one decoding loop (models.decoding.sample_with_greedy, models.layers.row_dropout)
-against the two loops the step ran before (``baseline_loop: separate``, kept as the reference path): same seed, dropout
-on, CPU fp32."""
+"""SCST's samples and greedy baseline in one decoding loop (models.decoding.sample_with_greedy,
+models.layers.row_dropout) against the two loops the step ran before (``baseline_loop: separate``, kept as the
+reference path): same seed, dropout on, CPU fp32."""
 
 from __future__ import annotations
 

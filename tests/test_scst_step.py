@@ -183,7 +183,8 @@ def test_beam_search_equals_the_old_loop(rule, penalty) -> None:
 
 
 def test_decoding_loops_sync_with_the_host_at_most_once_per_step() -> None:
-    """bench.proxies counts host syncs (item/nonzero/tolist...); the plain loops of tests/reference_decoding.py need several."""
+    """bench.proxies counts host syncs (item/nonzero/tolist...); the plain loops of tests/reference_decoding.py need
+    several."""
     from bench.proxies import count
     from models.decoding import DecodeOptions, beam_search, greedy, sample
     from tests import reference_decoding as ref

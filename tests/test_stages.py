@@ -58,9 +58,9 @@ def test_same_config_resumes_the_interrupted_stage(tmp_path):
     run_stage(
         tmp_path, "train", Config({"lr": "fast"}), lambda d, c: seen.append(sorted(p.name for p in d.iterdir())) or {}
     )
-    assert (
-        seen == [[".stage.lock", "partial.bin", RUNNING]]
-    )  # the stage's lock (pipeline.core.locks) and its partial files  # re-entered with its partial files (no --force: nothing cleared)
+    # re-entered with its partial files (no --force: nothing cleared): the stage's lock (pipeline.core.locks) and its
+    # partial files
+    assert seen == [[".stage.lock", "partial.bin", RUNNING]]
 
 
 def test_train_detector_failed_on_a_config_error_then_force_with_another_config_passes(cli, tmp_path):

@@ -195,7 +195,8 @@ def test_real_full_disk_and_read_only_disk(tmp_path):
         f"mount -t tmpfs -o size=300k tmpfs {mnt} || exit 9; "
         f"{py} {tmp_path}/fill.py {mnt}/s; {py} {REPO}/cli.py info --verify {mnt}/s; echo VERIFY=$?; "
         f"{py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/x.tsv; echo FULL=$?; "
-        f"mount -o remount,ro {mnt} && {py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/y.tsv; echo RO=$?"
+        f"mount -o remount,ro {mnt} && "
+        f"{py} {REPO}/cli.py export-features {tmp_path}/src --output {mnt}/y.tsv; echo RO=$?"
     )
     proc = subprocess.run(
         ["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, env=env, cwd=REPO, timeout=300

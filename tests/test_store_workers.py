@@ -30,7 +30,10 @@ from pipeline.embedding.train import EncoderTrainer, train_encoder
 from pipeline.store import FeatureStore
 from pipeline.training.api import train_captioner
 
-ENC = "{objective: cap2img, word_dim: 16, hidden_size: 24, attn_hidden: 12, attn_rows: 3, image_head_hidden: 32, image_head_dropout: 0.0}"
+ENC = (
+    "{objective: cap2img, word_dim: 16, hidden_size: 24, attn_hidden: 12, attn_rows: 3, image_head_hidden: 32, "
+    "image_head_dropout: 0.0}"
+)
 SENTENCES = [
     "a red circle above a blue square",
     "two green triangles",
@@ -159,7 +162,8 @@ def test_train_encoder_reads_its_image_table_in_workers(world, tmp_path, monkeyp
         tmp_path / "b", _encoder_cfg(run, "sentence_encoder.num_workers=2").sentence_encoder, DistContext()
     )
     _assert_read_in_workers(log)
-    assert torch.equal(base.train_images, workers.train_images) and base.train_images.shape[0] == len(base.train_split.keys)
+    assert torch.equal(base.train_images, workers.train_images)
+    assert base.train_images.shape[0] == len(base.train_split.keys)
     assert np.array_equal(base.val_images, workers.val_images)
 
 
@@ -284,7 +288,8 @@ def test_embed_precision_bf16_close_to_fp32_and_fp32_unchanged(world, tmp_path) 
     with torch.no_grad():
         ref = model.eval().encode(tokens, lengths)["h"].numpy()
     assert np.array_equal(fp32, ref)
-    # bf16 autocast ran (the vectors differ) and stays close: per row cosine > 0.999, |diff| < 2% of the row's largest entry
+    # bf16 autocast ran (the vectors differ) and stays close: per row cosine > 0.999, |diff| < 2% of the row's largest
+    # entry
     assert not np.array_equal(fp32, bf16)
     cos = (fp32 * bf16).sum(1) / np.linalg.norm(fp32, axis=1) / np.linalg.norm(bf16, axis=1)
     rel = np.abs(fp32 - bf16).max(1) / np.abs(fp32).max(1)

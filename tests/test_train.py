@@ -68,7 +68,8 @@ def test_xe_then_scst_beats_shuffled_captions(run, model) -> None:
     )
     base = shuffled_baseline(run)
     print(
-        f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, SCST {scst['metrics']['CIDEr']:.3f}"
+        f"\n{model}: test CIDEr-D shuffled captions {base:.3f}, XE {xe['metrics']['CIDEr']:.3f}, "
+        f"SCST {scst['metrics']['CIDEr']:.3f}"
     )
     assert base < 0.5
     assert xe["metrics"]["CIDEr"] > base + 0.5 and xe["metrics"]["CIDEr"] > 2.5 * base

@@ -83,7 +83,8 @@ def test_two_process_gloo_epoch_matches_single_process(run, tmp_path) -> None:
         assert sum(r["event"] == "train" for r in recs) == 16  # 128 train images / 8: same number of steps
     one, two = logs["one"], logs["two"]
     print(
-        f"\nsingle: loss {one['epoch']['loss']:.5f} CIDEr {one['val']['CIDEr']:.4f}; DDP x2: loss {two['epoch']['loss']:.5f} CIDEr {two['val']['CIDEr']:.4f}"
+        f"\nsingle: loss {one['epoch']['loss']:.5f} CIDEr {one['val']['CIDEr']:.4f}; "
+        f"DDP x2: loss {two['epoch']['loss']:.5f} CIDEr {two['val']['CIDEr']:.4f}"
     )
     assert abs(one["epoch"]["loss"] - two["epoch"]["loss"]) < 0.02
     assert abs(one["val"]["CIDEr"] - two["val"]["CIDEr"]) < 0.02

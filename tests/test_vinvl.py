@@ -184,7 +184,8 @@ def _proposals(net, c4, w, h):
 
 
 def _post(probs, boxes, mode, thresh=0.2):
-    """-> (rows, labels, scores, class boxes) of filter_results (0), filter_results_peter (1), filter_results_fast (2)."""
+    """-> (rows, labels, scores, class boxes) of filter_results (0), filter_results_peter (1), filter_results_fast
+    (2)."""
     c = probs.shape[1]
     if mode == 1:
         mask = torch.zeros_like(probs)

@@ -34,7 +34,8 @@ from pipeline.core.errors import ConfigError
 
 
 class AoARefinerLayer(nn.Module):
-    """One refiner layer: ``A + Drop(AoA(MHA(LN(A)), LN(A)))`` [+ ``A + Drop(FF(LN(A)))``] (docs/models.md#aoa-refiner)."""
+    """One refiner layer: ``A + Drop(AoA(MHA(LN(A)), LN(A)))`` [+ ``A + Drop(FF(LN(A)))``]
+    (docs/models.md#aoa-refiner)."""
 
     def __init__(
         self,

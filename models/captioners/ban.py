@@ -15,8 +15,8 @@ organised like the layers of a causal Transformer decoder:
   ``Y' = ReLU(V^T q_j)`` from the GRU states ``q_j``; ``A^{(t)}_g = softmax`` over the flattened grid
   ``{(i, j): region i real, j <= t}``. Like BAN, all maps come from the initial (GRU) states.
 * glimpse pooling ``f_g(t)[k] = sum_{i, j<=t} X''_g[i, k] A^{(t)}_g[i, j] Y''_g[j, k]`` with
-  ``Y''_g[j] = ReLU(V_g'^T q^{g-1}_j)`` read from the *updated* states, and the residual update (Kim et al. 2018, "Residual
-  learning of attention") ``q^g_t = q^{g-1}_t + P_g^T f_g(t)``.
+  ``Y''_g[j] = ReLU(V_g'^T q^{g-1}_j)`` read from the *updated* states, and the residual update (Kim et al. 2018,
+  "Residual learning of attention") ``q^g_t = q^{g-1}_t + P_g^T f_g(t)``.
 * BAN broadcasts each glimpse's update to *all* question positions. Doing that per prefix would make every
   token revise all earlier tokens (``O(T^2 d)`` per glimpse and a full recomputation at every decoding step);
   instead, as in a causal Transformer decoder, position ``j``'s update is computed once from its own prefix and

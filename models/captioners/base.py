@@ -104,7 +104,8 @@ class Captioner(nn.Module, ABC):
 
     @abstractmethod
     def step(self, tokens: torch.Tensor, enc: State, state: State) -> tuple[torch.Tensor, State]:
-        """Consume ``tokens`` ``(C,)`` (the previous word, BOS first) and return ``(C, V)`` log-probs and the new state."""
+        """Consume ``tokens`` ``(C,)`` (the previous word, BOS first) and return ``(C, V)`` log-probs and the new
+        state."""
 
     @abstractmethod
     def decode_teacher_forced(self, enc: State, captions: torch.Tensor) -> torch.Tensor:

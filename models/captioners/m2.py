@@ -16,16 +16,16 @@ Meshed decoder (§3.2; docs/models.md#m2-decoder), for any number of encoder lev
 
 Switches
     ``official_mask``: the official encoder derives its padding mask from the rows of ``X0`` that sum to 0
-        *after* the input LayerNorm, which in practice masks nothing (docs/models.md#m2-choices): padded regions take part
-        as keys in encoder self-attention and decoder cross-attention. ``false`` (default) masks them with the
+        *after* the input LayerNorm, which in practice masks nothing (docs/models.md#m2-choices): padded regions take
+        part as keys in encoder self-attention and decoder cross-attention. ``false`` (default) masks them with the
         ``mask`` input; ``true`` reproduces the official computation for parity.
     ``fixed_regions``: the official data field hands the model exactly 50 rows per image: the first 50 detections
         of the features file, zero-padded (``data/field.py``, ``max_detections``); with ``official_mask`` the zero
         rows take part in attention, so the count matters. ``null`` (default) uses the regions as given; an
         integer keeps the first ``fixed_regions`` regions of each image and zero-pads to that count.
     ``official_init``: the official ``init_weights`` applies ``xavier_uniform_`` to every parameter with
-        ``dim > 1`` (docs/models.md#m2-choices), which turns the frozen sinusoid position table into a frozen *random* table
-        and overwrites the N(0, 1/d_k) / N(0, 1/m) memory init. ``false`` (default, the paper) applies the same
+        ``dim > 1`` (docs/models.md#m2-choices), which turns the frozen sinusoid position table into a frozen *random*
+        table and overwrites the N(0, 1/d_k) / N(0, 1/m) memory init. ``false`` (default, the paper) applies the same
         override to every other matrix but keeps the sinusoids and the memory init; ``true`` reproduces the code.
 """
 
@@ -182,7 +182,8 @@ class M2Transformer(Captioner):
         self._global_xavier(official_init)
 
     def _global_xavier(self, official: bool) -> None:
-        """docs/models.md#m2-choices: xavier on every ``dim > 1`` parameter; ``official=False`` spares positions and memory."""
+        """docs/models.md#m2-choices: xavier on every ``dim > 1`` parameter; ``official=False`` spares positions and
+        memory."""
         spared = set()
         if not official:
             spared.add(id(self.pos_emb.weight))

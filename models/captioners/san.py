@@ -214,9 +214,9 @@ def _base_kwargs(
 class SAN(SelfAttentionCaptioner):
     """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487).
 
-    Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (docs/models.md#san-parameter-count). The ruotianluo model
-    has ``V + 1`` outputs (its shared BOS/EOS/PAD index 0); ours has ``V`` because our vocabulary already holds
-    its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
+    Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (docs/models.md#san-parameter-count). The
+    ruotianluo model has ``V + 1`` outputs (its shared BOS/EOS/PAD index 0); ours has ``V`` because our vocabulary
+    already holds its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
     """
 
     def __init__(

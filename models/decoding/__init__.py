@@ -72,7 +72,8 @@ from models.decoding.sampling import draw, greedy, sample, sample_with_greedy
 
 def beam_search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
     """Batched beam search; returns the ``options.n_best`` best hypotheses per image, best first (the ``exact`` and
-    ``first_k`` rules: :func:`models.decoding.beam.search`; the released searches: :mod:`models.decoding.beam_official`)."""
+    ``first_k`` rules: :func:`models.decoding.beam.search`; the released searches:
+    :mod:`models.decoding.beam_official`)."""
     if options.stop_rule in ("official_m2", "official_aoanet"):
         return official_search(model, enc, options)
     return search(model, enc, options)

@@ -18,7 +18,8 @@ from pipeline.core.vocab import BOS, EOS, PAD
 
 
 def search(model: Captioner, enc: State, options: DecodeOptions) -> Generated:
-    """Batched beam search (``exact`` or ``first_k`` stop rule); the ``options.n_best`` best hypotheses per image, best first.
+    """Batched beam search (``exact`` or ``first_k`` stop rule); the ``options.n_best`` best hypotheses per image, best
+    first.
 
     Finished hypotheses are kept in per-image tensors (slot ``t * k + rank`` for the candidate of rank ``rank`` that
     ends at step ``t``), ranked by a stable sort, so the stop rule and the bookkeeping need no host sync: the
@@ -121,8 +122,8 @@ def _collect(
     steps: int,
     options: DecodeOptions,
 ) -> Generated:
-    """The ``n_best`` finished hypotheses of every image, best first (ties: the earlier first; every image has >= n_best);
-    ``steps``: the longest finished hypothesis of the batch (the width of ``tokens``)."""
+    """The ``n_best`` finished hypotheses of every image, best first (ties: the earlier first; every image
+    has >= n_best); ``steps``: the longest finished hypothesis of the batch (the width of ``tokens``)."""
     order = torch.sort(fin_norm, dim=1, descending=True, stable=True).indices[:, :n_best]
     tokens = fin_tokens.gather(1, order[:, :, None].expand(-1, -1, fin_tokens.shape[-1]))
     lengths = (order // options.beam_size) + 1

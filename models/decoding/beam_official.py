@@ -1,4 +1,5 @@
-"""The beam searches of the two released captioners, restated over the :class:`~models.captioners.base.Captioner` interface.
+"""The beam searches of the two released captioners, restated over the :class:`~models.captioners.base.Captioner`
+interface.
 
 ``decoding.stop_rule: official_m2 | official_aoanet`` selects them, to reproduce the published numbers of
 a released checkpoint (``models/released/``) caption for caption. Both differ from the project's own search

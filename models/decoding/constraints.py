@@ -47,7 +47,8 @@ def constrain(
 ) -> torch.Tensor:
     """Forbid ``<pad>``, ``<bos>`` (``<unk>`` with ``suppress_unk``) and, if asked, repeated trigrams.
 
-    ``banned`` (:func:`banned_tokens`) can be built once per decode; ``history`` is only read with ``block_trigrams``."""
+    ``banned`` (:func:`banned_tokens`) can be built once per decode; ``history`` is only read with
+    ``block_trigrams``."""
     if banned is None:
         banned = banned_tokens(logp.shape[-1], options, logp.device)
     mask = banned.expand_as(logp)

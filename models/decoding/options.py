@@ -81,7 +81,8 @@ class DecodeOptions:
 
 
 def check_max_len(options: DecodeOptions, model: Captioner, where: str = "max_len") -> None:
-    """Refuse, before any decoding, a ``max_len`` past the model's position table (:meth:`Captioner.max_caption_len`)."""
+    """Refuse, before any decoding, a ``max_len`` past the model's position table
+    (:meth:`Captioner.max_caption_len`)."""
     limit = model.max_caption_len()
     if limit is not None and options.max_len > limit:
         raise ConfigError(

@@ -25,8 +25,8 @@ def _rollout(
     """Left-to-right generation of one caption per row of ``enc``; finished rows leave the batch.
 
     With ``head``: ``choose`` picks the words of the first ``head`` rows only, which alone take dropout
-    (:func:`models.layers.row_dropout.dropout_rows`); the other rows take the arg-max word, as a greedy decode in eval mode
-    would; returns the two parts separately, each as long as its own longest caption.
+    (:func:`models.layers.row_dropout.dropout_rows`); the other rows take the arg-max word, as a greedy decode in eval
+    mode would; returns the two parts separately, each as long as its own longest caption.
     One host sync per step (the number of rows that just ended, which the batch shape depends on)."""
     rows = state_rows(enc)
     device = state_device(enc)

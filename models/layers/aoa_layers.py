@@ -4,9 +4,10 @@
   ``a * (x - mean) / (std_unbiased + eps) + b`` (eps added to the *std*, Bessel-corrected std).
 * :func:`multi_head_attend`: ``concat_j Drop(softmax(Q_j K_j^T / sqrt(d_k), mask -1e9)) V_j`` with no output
   projection (AoA replaces it).
-* :class:`AttentionOnAttention`: the AoA module of the paper (section "Attention on Attention"): information vector ``i = W_i [v; q] + b_i``,
-  attention gate ``g = sigmoid(W_g [v; q] + b_g)``, attended information ``i_hat = g * i``; implemented as one linear ``2d -> 2d`` followed
-  by ``GLU`` (first half = information, second half = gate), the input order being ``[attended; query]``.
+* :class:`AttentionOnAttention`: the AoA module of the paper (section "Attention on Attention"): information vector
+  ``i = W_i [v; q] + b_i``, attention gate ``g = sigmoid(W_g [v; q] + b_g)``, attended information ``i_hat = g * i``;
+  implemented as one linear ``2d -> 2d`` followed by ``GLU`` (first half = information, second half = gate), the
+  input order being ``[attended; query]``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def mask_value(dtype: torch.dtype) -> float:
 
 
 class BesselLayerNorm(nn.Module):
-    """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (docs/models.md#aoa-attention-on-attention, ``TransformerModel.LayerNorm``)."""
+    """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (docs/models.md#aoa-attention-on-attention,
+    ``TransformerModel.LayerNorm``)."""
 
     def __init__(self, features: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -69,7 +71,8 @@ def multi_head_attend(
 
 
 class AttentionOnAttention(nn.Module):
-    """AoA (paper section "Attention on Attention": ``i_hat = sigmoid(W_g [v; q] + b_g) * (W_i [v; q] + b_i)``): ``GLU(W [attended; query] + b)``, the first half information, the second the gate.
+    """AoA (paper section "Attention on Attention": ``i_hat = sigmoid(W_g [v; q] + b_g) * (W_i [v; q] + b_i)``):
+    ``GLU(W [attended; query] + b)``, the first half information, the second the gate.
 
     ``dropout`` acts on the concatenated input (0.3 in the refiner, none in the decoder; docs/models.md#aoa-refiner).
     """

@@ -6,8 +6,9 @@ Official code: ``jnhwkim/ban-vqa`` (``fc.py``, ``bc.py``, ``attention.py``); doc
   matrix (``fc.py``); at init ``g = ||V||_F`` so ``W`` starts as PyTorch's default Linear.
 * :class:`FCLayer`: BAN's one-layer ``FCNet``: ``act(WNLinear(Drop(x)))``.
 * :class:`BilinearAttentionMap`: the bilinear attention map (Kim et al. 2018, "Bilinear attention map":
-  ``A = softmax(((1 p^T) o X^T U) V^T Y)``; code ``BiAttention`` + ``BCNet`` with ``k = 3``): ``logits[g, i, j] = sum_k H[g, k] * X'[i, k] * Y'[j, k] + b_g`` with
-  ``X' = Drop(ReLU(U^T x_i))`` (regions) and ``Y' = ReLU(V^T y_j)`` (the other modality), rank ``K' = k * d``.
+  ``A = softmax(((1 p^T) o X^T U) V^T Y)``; code ``BiAttention`` + ``BCNet`` with ``k = 3``):
+  ``logits[g, i, j] = sum_k H[g, k] * X'[i, k] * Y'[j, k] + b_g`` with ``X' = Drop(ReLU(U^T x_i))`` (regions) and
+  ``Y' = ReLU(V^T y_j)`` (the other modality), rank ``K' = k * d``.
   The softmax over the flattened ``(i, j)`` grid is done by the caller (it owns the masks).
 * :class:`BilinearPooling`: a glimpse's joint representation (Kim et al. 2018, "Bilinear attention networks":
   ``f'_k = (X^T U')_k^T A (Y^T V')_k``; code ``BCNet`` with ``k = 1``):
@@ -59,7 +60,8 @@ class FCLayer(nn.Module):
 
 
 class BilinearAttentionMap(nn.Module):
-    """Logits of ``glimpses`` low-rank bilinear attention maps between regions and a second set (bilinear attention map).
+    """Logits of ``glimpses`` low-rank bilinear attention maps between regions and a second set (bilinear attention
+    map).
 
     Rank ``K' = k * hidden``; ``H`` is weight-normalised with one scalar over the whole ``(G, K')`` matrix and
     initialised N(0, 1), the per-glimpse bias ``b_g`` N(0, 1) (``attention.py``).

@@ -102,7 +102,8 @@ class GeometricBias(nn.Module):
     """The geometric attention bias ``phi`` ``(B, H, N, N)`` of one G-SAN encoder layer (Eqs. 9-13).
 
     ``forward(x, rel)`` takes the layer's (pre-normed) input ``x`` ``(B, N, d)`` and the relative geometry
-    ``rel`` ``(B, N, N, 4)`` (``(B, N, N, 6)`` with ``signed``); the result is added to the content logits before the key mask and softmax.
+    ``rel`` ``(B, N, N, 4)`` (``(B, N, N, 6)`` with ``signed``); the result is added to the content logits before the
+    key mask and softmax.
     """
 
     def __init__(

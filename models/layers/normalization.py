@@ -9,8 +9,8 @@
   N-SAN encoder: ``instance`` (the paper's NSA, default), ``batch`` or ``layer`` (the ablation of Table 2),
   with or without the affine ``gamma, beta`` (off by default, "IN w/o gamma, beta").
 
-Project decision (the paper leaves it open; docs/models.md#nsan-choices): padded regions are **excluded** from the IN and BN
-statistics, so adding padding never changes an output.
+Project decision (the paper leaves it open; docs/models.md#nsan-choices): padded regions are **excluded** from the IN
+and BN statistics, so adding padding never changes an output.
 """
 
 from __future__ import annotations

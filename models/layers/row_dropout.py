@@ -48,7 +48,8 @@ def set_dropout_rows(rows: int, total: int) -> None:
 
 
 def rows_limited() -> bool:
-    """True inside :func:`dropout_rows` while some rows are exempt (fused kernels with their own dropout must not run)."""
+    """True inside :func:`dropout_rows` while some rows are exempt (fused kernels with their own dropout must not
+    run)."""
     return _SCOPE.rows is not None and _SCOPE.rows < _SCOPE.total
 
 

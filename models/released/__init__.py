@@ -8,8 +8,8 @@ mapping and the parity switches it sets):
 * ``aoanet`` (:mod:`models.released.aoanet`): husthuaan/AoANet ``model-best.pth`` + ``infos_*.pkl``.
 
 A release is recognised from the content of its weights file (never from its name). :func:`convert_release`
-builds the native checkpoint (:class:`models.checkpoints.CaptionerCheckpoint`: model name and constructor config, word list,
-weights, the paper's decoding settings and the features the release expects); :func:`ensure_native` writes it
+builds the native checkpoint (:class:`models.checkpoints.CaptionerCheckpoint`: model name and constructor config, word
+list, weights, the paper's decoding settings and the features the release expects); :func:`ensure_native` writes it
 once into a cache keyed by the SHA-256 of both source files, so later runs read the safe native file only.
 Pickles are read with the restricted unpickler of :mod:`models.released.unpickle`.
 """
@@ -228,7 +228,8 @@ def features_line(release: ReleaseInfo) -> str:
     cap = f", the first {feats['max_boxes']} regions given to the model" if feats.get("max_boxes") else ""
     return (
         f"{release.title} expects the Caffe bottom-up features it was trained on: "
-        f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} (other settings: --set caption.recipe=... / caption.boxes=...)"
+        f"{feats.get('recipe', 'caffe')} recipe, {boxes}{limits} boxes{cap} "
+        "(other settings: --set caption.recipe=... / caption.boxes=...)"
     )
 
 

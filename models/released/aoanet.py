@@ -56,7 +56,8 @@ NEVER = -1e30  # bias of the rows the release cannot output
 
 INFOS_GLOBALS = {("argparse", "Namespace"): NamespaceStandIn, **COMMON, **NUMPY}
 
-#: options that must have these values (what models.captioners.aoa implements); the release's opts.py defaults when absent
+#: options that must have these values (what models.captioners.aoa implements); the release's opts.py defaults when
+#: absent
 REQUIRED = {
     "caption_model": "aoa",
     "use_multi_head": 2,
@@ -159,11 +160,13 @@ def _check_options(opt: dict[str, Any], source: str) -> None:
         got = opt.get(key, want)
         if got != want:
             raise UsageError(
-                f"{source}: AoANet option {key}={got!r} is not supported here (models.captioners.aoa implements {key}={want!r})"
+                f"{source}: AoANet option {key}={got!r} is not supported here "
+                f"(models.captioners.aoa implements {key}={want!r})"
             )
     if opt.get("input_encoding_size", opt.get("rnn_size")) != opt.get("rnn_size"):
         raise UsageError(
-            f"{source}: input_encoding_size must equal rnn_size (got {opt.get('input_encoding_size')} and {opt.get('rnn_size')})"
+            f"{source}: input_encoding_size must equal rnn_size "
+            f"(got {opt.get('input_encoding_size')} and {opt.get('rnn_size')})"
         )
 
 
@@ -198,7 +201,8 @@ def convert(state: dict[str, Any], infos: dict[str, Any], source: str) -> dict[s
     v = len(infos["vocab"])
     if weights["embed.0.weight"].shape[0] != v + 1 or weights["logit.weight"].shape[0] != v + 1:
         raise UsageError(
-            f"{source}: the embedding has {weights['embed.0.weight'].shape[0]} rows, the infos vocabulary {v} words (+1)"
+            f"{source}: the embedding has {weights['embed.0.weight'].shape[0]} rows, "
+            f"the infos vocabulary {v} words (+1)"
         )
     _map_rows(weights, v)
     layers = len({k.split(".")[1] for k in weights if re.match(r"^refiner\.\d+\.", k)})

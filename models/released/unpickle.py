@@ -1,13 +1,14 @@
 """Reading the files released captioners ship, without running anything from them.
 
 Pickles (M2's ``vocab.pkl``, AoANet's ``infos_*.pkl``) go through the project's restricted unpickler
-(:class:`pipeline.core.unpickle.RestrictedUnpickler`): every global the file names must be in an explicit allowlist of ``(module, name)`` pairs, and each admitted name is bound to
-a stand-in defined here (a plain container or a recorder of state), never to the real class or function.
+(:class:`pipeline.core.unpickle.RestrictedUnpickler`): every global the file names must be in an explicit allowlist
+of ``(module, name)`` pairs, and each admitted name is bound to a stand-in defined here (a plain container or a
+recorder of state), never to the real class or function.
 Nothing is imported and no constructor of the original code runs; a file naming any other global is refused
 with one line that names the file. Rebuilding is bounded in time and memory: every value built is counted and a
 file that would expand past :class:`Budget`'s limit (a few hundred bytes of shared references can stand for
-terabytes) is refused, naming the file and the limit. The stand-ins are then rebuilt into plain Python values (``argparse``
-namespaces into dicts, NumPy scalars and arrays decoded from their bytes with a numeric dtype only).
+terabytes) is refused, naming the file and the limit. The stand-ins are then rebuilt into plain Python values
+(``argparse`` namespaces into dicts, NumPy scalars and arrays decoded from their bytes with a numeric dtype only).
 
 The ``.pth`` weight files are read with ``torch.load(weights_only=True)``; the extra globals admitted there are
 only NumPy's array/scalar rebuilders and numeric dtypes (M2's training checkpoint stores NumPy's RNG state and
