@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from extractors.releases import release_of_weights
 from pipeline.core.config import Config
 from pipeline.core.console import get_logger
 from pipeline.core.environment import launcher_int
@@ -100,7 +101,6 @@ def selection_mode(section: Config, weights: str | None = None) -> str | None:
     work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself is built by
     :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
     from extractors.recipes import BOX_MODES, validate_config
-    from extractors.releases import release_of_weights
 
     claimed = release_of_weights(weights)  # weights with their own recipes (CLIP encoders): the release checks
     if claimed is not None:
