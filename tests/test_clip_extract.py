@@ -202,7 +202,7 @@ def test_captioner_trains_evaluates_and_captions_on_clip_features(cli, tmp_path)
         "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}",
         *TINY,
     ]
-    _ok(cli.invoke("train", "--store", str(out), *[a for s in sets for a in ("--set", s)]))
+    _ok(cli.invoke("train", "--out", str(out), *[a for s in sets for a in ("--set", s)]))
     ckpt = out / "train-san" / "best.pt"
     metrics_path = root / "metrics.json"
     _ok(
