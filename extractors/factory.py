@@ -10,7 +10,7 @@ import torch
 from extractors import EXTRACTORS, available_extractors
 from extractors.random_weights import random_detector
 from extractors.recipes import SHORTHANDS, apply_recipe, describe_recipe, recipe_from_config
-from extractors.releases import release_of_flavor, release_of_layout
+from extractors.releases import release_of_flavor, release_of_layout, release_of_weights
 from extractors.selector import make_selector
 from extractors.weights import load_detector, sha256_file
 from pipeline.core.console import get_logger
@@ -60,6 +60,11 @@ def load_for_inference(
     attributes (its SHA-256 goes in the identity).
     """
     known = available_extractors()  # imports the preset modules so that the registry is filled
+    claimed = release_of_weights(weights)
+    if claimed is not None:  # weights that are not a region detector's (CLIP encoders): the release loads them
+        if preset != "auto" or spec_overrides or labelmap:
+            raise UsageError(f"{weights}: {claimed[0].name} weights take no extract.preset, extract.spec or labelmap")
+        return claimed[0].own.load(weights, device)
     if preset != "auto" and preset not in known:
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":
@@ -108,6 +113,8 @@ def configure_recipe(
     """The run's recipe from a config ``section`` (:func:`extractors.recipes.recipe_from_config`) for weights of
     ``layout``, applied to ``model`` (input scale, proposal settings). Returns (resolved recipe, selector);
     :func:`record_settings` records them in the feature identity."""
+    if hasattr(model, "configure"):  # a release's own encoder (extractors.releases.OwnExtraction)
+        return model.configure(section, where)
     recipe = apply_recipe(
         model,
         recipe_from_config(
@@ -129,6 +136,8 @@ def record_settings(identity: FeatureIdentity, model, selector, precision: str) 
     (``config.spec``), the resolved test-time recipe (``config.recipe``: its name and every value), its box selection
     in short (``config.boxes``) and the precision. What ``extract`` and ``caption --cache`` store next to the
     weights' SHA-256, and what :meth:`FeatureIdentity.settings_diff` compares."""
+    if hasattr(model, "settings"):  # a release's own encoder (extractors.releases.OwnExtraction)
+        return model.settings(identity, selector, precision)
     r = selector.recipe
     return replace(
         identity,

@@ -241,6 +241,9 @@ def recipe_blob(rgb: np.ndarray, recipe) -> tuple[np.ndarray, Frame]:
       ``(x - mean) / std``; with ``to_bgr255`` (maskrcnn_benchmark ``ToTensor`` + ``Normalize(to_bgr255=True)``)
       the float is ``(x / 255) * 255`` in float32, as the release computes it.
     """
+    own = getattr(recipe, "input_blob", None)
+    if own is not None:  # an encoder that builds its own input (the CLIP recipes, extractors.clip.run)
+        return own(rgb)
     img = rgb[:, :, ::-1] if recipe.colour == "bgr" else rgb
     h, w = rgb.shape[:2]
     mean = np.asarray(recipe.pixel_mean, dtype=np.float32)

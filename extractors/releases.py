@@ -32,6 +32,24 @@ Describer = Callable[[str, Mapping[str, Any], Any], tuple[dict[str, Any], Any]]
 
 
 @dataclass(frozen=True)
+class OwnExtraction:
+    """How ``cli extract`` and ``caption`` run a release whose weights are not a region detector's (CLIP image
+    encoders, :mod:`extractors.clip.run`).
+
+    ``claims`` (path) -> the weights layout of a file this release runs, or None: asked, by the file's layout only,
+    before the detector loaders read it. ``check`` (config section, where) -> the box mode: refuses, in one
+    :class:`UsageError` line, recipe and ``boxes`` settings these weights cannot run. ``load`` (path, device) ->
+    (model, :class:`FeatureIdentity`, info), what :func:`extractors.factory.load_for_inference` returns; the model
+    has the detector's ``spec.feature_stride`` and ``detect``, plus ``configure(section, where)`` -> (recipe,
+    selector) and ``settings(identity, selector, precision)`` -> the identity with those recorded, which
+    :func:`extractors.factory.configure_recipe` and :func:`extractors.factory.record_settings` hand over to."""
+
+    claims: Callable[[Any], str | None]
+    check: Callable[[Any, str], str]
+    load: Callable[[Any, Any], tuple[Any, Any, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
 class Release:
     """One detector release.
 
@@ -50,7 +68,8 @@ class Release:
     ``detector``: the class built from a spec (random weights, shape tables); ``random_weights``: (spec, seed) ->
     a detector with seeded random weights; ``random_identity``: the identity name of such a detector;
     ``selectors``: the test-time selections its detector runs; ``grid_only``: the weights hold a backbone only,
-    so only the ``grid`` selection runs.
+    so only the ``grid`` selection runs; ``own``: how its weights run when they are not a region detector's
+    (:class:`OwnExtraction`).
     """
 
     name: str
@@ -70,6 +89,7 @@ class Release:
     random_identity: str = ""
     selectors: tuple[str, ...] = ("per-class-nms", "nms-ladder", "given", "grid")
     grid_only: bool = False
+    own: OwnExtraction | None = None
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.selectors) - set(ALL_SELECTORS))
@@ -153,6 +173,18 @@ def detect_layout(sd: Mapping[str, Any]) -> tuple[Release, str] | None:
     return None
 
 
+def release_of_weights(path: Any) -> tuple[Release, str] | None:
+    """(release, layout) of a weights file a release with its own extraction claims (:class:`OwnExtraction`),
+    else None (``random``, a missing file and the detectors' files)."""
+    if path is None or str(path) == "random":
+        return None
+    for release in available_releases():
+        layout = release.own.claims(path) if release.own is not None else None
+        if layout is not None:
+            return release, layout
+    return None
+
+
 def layout_recipes() -> dict[str, str]:
     """Weights layout -> the recipe it runs with by default (``--recipe`` / ``extract.recipe`` override it)."""
     return {layout: r.recipe_name for r in available_releases() for layout in r.layouts}
@@ -161,6 +193,7 @@ def layout_recipes() -> dict[str, str]:
 __all__ = [
     "ALL_SELECTORS",
     "RELEASES",
+    "OwnExtraction",
     "Release",
     "available_releases",
     "detect_layout",
@@ -171,4 +204,5 @@ __all__ = [
     "release_names",
     "release_of_flavor",
     "release_of_layout",
+    "release_of_weights",
 ]

@@ -27,6 +27,7 @@ import torch
 from extractors.factory import configure_recipe, load_for_inference, record_settings
 from extractors.inputs import items_from_coco, items_from_file_list, items_from_paths, shard_items
 from extractors.recipes import BOX_MODES, validate_config
+from extractors.releases import release_of_weights
 from extractors.run import run_extraction
 from extractors.to_host import use_channels_last
 from pipeline.core.config import Config
@@ -107,10 +108,13 @@ def stage_config(section: Config, job: ExtractJob) -> Config:
     return Config({"extract": section.to_dict(), "job": job.to_config()})
 
 
-def selection_mode(section: Config) -> str | None:
+def selection_mode(section: Config, weights: str | None = None) -> str | None:
     """Check the recipe settings of an ``extract:`` section (``recipe``, ``recipes``, the shorthands) before any
     work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself is built by
     :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
+    claimed = release_of_weights(weights)  # weights with their own recipes (CLIP encoders): the release checks
+    if claimed is not None:
+        return claimed[0].own.check(section, "extract")
     mode = None if section.boxes is None else str(section.boxes)
     if mode is not None and mode not in BOX_MODES:
         raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")
@@ -183,7 +187,7 @@ def extract_work(
     """
 
     def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        todo = items if items is not None else collect_items(job, selection_mode(section))
+        todo = items if items is not None else collect_items(job, selection_mode(section, job.weights))
         dev = _device(section, job)
         precision = resolve_precision(
             str(section.precision), dev, "extract.precision", fp16=False
@@ -274,7 +278,7 @@ def extract_features(
     if job.weights != "random":  # a catalogue name or hf: id becomes its file in the cache (docs/downloads.md)
         job = replace(job, weights=resolve_file(job.weights, "weights file", "detector"))
     cfg = config if config is not None else stage_config(section, job)
-    items = collect_items(job, selection_mode(section))
+    items = collect_items(job, selection_mode(section, job.weights))
     if job.weights != "random" and not Path(job.weights).is_file():
         raise UsageError(f"weights file not found: {job.weights}")
     if reopen:

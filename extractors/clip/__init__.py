@@ -15,10 +15,12 @@ from extractors.clip.recipe import (
     extract_batch,
     prepare,
 )
+from extractors.clip.run import ClipEncoder, claims
 
 __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
+    "ClipEncoder",
     "LAYOUTS",
     "PRESETS",
     "RECIPES",
@@ -27,6 +29,7 @@ __all__ = [
     "ClipVisionConfig",
     "ClipWeightsError",
     "build",
+    "claims",
     "extract",
     "extract_batch",
     "infer_config",

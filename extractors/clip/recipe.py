@@ -33,7 +33,6 @@ import torch
 from PIL import Image
 
 from extractors.clip.model import POS_RESIZE, ModifiedResNet
-from extractors.releases import Release, register_release
 from pipeline.core.regions import RegionRecord
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -162,14 +161,3 @@ def extract_batch(model: torch.nn.Module, images: list[np.ndarray], recipe: Clip
 def extract(model: torch.nn.Module, rgb: np.ndarray, recipe: ClipRecipe) -> ClipFeatures:
     """One image -> :class:`ClipFeatures` (grid cells with boxes in original pixels, the pooled vector)."""
     return extract_batch(model, [rgb], recipe)[0]
-
-
-# The CLIP-ViL grid features: a release the importers name (its encoders run through this package's own
-# recipes, not through the region detectors' layouts and selections).
-register_release(
-    Release(
-        name="clip-vil",
-        source="clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
-        selectors=(),
-    )
-)

@@ -130,7 +130,8 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--recipe",
-                help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)} (docs/recipes.md).",
+                help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)}; "
+                "CLIP weights: clip-vil | clip (docs/recipes.md).",
             ),
         ] = None,
         shard: Annotated[

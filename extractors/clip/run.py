@@ -1,0 +1,278 @@
+"""CLIP grid features through the region detectors' machinery: ``cli extract`` and ``caption`` with CLIP weights.
+
+A CLIP weights file (an OpenAI TorchScript archive, an open_clip state dict, Hugging Face ``CLIPVisionModel`` /
+``CLIPModel`` weights; :mod:`extractors.clip.files`) is recognised by its layout before the detector loaders read
+it (:func:`claims`). The encoder then runs behind the interface :func:`extractors.run.run_extraction` and
+:mod:`extractors.photos` drive a detector with, so decoding in workers, failures (``failures.jsonl``), resuming,
+commits and signals are the detectors' own:
+
+* :class:`ClipInputRule` is the photo loader's recipe: :func:`extractors.preprocess.recipe_blob` hands it the
+  decoded photo and gets the encoder input of :func:`extractors.clip.recipe.prepare` and its geometry.
+* :class:`ClipEncoder` is the detector: ``detect`` encodes a batch and returns one
+  :class:`~pipeline.core.regions.RegionRecord` per photo, the grid cells row-major with their boxes in original
+  pixels (:func:`extractors.clip.recipe.cell_boxes`).
+* The feature identity is ``clip-<architecture>`` (``clip-RN50``, ``clip-ViT-B-16``), the weights' SHA-256, the
+  layout, the encoder config (``config.spec``), the recipe (name, input side, positional resize) and the precision.
+
+The pooled vector (the attention pool's output or the class token) is not stored: a store holds regions
+(docs/extractor.md#clip).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from extractors.clip.files import ClipWeightsError, is_torchscript, load_clip
+from extractors.clip.model import PRESETS, ClipVisionConfig, ModifiedResNet
+from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, prepare
+from extractors.releases import OwnExtraction, Release, register_release
+from extractors.weights import sha256_file
+from pipeline.core.console import get_logger
+from pipeline.core.errors import UsageError
+from pipeline.core.identity import FeatureIdentity
+from pipeline.core.regions import RegionRecord
+from pipeline.core.tensor_bounds import BoundsError, check_archive
+
+log = get_logger("extract")
+
+#: the input side of each recipe (0: the encoder's own resolution)
+RECIPE_SIZES = {"clip-vil": 448, "clip": 0}
+#: the ``extract:`` / ``caption:`` shorthands a grid of cells has no use for
+_BOX_SHORTHANDS = ("min_boxes", "max_boxes", "conf_thresh", "nms_thresh", "min_size", "max_size")
+
+
+def _get(section: Any, key: str, default: Any = None) -> Any:
+    return section[key] if key in section and section[key] is not None else default
+
+
+# ------------------------------------------------------------------------------------------------ the file
+def _keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors or ``torch.save`` file without reading its tensors ([] when unreadable)."""
+    try:
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > min(path.stat().st_size - 8, 100 << 20):
+                    return []
+                header = json.loads(fh.read(n))
+            return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+        check_archive(path)  # refuses TorchScript and oversized archives before torch reads the pickle
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (BoundsError, Exception):  # noqa: BLE001 - a file torch cannot read this way is not CLIP's to claim
+        return []
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]
+    return [k for k in obj if isinstance(k, str)] if isinstance(obj, Mapping) else []
+
+
+@functools.lru_cache(maxsize=8)
+def _claims(path: str, _mtime_ns: int, _size: int) -> str | None:
+    p = Path(path)
+    if is_torchscript(p):
+        return "openai"
+    keys = [k[len("module.") :] if k.startswith("module.") else k for k in _keys(p)]
+    if any(k.startswith("vision_model.") for k in keys):
+        return "hf"
+    if any(k.startswith("visual.") for k in keys):
+        return "open_clip"
+    return None
+
+
+def claims(path: Any) -> str | None:
+    """The CLIP layout of the weights file ``path`` (``openai``: a TorchScript archive; ``hf``: ``vision_model.``
+    keys; ``open_clip``: ``visual.`` keys), None for anything else; read by names only, never by running code."""
+    p = Path(str(path))
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return _claims(str(p.resolve()), st.st_mtime_ns, st.st_size) if p.is_file() else None
+
+
+def check(section: Any, where: str = "extract") -> str:
+    """The recipe and box settings of an ``extract:`` (or ``caption:``) section for CLIP weights -> ``grid``; one
+    :class:`UsageError` line for a region detector's recipe or a box selection other than the grid."""
+    name = str(_get(section, "recipe", "auto"))
+    if name != "auto" and name not in RECIPES:
+        raise UsageError(
+            f"CLIP weights run the recipes {' | '.join(RECIPES)} ({where}.recipe / --recipe), not the region "
+            f"detectors' {name!r}"
+        )
+    mode = _get(section, "boxes")
+    if mode is not None and str(mode) != "grid":
+        raise UsageError(f"--boxes {mode}: CLIP weights give grid features only (--boxes grid, or leave it out)")
+    # caption.max_boxes is what the captioner gets, not a selection setting
+    set_ = [k for k in _BOX_SHORTHANDS if _get(section, k) is not None and (k, where) != ("max_boxes", "caption")]
+    if set_:
+        log.warning("%s.%s: not used by CLIP grid features", where, f", {where}.".join(set_))
+    return "grid"
+
+
+def recipe_of(section: Any) -> ClipRecipe:
+    """The section's CLIP recipe: ``recipe`` ``clip-vil`` (the default) or ``clip``."""
+    name = str(_get(section, "recipe", "auto"))
+    name = "clip-vil" if name == "auto" else name
+    return ClipRecipe(name, RECIPE_SIZES[name])
+
+
+# ------------------------------------------------------------------------------------------------ identity
+def arch_name(cfg: ClipVisionConfig) -> str:
+    """``RN50``, ``ViT-B-16``, ``ViT-L-14-336px`` for OpenAI's architectures (whatever the layout, projection or
+    activation); ``RN-w<width>-<depths>`` or ``ViT-w<width>-d<blocks>-p<patch>`` for others."""
+    for name, preset in PRESETS.items():
+        same = (preset.kind, preset.width, preset.layers, preset.resolution, preset.patch)
+        if same == (cfg.kind, cfg.width, cfg.layers, cfg.resolution, cfg.patch):
+            return name.replace("/", "-").replace("@", "-")
+    if cfg.kind == "resnet":
+        return f"RN-w{cfg.width}-{'.'.join(str(n) for n in cfg.layers)}"
+    return f"ViT-w{cfg.width}-d{cfg.layers[0]}-p{cfg.patch}"
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@dataclass(frozen=True)
+class ClipSpec:
+    """What the photo loader and the caption engine read of a detector's spec: ``feature_stride`` (input pixels
+    per cell: the thin-image check) and no classes or attributes."""
+
+    config: ClipVisionConfig
+    num_classes: int = 1
+    num_attributes: int = 1
+
+    @property
+    def feature_stride(self) -> int:
+        return self.config.stride
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self.config)))
+
+
+@dataclass(frozen=True)
+class ClipInputRule:
+    """The photo loader's recipe: ``recipe`` at the encoder's ``resolution``; ``selector`` ``grid`` (every cell)."""
+
+    recipe: ClipRecipe
+    resolution: int
+    selector: str = "grid"
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    def input_blob(self, rgb: np.ndarray) -> tuple[np.ndarray, ClipInput]:
+        """(3, S, S) float32 encoder input and its geometry (the input without its pixels)."""
+        inp = prepare(rgb, self.recipe, self.resolution)
+        return inp.blob, replace(inp, blob=np.empty(0, np.float32))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as the identity records it: name, input side (resolved), positional resize."""
+        return {
+            "name": self.recipe.name,
+            "size": self.recipe.size or self.resolution,
+            "pos_resize": self.recipe.pos_resize,
+        }
+
+
+@dataclass(frozen=True)
+class ClipSelector:
+    """The selector :func:`extractors.run.run_extraction` and :func:`extractors.photos.detect_guarded` read."""
+
+    recipe: ClipInputRule
+    given: bool = False
+
+
+class ClipEncoder(nn.Module):
+    """A CLIP image encoder behind the detectors' interface (``spec``, ``detect``, ``configure``, ``settings``)."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.spec = ClipSpec(encoder.config)
+        self.roi_chunk = 0  # the detectors' ROI batching setting; a grid has no ROIs
+        self.clip_recipe = ClipRecipe()
+
+    def configure(self, section: Any, where: str = "extract") -> tuple[ClipInputRule, ClipSelector]:
+        check(section, where)
+        self.clip_recipe = recipe_of(section)
+        rule = ClipInputRule(self.clip_recipe, self.spec.config.resolution)
+        log.info(
+            "recipe %s: input %d px, positional resize %s", rule.name, rule.to_dict()["size"], rule.recipe.pos_resize
+        )
+        return rule, ClipSelector(rule)
+
+    def settings(self, identity: FeatureIdentity, selector: ClipSelector, precision: str) -> FeatureIdentity:
+        return replace(
+            identity,
+            spec=self.spec.to_dict(),
+            recipe=selector.recipe.to_dict(),
+            precision=str(precision),
+            boxes={"mode": "grid"},
+        )
+
+    @torch.no_grad()
+    def detect(self, blobs: list[Any], frames: list[ClipInput], selector: Any, given: Any = None) -> list[RegionRecord]:
+        """One :class:`RegionRecord` per input: the cells of the encoder's grid, row-major, boxes in original pixels."""
+        dev = next(self.parameters()).device
+        x = torch.stack([torch.as_tensor(b) for b in blobs]).to(dev, non_blocking=True)
+        if isinstance(self.encoder, ModifiedResNet):
+            fmap = self.encoder.grid(x)
+        else:
+            tokens, (h, w) = self.encoder.tokens(x, self.clip_recipe.pos_resize)
+            fmap = tokens[:, 1:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
+        n, c, h, w = fmap.shape
+        feats = fmap.permute(0, 2, 3, 1).reshape(n, h * w, c).float().cpu().numpy()
+        stride = self.spec.config.stride
+        return [
+            RegionRecord(
+                features=np.ascontiguousarray(feats[i]),
+                boxes=cell_boxes(frame, (h, w), stride),
+                image_w=frame.width,
+                image_h=frame.height,
+            )
+            for i, frame in enumerate(frames)
+        ]
+
+
+def load(path: Any, device: Any) -> tuple[ClipEncoder, FeatureIdentity, dict[str, Any]]:
+    """A CLIP weights file -> (encoder behind the detectors' interface, identity, info), as
+    :func:`extractors.factory.load_for_inference` returns for a detector."""
+    try:
+        encoder, info = load_clip(path, device="cpu")
+    except ClipWeightsError as exc:
+        raise UsageError(str(exc)) from None
+    cfg = info["config"]
+    model = ClipEncoder(encoder).to(device).eval()
+    info = {**info, "weights_sha256": sha256_file(path), "config": asdict(cfg)}
+    identity = FeatureIdentity(
+        name=f"clip-{arch_name(cfg)}",
+        weights_sha256=info["weights_sha256"],
+        layout=info["layout"],
+        spec=model.spec.to_dict(),
+    )
+    log.info(
+        "CLIP %s encoder (%s weights, activation %s) from %s", arch_name(cfg), info["layout"], cfg.activation, path
+    )
+    return model, identity, info
+
+
+# The CLIP-ViL grid features: the release the importers name, whose encoders ``cli extract`` and ``caption`` run
+# through the records above (not through the region detectors' layouts and selections).
+register_release(
+    Release(
+        name="clip-vil",
+        source="clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
+        selectors=(),
+        own=OwnExtraction(claims=claims, check=check, load=load),
+    )
+)
+
+__all__ = ["ClipEncoder", "ClipInputRule", "ClipSelector", "ClipSpec", "arch_name", "check", "claims", "load"]
