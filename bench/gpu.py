@@ -27,6 +27,7 @@ import torch
 
 from bench.decode import make_inputs
 from bench.harness import Case
+from bench.tiny import tiny_caffe_r101
 from bench.train import COCO_TRAIN_IMAGES, VOCAB_SIZE, bench_stage, fitted_model, make_batch, reference_corpus
 from extractors.bucketing import ShapeBuckets
 from extractors.preprocess import recipe_blob
@@ -84,22 +85,8 @@ def cases(name: str, size: str, models: list[str], device: str = "cuda") -> list
 
 def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     images, batch = (2, 2) if size == "tiny" else (64, 8)
-    spec = caffe_r101()
-    if size == "tiny":  # a shrunk network of the same architecture: the code path, not the figure
-        spec = spec.with_(
-            min_size=200,
-            max_size=333,
-            post_nms_topk=20,
-            stage_blocks=(1, 1, 1),
-            res5_blocks=1,
-            res2_bottleneck=4,
-            stem_channels=8,
-            num_classes=21,
-            num_attributes=11,
-            attr_embed_dim=8,
-            attr_hidden=16,
-            rpn_channels=16,
-        )
+    # tiny: a shrunk network of the same architecture (the code path, not the figure)
+    spec = tiny_caffe_r101(min_size=200, max_size=333, post_nms_topk=20) if size == "tiny" else caffe_r101()
     model = random_detector(spec, seed=0).to(dev).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)
@@ -120,46 +107,23 @@ def _extract_cases(size: str, dev: torch.device) -> list[Case]:
     ]
     bucketed += [[p.index for p in g] for g in buckets.flush()]
 
-    def run(precision: str, groups: list[list[int]]):
+    work = (
+        f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, "
+        f"{spec.post_nms_topk} proposals"
+    )
+    precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
+
+    def row(label: str, precision: str, groups: list[list[int]]) -> Case:
         def go() -> None:
             reset()
             with autocast(dev, precision):
                 for g in groups:
                     model.detect([blobs[i] for i in g], [scales[i] for i in g], rule)
 
-        return go
+        return Case("extract", label, None, work, go, sync=_syncer(dev), per_call=images, unit="s/img", after=note)
 
-    work = (
-        f"{images} images of {len(set(sizes))} sizes, batch {batch}, {spec.min_size}/{spec.max_size}, "
-        f"{spec.post_nms_topk} proposals"
-    )
-    precisions = ("tf32", "fp32", "bf16") if dev.type == "cuda" else ("fp32",)  # bf16 convolutions crawl on most CPUs
-    rows = [
-        Case(
-            "extract",
-            f"bottom-up R101 {p}",
-            None,
-            work,
-            run(p, in_order),
-            sync=_syncer(dev),
-            per_call=images,
-            unit="s/img",
-            after=note,
-        )
-        for p in precisions
-    ]
-    return rows + [
-        Case(
-            "extract",
-            f"bottom-up R101 {p}, equal sizes batched across the folder",
-            None,
-            work,
-            run(p, bucketed),
-            sync=_syncer(dev),
-            per_call=images,
-            unit="s/img",
-            after=note,
-        )
+    return [row(f"bottom-up R101 {p}", p, in_order) for p in precisions] + [
+        row(f"bottom-up R101 {p}, equal sizes batched across the folder", p, bucketed)
         for p in precisions
         if p != "fp32" or dev.type != "cuda"
     ]

@@ -78,18 +78,19 @@ def count(fn: Callable[[], Any]) -> dict[str, int]:
 def _in_optimizer_step(event: Any) -> bool:
     """Inside ``optimizer.step()``: its scalar reads are of the step counters, host tensors also on a GPU (PyTorch
     keeps them on the CPU unless ``capturable``/``fused``), so they are not device syncs."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("Optimizer.step"):
-            return True
-        parent = parent.cpu_parent
-    return False
+    return _has_ancestor(event, "Optimizer.step")
 
 
 def _has_aten_parent(event: Any) -> bool:
+    return _has_ancestor(event, "aten::")
+
+
+def _has_ancestor(event: Any, prefix: str) -> bool:
+    """Whether a profiler event above ``event`` (its CPU parent, that one's parent, ...) has a name that starts with
+    ``prefix``."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if parent.name.startswith(prefix):
             return True
         parent = parent.cpu_parent
     return False

@@ -99,31 +99,25 @@ def bench_stage(
     """(images per batch, seconds per step) of ``iters`` timed steps after one warm-up step, on a captioner fitted
     for ``fit_steps`` XE steps to trained-like caption lengths."""
     with deterministic_mode(deterministic, "--deterministic"):
-        return _bench_stage(name, stage, batch_size, iters, device, amp, scorer, vocab, fit_steps, overrides)
-
-
-def _bench_stage(
-    name: str,
-    stage: str,
-    batch_size: int | None,
-    iters: int,
-    device: torch.device,
-    amp: str,
-    scorer: CiderD,
-    vocab: Vocab,
-    fit_steps: int,
-    overrides: dict | None = None,
-) -> tuple[int, float]:
-    model, step, batches, b = prepare_stage(
-        name, stage, batch_size, device, amp, scorer, vocab, min(iters, 3) + 1, fit_steps=fit_steps, overrides=overrides
-    )
-    step(batches[0])  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(iters):
-        step(batches[1 + i % (len(batches) - 1)])
-    sync(device)
-    return b, (time.perf_counter() - t0) / iters
+        model, step, batches, b = prepare_stage(
+            name,
+            stage,
+            batch_size,
+            device,
+            amp,
+            scorer,
+            vocab,
+            min(iters, 3) + 1,
+            fit_steps=fit_steps,
+            overrides=overrides,
+        )
+        step(batches[0])  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(iters):
+            step(batches[1 + i % (len(batches) - 1)])
+        sync(device)
+        return b, (time.perf_counter() - t0) / iters
 
 
 def world_captions(batch: dict, seed: int = 0) -> dict:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from bench.harness import Case
+from bench.tiny import tiny_caffe_r101
 from extractors.preprocess import recipe_blob
 from extractors.random_weights import random_detector
 from extractors.recipes import apply_recipe, recipe_from_config
@@ -79,17 +80,7 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
             num_classes=21,
             num_attributes=11,
         )
-        r101 = r101.with_(
-            stage_blocks=(1, 1, 1),
-            res5_blocks=1,
-            res2_bottleneck=4,
-            stem_channels=8,
-            num_classes=21,
-            num_attributes=11,
-            attr_embed_dim=8,
-            attr_hidden=16,
-            rpn_channels=16,
-        )
+        r101 = tiny_caffe_r101()
     rng = np.random.default_rng(0)
     photos = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(images)]
     scale = {"min_size": short, "max_size": long}
@@ -106,35 +97,38 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
         model, selector, resolved = _setup(spec, recipe, boxes, dev, over)
         runs[key] = _runner(model, selector, resolved, photos, dev)
     work = f"{images} photos 480x640 at {short}/{long}, {props} proposals, batch 1"
-    common = dict(work=work, tolerance=0.0, sync=sync, per_call=float(images), unit="s/img")
-    s = lambda f: lambda: f()  # noqa: E731
+
+    def versus(name: str, project: str, baseline: str, ours: str, theirs: str, dim: int, note: str = "") -> Case:
+        """Run ``ours`` against ``theirs`` (keys of ``runs``); each round checks the outputs share ``dim``."""
+        return Case(
+            name,
+            project,
+            baseline,
+            work,
+            run_project=runs[ours],
+            run_baseline=runs[theirs],
+            check=_shared(dim, images),
+            tolerance=0.0,
+            note=note,
+            sync=sync,
+            per_call=float(images),
+            unit="s/img",
+        )
+
     return [
-        Case(
+        versus(
             "regions X-152 vs R-101",
             "VinVL X-152 C4 (vinvl)",
             "bottom-up R-101 C4 (caffe)",
-            run_project=s(runs["x152"]),
-            run_baseline=s(runs["r101"]),
-            check=_shared(x152.feature_dim, images),
+            "x152",
+            "r101",
+            x152.feature_dim,
             note="ratio = R-101 / X-152 time (the R-101 head runs res5 dilated at 14x14, X-152's at 7x7)",
-            **common,
         ),
-        Case(
-            "grid vs regions (X-152)",
-            "X-152 grid 7x7",
-            "X-152 regions (vinvl)",
-            run_project=s(runs["x152-grid"]),
-            run_baseline=s(runs["x152"]),
-            check=_shared(x152.feature_dim, images),
-            **common,
+        versus(
+            "grid vs regions (X-152)", "X-152 grid 7x7", "X-152 regions (vinvl)", "x152-grid", "x152", x152.feature_dim
         ),
-        Case(
-            "grid vs regions (R-101)",
-            "R-101 grid 7x7",
-            "R-101 regions (caffe)",
-            run_project=s(runs["r101-grid"]),
-            run_baseline=s(runs["r101"]),
-            check=_shared(r101.feature_dim, images),
-            **common,
+        versus(
+            "grid vs regions (R-101)", "R-101 grid 7x7", "R-101 regions (caffe)", "r101-grid", "r101", r101.feature_dim
         ),
     ]

@@ -267,15 +267,11 @@ def evaluate_weights(
     *,
     device: str | torch.device = "cpu",
     section: Any = None,
-    iou: float = 0.5,
-    attribute_group: str = "colour",
-    limit: int | None = None,
-    batch_size: int = 1,
-    workers: int = 0,
-    precision: str = "fp32",
+    **options: Any,
 ) -> dict[str, Any]:
     """:func:`evaluate_model` on a ``butd`` weights file (its class and attribute names map the split's ids), with
-    the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``)."""
+    the recipe of the config ``section`` (the ``eval`` section of ``configs/train_detector.yaml``). ``options``:
+    the keyword arguments of :func:`evaluate_model` other than ``rule`` (``iou``, ``limit``, ``precision``, ...)."""
     model, info = load_detector(weights)
     if info["layout"] != "butd":
         raise UsageError(
@@ -283,20 +279,7 @@ def evaluate_weights(
         )
     model = model.to(device).fold_batchnorm()
     _recipe, rule = configure_recipe(model, info["layout"], section, "eval")
-    return evaluate_model(
-        model,
-        ann_file,
-        image_root,
-        info["classes"],
-        info["attributes"],
-        rule=rule,
-        iou=iou,
-        attribute_group=attribute_group,
-        limit=limit,
-        batch_size=batch_size,
-        workers=workers,
-        precision=precision,
-    )
+    return evaluate_model(model, ann_file, image_root, info["classes"], info["attributes"], rule=rule, **options)
 
 
 def summary_line(result: dict[str, Any]) -> str:

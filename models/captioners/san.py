@@ -26,6 +26,7 @@ parameters are Xavier-initialized except the input embedding (as in the ruotianl
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -196,22 +197,51 @@ class SelfAttentionCaptioner(Captioner):
         return F.log_softmax(self.generator(h), dim=-1)
 
 
-def _base_kwargs(
-    feat_dim: int, d_model: int, num_heads: int, d_ff: int, num_layers: int, dropout: float, embed_dropout: float
-) -> dict[str, Any]:
-    return dict(
-        feat_dim=feat_dim,
-        d_model=d_model,
-        num_heads=num_heads,
-        d_ff=d_ff,
-        num_layers=num_layers,
-        dropout=dropout,
-        embed_dropout=embed_dropout,
-    )
+_BASELINE_ARGS = ("vocab_size", "feat_dim", "d_model", "num_heads", "d_ff", "num_layers", "dropout", "embed_dropout")
+_NORM_SWITCHES = ("norm_kind", "norm_affine", "norm_queries", "norm_keys", "norm_eps")
+_GEOMETRY_SWITCHES = (
+    "geometry",
+    "geometry_dim",
+    "geometry_head_proj",
+    "geometry_scale",
+    "geometry_signed",
+    "box_plus_one",
+    "absolute_position",
+)
+
+
+class _FamilyMember(SelfAttentionCaptioner):
+    """A registered member of the family: the SAN baseline's arguments plus its own ``switches``.
+
+    ``defaults`` replaces the shared implementation's default of a switch (e.g. ``norm_kind="instance"``). The
+    constructor's signature (``inspect.signature``) lists exactly the exposed arguments with these defaults, and it
+    rejects any other argument with a ``TypeError`` as a hand-written signature would.
+    """
+
+    switches: tuple[str, ...] = ()
+    defaults: dict[str, Any] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        shared = inspect.signature(SelfAttentionCaptioner).parameters
+        cls.__signature__ = inspect.Signature(
+            [
+                shared[name].replace(default=cls.defaults.get(name, shared[name].default))
+                for name in _BASELINE_ARGS + cls.switches
+            ]
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{type(self).__name__}.__init__() {exc}") from None
+        bound.apply_defaults()
+        super().__init__(**bound.arguments)
 
 
 @register_captioner("san")
-class SAN(SelfAttentionCaptioner):
+class SAN(_FamilyMember):
     """SAN: the Transformer baseline of NG-SAN (Table 1: 18.1M/25.5M/40.2M/54.9M at L = 1/2/4/6, V = 9,487).
 
     Parameters: ``1,049,088 + 2 * 512 * V + V + 2,048 + 7,356,416 * L`` (docs/models.md#san-parameter-count). The
@@ -219,128 +249,26 @@ class SAN(SelfAttentionCaptioner):
     already holds its specials, i.e. 1,025 parameters fewer at the same V (40,200,975 at L = 4, V = 9,487).
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feat_dim: int = 2048,
-        d_model: int = 512,
-        num_heads: int = 8,
-        d_ff: int = 2048,
-        num_layers: int = 4,
-        dropout: float = 0.1,
-        embed_dropout: float = 0.1,
-    ) -> None:
-        super().__init__(
-            vocab_size, **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout)
-        )
-
 
 @register_captioner("nsan")
-class NSAN(SelfAttentionCaptioner):
+class NSAN(_FamilyMember):
     """N-SAN: SAN with normalized self-attention in the encoder (§4.1; no extra parameters without affine)."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feat_dim: int = 2048,
-        d_model: int = 512,
-        num_heads: int = 8,
-        d_ff: int = 2048,
-        num_layers: int = 4,
-        dropout: float = 0.1,
-        embed_dropout: float = 0.1,
-        norm_kind: str = "instance",
-        norm_affine: bool = False,
-        norm_queries: bool = True,
-        norm_keys: bool = False,
-        norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__(
-            vocab_size,
-            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-            norm_kind=norm_kind,
-            norm_affine=norm_affine,
-            norm_queries=norm_queries,
-            norm_keys=norm_keys,
-            norm_eps=norm_eps,
-        )
+    switches = _NORM_SWITCHES
+    defaults = {"norm_kind": "instance"}
 
 
 @register_captioner("gsan")
-class GSAN(SelfAttentionCaptioner):
+class GSAN(_FamilyMember):
     """G-SAN: SAN with geometry-aware self-attention in the encoder (§4.2; 41.5M at L = 4, query-dependent)."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feat_dim: int = 2048,
-        d_model: int = 512,
-        num_heads: int = 8,
-        d_ff: int = 2048,
-        num_layers: int = 4,
-        dropout: float = 0.1,
-        embed_dropout: float = 0.1,
-        geometry: Sequence[str] = ("query",),
-        geometry_dim: int = 128,
-        geometry_head_proj: bool = True,
-        geometry_scale: bool = True,
-        geometry_signed: bool = False,
-        box_plus_one: bool = True,
-        absolute_position: bool = False,
-    ) -> None:
-        super().__init__(
-            vocab_size,
-            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-            geometry=geometry,
-            geometry_dim=geometry_dim,
-            geometry_head_proj=geometry_head_proj,
-            geometry_scale=geometry_scale,
-            geometry_signed=geometry_signed,
-            box_plus_one=box_plus_one,
-            absolute_position=absolute_position,
-        )
+    switches = _GEOMETRY_SWITCHES
+    defaults = {"geometry": ("query",)}
 
 
 @register_captioner("ngsan")
-class NGSAN(SelfAttentionCaptioner):
+class NGSAN(_FamilyMember):
     """NG-SAN: GSA with the content query replaced by IN(Q) in every encoder self-attention (§4.3)."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feat_dim: int = 2048,
-        d_model: int = 512,
-        num_heads: int = 8,
-        d_ff: int = 2048,
-        num_layers: int = 4,
-        dropout: float = 0.1,
-        embed_dropout: float = 0.1,
-        norm_kind: str = "instance",
-        norm_affine: bool = False,
-        norm_queries: bool = True,
-        norm_keys: bool = False,
-        norm_eps: float = 1e-5,
-        geometry: Sequence[str] = ("query",),
-        geometry_dim: int = 128,
-        geometry_head_proj: bool = True,
-        geometry_scale: bool = True,
-        geometry_signed: bool = False,
-        box_plus_one: bool = True,
-        absolute_position: bool = False,
-    ) -> None:
-        super().__init__(
-            vocab_size,
-            **_base_kwargs(feat_dim, d_model, num_heads, d_ff, num_layers, dropout, embed_dropout),
-            norm_kind=norm_kind,
-            norm_affine=norm_affine,
-            norm_queries=norm_queries,
-            norm_keys=norm_keys,
-            norm_eps=norm_eps,
-            geometry=geometry,
-            geometry_dim=geometry_dim,
-            geometry_head_proj=geometry_head_proj,
-            geometry_scale=geometry_scale,
-            geometry_signed=geometry_signed,
-            box_plus_one=box_plus_one,
-            absolute_position=absolute_position,
-        )
+    switches = _NORM_SWITCHES + _GEOMETRY_SWITCHES
+    defaults = {"norm_kind": "instance", "geometry": ("query",)}

@@ -154,17 +154,10 @@ class PhotoCaptioner:
         )  # detector and captioner run under it
         self.store_settings = store_settings  # the feature identity a ``--cache`` store must agree with
 
-    def caption_paths(
-        self,
-        items: Sequence[ImageItem],
-        batch_size: int = 4,
-        cache: Any = None,
-        keep_images: bool = False,
-        relevance: bool = False,
-        workers: int = 0,
-    ) -> Iterator[CaptionResult]:
-        """Caption ``items`` in batches; yields results in input order. ``cache`` is an open store writer."""
-        for batch in self.caption_batches(items, batch_size, cache, keep_images, relevance, workers):
+    def caption_paths(self, items: Sequence[ImageItem], *args: Any, **kwargs: Any) -> Iterator[CaptionResult]:
+        """Caption ``items`` in batches; yields results in input order. The other arguments (``batch_size``,
+        ``cache``: an open store writer, ...) are those of :meth:`caption_batches`."""
+        for batch in self.caption_batches(items, *args, **kwargs):
             yield from batch
 
     def caption_batches(

@@ -127,22 +127,14 @@ def open_paths_in_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> froze
     return frozenset(out)
 
 
+_TYPE_NAMES = ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "list"), (Mapping, "mapping"))
+"""The YAML name of a Python type, first match wins (``bool`` before ``int``: a bool is an int)."""
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, Mapping):
-        return "mapping"
-    return type(value).__name__
+    return next((name for kind, name in _TYPE_NAMES if isinstance(value, kind)), type(value).__name__)
 
 
 def _compatible(default: Any, value: Any) -> bool:

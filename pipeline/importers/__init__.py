@@ -22,7 +22,7 @@ from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
 from pipeline.core.regions import RegionRecord
 from pipeline.importers import clipvil, cocobu, m2, tsv, vinvl  # noqa: F401  (each registers its formats)
-from pipeline.importers.formats import FORMATS, Format, export_formats, register_format
+from pipeline.importers.formats import FORMATS, Format, export_formats, register_format, require_sizes
 from pipeline.importers.untrusted import check_record, check_size
 from pipeline.store import FeatureStore, open_writer
 from pipeline.store.format import MANIFEST
@@ -118,10 +118,8 @@ def import_features(
     for p in paths:
         if not p.exists():
             raise UsageError(f"input not found: {p}")
-    if spec.needs_sizes and sizes is None:
-        raise UsageError(
-            f"{fmt} files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    if spec.needs_sizes:
+        require_sizes(sizes, f"{fmt} files")
     report = ImportReport()
     seen_keys: set[str] = set()
     if identity is not None and release is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.importers.formats import Format, register_format
+from pipeline.importers.formats import Format, register_format, require_sizes
 from pipeline.importers.untrusted import read_npy
 
 
@@ -50,10 +50,7 @@ def read_clipvil(
     """Sources: one ``*_att`` directory of ``<cocoid>.npz`` files."""
     if len(sources) != 1 or not sources[0].is_dir():
         raise UsageError("clip-vil import takes one directory of <cocoid>.npz files (the release's *_att folder)")
-    if sizes is None:
-        raise UsageError(
-            "clip-vil files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    sizes = require_sizes(sizes, "clip-vil files")
     for path in sorted(sources[0].glob("*.npz")):
         key = path.stem
 

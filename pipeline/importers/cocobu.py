@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.importers.formats import Format, register_format
+from pipeline.importers.formats import Format, register_format, require_sizes
 from pipeline.importers.untrusted import read_npy
 
 
@@ -66,10 +66,7 @@ def read_cocobu(
     for d in (att_dir, box_dir):
         if not d.is_dir():
             raise UsageError(f"cocobu directory not found: {d}")
-    if sizes is None:
-        raise UsageError(
-            "cocobu files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    sizes = require_sizes(sizes, "cocobu files")
     for path in sorted(att_dir.glob("*.npz")):
         key = path.stem
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from pipeline.core.errors import UsageError
 from pipeline.core.registry import Registry
 
 Record = dict[str, Any]
@@ -57,6 +58,14 @@ FORMATS: Registry[Format] = Registry("feature format")
 def register_format(fmt: Format) -> Format:
     """Add ``fmt`` to :data:`FORMATS` (a name registered twice is a programming error)."""
     return FORMATS.register(fmt.name)(fmt)
+
+
+def require_sizes(sizes: dict[str, tuple[int, int]] | None, files: str) -> dict[str, tuple[int, int]]:
+    """``sizes`` (image id -> width, height) for a format whose ``files`` hold none; None is a usage error that
+    asks for ``--sizes``."""
+    if sizes is None:
+        raise UsageError(f"{files} carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)")
+    return sizes
 
 
 def import_formats() -> list[Format]:

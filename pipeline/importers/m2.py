@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
-from pipeline.importers.formats import Format, register_format
+from pipeline.importers.formats import Format, register_format, require_sizes
 from pipeline.importers.untrusted import read_dataset
+from pipeline.store.segment import open_hdf5_readonly
 
 SUFFIX = "_features"
 
@@ -25,18 +25,11 @@ SUFFIX = "_features"
 def read_m2(
     sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
-    if sizes is None:
-        raise UsageError(
-            "M2 detection files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    sizes = require_sizes(sizes, "M2 detection files")
     for path in sources:
         if not path.is_file():
             raise UsageError(f"M2 detections file not found: {path}")
-        try:
-            fh = h5py.File(path, "r", locking=False)
-        except OSError as exc:
-            raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-        with fh:
+        with open_hdf5_readonly(path) as fh:
             names = [n for n in fh.keys() if n.endswith(SUFFIX)]
             if not names:
                 raise PipelineError(f"{path} is an HDF5 file but not M2 detections (no '<id>_features' datasets)")

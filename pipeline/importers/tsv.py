@@ -128,16 +128,21 @@ def row_thunk(
     return thunk
 
 
-def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
-    """One original BUTD row -> record (float32 arrays as stored in the file)."""
-    if len(fields) != len(BUTD_COLUMNS):
+def _row_header(fields: list[bytes], columns: tuple[str, ...], layout: str, where: str) -> tuple[str, int, str]:
+    """``(key, num_boxes, where)`` of a row laid out as ``columns``; the returned ``where`` names the image, for
+    the errors of the other columns."""
+    if len(fields) != len(columns):
         raise PipelineError(
-            f"{where}: expected {len(BUTD_COLUMNS)} tab-separated columns (BUTD TSV), "
-            f"found {len(fields)} (truncated row?)"
+            f"{where}: expected {len(columns)} tab-separated columns ({layout}), found {len(fields)} (truncated row?)"
         )
     key = _key(fields[0], where)
-    k = _int(fields[3], "num_boxes", where)
-    where = f"{where} (image {key_to_text(key)})"
+    k = _int(fields[columns.index("num_boxes")], "num_boxes", where)
+    return key, k, f"{where} (image {key_to_text(key)})"
+
+
+def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
+    """One original BUTD row -> record (float32 arrays as stored in the file)."""
+    key, k, where = _row_header(fields, BUTD_COLUMNS, "BUTD TSV", where)
     return {
         "key": coco_key(key) if keys == "coco-id" else key,
         "image_w": _int(fields[1], "image_w", where),
@@ -149,14 +154,7 @@ def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
 
 def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
-    if len(fields) != len(OBJ36_COLUMNS):
-        raise PipelineError(
-            f"{where}: expected {len(OBJ36_COLUMNS)} tab-separated columns (obj36 TSV), "
-            f"found {len(fields)} (truncated row?)"
-        )
-    raw = _key(fields[0], where)
-    k = _int(fields[7], "num_boxes", where)
-    where = f"{where} (image {key_to_text(raw)})"
+    raw, k, where = _row_header(fields, OBJ36_COLUMNS, "obj36 TSV", where)
     return {
         "key": coco_key(raw) if keys == "coco-id" else raw,
         "image_h": _int(fields[1], "img_h", where),

@@ -29,14 +29,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.keys import key_to_text
-from pipeline.importers.formats import Format, register_format
+from pipeline.importers.formats import Format, register_format, require_sizes
 from pipeline.importers.tsv import coco_key, iter_lines, row_thunk
 from pipeline.importers.untrusted import parse_json, read_dataset
+from pipeline.store.segment import open_hdf5_readonly
 
 POSITION = 6
 Record = dict[str, Any]
@@ -126,10 +126,7 @@ def _is_number(value: Any) -> bool:
 def read_vinvl(
     sources: list[Path], keys: str, sizes: dict[str, tuple[int, int]] | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], Record]]]:
-    if sizes is None:
-        raise UsageError(
-            "VinVL TSVs carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    sizes = require_sizes(sizes, "VinVL TSVs")
     for path in sources:
         if not path.is_file():
             raise UsageError(f"VinVL TSV file not found: {path}")
@@ -153,18 +150,11 @@ def write_vinvl(out: BinaryIO, records: Iterator[Record]) -> int:
 def read_grid_hdf5(
     sources: list[Path], keys: str = "raw", sizes: dict[str, tuple[int, int]] | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], Record]]]:
-    if sizes is None:
-        raise UsageError(
-            "grid HDF5 files carry no image sizes: pass --sizes COCO_JSON (captions_*.json or instances_*.json)"
-        )
+    sizes = require_sizes(sizes, "grid HDF5 files")
     for path in sources:
         if not path.is_file():
             raise UsageError(f"grid HDF5 file not found: {path}")
-        try:
-            fh = h5py.File(path, "r", locking=False)
-        except OSError as exc:
-            raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
-        with fh:
+        with open_hdf5_readonly(path) as fh:
             names = sorted((n[: -len("_grids")] for n in fh.keys() if n.endswith("_grids")), key=lambda k: (len(k), k))
             if not names:
                 raise PipelineError(

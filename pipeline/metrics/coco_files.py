@@ -59,19 +59,7 @@ def load_references(path: str | Path) -> tuple[dict[ImageId, list[str]], list[st
     refs: dict[ImageId, list[str]] = {}
     empty = 0
     for k, ann in enumerate(anns):
-        if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
-            raise UsageError(
-                f"references file {path}, annotation {k}: expected an object with 'image_id' and 'caption'"
-            )
-        image_id, caption = ann["image_id"], ann["caption"]
-        if not _valid_id(image_id):
-            raise UsageError(
-                f"references file {path}, annotation {k}: 'image_id' must be an integer or a string, got {image_id!r}"
-            )
-        if not isinstance(caption, str):
-            raise UsageError(
-                f"references file {path}, annotation {k}: 'caption' must be a string, got {type(caption).__name__}"
-            )
+        image_id, caption = _caption_entry(ann, f"references file {path}, annotation {k}")
         if not caption.strip():
             empty += 1
             continue
@@ -93,19 +81,20 @@ def load_predictions(path: str | Path) -> list[tuple[ImageId, str]]:
         raise UsageError(f"predictions file {path} is empty")
     out = []
     for k, item in enumerate(data):
-        if not isinstance(item, dict) or "image_id" not in item or "caption" not in item:
-            raise UsageError(f"predictions file {path}, entry {k}: expected an object with 'image_id' and 'caption'")
-        image_id, caption = item["image_id"], item["caption"]
-        if not _valid_id(image_id):
-            raise UsageError(
-                f"predictions file {path}, entry {k}: 'image_id' must be an integer or a string, got {image_id!r}"
-            )
-        if not isinstance(caption, str):
-            raise UsageError(
-                f"predictions file {path}, entry {k}: 'caption' must be a string, got {type(caption).__name__}"
-            )
-        out.append((image_id, caption))
+        out.append(_caption_entry(item, f"predictions file {path}, entry {k}"))
     return out
+
+
+def _caption_entry(item: Any, where: str) -> tuple[ImageId, str]:
+    """``(image_id, caption)`` of one ``{image_id, caption}`` object of a COCO file; ``where`` names it in errors."""
+    if not isinstance(item, dict) or "image_id" not in item or "caption" not in item:
+        raise UsageError(f"{where}: expected an object with 'image_id' and 'caption'")
+    image_id, caption = item["image_id"], item["caption"]
+    if not _valid_id(image_id):
+        raise UsageError(f"{where}: 'image_id' must be an integer or a string, got {image_id!r}")
+    if not isinstance(caption, str):
+        raise UsageError(f"{where}: 'caption' must be a string, got {type(caption).__name__}")
+    return image_id, caption
 
 
 @dataclass

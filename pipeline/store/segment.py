@@ -295,14 +295,20 @@ def _attr(fh: Any, path: Path, name: str) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def open_hdf5_readonly(path: Path) -> h5py.File:
+    """``path`` opened read-only without file locking; a file HDF5 cannot open is a :class:`PipelineError` naming
+    it."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+
+
 def read_segment_index(path: Path, expect_images: int | None = None, expect_rows: int | None = None) -> SegmentIndex:
     """Open ``path`` read-only, validate it thoroughly, and read its index; errors name the file."""
     if not path.is_file():
         raise PipelineError(f"feature segment {path} is missing")
-    try:
-        fh = h5py.File(path, "r", locking=False)
-    except OSError as exc:
-        raise PipelineError(f"{path} is not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+    fh = open_hdf5_readonly(path)
     try:
         if _attr(fh, path, "format") != FORMAT:
             raise PipelineError(f"{path} is an HDF5 file but not a butd-caption feature store")
