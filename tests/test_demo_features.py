@@ -3,6 +3,7 @@ untrained CLIP grid features through ``cli extract``'s stage, one captioner trai
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -57,4 +58,9 @@ def test_demo_trains_on_clip_features(tmp_path):
     assert store.identity["config"]["recipe"]["name"] == "clip-vil"
     assert store.get(store.keys()[0])["boxes"].shape == (49, 4)
     assert (out / "clip-encoder" / "clip-random.pt").is_file() and not (out / "detector").exists()
-    assert re.search(r"san\+clip\s+[-\d.]+\s+[-\d.]+\s+[-\d.]+\s+\d+\.\d{3}", res.output), res.output
+    row = next(line for line in res.output.splitlines() if line.strip().startswith("san+clip"))
+    cider = row.split("│")[4].strip()  # model, Bleu_4, METEOR, ROUGE_L, CIDEr
+    assert re.fullmatch(r"\d+\.\d{3}", cider), row
+    assert json.loads((out / "summary.json").read_text())["metrics"]["san+clip"]["CIDEr"] == pytest.approx(
+        float(cider), abs=5e-4
+    )
