@@ -5,6 +5,7 @@ python -m bench --only nms --repeats 5
 python -m bench --size tiny                   # seconds: what the test suite runs
 python -m bench --device cuda --json gpu.json # CUDA: extraction, XE/SCST epoch, beam-5 decode
 python -m bench --only vinvl [--device cuda]  # X-152 vs R-101 regions, grid vs regions (s/img, ratio)
+python -m bench --only clip [--device cuda]   # CLIP RN50x4 / ViT-B/16 grid at 448: batch vs per-image, vs R-101
 python -m bench --only proxies --repeats 1 --warmup 0   # CPU: operators and host syncs per step (bench.proxies)
 """
 
@@ -21,16 +22,16 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
-from bench import cider, gpu, harness, nms, proxies, store, vinvl
+from bench import cider, clip, gpu, harness, nms, proxies, store, vinvl
 from pipeline.core.fileio import atomic_write_text
 
-CPU_BENCHES = ("cider", "nms", "store", "vinvl", "proxies")
+CPU_BENCHES = ("cider", "nms", "store", "vinvl", "clip", "proxies")
 CPU_DEFAULT = (
     "cider",
     "nms",
     "store",
-)  # proxies and vinvl (minutes at paper sizes / full X-152 widths) only when named
-GPU_BENCHES = ("extract", "train", "decode", "vinvl")
+)  # proxies, vinvl and clip (minutes at paper sizes / full widths) only when named
+GPU_BENCHES = ("extract", "train", "decode", "vinvl", "clip")
 GPU_DEFAULT = ("extract", "train", "decode")
 
 
@@ -124,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cases(name: str, args: argparse.Namespace, cleanups: list[Callable[[], None]]) -> list:
     if name == "vinvl":
         return vinvl.cases(args.size, args.device)
+    if name == "clip":
+        return clip.cases(args.size, args.device)
     if name == "cider":
         return cider.cases(args.size)
     if name == "nms":

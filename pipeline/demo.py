@@ -16,6 +16,10 @@ ground-truth regions (:mod:`pipeline.world.oracle_features`, ``demo.oracle``), s
 ``train-<name>+oracle``; the relations comparison (``configs/demo_relations.yaml``) uses it. A variant with an
 ``oracle:`` mapping (keys of ``demo.oracle``, e.g. ``box_features: true``) trains on its own oracle store, stage
 ``features-oracle-<name>``.
+The kind ``clip`` needs no detector either: CLIP grid features (the CLIP-ViL recipe, 448 x 448) of a seeded random
+CLIP encoder of the small architecture ``demo.clip`` (:mod:`extractors.clip.random_weights`; untrained, so the
+rows measure the pipeline on CLIP-shaped features, not CLIP), written once as a weights file by the stage
+``clip-encoder`` and extracted by ``cli extract``'s stage into ``features-clip``; stages ``train-<name>+clip``.
 ``demo.seeds`` trains (and evaluates) each captioner with that many training seeds (``train.seed``,
 ``train.seed + 1``, ...; the first keeps the single-run folder names, the others end in ``-seed<N>``); the
 report holds every seed's figures and their mean and sample standard deviation.
@@ -31,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import models as model_registry
+from extractors.clip.model import ClipVisionConfig
+from extractors.clip.random_weights import write_random_clip
+from extractors.clip.run import RECIPE_SIZES, arch_name
 from extractors.stage import ExtractJob, extract_features
 from extractors.training.stage import demo_detector_config, train_detector
 from pipeline.caption_data.prepare import prepare_captions
@@ -243,7 +250,10 @@ def demo_train_config(cfg: Config, name: str, model: str, store: Path, data: Pat
     return tcfg
 
 
-FEATURE_KINDS = ("region", "grid", "oracle")
+FEATURE_KINDS = ("region", "grid", "oracle", "clip")
+#: the kinds extracted with the demo detector (trained in the stage ``detector``)
+DETECTOR_KINDS = ("region", "grid")
+CLIP_RECIPE = "clip-vil"
 #: keys of a ``demo.variants`` entry that are not train keys: its captioner, and its oracle regions
 VARIANT_DEMO_KEYS = ("model", "oracle")
 ORACLE_KEYS = ("noise", "seed", "box_features")
@@ -287,6 +297,47 @@ def grid_extract_section(cfg: Config) -> Config:
     )
 
 
+def clip_encoder_config(cfg: Config) -> tuple[ClipVisionConfig, int]:
+    """The architecture and seed of the demo's random CLIP encoder (``demo.clip``); one usage error when invalid."""
+    section = _plain(cfg.demo.clip)
+    seed = section.pop("seed", 0)
+    try:
+        layers = section.pop("layers")
+        enc = ClipVisionConfig(
+            layers=tuple(int(n) for n in (layers if isinstance(layers, list) else [layers])), **section
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(
+            f"demo.clip: not a CLIP encoder (kind, width, layers, resolution, embed_dim, patch): {exc}"
+        ) from None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UsageError(f"demo.clip.seed must be an integer, got {seed!r}")
+    return enc, seed
+
+
+def clip_extract_section(cfg: Config) -> Config:
+    """The ``extract:`` section for the demo's CLIP grid: the CLIP-ViL recipe, every cell of the grid."""
+    return cfg.extract.with_overrides({"recipe": CLIP_RECIPE, "boxes": None})
+
+
+def clip_cells(enc: ClipVisionConfig) -> int:
+    """Grid cells per image under the demo's CLIP recipe (what each captioner attends over)."""
+    return (RECIPE_SIZES[CLIP_RECIPE] // enc.stride) ** 2
+
+
+def _clip_encoder_work(enc: ClipVisionConfig, seed: int):
+    def work(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        write_random_clip(enc, stage_dir / "clip-random.pt", seed)
+        return {"weights": "clip-random.pt"}, {
+            "architecture": arch_name(enc),
+            "seed": seed,
+            "cells": clip_cells(enc),
+            "dim": enc.grid_dim,
+        }
+
+    return work
+
+
 def checkpoint_choice(tcfg: Config) -> str:
     """Which checkpoint ``best.pt`` holds under a train config: the best one by the validation metric, or (no
     validation split) the last epoch's weights."""
@@ -312,8 +363,10 @@ def run_demo(
     if int(cfg.demo.seeds) < 1:
         raise UsageError(f"demo.seeds must be >= 1, got {cfg.demo.seeds}")
     detector_overrides = {f"detector_train.{k}": v for k, v in cfg.detector_train.to_dict().items()}
-    if any(kind != "oracle" for kind in kinds):  # the detector_train: keys checked before any stage runs
+    if any(kind in DETECTOR_KINDS for kind in kinds):  # the detector_train: keys checked before any stage runs
         demo_detector_config(out / "world", overrides=detector_overrides)
+    if "clip" in kinds:
+        clip_arch, clip_seed = clip_encoder_config(cfg)
     t0 = time.perf_counter()
     report = DemoReport(out=out)
     world = run_stage(out, "world", world_stage_config(cfg.world), generate_world, force=force)
@@ -347,14 +400,14 @@ def run_demo(
                 report.stages.append(feats)
                 own_oracle[name] = (feats, feats.directory / feats.outputs["store"])
     weights: Path | None = None
-    if any(kind != "oracle" for kind in kinds):
+    if any(kind in DETECTOR_KINDS for kind in kinds):
         det_cfg = demo_detector_config(world.directory, overrides=detector_overrides)
         detector = run_stage(out, "detector", _with_inputs(det_cfg, world=world), train_detector, force=force)
         report.stages.append(detector)
         report.detector = dict(detector.summary.get("eval", {}))
         weights = detector.directory / detector.outputs["weights"]
 
-    for kind in [k for k in kinds if k != "oracle"]:
+    for kind in [k for k in kinds if k in DETECTOR_KINDS]:
         section = cfg.extract if kind == "region" else grid_extract_section(cfg)
         feats = extract_features(
             out,
@@ -366,6 +419,26 @@ def run_demo(
         )
         report.stages.append(feats)
         stores[kind] = (feats, feats.directory / feats.outputs["store"])
+    if "clip" in kinds:
+        encoder = run_stage(
+            out,
+            "clip-encoder",
+            Config({"clip": _plain(cfg.demo.clip)}),
+            _clip_encoder_work(clip_arch, clip_seed),
+            force=force,
+        )
+        report.stages.append(encoder)
+        section = clip_extract_section(cfg)
+        feats = extract_features(
+            out,
+            "features-clip",
+            section,
+            ExtractJob(str(encoder.directory / encoder.outputs["weights"]), (str(world.directory / "images"),)),
+            config=_with_inputs(section, encoder=encoder, world=world),
+            force=force,
+        )
+        report.stages.append(feats)
+        stores["clip"] = (feats, feats.directory / feats.outputs["store"])
 
     prep_cfg = cfg.prepare.with_overrides(
         {"karpathy_json": str(world.directory / world.outputs["karpathy"]), "key": "filename"}
@@ -381,6 +454,8 @@ def run_demo(
         tcfg = demo_train_config(cfg, name, model, store, data.directory)
         if kind == "grid":
             tcfg = tcfg.with_overrides({"train.max_boxes": int(cfg.demo.grid) ** 2})
+        elif kind == "clip":
+            tcfg = tcfg.with_overrides({"train.max_boxes": clip_cells(clip_arch)})
         name = name if kind == "region" else f"{name}+{kind}"
         report.checkpoint = report.checkpoint or checkpoint_choice(tcfg)
         runs = []

@@ -157,3 +157,26 @@ def test_proxies_count_operators_and_syncs(capsys, tmp_path):
     assert code == 0, err
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["unit"] for r in rows] == ["operators", "syncs"] and rows[0]["project_min"] > 50
+
+
+def test_clip_rows_batch_per_image_and_regions(capsys, tmp_path):
+    """CLIP RN50x4 and ViT-B/16 grids (random weights, narrowed): batch vs photo by photo, checked equal before the
+    ratio, and the RN50x4 grid beside the R-101 regions; a batch that loses a photo or changes a cell reports none."""
+    code, out, err = _run(
+        capsys, "--only", "clip", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "c.json")
+    )
+    assert code == 0, err
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "clip RN50x4 batch vs per-image",
+        "clip ViT-B/16 batch vs per-image",
+        "clip RN50x4 grid vs R-101 regions",
+    ]
+    assert all(r["unit"] == "s/img" and r["speedup_min"] > 0 and r["max_diff"] <= r["tolerance"] for r in rows)
+    assert "random weights" in rows[0]["note"] and "random weights" in rows[2]["note"]
+    from bench import clip
+
+    good = [type("F", (), {"regions": type("R", (), {"features": np.ones((4, 8), np.float32)})()})()] * 2
+    bad = [type("F", (), {"regions": type("R", (), {"features": np.full((4, 8), 1.1, np.float32)})()})()] * 2
+    assert clip._grids_agree(good, good) == 0 and clip._grids_agree(good[:1], good) == float("inf")
+    assert clip._grids_agree(bad, good) == pytest.approx(0.1, rel=1e-5)

@@ -43,7 +43,8 @@ def register(app: typer.Typer) -> None:
         features: Annotated[
             Optional[str],
             typer.Option(
-                "--features", help="Comma-separated feature kinds: region, grid, oracle (default demo.features)."
+                "--features",
+                help="Comma-separated feature kinds: region, grid, oracle, clip (default demo.features).",
             ),
         ] = None,
         seeds: Annotated[

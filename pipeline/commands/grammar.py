@@ -118,7 +118,7 @@ MEANINGS: dict[str, Meaning] = {
     "--seed": Meaning(None, "seed of the synthetic world"),
     "--seeds": Meaning(None, "training seeds per captioner"),
     "--quick": Meaning(None, "reduced sizes, the same code path", flag=True),
-    "--features": Meaning(None, "comma-separated feature kinds: region, grid, oracle"),
+    "--features": Meaning(None, "comma-separated feature kinds: region, grid, oracle, clip"),
 }
 
 
