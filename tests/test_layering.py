@@ -29,6 +29,7 @@ LEVELS = {
     "pipeline/training": 4,
     "pipeline/captioning": 4,
     "pipeline/embedding": 4,
+    "pipeline/relations_probe.py": 4,
     "extractors/stage.py": 4,
     "extractors/training/stage.py": 4,
     "pipeline/demo.py": 5,

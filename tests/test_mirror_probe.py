@@ -1,11 +1,11 @@
-"""The mirror probe of the relations comparison (pipeline/world/mirror_probe.py) on tiny random models."""
+"""The mirror probe of the relations comparison (pipeline/relations_probe.py) on tiny random models."""
 
 from __future__ import annotations
 
 import torch
 
 from models.captioners.san import NGSAN, SAN
-from pipeline.world.mirror_probe import (
+from pipeline.relations_probe import (
     BOX_OFFSET,
     encoder_probe,
     mirror_batch,

@@ -19,7 +19,7 @@ scene, with the inputs the evaluation gives it (:class:`pipeline.data.CaptionDat
   regions and heads, on the original and mirrored scenes, and the mean over regions and heads of its absolute change
   (``|d att|``): how far the signed geometry moves the mixing of the two regions.
 
-``python -m pipeline.world.mirror_probe RUN_DIR [--rows ROW ...] [--json FILE]``: every ``RUN_DIR/train-<row>[-seedN]``
+``python -m pipeline.relations_probe RUN_DIR [--rows ROW ...] [--json FILE]``: every ``RUN_DIR/train-<row>[-seedN]``
 with a ``best.pt`` (the checkpoint the demo's eval stage decodes), the store named in its manifest and the prepared
 data ``RUN_DIR/data``. The table (mean ± sd over the seeds of a row) goes to stdout.
 """
@@ -31,6 +31,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from models.layers.geometry import absolute_box_encoding, relative_geometry
 from models.loading import load_captioner
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.console import get_logger, setup_logging, stdout_console
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import read_json
 from pipeline.data import CaptionDataset
 from pipeline.data.dataset import collate_images
@@ -51,7 +52,7 @@ from pipeline.store import FeatureStore
 from pipeline.world.oracle_features import oracle_dim
 from pipeline.world.vocab import COLOUR_NAMES, SHAPES, SIZE_NAMES
 
-log = get_logger("world.mirror_probe")
+log = get_logger("relations_probe")
 
 BOX_OFFSET = len(SHAPES) + len(COLOUR_NAMES) + len(SIZE_NAMES)  # where the oracle's box features start
 SEED_SUFFIX = re.compile(r"-seed\d+$")
@@ -285,7 +286,7 @@ def encoder_table(results: dict[str, list[dict[str, Any]]]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.world.mirror_probe", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipeline.relations_probe", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path, help="the demo's output folder (train-<row>*/best.pt, data/)")
     parser.add_argument("--rows", nargs="+", default=None, help="rows to probe (default: every trained row)")
     parser.add_argument("--split", default="test")
@@ -320,4 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except PipelineError as exc:  # a user mistake (no runs, a missing store): one line, no traceback
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
