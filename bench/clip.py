@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from bench.harness import Case
+from bench.tiny import tiny_caffe_r101
 from bench.vinvl import _runner, _setup, _shared
 from extractors.clip import PRESETS, ClipRecipe, extract, extract_batch
 from extractors.clip.random_weights import random_encoder
@@ -80,19 +81,7 @@ def cases(size: str, device: str = "cpu") -> list[Case]:
                 **common,
             )
         )
-    r101 = caffe_r101()
-    if size == "tiny":
-        r101 = r101.with_(
-            stage_blocks=(1, 1, 1),
-            res5_blocks=1,
-            res2_bottleneck=4,
-            stem_channels=8,
-            num_classes=21,
-            num_attributes=11,
-            attr_embed_dim=8,
-            attr_hidden=16,
-            rpn_channels=16,
-        )
+    r101 = tiny_caffe_r101() if size == "tiny" else caffe_r101()
     det, selector, resolved = _setup(
         r101, "caffe", "adaptive", dev, {"min_size": short, "max_size": long, "post_nms_topk": props}
     )
