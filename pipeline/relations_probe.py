@@ -40,7 +40,6 @@ import torch
 from rich.table import Table
 
 from models.captioners.base import Captioner
-from models.layers.geometry import absolute_box_encoding, relative_geometry
 from models.loading import load_captioner
 from pipeline.caption_data.prepared import PreparedCaptions
 from pipeline.core.console import get_logger, setup_logging, stdout_console
@@ -144,15 +143,7 @@ def encoder_trace(model: Captioner, batch: dict[str, Any]) -> tuple[list[torch.T
     (the layer outputs come from the layers themselves; the weights are recomputed from the same projections and
     checked to give the layer's attention output)."""
     feats, mask, boxes, sizes = batch["feats"].float(), batch["mask"].bool(), batch["boxes"], batch["sizes"]
-    keep = mask[..., None].to(feats.dtype)
-    x = model.att_embed(feats) * keep
-    if model.absolute_position:
-        x = x + absolute_box_encoding(boxes.float(), sizes, model.d_model, model.box_plus_one).to(x.dtype) * keep
-    rel = (
-        relative_geometry(boxes.float(), mask, model.box_plus_one, signed=model.geometry_signed).to(x.dtype)
-        if model.geometry
-        else None
-    )
+    x, rel = model.encoder_input(feats, mask, boxes, sizes)
     states, logits = [], []
     for layer in model.encoder.layers:
         h = layer.norm1(x)

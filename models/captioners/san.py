@@ -167,6 +167,15 @@ class SelfAttentionCaptioner(Captioner):
         """Embed and encode the regions; returns the region mask and every decoder layer's memory keys/values."""
         mask = mask.bool()
         feats, mask, boxes = trim_padding(feats, mask, boxes)
+        x, rel = self.encoder_input(feats, mask, boxes, sizes)
+        memory = self.encoder(x, mask, rel)
+        return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
+
+    def encoder_input(
+        self, feats: torch.Tensor, mask: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The encoder's input: the embedded regions (plus Table 4's absolute box encoding when switched on),
+        padding rows zeroed, and the relative geometry of Eq. 8 (None without geometry)."""
         keep = mask[..., None].to(feats.dtype)
         x = self.att_embed(feats) * keep
         if self.absolute_position:
@@ -176,8 +185,7 @@ class SelfAttentionCaptioner(Captioner):
             if self.geometry
             else None
         )
-        memory = self.encoder(x, mask, rel)
-        return {"mask": mask, "memory_kv": self.decoder.memory_kv(memory, mask)}
+        return x, rel
 
     def max_caption_len(self) -> int:
         """The decoder's sinusoidal table: one position per generated token."""
