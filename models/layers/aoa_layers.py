@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from models.layers.normalization import LayerNorm
+
 #: the official code masks with -1e9 (husthuaan/AoANet ``AoAModel.py``), not -inf; in float16 (whose range ends at
 #: -65504) the dtype's minimum stands in for it (:func:`mask_value`), as M2 masks with the minimum
 MASK_VALUE = -1e9
@@ -27,20 +29,12 @@ def mask_value(dtype: torch.dtype) -> float:
     return max(MASK_VALUE, float(torch.finfo(dtype).min))
 
 
-class BesselLayerNorm(nn.Module):
+class BesselLayerNorm(LayerNorm):
     """``a * (x - mean(x)) / (std_unbiased(x) + eps) + b`` (docs/models.md#aoa-attention-on-attention,
-    ``TransformerModel.LayerNorm``)."""
+    ``TransformerModel.LayerNorm``): :class:`~models.layers.normalization.LayerNorm` with the parameters named
+    ``a`` and ``b``, the keys of the native AoANet checkpoints."""
 
-    def __init__(self, features: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.ones(features))
-        self.b = nn.Parameter(torch.zeros(features))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = x.mean(-1, keepdim=True)
-        std = x.std(-1, keepdim=True)  # unbiased (Bessel's correction)
-        return self.a * (x - mean) / (std + self.eps) + self.b
+    gain_name, bias_name = "a", "b"
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 * :class:`LayerNorm`: the LayerNorm of the SAN baseline (ruotianluo TransformerModel; docs/models.md#san-equations):
   ``a * (x - mean) / (std + eps) + b`` with the **unbiased** std and ``eps`` added to the std (not to the
-  variance). It is not ``nn.LayerNorm``.
+  variance). It is not ``nn.LayerNorm``. AoANet's :class:`~models.layers.aoa_layers.BesselLayerNorm` is the same
+  layer with other parameter names.
 * :func:`masked_instance_norm`: NG-SAN Eq. 6, instance normalization of a ``(B, N, C)`` tensor per image and
   per channel over the N regions, where only regions with ``mask`` True enter the statistics.
 * :class:`QueryNorm`: the normalization applied to the attention queries (and optionally keys) of the
@@ -22,18 +23,23 @@ NORM_KINDS = ("instance", "batch", "layer")
 
 
 class LayerNorm(nn.Module):
-    """Harvard/ruotianluo LayerNorm: unbiased std over the last dim, ``eps`` added to the std."""
+    """Harvard/ruotianluo LayerNorm: unbiased std over the last dim, ``eps`` added to the std.
+
+    The gain and bias are the parameters named :attr:`gain_name` and :attr:`bias_name` (their state-dict keys).
+    """
+
+    gain_name, bias_name = "a_2", "b_2"
 
     def __init__(self, features: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.a_2 = nn.Parameter(torch.ones(features))
-        self.b_2 = nn.Parameter(torch.zeros(features))
+        self.register_parameter(self.gain_name, nn.Parameter(torch.ones(features)))
+        self.register_parameter(self.bias_name, nn.Parameter(torch.zeros(features)))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = x.mean(-1, keepdim=True)
-        std = x.std(-1, keepdim=True)
-        return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
+        std = x.std(-1, keepdim=True)  # unbiased (Bessel's correction)
+        return getattr(self, self.gain_name) * (x - mean) / (std + self.eps) + getattr(self, self.bias_name)
 
 
 def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

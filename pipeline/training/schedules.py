@@ -50,6 +50,8 @@ class Schedule:
     name = "base"
     #: constructor parameters (name -> default) accepted from YAML
     params: dict[str, Any] = {}
+    #: the attribute holding a parameter whose name is taken by a method (``lr`` is :meth:`lr`)
+    attributes: dict[str, str] = {"lr": "lr_value"}
 
     def __init__(self) -> None:
         self.iteration = 0
@@ -70,7 +72,9 @@ class Schedule:
         return self.lr()
 
     def config(self) -> dict[str, Any]:
-        return {"type": self.name, **{k: getattr(self, k) for k in self.params}}
+        """``type`` and the value of every parameter (lists copied)."""
+        values = {k: getattr(self, self.attributes.get(k, k)) for k in self.params}
+        return {"type": self.name, **{k: list(v) if isinstance(v, list) else v for k, v in values.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, extra state and the configuration (checked on load)."""
@@ -105,9 +109,6 @@ class ConstantSchedule(Schedule):
     def __init__(self, lr: float = 5e-6) -> None:
         super().__init__()
         self.lr_value = float(lr)
-
-    def config(self) -> dict[str, Any]:
-        return {"type": self.name, "lr": self.lr_value}
 
     def lr(self) -> float:
         return self.lr_value
@@ -153,16 +154,6 @@ class StepSchedule(Schedule):
         self.lr_value, self.decay_rate = float(lr), float(decay_rate)
         self.decay_every, self.decay_start, self.warmup_iters = int(decay_every), int(decay_start), int(warmup_iters)
 
-    def config(self) -> dict[str, Any]:
-        return {
-            "type": self.name,
-            "lr": self.lr_value,
-            "decay_rate": self.decay_rate,
-            "decay_every": self.decay_every,
-            "decay_start": self.decay_start,
-            "warmup_iters": self.warmup_iters,
-        }
-
     def lr(self) -> float:
         k = (self.epoch - self.decay_start) // self.decay_every if self.epoch > self.decay_start else 0
         warm = min(1.0, (self.iteration + 1) / self.warmup_iters) if self.warmup_iters else 1.0
@@ -193,17 +184,6 @@ class PlateauSchedule(Schedule):
         self.best: float | None = None
         self.bad_epochs = 0
         self.reductions = 0
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "type": self.name,
-            "lr": self.lr_value,
-            "factor": self.factor,
-            "patience": self.patience,
-            "mode": self.mode,
-            "threshold": self.threshold,
-            "min_lr": self.min_lr,
-        }
 
     def _improved(self, metric: float) -> bool:
         """Relative-threshold improvement test, exactly as torch's ReduceLROnPlateau (threshold_mode 'rel')."""
@@ -264,16 +244,6 @@ class GradualSchedule(Schedule):
             raise ConfigError("gradual schedule needs at least one warm-up factor and decay_every >= 1")
         self.lr_value, self.warmup_factors = float(lr), factors
         self.decay_start, self.decay_every, self.decay_rate = int(decay_start), int(decay_every), float(decay_rate)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "type": self.name,
-            "lr": self.lr_value,
-            "warmup_factors": list(self.warmup_factors),
-            "decay_start": self.decay_start,
-            "decay_every": self.decay_every,
-            "decay_rate": self.decay_rate,
-        }
 
     def lr(self) -> float:
         if self.epoch < len(self.warmup_factors):
