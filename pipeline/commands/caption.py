@@ -8,17 +8,13 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.captioning.output import FORMATS
+from pipeline.commands.captioner_opts import CaptionerModelOpt, CaptionerOpt, DetectorWeightsOpt, VocabOpt
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 
 #: --num-workers: photo-decoding processes (extractors/photos.py); --precision (pipeline/core/precision.py) applied by
 #: the engine
-CAPTION_EVERYDAY = Everyday(
-    device="caption.device",
-    batch_size="caption.batch_size",
-    precision="caption.precision",
-    num_workers="caption.num_workers",
-)
+CAPTION_EVERYDAY = Everyday.section("caption")
 
 
 def register(app: typer.Typer) -> None:
@@ -30,32 +26,9 @@ def register(app: typer.Typer) -> None:
         photos: Annotated[
             Optional[list[str]], typer.Argument(help="Image files, folders (recursive) or globs.")
         ] = None,
-        model: Annotated[
-            Path,
-            typer.Option(
-                "--model",
-                "-m",
-                help="Captioner checkpoint (.pt), run directory (the best captioner in it), released M2/AoANet .pth, "
-                "or a catalogue name (m2-coco).",
-            ),
-        ] = DEFAULT_RUN,
-        vocab: Annotated[
-            Optional[Path],
-            typer.Option(
-                "--vocab",
-                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name "
-                "(default: found next to --model).",
-            ),
-        ] = None,
-        weights: Annotated[
-            Optional[str],
-            typer.Option(
-                "--weights",
-                "-w",
-                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke "
-                "tests).",
-            ),
-        ] = None,
+        model: CaptionerModelOpt = DEFAULT_RUN,
+        vocab: VocabOpt = None,
+        weights: DetectorWeightsOpt = None,
         output: output_option("Write results: .jsonl, .json or .csv (streamed; a rerun only does the rest).") = None,
         fmt: Annotated[
             Optional[str],
@@ -76,12 +49,7 @@ def register(app: typer.Typer) -> None:
                 "--file-list", help="A text file with one image path per line (relative to the current folder)."
             ),
         ] = None,
-        captioner: Annotated[
-            Optional[str],
-            typer.Option(
-                "--captioner", help="Which captioner of a run folder (e.g. san); default: the best validation CIDEr-D."
-            ),
-        ] = None,
+        captioner: CaptionerOpt = None,
         gallery: Annotated[
             Optional[Path],
             typer.Option(

@@ -15,15 +15,8 @@ from pipeline.core.errors import UsageError
 from pipeline.embedding.embed import embed_file
 from pipeline.embedding.train import train_encoder
 
-ENCODER_EVERYDAY = Everyday(
-    device="sentence_encoder.device",
-    batch_size="sentence_encoder.batch_size",
-    precision="sentence_encoder.precision",
-    num_workers="sentence_encoder.num_workers",
-)
-EMBED_EVERYDAY = Everyday(
-    device="embed.device", batch_size="embed.batch_size", precision="embed.precision", num_workers="embed.num_workers"
-)
+ENCODER_EVERYDAY = Everyday.section("sentence_encoder")
+EMBED_EVERYDAY = Everyday.section("embed")
 
 
 def register(app: typer.Typer) -> None:

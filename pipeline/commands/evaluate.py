@@ -24,6 +24,7 @@ from rich.table import Table
 
 from models.decoding.captions import command_decoding
 from pipeline.captioning.choose import find_checkpoint
+from pipeline.commands.captioner_opts import CaptionerOpt, VocabOpt
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, output_option
 from pipeline.core.console import get_logger, stdout_console
@@ -37,12 +38,7 @@ from pipeline.training.api import evaluate_checkpoint
 log = get_logger("evaluate")
 
 
-EVALUATE_EVERYDAY = Everyday(
-    device="evaluate.device",
-    batch_size="evaluate.batch_size",
-    precision="evaluate.precision",
-    num_workers="evaluate.num_workers",
-)
+EVALUATE_EVERYDAY = Everyday.section("evaluate")
 
 
 def register(app: typer.Typer) -> None:
@@ -70,20 +66,8 @@ def register(app: typer.Typer) -> None:
                 "--retrieval is given.",
             ),
         ] = None,
-        captioner: Annotated[
-            Optional[str],
-            typer.Option(
-                "--captioner", help="Which captioner of a run directory --model (default: the best validation CIDEr-D)."
-            ),
-        ] = None,
-        vocab: Annotated[
-            Optional[Path],
-            typer.Option(
-                "--vocab",
-                help="Released model's vocabulary: M2 vocab.pkl or AoANet infos_*.pkl, file or catalogue name (with "
-                "--model).",
-            ),
-        ] = None,
+        captioner: CaptionerOpt = None,
+        vocab: VocabOpt = None,
         store: Annotated[
             Optional[Path],
             typer.Option(

@@ -65,12 +65,7 @@ def merge_shard_stores(store: Path) -> None:
 
 
 #: --precision: pipeline/core/precision.py (the detector refuses fp16)
-EXTRACT_EVERYDAY = Everyday(
-    device="extract.device",
-    batch_size="extract.batch_size",
-    precision="extract.precision",
-    num_workers="extract.num_workers",
-)
+EXTRACT_EVERYDAY = Everyday.section("extract")
 
 
 def register(app: typer.Typer) -> None:

@@ -110,6 +110,16 @@ class Everyday:
     num_workers: Keys | None = None
     direct: tuple[str, ...] = ()  # everyday options the command reads from ``opts`` itself (no config key)
 
+    @classmethod
+    def section(cls, name: str) -> Everyday:
+        """All four everyday options set the like-named keys of one config section (``name.device``, ...)."""
+        return cls(
+            device=f"{name}.device",
+            batch_size=f"{name}.batch_size",
+            precision=f"{name}.precision",
+            num_workers=f"{name}.num_workers",
+        )
+
     def offered(self) -> tuple[str, ...]:
         """The everyday options this command declares."""
         mapped = tuple(n for n in ("device", "batch_size", "precision", "num_workers") if getattr(self, n) is not None)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands.captioner_opts import CaptionerModelOpt, CaptionerOpt, DetectorWeightsOpt, VocabOpt
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
 from pipeline.serving.settings import settings_from
@@ -20,31 +20,10 @@ def register(app: typer.Typer) -> None:
     @command(app, "serve", everyday=SERVE_EVERYDAY, decoding=True)
     def serve_command(
         opts: CommandOptions,
-        model: Annotated[
-            Path,
-            typer.Option(
-                "--model",
-                "-m",
-                help="Captioner checkpoint (.pt), run directory, released M2/AoANet .pth, or a catalogue name "
-                "(m2-coco).",
-            ),
-        ] = DEFAULT_RUN,
-        vocab: Annotated[
-            Optional[Path], typer.Option("--vocab", help="Released model's vocabulary (as for `caption`).")
-        ] = None,
-        weights: Annotated[
-            Optional[str],
-            typer.Option(
-                "--weights",
-                "-w",
-                help="Detector weights: a file or catalogue name (bua-r101; cli fetch --list), or `random` (smoke "
-                "tests).",
-            ),
-        ] = None,
-        captioner: Annotated[
-            Optional[str],
-            typer.Option("--captioner", help="Which captioner of a run folder (default: the best validation CIDEr-D)."),
-        ] = None,
+        model: CaptionerModelOpt = DEFAULT_RUN,
+        vocab: VocabOpt = None,
+        weights: DetectorWeightsOpt = None,
+        captioner: CaptionerOpt = None,
         host: Annotated[
             Optional[str],
             typer.Option("--host", help="Address to listen on (default serve.host: 127.0.0.1, this machine only)."),

@@ -27,9 +27,7 @@ DETECTOR_EVERYDAY = Everyday(
 
 
 #: eval-detector runs as `extract` does: eval.batch_size images per forward, decoded in eval.num_workers processes
-EVAL_EVERYDAY = Everyday(
-    device="eval.device", batch_size="eval.batch_size", precision="eval.precision", num_workers="eval.num_workers"
-)
+EVAL_EVERYDAY = Everyday.section("eval")
 
 
 #: the stage folder inside the run directory, where the demo keeps its detector too (`caption` looks there)
