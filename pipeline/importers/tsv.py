@@ -32,19 +32,30 @@ from pipeline.importers.formats import Format, register_format
 from pipeline.importers.untrusted import MAX_ROW_BYTES
 
 Record = dict[str, Any]
+Layout = tuple[tuple[str, str, str], ...]
 
-BUTD_COLUMNS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
-OBJ36_COLUMNS = (
-    "img_id",
-    "img_h",
-    "img_w",
-    "objects_id",
-    "objects_conf",
-    "attrs_id",
-    "attrs_conf",
-    "num_boxes",
-    "boxes",
-    "features",
+#: the columns of each format in file order: (column name, record field, how it is stored): ``key`` the image id,
+#: ``int`` a decimal number, ``num_boxes`` the region count K, ``<i8`` / ``<f4`` base64 of one value per region,
+#: ``boxes`` base64 float32 (K, 4), ``features`` base64 float32 (K, D)
+BUTD_LAYOUT: Layout = (
+    ("image_id", "key", "key"),
+    ("image_w", "image_w", "int"),
+    ("image_h", "image_h", "int"),
+    ("num_boxes", "", "num_boxes"),
+    ("boxes", "boxes", "boxes"),
+    ("features", "features", "features"),
+)
+OBJ36_LAYOUT: Layout = (
+    ("img_id", "key", "key"),
+    ("img_h", "image_h", "int"),
+    ("img_w", "image_w", "int"),
+    ("objects_id", "class_ids", "<i8"),
+    ("objects_conf", "class_scores", "<f4"),
+    ("attrs_id", "attr_ids", "<i8"),
+    ("attrs_conf", "attr_scores", "<f4"),
+    ("num_boxes", "", "num_boxes"),
+    ("boxes", "boxes", "boxes"),
+    ("features", "features", "features"),
 )
 COCO_STEM = re.compile(r"^COCO_[a-z]+\d{4}_0*(\d+)$")
 
@@ -140,32 +151,30 @@ def _row_header(fields: list[bytes], columns: tuple[str, ...], layout: str, wher
     return key, k, f"{where} (image {key_to_text(key)})"
 
 
+def _decode_row(layout: Layout, name: str, fields: list[bytes], where: str, keys: str) -> Record:
+    """One row of ``layout`` (the format called ``name`` in errors) -> record, fields in file order."""
+    raw, k, where = _row_header(fields, tuple(column for column, _, _ in layout), name, where)
+    rec: Record = {"key": coco_key(raw) if keys == "coco-id" else raw}
+    for text, (column, field, stored) in zip(fields, layout):
+        if stored == "int":
+            rec[field] = _int(text, column, where)
+        elif stored == "boxes":
+            rec[field] = _array(text, "<f4", k * 4, column, where).reshape(k, 4)
+        elif stored == "features":
+            rec[field] = _features(text, k, where)
+        elif stored.startswith("<"):
+            rec[field] = _array(text, stored, k, column, where)
+    return rec
+
+
 def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
-    key, k, where = _row_header(fields, BUTD_COLUMNS, "BUTD TSV", where)
-    return {
-        "key": coco_key(key) if keys == "coco-id" else key,
-        "image_w": _int(fields[1], "image_w", where),
-        "image_h": _int(fields[2], "image_h", where),
-        "boxes": _array(fields[4], "<f4", k * 4, "boxes", where).reshape(k, 4),
-        "features": _features(fields[5], k, where),
-    }
+    return _decode_row(BUTD_LAYOUT, "BUTD TSV", fields, where, keys)
 
 
 def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
-    raw, k, where = _row_header(fields, OBJ36_COLUMNS, "obj36 TSV", where)
-    return {
-        "key": coco_key(raw) if keys == "coco-id" else raw,
-        "image_h": _int(fields[1], "img_h", where),
-        "image_w": _int(fields[2], "img_w", where),
-        "class_ids": _array(fields[3], "<i8", k, "objects_id", where),
-        "class_scores": _array(fields[4], "<f4", k, "objects_conf", where),
-        "attr_ids": _array(fields[5], "<i8", k, "attrs_id", where),
-        "attr_scores": _array(fields[6], "<f4", k, "attrs_conf", where),
-        "boxes": _array(fields[8], "<f4", k * 4, "boxes", where).reshape(k, 4),
-        "features": _features(fields[9], k, where),
-    }
+    return _decode_row(OBJ36_LAYOUT, "obj36 TSV", fields, where, keys)
 
 
 def _decode_keys(
@@ -193,47 +202,36 @@ def _b64(arr: np.ndarray, dtype: str) -> bytes:
     return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes())
 
 
-def encode_butd(rec: Record) -> bytes:
+def _encode_row(layout: Layout, fmt: str, rec: Record) -> bytes:
+    """A record -> one ``\\r\\n``-terminated row of ``layout`` (the format ``fmt``); the per-region fields the
+    format needs must be in the record."""
+    for _, field, stored in layout:
+        if stored.startswith("<") and field not in rec:
+            raise PipelineError(
+                f"image {key_to_text(rec['key'])}: the store has no {field}, which the {fmt} format needs"
+            )
     feats = np.asarray(rec["features"])
-    return (
-        b"\t".join(
-            [
-                _key_field(rec["key"]),
-                str(rec["image_w"]).encode(),
-                str(rec["image_h"]).encode(),
-                str(len(feats)).encode(),
-                _b64(rec["boxes"], "<f4"),
-                _b64(feats, "<f4"),
-            ]
-        )
-        + b"\r\n"
-    )
+    cells = []
+    for _, field, stored in layout:
+        if stored == "key":
+            cells.append(_key_field(rec["key"]))
+        elif stored == "int":
+            cells.append(str(rec[field]).encode())
+        elif stored == "num_boxes":
+            cells.append(str(len(feats)).encode())
+        elif stored == "features":
+            cells.append(_b64(feats, "<f4"))
+        else:
+            cells.append(_b64(rec[field], "<f4" if stored == "boxes" else stored))
+    return b"\t".join(cells) + b"\r\n"
+
+
+def encode_butd(rec: Record) -> bytes:
+    return _encode_row(BUTD_LAYOUT, "butd", rec)
 
 
 def encode_obj36(rec: Record) -> bytes:
-    for name in ("class_ids", "class_scores", "attr_ids", "attr_scores"):
-        if name not in rec:
-            raise PipelineError(
-                f"image {key_to_text(rec['key'])}: the store has no {name}, which the obj36 format needs"
-            )
-    feats = np.asarray(rec["features"])
-    return (
-        b"\t".join(
-            [
-                _key_field(rec["key"]),
-                str(rec["image_h"]).encode(),
-                str(rec["image_w"]).encode(),
-                _b64(rec["class_ids"], "<i8"),
-                _b64(rec["class_scores"], "<f4"),
-                _b64(rec["attr_ids"], "<i8"),
-                _b64(rec["attr_scores"], "<f4"),
-                str(len(feats)).encode(),
-                _b64(rec["boxes"], "<f4"),
-                _b64(feats, "<f4"),
-            ]
-        )
-        + b"\r\n"
-    )
+    return _encode_row(OBJ36_LAYOUT, "obj36", rec)
 
 
 def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
