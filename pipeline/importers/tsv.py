@@ -32,31 +32,38 @@ from pipeline.importers.formats import Format, register_format
 from pipeline.importers.untrusted import MAX_ROW_BYTES
 
 Record = dict[str, Any]
-Layout = tuple[tuple[str, str, str], ...]
 
-#: the columns of each format in file order: (column name, record field, how it is stored): ``key`` the image id,
-#: ``int`` a decimal number, ``num_boxes`` the region count K, ``<i8`` / ``<f4`` base64 of one value per region,
-#: ``boxes`` base64 float32 (K, 4), ``features`` base64 float32 (K, D)
-BUTD_LAYOUT: Layout = (
-    ("image_id", "key", "key"),
-    ("image_w", "image_w", "int"),
-    ("image_h", "image_h", "int"),
-    ("num_boxes", "", "num_boxes"),
-    ("boxes", "boxes", "boxes"),
-    ("features", "features", "features"),
+BUTD_COLUMNS = ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")
+OBJ36_COLUMNS = (
+    "img_id",
+    "img_h",
+    "img_w",
+    "objects_id",
+    "objects_conf",
+    "attrs_id",
+    "attrs_conf",
+    "num_boxes",
+    "boxes",
+    "features",
 )
-OBJ36_LAYOUT: Layout = (
-    ("img_id", "key", "key"),
-    ("img_h", "image_h", "int"),
-    ("img_w", "image_w", "int"),
-    ("objects_id", "class_ids", "<i8"),
-    ("objects_conf", "class_scores", "<f4"),
-    ("attrs_id", "attr_ids", "<i8"),
-    ("attrs_conf", "attr_scores", "<f4"),
-    ("num_boxes", "", "num_boxes"),
-    ("boxes", "boxes", "boxes"),
-    ("features", "features", "features"),
-)
+#: column -> (the record field it holds, how it is stored): ``key`` the image id, ``int`` a decimal number,
+#: ``num_boxes`` the region count K, ``<i8`` / ``<f4`` base64 of one value per region, ``boxes`` base64 float32
+#: (K, 4), ``features`` base64 float32 (K, D)
+COLUMN_FIELDS = {
+    "image_id": ("key", "key"),
+    "img_id": ("key", "key"),
+    "image_w": ("image_w", "int"),
+    "img_w": ("image_w", "int"),
+    "image_h": ("image_h", "int"),
+    "img_h": ("image_h", "int"),
+    "objects_id": ("class_ids", "<i8"),
+    "objects_conf": ("class_scores", "<f4"),
+    "attrs_id": ("attr_ids", "<i8"),
+    "attrs_conf": ("attr_scores", "<f4"),
+    "num_boxes": ("", "num_boxes"),
+    "boxes": ("boxes", "boxes"),
+    "features": ("features", "features"),
+}
 COCO_STEM = re.compile(r"^COCO_[a-z]+\d{4}_0*(\d+)$")
 
 
@@ -151,11 +158,12 @@ def _row_header(fields: list[bytes], columns: tuple[str, ...], layout: str, wher
     return key, k, f"{where} (image {key_to_text(key)})"
 
 
-def _decode_row(layout: Layout, name: str, fields: list[bytes], where: str, keys: str) -> Record:
-    """One row of ``layout`` (the format called ``name`` in errors) -> record, fields in file order."""
-    raw, k, where = _row_header(fields, tuple(column for column, _, _ in layout), name, where)
+def _decode_row(columns: tuple[str, ...], layout: str, fields: list[bytes], where: str, keys: str) -> Record:
+    """One row laid out as ``columns`` (the format called ``layout`` in errors) -> record, fields in file order."""
+    raw, k, where = _row_header(fields, columns, layout, where)
     rec: Record = {"key": coco_key(raw) if keys == "coco-id" else raw}
-    for text, (column, field, stored) in zip(fields, layout):
+    for text, column in zip(fields, columns):
+        field, stored = COLUMN_FIELDS[column]
         if stored == "int":
             rec[field] = _int(text, column, where)
         elif stored == "boxes":
@@ -169,12 +177,12 @@ def _decode_row(layout: Layout, name: str, fields: list[bytes], where: str, keys
 
 def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
-    return _decode_row(BUTD_LAYOUT, "BUTD TSV", fields, where, keys)
+    return _decode_row(BUTD_COLUMNS, "BUTD TSV", fields, where, keys)
 
 
 def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
-    return _decode_row(OBJ36_LAYOUT, "obj36 TSV", fields, where, keys)
+    return _decode_row(OBJ36_COLUMNS, "obj36 TSV", fields, where, keys)
 
 
 def _decode_keys(
@@ -202,17 +210,17 @@ def _b64(arr: np.ndarray, dtype: str) -> bytes:
     return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes())
 
 
-def _encode_row(layout: Layout, fmt: str, rec: Record) -> bytes:
-    """A record -> one ``\\r\\n``-terminated row of ``layout`` (the format ``fmt``); the per-region fields the
-    format needs must be in the record."""
-    for _, field, stored in layout:
+def _encode_row(columns: tuple[str, ...], fmt: str, rec: Record) -> bytes:
+    """A record -> one ``\\r\\n``-terminated row laid out as ``columns`` (the format ``fmt``); the per-region fields
+    the format needs must be in the record."""
+    for field, stored in (COLUMN_FIELDS[column] for column in columns):
         if stored.startswith("<") and field not in rec:
             raise PipelineError(
                 f"image {key_to_text(rec['key'])}: the store has no {field}, which the {fmt} format needs"
             )
     feats = np.asarray(rec["features"])
     cells = []
-    for _, field, stored in layout:
+    for field, stored in (COLUMN_FIELDS[column] for column in columns):
         if stored == "key":
             cells.append(_key_field(rec["key"]))
         elif stored == "int":
@@ -227,11 +235,11 @@ def _encode_row(layout: Layout, fmt: str, rec: Record) -> bytes:
 
 
 def encode_butd(rec: Record) -> bytes:
-    return _encode_row(BUTD_LAYOUT, "butd", rec)
+    return _encode_row(BUTD_COLUMNS, "butd", rec)
 
 
 def encode_obj36(rec: Record) -> bytes:
-    return _encode_row(OBJ36_LAYOUT, "obj36", rec)
+    return _encode_row(OBJ36_COLUMNS, "obj36", rec)
 
 
 def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
@@ -244,25 +252,20 @@ def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
     return n
 
 
-register_format(
-    Format(
-        "butd-tsv",
-        tsv_reader(decode_butd),
-        "raw",
-        False,
-        partial(write_tsv, fmt="butd"),
-        help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes",
-        release="caffe",  # peteanderson80/bottom-up-attention tools/generate_tsv.py
+# both from the Caffe model: peteanderson80/bottom-up-attention tools/generate_tsv.py, and LXMERT's obj36 files
+# (airsplay/lxmert extract_coco_image.py)
+for fmt, decode, default_keys, help_line in (
+    ("butd", decode_butd, "raw", "original bottom-up TSV, trainval_36 or adaptive 10-100 boxes"),
+    ("obj36", decode_obj36, "coco-id", "LXMERT obj36 TSV, with object and attribute ids"),
+):
+    register_format(
+        Format(
+            f"{fmt}-tsv",
+            tsv_reader(decode),
+            default_keys,
+            False,
+            partial(write_tsv, fmt=fmt),
+            help=help_line,
+            release="caffe",
+        )
     )
-)
-register_format(
-    Format(
-        "obj36-tsv",
-        tsv_reader(decode_obj36),
-        "coco-id",
-        False,
-        partial(write_tsv, fmt="obj36"),
-        help="LXMERT obj36 TSV, with object and attribute ids",
-        release="caffe",  # LXMERT's from the Caffe model (airsplay/lxmert extract_coco_image.py)
-    )
-)
