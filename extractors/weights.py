@@ -18,9 +18,9 @@ Layouts (docs/extractor.md#weights-layouts; key paths are detectron2 module path
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
-files, whose exact contents their authors do not document); the first mismatch is reported in one line naming
-the file and the key. Pickles are read with :class:`RestrictedUnpickler` (numpy arrays and plain containers only);
-torch files with
+files, whose exact contents their authors do not document); the first mismatch (:func:`strict_mismatch`, which
+the CLIP loader uses too) is reported in one line naming the file and the key. Pickles are read with
+:class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
 ``torch.load(weights_only=True)``. What a file declares is bounded before it is allocated: the archive and its
 tensors against the file's bytes (:mod:`pipeline.core.tensor_bounds`), the architecture against limits
 (:mod:`extractors.weight_bounds`); docs/extractor.md#bounds-on-weights-files.
