@@ -19,11 +19,10 @@ the values. CPU default: 2 photos (the R-101 at 300/500, 100 proposals, as in ``
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from bench.harness import Case
 from bench.tiny import tiny_caffe_r101
-from bench.vinvl import _runner, _setup, _shared
+from bench.vinvl import _runner, _setup, _shared, _sync, _workload
 from extractors.clip import PRESETS, ClipRecipe, extract, extract_batch
 from extractors.clip.random_weights import random_encoder
 from extractors.spec import caffe_r101
@@ -48,15 +47,10 @@ def _grids_agree(ours, theirs) -> float:
 
 
 def cases(size: str, device: str = "cpu") -> list[Case]:
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    images, short, long, props = (
-        (2, 200, 333, 20) if size == "tiny" else (16, 600, 1000, 300) if cuda else (2, 300, 500, 100)
-    )
-    rng = np.random.default_rng(0)  # bench.vinvl's photos
-    photos = [rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(images)]
+    dev, photos, short, long, props = _workload(size, device)  # bench.vinvl's photos and detector scale
+    images, cuda = len(photos), dev.type == "cuda"
     recipe = ClipRecipe("clip-vil", 448)
-    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    sync = _sync(dev)
     common = dict(sync=sync, per_call=float(images), unit="s/img")
     work = f"{images} photos 480x640 at 448x448 (clip-vil), batch {images}"
     found, batched = [], {}

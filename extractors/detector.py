@@ -10,7 +10,8 @@ A detector is built from a :class:`~extractors.spec.BottomUpSpec`, runs frozen a
 * :meth:`Detector.fold_batchnorm` - the frozen batch norms folded into their convolutions (same function).
 
 :class:`~extractors.bottom_up.BottomUpDetector`, :class:`~extractors.vinvl.VinVLDetector` and
-:class:`~extractors.grid.GridFeatsModel` subclass it.
+:class:`~extractors.grid.GridFeatsModel` subclass it; the VinVL and grid-feats detectors build their backbone from
+the spec with :func:`spec_backbone`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from extractors.preprocess import Frame
-from extractors.resnet_caffe import fold_all
+from extractors.resnet_caffe import ResNetC4, fold_all
 from extractors.spec import BottomUpSpec
 from pipeline.core.regions import RegionRecord
 
@@ -79,3 +80,18 @@ class Detector(nn.Module):
         """Regions of a batch of blobs (3, H', W') with their :class:`Frame`; ``selector``
         (:func:`extractors.selector.make_selector`) chooses them and puts their boxes in original pixels."""
         raise NotImplementedError
+
+
+def spec_backbone(spec: BottomUpSpec, stage_blocks: tuple[int, ...]) -> ResNetC4:
+    """The stem and ``stage_blocks`` stages of the spec's ResNet / ResNeXt: widths, BN eps, groups, the stride on
+    the 1x1 or the 3x3 conv and the stem's pooling as the spec says."""
+    return ResNetC4(
+        stage_blocks,
+        spec.stem_channels,
+        spec.res2_bottleneck,
+        spec.expansion,
+        spec.bn_eps,
+        groups=spec.groups,
+        stride_in_1x1=spec.stride_in_1x1,
+        stem_pool=spec.stem_pool,
+    )

@@ -27,11 +27,11 @@ from torch import nn
 from torchvision.ops import deform_conv2d
 
 from extractors import layouts
-from extractors.detector import Detector
+from extractors.detector import Detector, spec_backbone
 from extractors.layouts import _err, _stage_blocks
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
-from extractors.resnet_caffe import ConvNorm, ResNetC4
+from extractors.resnet_caffe import ConvNorm
 from extractors.selector import SELECTORS, Selector, to_original
 from extractors.spec import VINVL_PIXEL_MEANS_BGR, BottomUpSpec
 from extractors.weight_bounds import check_spec, dims, groups_of
@@ -45,16 +45,7 @@ class GridFeatsModel(Detector):
 
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__(spec)
-        self.backbone = ResNetC4(
-            tuple(spec.stage_blocks) + (spec.res5_blocks,),
-            spec.stem_channels,
-            spec.res2_bottleneck,
-            spec.expansion,
-            spec.bn_eps,
-            groups=spec.groups,
-            stride_in_1x1=spec.stride_in_1x1,
-            stem_pool=spec.stem_pool,
-        )
+        self.backbone = spec_backbone(spec, tuple(spec.stage_blocks) + (spec.res5_blocks,))
         for s in spec.deform_stages:  # detectron2 DeformBottleneckBlock: conv2_offset (18 channels, bias) beside conv2
             for block in getattr(self.backbone, f"res{s}"):
                 width = block.conv2.weight.shape[0]

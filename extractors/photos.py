@@ -35,7 +35,13 @@ from extractors.preprocess import Frame, ImageLoadError, load_rgb, recipe_blob
 from pipeline.core import threads as thread_policy
 from pipeline.core.console import get_logger
 from pipeline.core.errors import Failure, PipelineError, exception_line
-from pipeline.core.loaders import SHM_HINT, is_worker_failure, loader_timeout, share_in_worker, worker_failure_line
+from pipeline.core.loaders import (
+    SHM_HINT,
+    UntilWorkerFailure,
+    loader_timeout,
+    share_in_worker,
+    worker_failure_line,
+)
 from pipeline.core.precision import autocast
 
 log = get_logger("photos")
@@ -185,24 +191,8 @@ def _bounded(loader: DataLoader, dataset: Dataset, batch_size: int) -> Iterator[
     decoded again here; a dead or stuck worker ends the workers and the rest is decoded in this process. Each
     says once, in one line, why and what to do."""
     done, warned = 0, False
-    it = iter(loader)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        except RuntimeError as exc:
-            if not is_worker_failure(exc):
-                raise
-            del it  # shuts the workers down
-            log.warning(
-                "%s; decoding the remaining %d photos in this process",
-                worker_failure_line(exc, "the photo-decoding workers"),
-                len(dataset) - done,
-            )  # type: ignore[arg-type]
-            for lo in range(done, len(dataset), batch_size):  # type: ignore[arg-type]
-                yield [dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))]  # type: ignore[arg-type]
-            return
+    batches = UntilWorkerFailure(loader)
+    for batch in batches:
         redo = [k for k, p in enumerate(batch) if getattr(p, "handover", None) is not None]
         if redo:
             if not warned:
@@ -216,6 +206,14 @@ def _bounded(loader: DataLoader, dataset: Dataset, batch_size: int) -> Iterator[
                 batch[k] = dataset[batch[k].index]
         done += len(batch)
         yield batch
+    if batches.failure is not None:
+        log.warning(
+            "%s; decoding the remaining %d photos in this process",
+            worker_failure_line(batches.failure, "the photo-decoding workers"),
+            len(dataset) - done,
+        )  # type: ignore[arg-type]
+        for lo in range(done, len(dataset), batch_size):  # type: ignore[arg-type]
+            yield [dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))]  # type: ignore[arg-type]
 
 
 def _clip_given(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:

@@ -31,10 +31,10 @@ from torch import nn
 from torchvision.ops import roi_align
 
 from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
-from extractors.detector import Detector
+from extractors.detector import Detector, spec_backbone
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
-from extractors.resnet_caffe import ResNetC4, make_res5
+from extractors.resnet_caffe import make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
@@ -84,16 +84,7 @@ class VinVLDetector(Detector):
 
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__(spec)
-        self.backbone = ResNetC4(
-            spec.stage_blocks,
-            spec.stem_channels,
-            spec.res2_bottleneck,
-            spec.expansion,
-            spec.bn_eps,
-            groups=spec.groups,
-            stride_in_1x1=spec.stride_in_1x1,
-            stem_pool=spec.stem_pool,
-        )
+        self.backbone = spec_backbone(spec, spec.stage_blocks)
         self.proposal_generator = nn.Module()
         self.proposal_generator.anchor_generator = AnchorGenerator(spec)
         self.proposal_generator.rpn_head = RPNHead(

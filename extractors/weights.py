@@ -18,9 +18,9 @@ Layouts (docs/extractor.md#weights-layouts; key paths are detectron2 module path
 
 Loading is strict: every key of the layout must be present with the expected shape and nothing else may be
 there (only ``cell_anchors.0`` and the ``num_batches_tracked`` counters may be absent from MILVLG / airsplay
-files, whose exact contents their authors do not document); the first mismatch is reported in one line naming
-the file and the key. Pickles are read with :class:`RestrictedUnpickler` (numpy arrays and plain containers only);
-torch files with
+files, whose exact contents their authors do not document); the first mismatch (:func:`strict_mismatch`, which
+the CLIP loader uses too) is reported in one line naming the file and the key. Pickles are read with
+:class:`RestrictedUnpickler` (numpy arrays and plain containers only); torch files with
 ``torch.load(weights_only=True)``. What a file declares is bounded before it is allocated: the archive and its
 tensors against the file's bytes (:mod:`pipeline.core.tensor_bounds`), the architecture against limits
 (:mod:`extractors.weight_bounds`); docs/extractor.md#bounds-on-weights-files.
@@ -34,7 +34,7 @@ import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ D2_RENAMES = (
     ("roi_heads.box_predictor.attr_linear1.", "roi_heads.box_predictor.fc_attr."),
     ("roi_heads.box_predictor.attr_linear2.", "roi_heads.box_predictor.attr_score."),
 )
+D2_RENAMES_BACK = tuple((new, old) for old, new in D2_RENAMES)
 ANCHOR_KEY = "proposal_generator.anchor_generator.cell_anchors.0"
 NBT = "num_batches_tracked"
 
@@ -128,21 +129,24 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _renamed(key: str, layout: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """``key`` with the first matching ``(old prefix, new prefix)`` of ``renames`` applied in the detectron2
+    layouts (airsplay, hf); unchanged in the others."""
+    if layout in ("airsplay", "hf"):
+        for old, new in renames:
+            if key.startswith(old):
+                return new + key[len(old) :]
+    return key
+
+
 def to_layout_key(key: str, layout: str) -> str:
     """Internal (MILVLG) key -> the key name in ``layout``."""
-    if layout in ("airsplay", "hf"):
-        for a, b in D2_RENAMES:
-            if key.startswith(a):
-                return b + key[len(a) :]
-    return key
+    return _renamed(key, layout, D2_RENAMES)
 
 
 def from_layout_key(key: str, layout: str) -> str:
-    if layout in ("airsplay", "hf"):
-        for a, b in D2_RENAMES:
-            if key.startswith(b):
-                return a + key[len(b) :]
-    return key
+    """The key name in ``layout`` -> the internal (MILVLG) key."""
+    return _renamed(key, layout, D2_RENAMES_BACK)
 
 
 def internal_shapes(spec: BottomUpSpec) -> "OrderedDict[str, tuple[int, ...]]":
@@ -338,22 +342,33 @@ def spec_from_meta(meta: Mapping[str, Any], path: str | Path = "?") -> BottomUpS
     return check_spec(spec, path, "butd")
 
 
+def strict_mismatch(
+    sd: Mapping[str, torch.Tensor],
+    table: Mapping[str, tuple[int, ...]],
+    optional: Callable[[str], bool],
+    name: Callable[[str], str] = str,
+) -> str | None:
+    """The first difference between a state dict and ``table`` (key -> expected shape), as ``missing key 'K'``,
+    ``key 'K' has shape [..], expected [..]`` or ``unexpected key 'K'`` (``name`` spells a key as the file does);
+    None when they agree. A key of ``table`` for which ``optional`` holds may be absent."""
+    for key, shape in table.items():
+        if key not in sd:
+            if optional(key):
+                continue
+            return f"missing key '{name(key)}'"
+        got = tuple(sd[key].shape)
+        if got != shape:
+            return f"key '{name(key)}' has shape {list(got)}, expected {list(shape)}"
+    extra = next((k for k in sd if k not in table), None)
+    return None if extra is None else f"unexpected key '{name(extra)}'"
+
+
 def check_strict(path: str | Path, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -> None:
     """Raise :class:`WeightsError` naming the first missing / unexpected / mis-shaped key."""
     table, optional = expected_table(layout, spec)
-    for key, shp in table.items():
-        if key not in sd:
-            if key in optional:
-                continue
-            raise WeightsError(f"weights file {path} ({layout}): missing key '{key}'")
-        got = tuple(sd[key].shape)
-        if got != shp:
-            raise WeightsError(
-                f"weights file {path} ({layout}): key '{key}' has shape {list(got)}, expected {list(shp)}"
-            )
-    for key in sd:
-        if key not in table:
-            raise WeightsError(f"weights file {path} ({layout}): unexpected key '{key}'")
+    mismatch = strict_mismatch(sd, table, optional.__contains__)
+    if mismatch is not None:
+        raise WeightsError(f"weights file {path} ({layout}): {mismatch}")
 
 
 def to_internal(layout: str, sd: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from extractors.clip.model import ACTIVATIONS, ClipVisionConfig, ConfigError, build, expected_shapes, infer_config
+from extractors.weights import strict_mismatch
 from pipeline.core.errors import PipelineError
 from pipeline.core.fileio import read_json
 from pipeline.core.tensor_bounds import BoundsError, check_archive, check_tensors
@@ -393,20 +394,9 @@ def check_strict(path: Path, layout: str, sd: Mapping[str, torch.Tensor], cfg: C
     """Every key of ``cfg``'s encoder present with its shape, nothing else (BatchNorm's ``num_batches_tracked``
     may be absent: it does not enter the forward pass)."""
     name = _hf_name if layout == "hf" else (lambda k: f"visual.{k}")
-    table = expected_shapes(cfg)
-    for key, shape in table.items():
-        if key not in sd:
-            if key.endswith("num_batches_tracked"):
-                continue
-            raise ClipWeightsError(f"{path} ({layout}): missing key '{name(key)}'")
-        got = tuple(sd[key].shape)
-        if got != shape:
-            raise ClipWeightsError(
-                f"{path} ({layout}): key '{name(key)}' has shape {list(got)}, expected {list(shape)}"
-            )
-    extra = next((k for k in sd if k not in table), None)
-    if extra is not None:
-        raise ClipWeightsError(f"{path} ({layout}): unexpected key '{name(extra)}'")
+    mismatch = strict_mismatch(sd, expected_shapes(cfg), lambda k: k.endswith("num_batches_tracked"), name)
+    if mismatch is not None:
+        raise ClipWeightsError(f"{path} ({layout}): {mismatch}")
 
 
 def companion_activation(path: Path, layout: str) -> tuple[str, str] | None:

@@ -18,6 +18,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -101,33 +102,30 @@ def progress_enabled() -> bool:
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 
 
-def make_progress() -> Progress:
-    """A rich Progress on stderr; disabled (no output) when :func:`progress_enabled` is false."""
+def _stderr_progress(*counts: ProgressColumn) -> Progress:
+    """A rich Progress on stderr: the description, the bar, ``counts``, the time left; disabled (no output) when
+    :func:`progress_enabled` is false."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
+        *counts,
         TimeRemainingColumn(),
         console=stderr_console(),
         disable=not progress_enabled(),
         transient=False,
     )
+
+
+def make_progress() -> Progress:
+    """A rich Progress on stderr (items done of total, time elapsed, time left); disabled (no output) when
+    :func:`progress_enabled` is false."""
+    return _stderr_progress(MofNCompleteColumn(), TimeElapsedColumn())
 
 
 def make_download_progress() -> Progress:
     """A rich Progress for byte transfers (bytes done of total, speed, time left); the same rules as
     :func:`make_progress`."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=stderr_console(),
-        disable=not progress_enabled(),
-        transient=False,
-    )
+    return _stderr_progress(DownloadColumn(), TransferSpeedColumn())
 
 
 def track(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from pipeline.core.errors import UsageError
 
@@ -29,6 +31,7 @@ TERMINAL_RANGE = {"COLUMNS": (20, 1000), "LINES": (5, 1000)}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 _warned: set[tuple[str, str]] = set()
+N = TypeVar("N", int, float)
 
 
 def _warn(name: str, raw: str, expected: str, instead: str) -> None:
@@ -43,19 +46,27 @@ def _warn(name: str, raw: str, expected: str, instead: str) -> None:
     log.warning("environment variable %s=%r is not %s; %s", name, shown, expected, instead)
 
 
+def _number(name: str, parse: Callable[[str], N]) -> tuple[str, N | None]:
+    """``$name`` stripped, and the number ``parse`` reads in it (None when blank or when ``parse`` raises
+    ValueError)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return raw, None
+    try:
+        return raw, parse(raw)
+    except ValueError:
+        return raw, None
+
+
 def setting_int(
     name: str, default: int | None, low: int, high: int, instead: str | None = None, list_form: bool = False
 ) -> int | None:
     """The whole number ``low..high`` in ``$name``; ``default`` when unset or blank, and when odd (with a warning
     that says ``instead``, or "using <default>"). ``list_form``: the first of comma-separated entries counts
     (OpenMP's ``OMP_NUM_THREADS=4,2``)."""
-    raw = os.environ.get(name, "").strip()
+    raw, value = _number(name, lambda text: int(text.split(",")[0] if list_form else text))
     if not raw:
         return default
-    try:
-        value = int(raw.split(",")[0] if list_form else raw)
-    except ValueError:
-        value = None
     if value is None or not low <= value <= high:
         _warn(name, raw, f"a whole number from {low} to {high}", instead or f"using {default}")
         return default
@@ -64,14 +75,10 @@ def setting_int(
 
 def setting_float(name: str, default: float, high: float = 1e9) -> float:
     """The finite positive number (at most ``high``) in ``$name``; ``default`` when unset, blank or odd (warned)."""
-    raw = os.environ.get(name, "").strip()
+    raw, value = _number(name, float)
     if not raw:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= high):
+    if value is None or not (math.isfinite(value) and 0 < value <= high):
         _warn(name, raw, f"a positive number of at most {high:g}", f"using {default:g}")
         return default
     return value
@@ -91,13 +98,9 @@ def setting_flag(name: str) -> bool:
 def launcher_int(name: str, default: int, low: int = 0) -> int:
     """A number torchrun sets (``RANK``, ``WORLD_SIZE``, ...): ``default`` when unset or blank; a value that is not a
     whole number of at least ``low`` is a :class:`UsageError` (no default can replace a process's rank)."""
-    raw = os.environ.get(name, "").strip()
+    raw, value = _number(name, int)
     if not raw:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
     if value is None or value < low:
         raise UsageError(
             f"environment variable {name}={raw[:40]!r} must be a whole number of at least {low} "

@@ -17,7 +17,7 @@ Three ways a worker can leave the loop waiting, and what each loop does about it
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch.utils.data import get_worker_info
 
@@ -85,19 +85,37 @@ def is_worker_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("DataLoader" in text or "worker" in text.lower())
 
 
+class UntilWorkerFailure(Generic[T]):
+    """Iterates a DataLoader to its end or to the first failure of its workers (:func:`is_worker_failure`): that
+    ends the iteration, drops the loader's iterator (which shuts the workers down) and is kept in :attr:`failure`.
+    Any other error propagates."""
+
+    def __init__(self, batches: Iterable[T]) -> None:
+        self.batches = batches
+        self.failure: RuntimeError | None = None
+
+    def __iter__(self) -> Iterator[T]:
+        it = iter(self.batches)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if not is_worker_failure(exc):
+                    raise
+                del it  # shuts the workers down
+                self.failure = exc
+                return
+            yield batch
+
+
 def guarded(batches: Iterable[T], what: str = "the DataLoader workers") -> Iterator[T]:
     """Iterate a DataLoader; a dead or stuck worker becomes one :class:`PipelineError` line (see the module)."""
-    it = iter(batches)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        except RuntimeError as exc:
-            if not is_worker_failure(exc):
-                raise
-            raise PipelineError(worker_failure_line(exc, what)) from None
-        yield batch
+    until = UntilWorkerFailure(batches)
+    yield from until
+    if until.failure is not None:
+        raise PipelineError(worker_failure_line(until.failure, what))
 
 
 def share_in_worker(tensors: Iterable[Any]) -> str | None:

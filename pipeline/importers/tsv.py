@@ -46,6 +46,24 @@ OBJ36_COLUMNS = (
     "boxes",
     "features",
 )
+#: column -> (the record field it holds, how it is stored): ``key`` the image id, ``int`` a decimal number,
+#: ``num_boxes`` the region count K, ``<i8`` / ``<f4`` base64 of one value per region, ``boxes`` base64 float32
+#: (K, 4), ``features`` base64 float32 (K, D)
+COLUMN_FIELDS = {
+    "image_id": ("key", "key"),
+    "img_id": ("key", "key"),
+    "image_w": ("image_w", "int"),
+    "img_w": ("image_w", "int"),
+    "image_h": ("image_h", "int"),
+    "img_h": ("image_h", "int"),
+    "objects_id": ("class_ids", "<i8"),
+    "objects_conf": ("class_scores", "<f4"),
+    "attrs_id": ("attr_ids", "<i8"),
+    "attrs_conf": ("attr_scores", "<f4"),
+    "num_boxes": ("", "num_boxes"),
+    "boxes": ("boxes", "boxes"),
+    "features": ("features", "features"),
+}
 COCO_STEM = re.compile(r"^COCO_[a-z]+\d{4}_0*(\d+)$")
 
 
@@ -140,32 +158,31 @@ def _row_header(fields: list[bytes], columns: tuple[str, ...], layout: str, wher
     return key, k, f"{where} (image {key_to_text(key)})"
 
 
+def _decode_row(columns: tuple[str, ...], layout: str, fields: list[bytes], where: str, keys: str) -> Record:
+    """One row laid out as ``columns`` (the format called ``layout`` in errors) -> record, fields in file order."""
+    raw, k, where = _row_header(fields, columns, layout, where)
+    rec: Record = {"key": coco_key(raw) if keys == "coco-id" else raw}
+    for text, column in zip(fields, columns):
+        field, stored = COLUMN_FIELDS[column]
+        if stored == "int":
+            rec[field] = _int(text, column, where)
+        elif stored == "boxes":
+            rec[field] = _array(text, "<f4", k * 4, column, where).reshape(k, 4)
+        elif stored == "features":
+            rec[field] = _features(text, k, where)
+        elif stored.startswith("<"):
+            rec[field] = _array(text, stored, k, column, where)
+    return rec
+
+
 def decode_butd(fields: list[bytes], where: str, keys: str = "raw") -> Record:
     """One original BUTD row -> record (float32 arrays as stored in the file)."""
-    key, k, where = _row_header(fields, BUTD_COLUMNS, "BUTD TSV", where)
-    return {
-        "key": coco_key(key) if keys == "coco-id" else key,
-        "image_w": _int(fields[1], "image_w", where),
-        "image_h": _int(fields[2], "image_h", where),
-        "boxes": _array(fields[4], "<f4", k * 4, "boxes", where).reshape(k, 4),
-        "features": _features(fields[5], k, where),
-    }
+    return _decode_row(BUTD_COLUMNS, "BUTD TSV", fields, where, keys)
 
 
 def decode_obj36(fields: list[bytes], where: str, keys: str = "coco-id") -> Record:
     """One LXMERT obj36 row -> record with class and attribute ids/confidences."""
-    raw, k, where = _row_header(fields, OBJ36_COLUMNS, "obj36 TSV", where)
-    return {
-        "key": coco_key(raw) if keys == "coco-id" else raw,
-        "image_h": _int(fields[1], "img_h", where),
-        "image_w": _int(fields[2], "img_w", where),
-        "class_ids": _array(fields[3], "<i8", k, "objects_id", where),
-        "class_scores": _array(fields[4], "<f4", k, "objects_conf", where),
-        "attr_ids": _array(fields[5], "<i8", k, "attrs_id", where),
-        "attr_scores": _array(fields[6], "<f4", k, "attrs_conf", where),
-        "boxes": _array(fields[8], "<f4", k * 4, "boxes", where).reshape(k, 4),
-        "features": _features(fields[9], k, where),
-    }
+    return _decode_row(OBJ36_COLUMNS, "obj36 TSV", fields, where, keys)
 
 
 def _decode_keys(
@@ -193,47 +210,36 @@ def _b64(arr: np.ndarray, dtype: str) -> bytes:
     return base64.b64encode(np.ascontiguousarray(arr, dtype=dtype).tobytes())
 
 
-def encode_butd(rec: Record) -> bytes:
+def _encode_row(columns: tuple[str, ...], fmt: str, rec: Record) -> bytes:
+    """A record -> one ``\\r\\n``-terminated row laid out as ``columns`` (the format ``fmt``); the per-region fields
+    the format needs must be in the record."""
+    for field, stored in (COLUMN_FIELDS[column] for column in columns):
+        if stored.startswith("<") and field not in rec:
+            raise PipelineError(
+                f"image {key_to_text(rec['key'])}: the store has no {field}, which the {fmt} format needs"
+            )
     feats = np.asarray(rec["features"])
-    return (
-        b"\t".join(
-            [
-                _key_field(rec["key"]),
-                str(rec["image_w"]).encode(),
-                str(rec["image_h"]).encode(),
-                str(len(feats)).encode(),
-                _b64(rec["boxes"], "<f4"),
-                _b64(feats, "<f4"),
-            ]
-        )
-        + b"\r\n"
-    )
+    cells = []
+    for field, stored in (COLUMN_FIELDS[column] for column in columns):
+        if stored == "key":
+            cells.append(_key_field(rec["key"]))
+        elif stored == "int":
+            cells.append(str(rec[field]).encode())
+        elif stored == "num_boxes":
+            cells.append(str(len(feats)).encode())
+        elif stored == "features":
+            cells.append(_b64(feats, "<f4"))
+        else:
+            cells.append(_b64(rec[field], "<f4" if stored == "boxes" else stored))
+    return b"\t".join(cells) + b"\r\n"
+
+
+def encode_butd(rec: Record) -> bytes:
+    return _encode_row(BUTD_COLUMNS, "butd", rec)
 
 
 def encode_obj36(rec: Record) -> bytes:
-    for name in ("class_ids", "class_scores", "attr_ids", "attr_scores"):
-        if name not in rec:
-            raise PipelineError(
-                f"image {key_to_text(rec['key'])}: the store has no {name}, which the obj36 format needs"
-            )
-    feats = np.asarray(rec["features"])
-    return (
-        b"\t".join(
-            [
-                _key_field(rec["key"]),
-                str(rec["image_h"]).encode(),
-                str(rec["image_w"]).encode(),
-                _b64(rec["class_ids"], "<i8"),
-                _b64(rec["class_scores"], "<f4"),
-                _b64(rec["attr_ids"], "<i8"),
-                _b64(rec["attr_scores"], "<f4"),
-                str(len(feats)).encode(),
-                _b64(rec["boxes"], "<f4"),
-                _b64(feats, "<f4"),
-            ]
-        )
-        + b"\r\n"
-    )
+    return _encode_row(OBJ36_COLUMNS, "obj36", rec)
 
 
 def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
@@ -246,25 +252,20 @@ def write_tsv(out: BinaryIO, records: Iterator[Record], fmt: str) -> int:
     return n
 
 
-register_format(
-    Format(
-        "butd-tsv",
-        tsv_reader(decode_butd),
-        "raw",
-        False,
-        partial(write_tsv, fmt="butd"),
-        help="original bottom-up TSV, trainval_36 or adaptive 10-100 boxes",
-        release="caffe",  # peteanderson80/bottom-up-attention tools/generate_tsv.py
+# both from the Caffe model: peteanderson80/bottom-up-attention tools/generate_tsv.py, and LXMERT's obj36 files
+# (airsplay/lxmert extract_coco_image.py)
+for fmt, decode, default_keys, help_line in (
+    ("butd", decode_butd, "raw", "original bottom-up TSV, trainval_36 or adaptive 10-100 boxes"),
+    ("obj36", decode_obj36, "coco-id", "LXMERT obj36 TSV, with object and attribute ids"),
+):
+    register_format(
+        Format(
+            f"{fmt}-tsv",
+            tsv_reader(decode),
+            default_keys,
+            False,
+            partial(write_tsv, fmt=fmt),
+            help=help_line,
+            release="caffe",
+        )
     )
-)
-register_format(
-    Format(
-        "obj36-tsv",
-        tsv_reader(decode_obj36),
-        "coco-id",
-        False,
-        partial(write_tsv, fmt="obj36"),
-        help="LXMERT obj36 TSV, with object and attribute ids",
-        release="caffe",  # LXMERT's from the Caffe model (airsplay/lxmert extract_coco_image.py)
-    )
-)

@@ -90,6 +90,21 @@ class Block:
     rows: dict[str, np.ndarray]  # field -> (rows, ...) array
 
 
+@dataclass(frozen=True)
+class SegmentPlan:
+    """What :func:`write_segment` announces a segment holds (images, rows, identity, feature type and width, the
+    stored fields) and how its row datasets are laid out (``chunk_rows``, ``compression``)."""
+
+    num_images: int
+    num_rows: int
+    identity: dict[str, Any]
+    feature_dtype: str
+    feature_dim: int
+    fields: Sequence[str]
+    chunk_rows: int
+    compression: str | None
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -120,23 +135,10 @@ def write_segment(
     ``blocks`` must together hold exactly ``num_images`` images and ``num_rows`` rows. ``chunk_rows`` 0 means
     contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows.
     """
-    row_fields = row_fields_of(fields)
+    plan = SegmentPlan(num_images, num_rows, identity, feature_dtype, feature_dim, fields, chunk_rows, compression)
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
-        _write_segment_file(
-            h5py,
-            path,
-            blocks,
-            num_images,
-            num_rows,
-            identity,
-            feature_dtype,
-            feature_dim,
-            fields,
-            row_fields,
-            chunk_rows,
-            compression,
-        )
+        _write_segment_file(h5py, path, blocks, plan)
         if fsync:
             _fsync_file(path)
     except (OSError, RuntimeError) as exc:
@@ -160,51 +162,39 @@ def _hdf5_os_error(exc: RuntimeError) -> OSError | None:
     return OSError(code, os.strerror(code))
 
 
-def _write_segment_file(
-    h5py: Any,
-    path: Path,
-    blocks: Iterable[Block],
-    num_images: int,
-    num_rows: int,
-    identity: dict[str, Any],
-    feature_dtype: str,
-    feature_dim: int,
-    fields: Sequence[str],
-    row_fields: list[str],
-    chunk_rows: int,
-    compression: str | None,
-) -> None:
+def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], plan: SegmentPlan) -> None:
+    row_fields = row_fields_of(plan.fields)
     with h5py.File(path, "w", locking=False) as fh:
         fh.attrs["format"] = FORMAT
         fh.attrs["schema_version"] = SCHEMA_VERSION
-        fh.attrs["identity"] = json.dumps(identity, sort_keys=True)
-        fh.attrs["feature_dtype"] = feature_dtype
-        fh.attrs["feature_dim"] = feature_dim
-        fh.attrs["fields"] = json.dumps(list(fields))
-        fh.attrs["num_images"] = num_images
-        fh.attrs["num_rows"] = num_rows
+        fh.attrs["identity"] = json.dumps(plan.identity, sort_keys=True)
+        fh.attrs["feature_dtype"] = plan.feature_dtype
+        fh.attrs["feature_dim"] = plan.feature_dim
+        fh.attrs["fields"] = json.dumps(list(plan.fields))
+        fh.attrs["num_images"] = plan.num_images
+        fh.attrs["num_rows"] = plan.num_rows
         fh.attrs["complete"] = False
         fh.attrs["checksum"] = "crc32"
         dsets = {}
         for name in row_fields:
-            width = field_width(name, feature_dim)
-            shape = (num_rows,) if width is None else (num_rows, width)
+            width = field_width(name, plan.feature_dim)
+            shape = (plan.num_rows,) if width is None else (plan.num_rows, width)
             kwargs: dict[str, Any] = {}
-            if chunk_rows and num_rows:
-                kwargs["chunks"] = (min(chunk_rows, num_rows),) + shape[1:]
-                if compression:
-                    kwargs["compression"] = compression
-            dsets[name] = fh.create_dataset(name, shape=shape, dtype=field_dtype(name, feature_dtype), **kwargs)
-        keys_ds = fh.create_dataset("keys", shape=(num_images,), dtype=h5py.string_dtype("utf-8"))
-        offsets = np.zeros(num_images + 1, dtype="<i8")
-        sizes = np.zeros((num_images, 2), dtype="<i4")
-        crcs = np.zeros(num_images, dtype="<u4")
+            if plan.chunk_rows and plan.num_rows:
+                kwargs["chunks"] = (min(plan.chunk_rows, plan.num_rows),) + shape[1:]
+                if plan.compression:
+                    kwargs["compression"] = plan.compression
+            dsets[name] = fh.create_dataset(name, shape=shape, dtype=field_dtype(name, plan.feature_dtype), **kwargs)
+        keys_ds = fh.create_dataset("keys", shape=(plan.num_images,), dtype=h5py.string_dtype("utf-8"))
+        offsets = np.zeros(plan.num_images + 1, dtype="<i8")
+        sizes = np.zeros((plan.num_images, 2), dtype="<i4")
+        crcs = np.zeros(plan.num_images, dtype="<u4")
         all_keys: list[str] = []
         img = row = 0
         for block in blocks:
             n = len(block.keys)
             r = int(block.counts.sum())
-            if img + n > num_images or row + r > num_rows:
+            if img + n > plan.num_images or row + r > plan.num_rows:
                 raise PipelineError(f"segment {path}: more data than announced")
             stored: dict[str, np.ndarray] = {}
             for name in row_fields:
@@ -212,7 +202,7 @@ def _write_segment_file(
                 if len(arr) != r:
                     raise PipelineError(f"segment {path}: field {name} has {len(arr)} rows, expected {r}")
                 with np.errstate(over="ignore", invalid="ignore"):
-                    stored[name] = np.ascontiguousarray(arr, dtype=field_dtype(name, feature_dtype))
+                    stored[name] = np.ascontiguousarray(arr, dtype=field_dtype(name, plan.feature_dtype))
                 if r:
                     dsets[name][row : row + r] = stored[name]
             if n:
@@ -226,8 +216,10 @@ def _write_segment_file(
                 crcs[img : img + n] = row_checksums(stored, local, row_fields)
             img += n
             row += r
-        if img != num_images or row != num_rows:
-            raise PipelineError(f"segment {path}: wrote {img} images / {row} rows, announced {num_images} / {num_rows}")
+        if img != plan.num_images or row != plan.num_rows:
+            raise PipelineError(
+                f"segment {path}: wrote {img} images / {row} rows, announced {plan.num_images} / {plan.num_rows}"
+            )
         fh.create_dataset("offsets", data=offsets)
         fh.create_dataset("image_size", data=sizes)
         fh.create_dataset("row_crc32", data=crcs)
