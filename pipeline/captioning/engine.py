@@ -123,7 +123,7 @@ class FeatureCache:
 
     def add(self, key: str, record: RegionRecord) -> None:
         if record.pooled is not None and self.writer.pooled_dim == 0:  # a store of regions only (e.g. an older one)
-            record = RegionRecord.from_mapping(record.to_dict())  # to_dict: the regions without the pooled vector
+            record = RegionRecord.from_mapping({**record.to_dict(), "pooled": None})
         self.writer.add(key, record)
 
     def commit(self) -> None:
