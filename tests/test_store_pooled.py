@@ -13,7 +13,9 @@ from store_helpers import IDENTITY, synthetic_image
 from typer.testing import CliRunner
 
 from cli import app
+from pipeline.captioning.engine import FeatureCache
 from pipeline.core.errors import PipelineError
+from pipeline.core.identity import FeatureIdentity
 from pipeline.core.regions import RegionRecord
 from pipeline.store import FeatureStore, compact_store, merge_stores, open_writer
 from pipeline.store.format import MANIFEST
@@ -195,3 +197,20 @@ def test_store_record_and_segment_must_agree(tmp_path):
     (store / MANIFEST).write_text(json.dumps({**record, "pooled_dim": -3}))
     with pytest.raises(PipelineError, match=rf"{MANIFEST}.*pooled_dim"):
         FeatureStore(store)
+
+
+def test_a_caption_cache_of_regions_only_takes_the_cells_of_a_record_with_a_pooled_vector(tmp_path):
+    """`caption --cache` on a store without pooled vectors (one extracted before them) keeps working."""
+    _write(tmp_path / "old", range(2), pooled=False)
+    cache = FeatureCache(tmp_path / "old", FeatureIdentity.from_dict(IDENTITY))
+    cache.add("k2", _record(2))
+    cache.commit()
+    rec = cache.get("k2")
+    assert "pooled" not in rec
+    np.testing.assert_array_equal(rec["features"], synthetic_image(2)["features"])
+    cache.close()
+    cache = FeatureCache(tmp_path / "new", FeatureIdentity.from_dict(IDENTITY))  # a new cache keeps the vector
+    cache.add("k3", _record(3))
+    cache.commit()
+    np.testing.assert_array_equal(cache.get("k3")["pooled"], pooled_of(3))
+    cache.close()
