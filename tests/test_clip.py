@@ -615,13 +615,14 @@ def test_clip_vil_feature_folders_import_as_the_extractor_writes_them(tmp_path, 
     att.mkdir()
     fc.mkdir()
     images = {"391895": photos[0], "522418": photos[1]}
-    want = {}
+    want, pooled = {}, {}
     for key, img in images.items():
         feats = extract(model, np.asarray(img), ClipRecipe("clip-vil"))
         grid = feats.regions.features.reshape(14, 14, -1)
         np.savez_compressed(att / f"{key}.npz", feat=grid)  # clip_prepro_feats.py's att file
         np.save(fc / key, feats.pooled)
         want[key] = feats.regions
+        pooled[key] = feats.pooled
     sizes = {k: img.size for k, img in images.items()}
     with pytest.raises(UsageError, match="--sizes"):
         import_features("clip-vil", [att], tmp_path / "s")
@@ -629,14 +630,78 @@ def test_clip_vil_feature_folders_import_as_the_extractor_writes_them(tmp_path, 
     assert report.imported == 2
     store = FeatureStore(tmp_path / "s")
     assert store.identity["release"]["recipe"] == "clip-vil"
+    assert store.pooled_dim == RN_TINY["output_dim"]  # the sibling *_fc folder: the attention pool's output
     for key, regions in want.items():
         rec = store.get(key)
         np.testing.assert_array_equal(rec["features"], regions.features)
+        np.testing.assert_array_equal(rec["pooled"], pooled[key])
         np.testing.assert_allclose(rec["boxes"], regions.boxes, rtol=1e-6, atol=1e-4)
         assert store.image_size(key) == (regions.image_w, regions.image_h)
     np.savez_compressed(att / "7.npz", z=np.zeros((2, 2, 3), np.float32))
     with pytest.raises(PipelineError, match=r"7\.npz: npz has no 'feat' array"):
         import_features("clip-vil", [att], tmp_path / "s", sizes=sizes | {"7": (10, 10)}, feature_dtype="float32")
+
+
+def _clip_vil_folders(root: Path, n: int = 3, dim: int = 6) -> tuple[Path, dict[str, np.ndarray]]:
+    """An ``*_att`` folder of random 2 x 2 grids and, per image, the pooled vector its ``*_fc`` file would hold."""
+    att = root / "coco_clip_RN50_att"
+    att.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    vectors = {}
+    for i in range(n):
+        np.savez_compressed(att / f"{i + 1}.npz", feat=rng.normal(0, 1, (2, 2, 5)).astype(np.float32))
+        vectors[str(i + 1)] = rng.normal(0, 1, dim).astype(np.float32)
+    return att, vectors
+
+
+def _write_fc(folder: Path, vectors: dict[str, np.ndarray]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, vec in vectors.items():
+        np.save(folder / f"{key}.npy", vec)
+    return folder
+
+
+def test_clip_vil_fc_vectors_import_from_a_given_folder_or_none(cli, tmp_path):
+    att, vectors = _clip_vil_folders(tmp_path / "rel")
+    sizes = {k: (64, 48) for k in vectors}
+    import_features("clip-vil", [att], tmp_path / "none", sizes=sizes, limit=2)  # no *_fc folder beside it: cells
+    plain = FeatureStore(tmp_path / "none")
+    assert plain.pooled_dim == 0 and len(plain) == 2 and "pooled" not in plain.get("2")
+    fc = _write_fc(tmp_path / "elsewhere" / "vectors", vectors)
+    sizes_json = tmp_path / "sizes.json"
+    sizes_json.write_text(json.dumps({"images": [{"id": int(k), "width": 64, "height": 48} for k in vectors]}))
+    args = ["import-features", "--format", "clip-vil", str(att), "--sizes", str(sizes_json), "--fc", str(fc)]
+    res = cli.invoke(*args, "--store", str(tmp_path / "given"))
+    assert res.exit_code == 0, res.output
+    store = FeatureStore(tmp_path / "given")
+    assert store.pooled_dim == 6
+    for key, vec in vectors.items():
+        np.testing.assert_array_equal(store.get(key)["pooled"], vec)
+    res = cli.invoke(*args, "--store", str(tmp_path / "none"))  # the cells-only store takes no vectors for image 3
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "image 3 has a pooled vector of 6 values, the store's images have no pooled vector" in " ".join(
+        res.output.split()
+    )
+    (fc / "2.npy").unlink()
+    res = cli.invoke(*args, "--store", str(tmp_path / "missing"))
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"{fc / '2.npy'}: no pooled vector (_fc file) for image 2" in " ".join(res.output.split())
+    report = import_features("clip-vil", [att], tmp_path / "skip", sizes=sizes, fc=fc, skip_bad=True)
+    assert report.imported == 2 and len(report.bad) == 1 and "2.npy" in report.bad[0][1]
+    np.save(fc / "2.npy", np.zeros((2, 3), np.float32))
+    with pytest.raises(PipelineError, match=r"2\.npy: pooled vector has shape \(2, 3\)"):
+        import_features("clip-vil", [att], tmp_path / "bad", sizes=sizes, fc=fc)
+    with pytest.raises(UsageError, match="--fc"):
+        import_features("cocobu", [att], tmp_path / "x", sizes=sizes, fc=fc)
+
+
+def test_clip_vil_fc_sibling_folder_is_found(tmp_path):
+    att, vectors = _clip_vil_folders(tmp_path)
+    _write_fc(tmp_path / "coco_clip_RN50_fc", vectors)
+    import_features("clip-vil", [att], tmp_path / "s", sizes={k: (64, 48) for k in vectors})
+    store = FeatureStore(tmp_path / "s")
+    for key, vec in vectors.items():
+        np.testing.assert_array_equal(store.get(key)["pooled"], vec)
 
 
 def test_activation_comes_from_the_release_config_beside_the_weights(tmp_path):

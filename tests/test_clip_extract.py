@@ -3,9 +3,10 @@
 Tiny random CLIP encoders are written in each public layout by the helpers of ``test_clip`` (an OpenAI TorchScript
 archive, an open_clip training checkpoint, Hugging Face ``model.safetensors`` and ``pytorch_model.bin``); ``cli
 extract`` runs them on two real photos and a corrupt file, and the stored cells are compared with ``test_clip``'s
-re-statement of CLIP-ViL ``clip_prepro_feats.py`` and openai/CLIP ``clip.py`` (features) and with
-:func:`extractors.clip.recipe.cell_boxes` (boxes). Then a captioner trains on a CLIP store of the synthetic world,
-is evaluated, and captions photos through the CLI from the CLIP weights.
+re-statement of CLIP-ViL ``clip_prepro_feats.py`` and openai/CLIP ``clip.py`` (features, and each image's pooled
+vector: the attention pool's output for the ResNet, the class token for the ViT under ``clip-vil``, ``encode_image``
+under ``clip``) and with :func:`extractors.clip.recipe.cell_boxes` (boxes). Then a captioner trains on a CLIP
+store of the synthetic world, is evaluated, and captions photos through the CLI from the CLIP weights.
 """
 
 from __future__ import annotations
@@ -93,12 +94,17 @@ def test_extract_stores_the_releases_grid(cli, photo_folder, tmp_path, layout):
     assert len(rows) == 2
     for key, row in rows.items():
         img = _photo_of(key, photo_folder)
-        grid, _ = ref.clip_vil_reference(model.visual, ref.clip_vil_preprocess(img))
+        grid, fc = ref.clip_vil_reference(model.visual, ref.clip_vil_preprocess(img))
         assert row["features"].dtype == np.float32 and row["features"].shape == tuple(grid.shape)
         assert ref._rel(torch.from_numpy(row["features"]), grid) < ref.REL_TOL
+        # RN: attnpool with the resized positional embedding (32-d); ViT: the class token, no ln_post (128-d)
+        assert row["pooled"].dtype == np.float32 and row["pooled"].shape == tuple(fc.shape)
+        assert fc.shape == ((32,) if layout == "openai" else (128,))
+        assert ref._rel(torch.from_numpy(row["pooled"]), fc) < ref.REL_TOL
         inp = prepare(np.asarray(img), ClipRecipe("clip-vil"), 96)
         np.testing.assert_array_equal(row["boxes"], cell_boxes(inp, (14, 14), 32))  # 448 / 32 (RN stride, ViT patch)
         assert (row["image_w"], row["image_h"]) == img.size
+    assert FeatureStore(store).pooled_dim == (32 if layout == "openai" else 128)
     identity = FeatureStore(store).identity
     assert identity["name"] == ("clip-RN-w8-1.2.1.1" if layout == "openai" else "clip-ViT-w128-d2-p32")
     assert identity["layout"] == {"hf-safetensors": "hf", "hf-bin": "hf"}.get(layout, layout)
@@ -115,6 +121,7 @@ def test_extract_stores_the_releases_grid(cli, photo_folder, tmp_path, layout):
     assert again.keys() == rows.keys()
     for key in rows:
         np.testing.assert_array_equal(again[key]["features"], rows[key]["features"])
+        np.testing.assert_array_equal(again[key]["pooled"], rows[key]["pooled"])
 
 
 def test_the_clip_recipe_and_a_store_of_another_recipe(cli, photo_folder, tmp_path):
@@ -127,7 +134,9 @@ def test_the_clip_recipe_and_a_store_of_another_recipe(cli, photo_folder, tmp_pa
         img = _photo_of(key, photo_folder)
         with torch.no_grad():
             tokens = _vit_tokens(model.visual, ref.clip_preprocess(img, 96))
+            embedding = model.visual(ref.clip_preprocess(img, 96))[0]  # encode_image: ln_post(class token) @ proj
         assert ref._rel(torch.from_numpy(row["features"]), tokens) < ref.REL_TOL
+        assert row["pooled"].shape == (48,) and ref._rel(torch.from_numpy(row["pooled"]), embedding) < ref.REL_TOL
         np.testing.assert_array_equal(
             row["boxes"], cell_boxes(prepare(np.asarray(img), ClipRecipe("clip", 0), 96), (3, 3), 32)
         )

@@ -10,12 +10,13 @@ commits and signals are the detectors' own:
   decoded photo and gets the encoder input of :func:`extractors.clip.recipe.prepare` and its geometry.
 * :class:`ClipEncoder` is the detector: ``detect`` encodes a batch and returns one
   :class:`~pipeline.core.regions.RegionRecord` per photo, the grid cells row-major with their boxes in original
-  pixels (:func:`extractors.clip.recipe.cell_boxes`).
+  pixels (:func:`extractors.clip.recipe.cell_boxes`) and the recipe's pooled vector as ``pooled`` (float32).
 * The feature identity is ``clip-<architecture>`` (``clip-RN50``, ``clip-ViT-B-16``), the weights' SHA-256, the
   layout, the encoder config (``config.spec``), the recipe (name, input side, positional resize) and the precision.
 
-The pooled vector (the attention pool's output or the class token) is not stored: a store holds regions
-(docs/extractor.md#clip).
+The store keeps the pooled vector of each image beside its cells (the attention pool's output for the ResNets;
+for the ViTs the class token under ``clip-vil``, ``encode_image`` under ``clip``): ``FeatureStore(S).get(key)
+["pooled"]``, (P,) float32 (docs/extractor.md#clip). Captioners read the cells only.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import torch
 from torch import nn
 
 from extractors.clip.files import ClipWeightsError, is_torchscript, load_clip
-from extractors.clip.model import PRESETS, ClipVisionConfig, ModifiedResNet
-from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, prepare
+from extractors.clip.model import PRESETS, ClipVisionConfig
+from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, encode, prepare
 from extractors.releases import OwnExtraction, Release, register_release
 from extractors.weights import sha256_file
 from pipeline.core.console import get_logger
@@ -220,16 +221,14 @@ class ClipEncoder(nn.Module):
 
     @torch.no_grad()
     def detect(self, blobs: list[Any], frames: list[ClipInput], selector: Any, given: Any = None) -> list[RegionRecord]:
-        """One :class:`RegionRecord` per input: the cells of the encoder's grid, row-major, boxes in original pixels."""
+        """One :class:`RegionRecord` per input: the cells of the encoder's grid, row-major, boxes in original pixels,
+        and the recipe's pooled vector (:func:`extractors.clip.recipe.encode`)."""
         dev = next(self.parameters()).device
         x = torch.stack([torch.as_tensor(b) for b in blobs]).to(dev, non_blocking=True)
-        if isinstance(self.encoder, ModifiedResNet):
-            fmap = self.encoder.grid(x)
-        else:
-            tokens, (h, w) = self.encoder.tokens(x, self.clip_recipe.pos_resize)
-            fmap = tokens[:, 1:].transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
+        fmap, pooled = encode(self.encoder, x, self.clip_recipe)
         n, c, h, w = fmap.shape
         feats = fmap.permute(0, 2, 3, 1).reshape(n, h * w, c).float().cpu().numpy()
+        vectors = pooled.float().cpu().numpy()
         stride = self.spec.config.stride
         return [
             RegionRecord(
@@ -237,6 +236,7 @@ class ClipEncoder(nn.Module):
                 boxes=cell_boxes(frame, (h, w), stride),
                 image_w=frame.width,
                 image_h=frame.height,
+                pooled=np.ascontiguousarray(vectors[i], dtype=np.float32),
             )
             for i, frame in enumerate(frames)
         ]

@@ -122,6 +122,8 @@ class FeatureCache:
         return self.reader.get(key)
 
     def add(self, key: str, record: RegionRecord) -> None:
+        if record.pooled is not None and self.writer.pooled_dim == 0:  # a store of regions only (e.g. an older one)
+            record = RegionRecord.from_mapping({**record.to_dict(), "pooled": None})
         self.writer.add(key, record)
 
     def commit(self) -> None:

@@ -71,6 +71,14 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")
         ] = False,
         commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
+        fc: Annotated[
+            Optional[Path],
+            typer.Option(
+                "--fc",
+                help="clip-vil: the release's *_fc folder of <cocoid>.npy pooled vectors, stored per image (default: "
+                "the *_fc folder beside the *_att one, if there is one).",
+            ),
+        ] = None,
     ) -> None:
         """Import public feature files into a store (streaming, resumable).
 
@@ -92,6 +100,7 @@ def register(app: typer.Typer) -> None:
                 sizes=read_sizes(sizes) if sizes else None,
                 skip_bad=skip_bad,
                 commit_every=commit_every,
+                fc=fc,
             )
         except PipelineError as exc:
             raise _user_error(exc) from None

@@ -21,7 +21,8 @@ OPTIONAL_FIELDS = ("class_ids", "class_scores", "attr_ids", "attr_scores")
 @dataclass
 class RegionRecord:
     """One image's regions: ``features`` (N, D) float, ``boxes`` (N, 4) float32 x1y1x2y2 in original pixels,
-    the image size, and optionally 0-based vocabulary ``class_ids``/``attr_ids`` with their probabilities."""
+    the image size, optionally 0-based vocabulary ``class_ids``/``attr_ids`` with their probabilities, and
+    optionally ``pooled`` (P,): a vector for the whole image (CLIP's attention pool or class token)."""
 
     features: np.ndarray
     boxes: np.ndarray
@@ -31,6 +32,8 @@ class RegionRecord:
     class_scores: np.ndarray | None = None
     attr_ids: np.ndarray | None = None
     attr_scores: np.ndarray | None = None
+    #: one vector per image (not per region): CLIP's pooled vector, stored as the store's ``pooled`` field
+    pooled: np.ndarray | None = None
 
     @classmethod
     def from_mapping(cls, rec: Mapping[str, Any]) -> "RegionRecord":

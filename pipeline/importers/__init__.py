@@ -101,11 +101,13 @@ def import_features(
     skip_bad: bool = False,
     commit_every: int = 1000,
     limit: int | None = None,
+    fc: str | Path | None = None,
 ) -> ImportReport:
     """Stream ``sources`` in format ``fmt`` into the store at ``store`` (created or resumed).
 
     ``feature_dtype``: ``float16`` or ``float32``; None keeps the source's numbers (:func:`store_dtype`): the
-    public files hold float32, which the releases' own code reads, so their captions need float32.
+    public files hold float32, which the releases' own code reads, so their captions need float32. ``fc``: the
+    folder of per-image pooled vectors, for a format that takes one (``clip-vil``'s ``*_fc``; :attr:`Format.options`).
 
     Raises :class:`PipelineError` on the first bad row unless ``skip_bad``; duplicate ids within the
     import are bad rows; ids already committed by an earlier (interrupted) run are skipped.
@@ -120,6 +122,12 @@ def import_features(
             raise UsageError(f"input not found: {p}")
     if spec.needs_sizes:
         require_sizes(sizes, f"{fmt} files")
+    options: dict[str, Any] = {}
+    if fc is not None:
+        if "fc" not in spec.options:
+            takes = ", ".join(name for name in FORMATS.names() if "fc" in FORMATS.get(name).options)
+            raise UsageError(f"--fc (a folder of per-image pooled vectors) is for --format {takes}, not {fmt}")
+        options["fc"] = Path(fc)
     report = ImportReport()
     seen_keys: set[str] = set()
     if identity is not None and release is not None:
@@ -128,7 +136,7 @@ def import_features(
     with ExitStack() as stack, make_progress() as progress:
         writer = None
         task = progress.add_task(f"import {fmt}", total=None)
-        for where, decode in spec.reader(paths, keys=keys, sizes=sizes):
+        for where, decode in spec.reader(paths, keys=keys, sizes=sizes, **options):
             if limit is not None and report.seen >= limit:
                 break
             report.seen += 1

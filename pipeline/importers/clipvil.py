@@ -6,8 +6,11 @@ input; ``<output_dir>_clip_<model>_fc/<cocoid>.npy`` holds the pooled vector. Th
 448 x 448 whatever its aspect ratio, so cell (i, j) of a g_h x g_w grid covers ``[j W / g_w, i H / g_h, (j + 1)
 W / g_w, (i + 1) H / g_h]`` of the original image (the boxes ``extractors/clip/recipe.py`` gives the same
 cells); the files carry no image size, so sizes come from a COCO json (``--sizes``). Cells are stored row-major
-as regions. The ``_fc`` vectors are not imported: a feature store holds regions. Arrays are read from their
-``.npy`` headers first, never with pickle.
+as regions, and each image's ``_fc`` vector as its pooled vector (the store's ``pooled`` field,
+``store.get(key)["pooled"]``): from the folder given as ``--fc``, or else from the ``_fc`` folder beside the
+``_att`` one (``data_clip_RN50_att`` -> ``data_clip_RN50_fc``) when there is one; without either the store holds
+the cells only. An image with a grid and no vector in that folder is a bad row naming the missing file. Arrays are
+read from their ``.npy`` headers first, never with pickle.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.importers.formats import Format, register_format, require_sizes
 from pipeline.importers.untrusted import read_npy
+
+log = get_logger("import")
 
 
 def grid_boxes(gh: int, gw: int, width: int, height: int) -> np.ndarray:
@@ -44,13 +50,43 @@ def _load_grid(path: Path) -> np.ndarray:
         raise PipelineError(f"{path}: not a readable npz file ({str(exc).splitlines()[0][:80]})") from None
 
 
+def fc_folder(att: Path, fc: Path | None = None) -> Path | None:
+    """The folder of ``<cocoid>.npy`` pooled vectors of the ``_att`` folder ``att``: ``fc`` when given (it must be a
+    directory), else the sibling named with ``_att`` -> ``_fc`` if it exists, else None (no pooled vectors)."""
+    if fc is not None:
+        if not Path(fc).is_dir():
+            raise UsageError(f"--fc {fc}: not a directory (the release's *_fc folder of <cocoid>.npy vectors)")
+        return Path(fc)
+    name = att.resolve().name
+    if "_att" not in name:
+        return None
+    head, _, tail = name.rpartition("_att")
+    sibling = att.resolve().parent / f"{head}_fc{tail}"
+    return sibling if sibling.is_dir() else None
+
+
+def _load_pooled(path: Path, key: str, grid_path: Path) -> np.ndarray:
+    """The ``_fc`` vector of image ``key`` (a 1-D ``.npy``); a missing file is a bad row naming it."""
+    if not path.is_file():
+        raise PipelineError(f"{path}: no pooled vector (_fc file) for image {key}, whose grid is {grid_path}")
+    try:
+        with open(path, "rb") as fp:
+            return read_npy(fp, str(path), "pooled vector", ndim=1)
+    except OSError as exc:
+        raise PipelineError(f"{path}: not a readable .npy file ({str(exc).splitlines()[0][:80]})") from None
+
+
 def read_clipvil(
-    sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, **_: Any
+    sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, fc: Path | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
-    """Sources: one ``*_att`` directory of ``<cocoid>.npz`` files."""
+    """Sources: one ``*_att`` directory of ``<cocoid>.npz`` files; ``fc``: the ``*_fc`` directory of ``<cocoid>.npy``
+    pooled vectors (default: the ``_fc`` sibling of the ``_att`` directory, if there is one)."""
     if len(sources) != 1 or not sources[0].is_dir():
         raise UsageError("clip-vil import takes one directory of <cocoid>.npz files (the release's *_att folder)")
     sizes = require_sizes(sizes, "clip-vil files")
+    pooled_dir = fc_folder(sources[0], fc)
+    if pooled_dir is not None:
+        log.info("clip-vil: pooled vectors from %s", pooled_dir)
     for path in sorted(sources[0].glob("*.npz")):
         key = path.stem
 
@@ -61,7 +97,10 @@ def read_clipvil(
             gh, gw, c = grid.shape
             w, h = sizes[key]
             feats = np.ascontiguousarray(grid.reshape(gh * gw, c))
-            return {"key": key, "features": feats, "boxes": grid_boxes(gh, gw, w, h), "image_w": w, "image_h": h}
+            rec = {"key": key, "features": feats, "boxes": grid_boxes(gh, gw, w, h), "image_w": w, "image_h": h}
+            if pooled_dir is not None:
+                rec["pooled"] = np.ascontiguousarray(_load_pooled(pooled_dir / f"{key}.npy", key, path))
+            return rec
 
         yield str(path), decode
 
@@ -73,7 +112,9 @@ register_format(
         "raw",
         True,
         None,
-        help="CLIP-ViL *_clip_<model>_att directory of <cocoid>.npz grids (feat: g x g x C); cells become regions",
+        help="CLIP-ViL *_clip_<model>_att directory of <cocoid>.npz grids (feat: g x g x C); cells become regions, "
+        "the *_fc <cocoid>.npy vectors (--fc, default the sibling *_fc folder) the pooled vector",
         release="clip-vil",
+        options=("fc",),
     )
 )

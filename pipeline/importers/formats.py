@@ -5,11 +5,12 @@ A new format is one module that defines a reader and registers one record (docs/
 
     register_format(Format("my-npz", read_my_npz, help="my_features/*.npz (one file per image)"))
 
-A reader is called as ``reader(paths, keys=..., sizes=...)`` and yields ``(where, decode)`` per image:
-``where`` names the file and row for error messages, ``decode()`` returns the image's record
-``{"key", "features", "boxes", "image_w", "image_h"}`` plus optional ``class_ids``, ``class_scores``,
-``attr_ids``, ``attr_scores``, raising :class:`pipeline.core.errors.PipelineError` for a bad row. An exporter is
-called as ``exporter(binary_file, records)`` and returns the number of rows written.
+A reader is called as ``reader(paths, keys=..., sizes=...)`` (plus the format's ``options`` the user gave) and
+yields ``(where, decode)`` per image: ``where`` names the file and row for error messages, ``decode()`` returns
+the image's record ``{"key", "features", "boxes", "image_w", "image_h"}`` plus optional ``class_ids``,
+``class_scores``, ``attr_ids``, ``attr_scores`` and the per-image ``pooled`` vector, raising
+:class:`pipeline.core.errors.PipelineError` for a bad row. An exporter is called as ``exporter(binary_file,
+records)`` and returns the number of rows written.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Format:
     sizes (``--sizes COCO_JSON`` is required); ``exporter``: writes a store back in this format (None: import
     only); ``help``: one line for the CLI help and the README table; ``release``: the detector release
     (:mod:`extractors.releases`) the format's public files came from, recorded in an imported store's identity
-    (None: the files name none, and ``import-features`` asks for ``--release``).
+    (None: the files name none, and ``import-features`` asks for ``--release``); ``options``: the reader's
+    keyword options beyond ``keys`` and ``sizes`` (``fc``: the folder of per-image pooled vectors, ``--fc``), which
+    other formats refuse.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Format:
     exporter: Exporter | None = None
     help: str = ""
     release: str | None = None
+    options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.default_keys not in KEY_RULES:

@@ -8,8 +8,8 @@ One home for the bounds and the checks every format's reader applies before a re
   before they are followed), numeric, of the expected rank, no zero-sized axis, bounded in size;
 * :func:`numeric_array`: the same kind, rank and size checks for any other array, and :func:`read_npy` for an
   ``.npy`` file or npz member, checked from its header before its data is read;
-* :func:`check_record`: the whole record (arrays, image size, per-region fields) validated as the store would,
-  so a row is accepted or refused completely before the store sees it.
+* :func:`check_record`: the whole record (arrays, image size, per-region fields, the per-image pooled vector)
+  validated as the store would, so a row is accepted or refused completely before the store sees it.
 
 Every refusal is a :class:`~pipeline.core.errors.PipelineError` naming the row's file and line or key: the
 import lists it as a bad row (``--skip-bad``) or stops on it with the rows before it committed.
@@ -28,6 +28,7 @@ from h5py import h5l
 
 from pipeline.core.errors import PipelineError
 from pipeline.core.regions import OPTIONAL_FIELDS
+from pipeline.store.format import MAX_POOLED_DIM
 from pipeline.store.validate import MAX_IMAGE_SIDE, validate_image
 
 MAX_ROW_BYTES = 64 << 20
@@ -189,3 +190,9 @@ def check_record(rec: dict[str, Any], where: str) -> None:
     w, h = check_size(rec.get("image_w"), rec.get("image_h"), where)
     extras = {name: numeric_array(rec[name], where, name, 1) for name in OPTIONAL_FIELDS if rec.get(name) is not None}
     validate_image(rec.get("key"), feats, np.asarray(boxes, dtype=np.float32), w, h, extras, None, where)
+    if rec.get("pooled") is not None:
+        pooled = numeric_array(rec["pooled"], where, "pooled vector", 1)
+        if pooled.shape[0] > MAX_POOLED_DIM:
+            raise PipelineError(f"{where}: pooled vector of {pooled.shape[0]} values (at most {MAX_POOLED_DIM})")
+        if not np.isfinite(pooled).all():
+            raise PipelineError(f"{where}: pooled vector contains NaN or infinity")

@@ -9,6 +9,7 @@ Entry points::
 
     store = FeatureStore("runs/x/features/store")
     rec = store.get(key)                # {"features", "boxes", "image_w", "image_h", ...}
+    rec.get("pooled")                   # (P,) float32 in a store with a per-image vector (CLIP's), else None
 """
 
 from pipeline.store.format import SCHEMA_VERSION, is_store

@@ -10,7 +10,8 @@ A store is a directory::
       *.tmp               leftovers of a killed writer: ignored by readers, deleted by the next writer
 
 ``store.json`` holds the schema version, the extractor identity, the feature dimension and dtype, the
-optional per-box fields present, a commit counter and the list of segments with their image and row counts.
+optional per-box fields present, ``pooled_dim`` P when the images carry a pooled vector (absent: none), a commit
+counter and the list of segments with their image and row counts.
 
 A segment (``seg-*.h5``) holds the flat layout for the images of one commit (no per-image groups):
 
@@ -27,12 +28,19 @@ dataset             shape / dtype        meaning
                                          bytes (:mod:`pipeline.core.keys`: a non-UTF-8 file name survives)
 ``offsets``         (n + 1,) i64         image i owns rows offsets[i] : offsets[i + 1]
 ``image_size``      (n, 2) i32           width, height in pixels
-``row_crc32``       (n,) u4              CRC-32 of each image's rows (all row fields), checked on read
+``row_crc32``       (n,) u4              CRC-32 of each image's rows (all row fields), then of its
+                                         ``pooled`` row when the store has one; checked on read
+``pooled``          (n, P) f32           one vector per image (optional; CLIP's pooled vector: the
+                                         attention pool's output or the class token)
 ==================  ===================  ==========================================================
 
 Segment attributes: ``format``, ``schema_version``, ``identity`` (JSON), ``num_images``, ``num_rows``,
-``feature_dim``, ``feature_dtype``, ``fields`` (JSON list), ``checksum`` (``crc32``), ``index_crc32`` (CRC-32
-of keys, offsets and sizes) and ``complete`` (set last). Segments written before checksums lack
+``feature_dim``, ``feature_dtype``, ``fields`` (JSON list), ``pooled_dim`` (only in a segment with ``pooled``),
+``checksum`` (``crc32``), ``index_crc32`` (CRC-32 of keys, offsets and sizes) and ``complete`` (set last).
+A store either holds a pooled vector for every image or for none (its writers are refused a mix); a store
+without one has exactly the files and checksums it would have without this field. The reader returns it as
+``store.get(key)["pooled"]`` ((P,) float32, only when the store has it; ``store.pooled_dim`` is P, 0 for none).
+Segments written before checksums lack
 ``row_crc32``/``index_crc32``/``checksum`` and are still read (``info`` says their damage cannot be detected);
 ``info --verify STORE`` reads every row and lists damaged images by key (:mod:`pipeline.store.verify`).
 A segment file is also a valid single-file store on its own (``FeatureStore("seg.h5")``), which is how a compacted store
@@ -66,6 +74,10 @@ OPTIONAL_FIELDS = {
     "attr_scores": np.dtype("<f4"),
 }
 ROW_FIELDS = ("features", "boxes") + tuple(OPTIONAL_FIELDS)
+POOLED = "pooled"
+POOLED_DTYPE = np.dtype("<f4")
+MAX_POOLED_DIM = 65536
+"""The longest per-image pooled vector a store holds (CLIP's have 512 to 1280 values)."""
 
 
 def segment_name(index: int) -> str:
@@ -144,9 +156,17 @@ def read_manifest(store: Path) -> dict[str, Any]:
             and "/" not in seg["file"]
         ):
             raise PipelineError(f"{path}: segment entry {i} is malformed")
+    pooled_dim = data.get("pooled_dim", 0)
+    if not isinstance(pooled_dim, int) or isinstance(pooled_dim, bool) or not 0 <= pooled_dim <= MAX_POOLED_DIM:
+        raise PipelineError(f"{path}: field 'pooled_dim' {pooled_dim!r} is not an integer in 0..{MAX_POOLED_DIM}")
     if sum(s["images"] for s in data["segments"]) != data["num_images"]:
         raise PipelineError(f"{path}: segment image counts do not add up to num_images")
     return data
+
+
+def manifest_pooled_dim(manifest: dict[str, Any]) -> int:
+    """P, the length of the store's per-image pooled vector; 0 when its images carry none."""
+    return int(manifest.get("pooled_dim") or 0)
 
 
 def write_manifest(store: Path, manifest: dict[str, Any]) -> None:

@@ -34,9 +34,14 @@ def iter_blocks(store: FeatureStore, block_images: int = 256) -> Iterator[Block]
             hi = min(lo + block_images, seg.num_images)
             r0, r1 = int(seg.offsets[lo]), int(seg.offsets[hi])
             rows = {f: store._read_rows(st, si, f, r0, r1 - r0) for f in fields}
-            verify_block(seg, lo, rows)  # never copy damaged rows into a new store
+            pooled = store._read_pooled(st, si, lo, hi - lo)
+            verify_block(seg, lo, rows, pooled)  # never copy damaged rows into a new store
             yield Block(
-                keys=seg.keys[lo:hi], counts=np.diff(seg.offsets[lo : hi + 1]), sizes=seg.sizes[lo:hi], rows=rows
+                keys=seg.keys[lo:hi],
+                counts=np.diff(seg.offsets[lo : hi + 1]),
+                sizes=seg.sizes[lo:hi],
+                rows=rows,
+                pooled=pooled,
             )
 
 
@@ -57,6 +62,11 @@ def _check_compatible(stores: Sequence[FeatureStore]) -> None:
                 f"cannot merge {s.path} into {ref.path}: dtype/dimension/fields differ "
                 f"({s.feature_dtype}, {s.feature_dim}, {s.fields} vs {ref.feature_dtype}, {ref.feature_dim}, "
                 f"{ref.fields})"
+            )
+        if len(s) and len(ref) and s.pooled_dim != ref.pooled_dim:
+            raise UsageError(
+                f"cannot merge {s.path} into {ref.path}: pooled vectors differ ({s.pooled_dim} vs {ref.pooled_dim} "
+                "values per image; 0: none)"
             )
 
 
@@ -102,6 +112,7 @@ def _write_one_segment(
         fields=ref.fields,
         chunk_rows=chunk_rows,
         compression=compression,
+        pooled_dim=ref.pooled_dim,
     )
     return n, rows
 
@@ -144,6 +155,9 @@ def merge_stores(
                 num_rows=rows,
                 segments=[{"file": segment_name(0), "images": n, "rows": rows}],
             )
+            pooled_dim = next((s for s in stores if len(s)), ref).pooled_dim
+            if pooled_dim:
+                manifest["pooled_dim"] = pooled_dim
             write_manifest(tmp, manifest)
         os.replace(tmp, dst)
         fsync_dir(dst.parent)

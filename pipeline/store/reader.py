@@ -8,7 +8,8 @@ Reading one image touches only that image's rows: for contiguous segments each r
 ``os.pread`` at the dataset's byte offset (HDF5 reports it once, when the index is read); chunked or
 compressed segments are read through h5py. Each image's rows are checked against the CRC-32 its segment
 recorded (see :mod:`pipeline.store.segment`): damaged data is refused with one line naming the segment and
-the image, never returned.
+the image, never returned. A store whose images carry a pooled vector (CLIP's; ``pooled_dim`` P > 0) returns it
+as ``get(key)["pooled"]``, (P,) float32, checked with the image's rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import numpy as np
 
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import read_json
-from pipeline.store.format import MANIFEST, canonical_identity, identity_mismatch, read_manifest
+from pipeline.store.format import (
+    MANIFEST,
+    POOLED,
+    canonical_identity,
+    identity_mismatch,
+    manifest_pooled_dim,
+    read_manifest,
+)
 from pipeline.store.segment import SegmentIndex, read_segment_index, row_checksums
 from pipeline.store.stats import store_info
 
@@ -58,6 +66,7 @@ class _State:
         self.h5: OrderedDict[int, Any] = OrderedDict()
         self.memory: dict[str, np.ndarray] | None = None
         self.mem_start: np.ndarray | None = None
+        self.mem_pooled: np.ndarray | None = None  # (images, P) after preload, for a store with pooled vectors
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -100,6 +109,11 @@ class FeatureStore:
             for seg in segments:
                 if seg.identity != manifest["identity"] or seg.feature_dtype != manifest["feature_dtype"]:
                     raise PipelineError(f"{seg.path}: identity or dtype differs from {self.path / MANIFEST}")
+                if seg.pooled_dim != manifest_pooled_dim(manifest):
+                    raise PipelineError(
+                        f"{seg.path}: pooled vectors of {seg.pooled_dim} values, {self.path / MANIFEST} records "
+                        f"pooled_dim {manifest_pooled_dim(manifest)} (0: none)"
+                    )
         else:
             seg = read_segment_index(self.path)
             segments = [seg]
@@ -113,6 +127,8 @@ class FeatureStore:
                 "num_rows": seg.num_rows,
                 "segments": [{"file": self.path.name, "images": seg.num_images, "rows": seg.num_rows}],
             }
+            if seg.pooled_dim:
+                manifest["pooled_dim"] = seg.pooled_dim
         manifest = dict(manifest, path=str(self.path))
         if self.expect_identity is not None and manifest["identity"] != self.expect_identity:
             raise UsageError(identity_mismatch(str(self.path), manifest["identity"], self.expect_identity))
@@ -198,6 +214,11 @@ class FeatureStore:
         return list(self._st().manifest.get("fields") or [])
 
     @property
+    def pooled_dim(self) -> int:
+        """P, the length of each image's pooled vector (``get(key)["pooled"]``); 0 when the store holds none."""
+        return manifest_pooled_dim(self._st().manifest)
+
+    @property
     def commit_counter(self) -> int:
         return int(self._st().manifest["commit"])
 
@@ -265,6 +286,26 @@ class FeatureStore:
                 f"(damaged segment: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
             ) from None
 
+    def _read_pooled(self, st: _State, si: int, first: int, count: int) -> np.ndarray | None:
+        """Pooled vectors (count, P) of the segment's images ``first..first + count``; None when it has none."""
+        seg = st.segments[si]
+        src = seg.pooled
+        if src is None:
+            return None
+        if src.byte_offset is not None:
+            nbytes = count * src.row_bytes
+            buf = os.pread(self._fd(st, si), nbytes, src.byte_offset + first * src.row_bytes)
+            if len(buf) != nbytes:
+                raise PipelineError(f"{seg.path}: short read of '{POOLED}' (file truncated?)")
+            return np.frombuffer(buf, dtype=src.dtype).reshape(count, int(src.width or 0))
+        try:
+            return np.asarray(self._h5(st, si)[POOLED][first : first + count])
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise PipelineError(
+                f"{seg.path}: cannot read '{POOLED}' of images {first}..{first + count} "
+                f"(damaged segment: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
+
     def get_position(self, i: int) -> dict[str, Any]:
         """The image at position ``i`` of :meth:`keys`."""
         st = self._st()
@@ -275,16 +316,22 @@ class FeatureStore:
             s = int(st.mem_start[i])  # type: ignore[index]
             for name, arr in st.memory.items():
                 out[name] = arr[s : s + count]
+            if st.mem_pooled is not None:
+                out[POOLED] = st.mem_pooled[i]
             return out
         seg = st.segments[si]
         rows = {name: self._read_rows(st, si, name, start, count) for name in seg.sources}
-        seg.check_rows(i - int(st.first[si]), rows)
+        pooled = self._read_pooled(st, si, i - int(st.first[si]), 1)
+        seg.check_rows(i - int(st.first[si]), rows, None if pooled is None else pooled[0])
         out.update(rows)
+        if pooled is not None:
+            out[POOLED] = pooled[0]
         return out
 
     def get(self, key: str) -> dict[str, Any]:
         """One image: ``features`` (N, D) store dtype, ``boxes`` (N, 4) float32, ``image_w``, ``image_h``,
-        and the optional fields the store has (``class_ids``, ``class_scores``, ``attr_ids``, ``attr_scores``).
+        the optional fields the store has (``class_ids``, ``class_scores``, ``attr_ids``, ``attr_scores``), and
+        ``pooled`` (P,) float32 when the store holds a pooled vector per image (:attr:`pooled_dim`).
         Arrays are read-only views; copy before modifying. A missing key raises ``KeyError`` naming the store."""
         return self.get_position(self._position(key))
 
@@ -298,30 +345,47 @@ class FeatureStore:
         memory: dict[str, np.ndarray] = {}
         for name, src in st.segments[0].sources.items() if st.segments else []:
             memory[name] = np.empty((total,) if src.width is None else (total, src.width), dtype=src.dtype)
+        dim = self.pooled_dim
+        pooled = np.empty((len(st.keys), dim), dtype=np.float32) if dim else None
         row = 0
         for si, seg in enumerate(st.segments):
             for name in memory:
                 memory[name][row : row + seg.num_rows] = self._read_rows(st, si, name, 0, seg.num_rows)
             seg_rows = {name: memory[name][row : row + seg.num_rows] for name in memory}
-            verify_block(seg, 0, seg_rows)
+            seg_pooled = None
+            if pooled is not None:
+                seg_pooled = pooled[int(st.first[si]) : int(st.first[si]) + seg.num_images]
+                seg_pooled[:] = self._read_pooled(st, si, 0, seg.num_images)
+            verify_block(seg, 0, seg_rows, seg_pooled)
             row += seg.num_rows
         st.memory = memory
+        st.mem_pooled = pooled
         st.mem_start = np.concatenate([[0], np.cumsum(st.count)[:-1]]).astype(np.int64)
         return self
 
 
-def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray]) -> None:
-    """Check images ``lo..`` of ``seg`` whose rows (from row ``offsets[lo]`` on) are ``rows``; refuse damage."""
+def verify_block(seg: SegmentIndex, lo: int, rows: dict[str, np.ndarray], pooled: np.ndarray | None = None) -> None:
+    """Check images ``lo..`` of ``seg`` whose rows (from row ``offsets[lo]`` on) are ``rows`` (and, in a segment
+    with pooled vectors, whose vectors are ``pooled`` from image ``lo`` on); refuse damage."""
     if seg.crc is None or not rows:
         return
 
     n = len(next(iter(rows.values())))
     hi = int(np.searchsorted(seg.offsets, seg.offsets[lo] + n, side="right")) - 1
+    if pooled is not None:
+        hi = min(hi, lo + len(pooled))
+    elif seg.pooled is not None:
+        raise PipelineError(f"{seg.path}: the pooled vectors of images {lo}.. were not read with their rows")
     local = seg.offsets[lo : hi + 1] - seg.offsets[lo]
-    got = row_checksums(rows, local, list(seg.sources))
+    got = row_checksums(rows, local, list(seg.sources), pooled)
     bad = np.flatnonzero(got != seg.crc[lo:hi])
     if len(bad):
-        seg.check_rows(lo + int(bad[0]), {k: v[local[bad[0]] : local[bad[0] + 1]] for k, v in rows.items()})
+        j = int(bad[0])
+        seg.check_rows(
+            lo + j,
+            {k: v[local[j] : local[j + 1]] for k, v in rows.items()},
+            None if pooled is None else pooled[j],
+        )
 
 
 def load_identity_file(path: str | Path) -> dict[str, Any]:

@@ -49,6 +49,8 @@ def print_store_info(path: Path) -> None:
         f"fields: {', '.join(['features', 'boxes'] + info['fields'])}",
         f"size on disk: {_human_bytes(info['size_on_disk_bytes'])} ({info['size_on_disk_bytes']} bytes)",
     ]
+    if info["pooled_dim"]:
+        lines.append(f"pooled vector: {info['pooled_dim']} values per image (float32)")
     if info["images"]:
         lines += [
             "boxes per image: min {min}, mean {mean:.1f}, max {max}".format(**info["boxes_per_image"]),

@@ -9,10 +9,11 @@ reader then goes through h5py for that dataset.
 
 **Checksums.** Every segment written by this version carries ``row_crc32`` (n,) uint32: for each image the
 CRC-32 (zlib) of its rows' bytes, field after field in the order ``features``, ``boxes``, then the optional
-fields; and the attribute ``index_crc32``, the CRC-32 of the keys, offsets and image sizes. Readers check an
-image's CRC each time they read its rows and the index CRC when they open the segment, so flipped bytes are
-refused with one line naming the segment (and the image) instead of surfacing as NaNs. Segments written
-before checksums existed have neither and are still read (``info`` says so).
+fields, then (only in a segment with the per-image ``pooled`` dataset) the bytes of its pooled vector; and the
+attribute ``index_crc32``, the CRC-32 of the keys, offsets and image sizes. Readers check an image's CRC each
+time they read its rows and the index CRC when they open the segment, so flipped bytes are refused with one
+line naming the segment (and the image) instead of surfacing as NaNs. Segments written before checksums
+existed have neither and are still read (``info`` says so).
 
 **Keys** are stored as their exact bytes (:func:`pipeline.core.keys.key_to_bytes`), so a file name that is not
 valid UTF-8 round-trips losslessly; valid UTF-8 keys are stored as their plain UTF-8 bytes.
@@ -35,7 +36,16 @@ import numpy as np
 from pipeline.core.errors import PipelineError, annotate_os_error, exception_line
 from pipeline.core.fileio import create_new_file
 from pipeline.core.keys import check_key, display_key, key_from_bytes, key_to_bytes
-from pipeline.store.format import BOX_DTYPE, FEATURE_DTYPES, FORMAT, OPTIONAL_FIELDS, SCHEMA_VERSION
+from pipeline.store.format import (
+    BOX_DTYPE,
+    FEATURE_DTYPES,
+    FORMAT,
+    MAX_POOLED_DIM,
+    OPTIONAL_FIELDS,
+    POOLED,
+    POOLED_DTYPE,
+    SCHEMA_VERSION,
+)
 
 
 def field_dtype(name: str, feature_dtype: str) -> np.dtype:
@@ -55,8 +65,11 @@ def row_fields_of(fields: Sequence[str]) -> list[str]:
     return ["features", "boxes"] + [f for f in fields if f in OPTIONAL_FIELDS]
 
 
-def row_checksums(rows: dict[str, np.ndarray], offsets: np.ndarray, order: Sequence[str]) -> np.ndarray:
-    """CRC-32 per image of its rows' bytes, chained over the fields in ``order`` (arrays in the stored dtype).
+def row_checksums(
+    rows: dict[str, np.ndarray], offsets: np.ndarray, order: Sequence[str], pooled: np.ndarray | None = None
+) -> np.ndarray:
+    """CRC-32 per image of its rows' bytes, chained over the fields in ``order`` (arrays in the stored dtype),
+    then over the image's row of ``pooled`` ((n, P) float32) when given.
 
     ``offsets`` (n + 1,) are row offsets relative to the arrays' first row.
     """
@@ -67,6 +80,8 @@ def row_checksums(rows: dict[str, np.ndarray], offsets: np.ndarray, order: Seque
         crc = 0
         for arr in arrays:
             crc = zlib.crc32(arr[a:b].tobytes(), crc)
+        if pooled is not None:
+            crc = zlib.crc32(np.ascontiguousarray(pooled[i], dtype=POOLED_DTYPE).tobytes(), crc)
         out[i] = crc
     return out
 
@@ -88,6 +103,7 @@ class Block:
     counts: np.ndarray  # (n,) rows per image
     sizes: np.ndarray  # (n, 2) width, height
     rows: dict[str, np.ndarray]  # field -> (rows, ...) array
+    pooled: np.ndarray | None = None  # (n, P) one vector per image, for a segment with pooled_dim P
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,7 @@ class SegmentPlan:
     fields: Sequence[str]
     chunk_rows: int
     compression: str | None
+    pooled_dim: int = 0
 
 
 def _fsync_file(path: Path) -> None:
@@ -126,6 +143,7 @@ def write_segment(
     chunk_rows: int = 0,
     compression: str | None = None,
     fsync: bool = True,
+    pooled_dim: int = 0,
 ) -> None:
     """Write a complete segment file at ``path`` (normally a ``*.tmp`` name), then close and fsync it.
 
@@ -133,9 +151,12 @@ def write_segment(
     whatever is there (a link planted at the temporary name) is refused, untouched.
 
     ``blocks`` must together hold exactly ``num_images`` images and ``num_rows`` rows. ``chunk_rows`` 0 means
-    contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows.
+    contiguous datasets (fastest reads); otherwise datasets are chunked by ``chunk_rows`` rows. ``pooled_dim``
+    P > 0 adds the per-image dataset ``pooled`` (n, P) float32: every block then carries ``pooled``.
     """
-    plan = SegmentPlan(num_images, num_rows, identity, feature_dtype, feature_dim, fields, chunk_rows, compression)
+    plan = SegmentPlan(
+        num_images, num_rows, identity, feature_dtype, feature_dim, fields, chunk_rows, compression, pooled_dim
+    )
     create_new_file(path, "feature segment")  # HDF5 then opens a new file of ours by name, never a planted link
     try:
         _write_segment_file(h5py, path, blocks, plan)
@@ -185,6 +206,11 @@ def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], plan: Se
                 if plan.compression:
                     kwargs["compression"] = plan.compression
             dsets[name] = fh.create_dataset(name, shape=shape, dtype=field_dtype(name, plan.feature_dtype), **kwargs)
+        pooled_ds = (
+            _create_pooled(fh, plan.num_images, plan.pooled_dim, plan.chunk_rows, plan.compression)
+            if plan.pooled_dim
+            else None
+        )
         keys_ds = fh.create_dataset("keys", shape=(plan.num_images,), dtype=h5py.string_dtype("utf-8"))
         offsets = np.zeros(plan.num_images + 1, dtype="<i8")
         sizes = np.zeros((plan.num_images, 2), dtype="<i4")
@@ -213,7 +239,10 @@ def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], plan: Se
                 local = np.concatenate([[0], np.cumsum(block.counts)]).astype(np.int64)
                 offsets[img + 1 : img + n + 1] = row + local[1:]
                 sizes[img : img + n] = block.sizes
-                crcs[img : img + n] = row_checksums(stored, local, row_fields)
+                pooled = _block_pooled(path, block, n, plan.pooled_dim)
+                if pooled_ds is not None:
+                    pooled_ds[img : img + n] = pooled
+                crcs[img : img + n] = row_checksums(stored, local, row_fields, pooled)
             img += n
             row += r
         if img != plan.num_images or row != plan.num_rows:
@@ -225,6 +254,32 @@ def _write_segment_file(h5py: Any, path: Path, blocks: Iterable[Block], plan: Se
         fh.create_dataset("row_crc32", data=crcs)
         fh.attrs["index_crc32"] = index_checksum(all_keys, offsets, sizes)
         fh.attrs["complete"] = True
+
+
+def _create_pooled(fh: Any, num_images: int, pooled_dim: int, chunk_rows: int, compression: str | None) -> Any:
+    """The per-image dataset ``pooled`` (n, P) float32 and the segment attribute ``pooled_dim``."""
+    if not 0 < pooled_dim <= MAX_POOLED_DIM:
+        raise PipelineError(f"a pooled vector of {pooled_dim} values (1..{MAX_POOLED_DIM} are stored)")
+    fh.attrs["pooled_dim"] = pooled_dim
+    kwargs: dict[str, Any] = {}
+    if chunk_rows and num_images:
+        kwargs["chunks"] = (min(chunk_rows, num_images), pooled_dim)
+        if compression:
+            kwargs["compression"] = compression
+    return fh.create_dataset(POOLED, shape=(num_images, pooled_dim), dtype=POOLED_DTYPE, **kwargs)
+
+
+def _block_pooled(path: Path, block: Block, n: int, pooled_dim: int) -> np.ndarray | None:
+    """A block's pooled vectors as stored ((n, P) float32), None for a segment without them; a block that does
+    not match the segment is refused."""
+    if not pooled_dim:
+        if block.pooled is not None:
+            raise PipelineError(f"segment {path}: a block carries pooled vectors, the segment has none")
+        return None
+    if block.pooled is None or np.shape(block.pooled) != (n, pooled_dim):
+        got = None if block.pooled is None else np.shape(block.pooled)
+        raise PipelineError(f"segment {path}: pooled vectors {got}, expected ({n}, {pooled_dim})")
+    return np.ascontiguousarray(block.pooled, dtype=POOLED_DTYPE)
 
 
 @dataclass
@@ -255,16 +310,23 @@ class SegmentIndex:
     sizes: np.ndarray
     sources: dict[str, RowSource]
     crc: np.ndarray | None = None  # row_crc32 per image; None for segments written before checksums
+    pooled: RowSource | None = None  # the per-image ``pooled`` dataset (rows are images); None: the segment has none
 
     @property
     def checksummed(self) -> bool:
         return self.crc is not None
 
-    def check_rows(self, i: int, rows: dict[str, np.ndarray]) -> None:
-        """Refuse image ``i`` if the CRC of its ``rows`` (every row field) differs from the stored one."""
+    @property
+    def pooled_dim(self) -> int:
+        return int(self.pooled.width or 0) if self.pooled is not None else 0
+
+    def check_rows(self, i: int, rows: dict[str, np.ndarray], pooled: np.ndarray | None = None) -> None:
+        """Refuse image ``i`` if the CRC of its ``rows`` (every row field) and, in a segment with pooled vectors,
+        its ``pooled`` vector (P,) differs from the stored one."""
         if self.crc is None:
             return
-        got = row_checksums(rows, np.array([0, len(rows["features"])]), list(self.sources))[0]
+        vectors = None if pooled is None else np.asarray(pooled).reshape(1, -1)
+        got = row_checksums(rows, np.array([0, len(rows["features"])]), list(self.sources), vectors)[0]
         if int(got) != int(self.crc[i]):
             raise PipelineError(
                 f"{self.path}: stored rows of image {display_key(self.keys[i])} are damaged (checksum mismatch); "
@@ -361,10 +423,38 @@ def read_segment_index(path: Path, expect_images: int | None = None, expect_rows
                 if offset is None or offset + r * want_dtype.itemsize * (width or 1) > file_size:
                     raise PipelineError(f"{path}: dataset '{name}' is truncated")
             sources[name] = RowSource(name, want_dtype, width, offset)
+        pooled = _pooled_source(fh, path, n, file_size)
     except PipelineError:
         raise
     except (KeyError, ValueError, TypeError, OSError, RuntimeError) as exc:
         raise PipelineError(f"{path}: corrupt feature segment ({exception_line(exc)})") from None
     finally:
         fh.close()
-    return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources, crc)
+    return SegmentIndex(path, identity, feature_dtype, feature_dim, fields, keys, offsets, sizes, sources, crc, pooled)
+
+
+def _pooled_source(fh: Any, path: Path, n: int, file_size: int) -> RowSource | None:
+    """Where the segment's per-image ``pooled`` dataset lives (None when it has none), its shape and size checked
+    against the ``pooled_dim`` attribute before anything is read."""
+    if "pooled_dim" not in fh.attrs:
+        if POOLED in fh:
+            raise PipelineError(f"{path}: dataset '{POOLED}' without the attribute 'pooled_dim' (segment damaged)")
+        return None
+    dim = fh.attrs["pooled_dim"]
+    if not isinstance(dim, (int, np.integer)) or not 0 < int(dim) <= MAX_POOLED_DIM:
+        raise PipelineError(f"{path}: attribute 'pooled_dim' {dim!r} is not an integer in 1..{MAX_POOLED_DIM}")
+    dim = int(dim)
+    if POOLED not in fh:
+        raise PipelineError(f"{path}: dataset '{POOLED}' is missing")
+    ds = fh[POOLED]
+    if not isinstance(ds, h5py.Dataset) or ds.shape != (n, dim) or ds.dtype != POOLED_DTYPE:
+        shape, dtype = getattr(ds, "shape", None), getattr(ds, "dtype", None)
+        raise PipelineError(
+            f"{path}: dataset '{POOLED}' is {shape} {dtype}, expected {(n, dim)} {POOLED_DTYPE} (pooled_dim {dim})"
+        )
+    offset = None
+    if ds.chunks is None and ds.compression is None and n:
+        offset = ds.id.get_offset()
+        if offset is None or offset + n * dim * POOLED_DTYPE.itemsize > file_size:
+            raise PipelineError(f"{path}: dataset '{POOLED}' is truncated")
+    return RowSource(POOLED, POOLED_DTYPE, dim, offset)

@@ -40,6 +40,7 @@ def store_info(store: "FeatureStore", sample: int = 256) -> dict[str, Any]:
         "feature_dtype": store.feature_dtype,
         "feature_dim": store.feature_dim,
         "fields": store.fields,
+        "pooled_dim": store.pooled_dim,
         "size_on_disk_bytes": _disk_bytes(store.path),
         "identity": store.identity,
         "checksums": _checksum_state(store),

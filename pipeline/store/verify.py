@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from pipeline.core.errors import PipelineError
-from pipeline.store.format import read_manifest
+from pipeline.store.format import POOLED, read_manifest
 from pipeline.store.segment import SegmentIndex, read_segment_index, row_checksums
 
 BLOCK_IMAGES = 256
@@ -45,8 +45,12 @@ def _segment_list(path: Path) -> list[tuple[Path, int | None, int | None]]:
 
 
 def _read_block(fh, seg: SegmentIndex, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """Rows of images lo..hi-1 by field, and their pooled vectors under ``pooled`` in a segment that has them."""
     r0, r1 = int(seg.offsets[lo]), int(seg.offsets[hi])
-    return {name: np.asarray(fh[name][r0:r1]) for name in seg.sources}
+    rows = {name: np.asarray(fh[name][r0:r1]) for name in seg.sources}
+    if seg.pooled is not None:
+        rows[POOLED] = np.asarray(fh[POOLED][lo:hi])
+    return rows
 
 
 def _check_images(fh, seg: SegmentIndex, lo: int, hi: int, report: VerifyReport) -> None:
@@ -62,14 +66,16 @@ def _check_images(fh, seg: SegmentIndex, lo: int, hi: int, report: VerifyReport)
                 report.bad_images.append((seg.path.name, seg.keys[i], f"unreadable rows ({type(exc).__name__})"))
     for a, b, rows in blocks:
         local = seg.offsets[a : b + 1] - seg.offsets[a]
+        pooled = rows.pop(POOLED, None)
         if seg.crc is not None:
-            got = row_checksums(rows, local, list(seg.sources))
+            got = row_checksums(rows, local, list(seg.sources), pooled)
             for j in np.flatnonzero(got != seg.crc[a:b]):
                 report.bad_images.append((seg.path.name, seg.keys[a + int(j)], "checksum mismatch"))
         else:
             for j in range(b - a):
                 s, e = int(local[j]), int(local[j + 1])
-                if not all(np.isfinite(rows[n][s:e]).all() for n in rows if rows[n].dtype.kind == "f"):
+                finite = all(np.isfinite(rows[n][s:e]).all() for n in rows if rows[n].dtype.kind == "f")
+                if not finite or (pooled is not None and not np.isfinite(pooled[j]).all()):
                     report.bad_images.append((seg.path.name, seg.keys[a + j], "non-finite values (no checksum)"))
         report.checked_images += b - a
 

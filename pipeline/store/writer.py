@@ -40,10 +40,13 @@ from pipeline.store.format import (
     FEATURE_DTYPES,
     LOCK,
     MANIFEST,
+    MAX_POOLED_DIM,
     OPTIONAL_FIELDS,
+    POOLED_DTYPE,
     SEGMENT_GLOB,
     canonical_identity,
     identity_mismatch,
+    manifest_pooled_dim,
     new_manifest,
     read_manifest,
     segment_name,
@@ -87,6 +90,7 @@ class FeatureStoreWriter:
         self._pending: list[tuple[str, int, int, int]] = []  # key, rows, width, height
         self._pending_keys: set[str] = set()
         self._pending_bytes = 0
+        self._pending_pooled: list[np.ndarray] = []  # one (P,) vector per pending image, in a store with them
         # buffers are kept across commits: re-touching fresh memory for every commit costs more than the copy
         self._buffers: dict[str, _RowBuffer] = getattr(self, "_buffers", {})
         for buf in self._buffers.values():
@@ -101,6 +105,12 @@ class FeatureStoreWriter:
     def num_committed(self) -> int:
         return len(self._committed)
 
+    @property
+    def pooled_dim(self) -> int | None:
+        """P, the length of the pooled vector every image of the store carries (0: none); None until the store has
+        taken its first image (that image decides)."""
+        return None if self._manifest["fields"] is None else manifest_pooled_dim(self._manifest)
+
     def has(self, key: str) -> bool:
         """True if ``key`` is committed or pending (added but not yet committed)."""
         return key in self._committed or key in self._pending_keys
@@ -111,7 +121,8 @@ class FeatureStoreWriter:
         next :meth:`commit` (or auto-commit).
 
         ``features`` (N, D) any float dtype (cast to the store dtype), ``boxes`` (N, 4) x1 y1 x2 y2 in
-        original pixels. Optional per-box fields must be given for every image or for none.
+        original pixels. Optional per-box fields, and the per-image ``pooled`` vector (P,), must be given for every
+        image or for none.
         """
         self._check_open()
         if not isinstance(record, RegionRecord):
@@ -128,8 +139,9 @@ class FeatureStoreWriter:
                 f"feature store {self.path}: image {key} has optional fields {sorted(given)}, the store has "
                 f"{sorted(fields)}"
             )
-        box_arr = np.asarray(boxes, dtype=np.float32)
         where = f"feature store {self.path}"
+        pooled = self._checked_pooled(key, record.pooled, where)
+        box_arr = np.asarray(boxes, dtype=np.float32)
         validate_image(
             key,
             feats,
@@ -160,13 +172,42 @@ class FeatureStoreWriter:
             self._manifest["feature_dim"] = int(feats.shape[1])
         if fields is None:
             self._manifest["fields"] = sorted(given)
+            if pooled is not None:
+                self._manifest["pooled_dim"] = len(pooled)
         self._pending.append((key, len(feats), int(image_w), int(image_h)))
         self._pending_keys.add(key)
         self._pending_bytes += sum(len(feats) * self._buffers[n].data[0].nbytes for n in rows)
+        if pooled is not None:
+            self._pending_pooled.append(pooled)
+            self._pending_bytes += pooled.nbytes
         if (self.commit_every and len(self._pending) >= self.commit_every) or (
             self.commit_bytes and self._pending_bytes >= self.commit_bytes
         ):
             self.commit()
+
+    def _checked_pooled(self, key: str, vector: np.ndarray | None, where: str) -> np.ndarray | None:
+        """An image's pooled vector as stored ((P,) float32), None when it has none; refused (one line naming the
+        store and the image) if it is not a finite vector or does not match the store (a vector of P values for
+        every image, or none for every image)."""
+        arr = None
+        if vector is not None:
+            raw = np.asarray(vector)
+            if raw.ndim != 1 or not 0 < raw.shape[0] <= MAX_POOLED_DIM or raw.dtype.kind not in "fiu":
+                raise PipelineError(
+                    f"{where}: image {key}: pooled must be a numeric vector of 1..{MAX_POOLED_DIM} values, got shape "
+                    f"{raw.shape} {raw.dtype}"
+                )
+            with np.errstate(over="ignore", invalid="ignore"):
+                arr = np.ascontiguousarray(raw, dtype=POOLED_DTYPE)
+            if not np.isfinite(arr).all():
+                raise PipelineError(f"{where}: image {key}: pooled contains NaN or infinity (or exceeds float32)")
+        have, got = self.pooled_dim, 0 if arr is None else len(arr)
+        if have is not None and got != have:
+            raise PipelineError(
+                f"{where}: image {key} has {_pooled_text(got)}, the store's images have {_pooled_text(have)} (every "
+                "image of a store carries one or none)"
+            )
+        return arr
 
     def commit(self) -> int:
         """Durably publish every pending image (one new segment). Returns the number of images committed."""
@@ -185,6 +226,7 @@ class FeatureStoreWriter:
             counts=counts,
             sizes=np.array([(w, h) for _, _, w, h in self._pending], dtype=np.int32).reshape(-1, 2),
             rows={f: self._buffers[f].view() for f in ["features", "boxes"] + fields},
+            pooled=np.stack(self._pending_pooled) if self._pending_pooled else None,
         )
         n, rows = len(self._pending), int(counts.sum())
         try:
@@ -217,6 +259,7 @@ class FeatureStoreWriter:
             chunk_rows=self.chunk_rows,
             compression=self.compression,
             fsync=self.fsync,
+            pooled_dim=manifest_pooled_dim(m),
         )
         os.replace(tmp, final)
         fsync_dir(self.path)
@@ -268,6 +311,10 @@ class FeatureStoreWriter:
                     log.warning("store %s: interrupted; could not commit the pending images (%s)", self.path, err)
         finally:
             self.close()
+
+
+def _pooled_text(n: int) -> str:
+    return f"a pooled vector of {n} values" if n else "no pooled vector"
 
 
 def _clean_garbage(path: Path, manifest: dict[str, Any]) -> None:
