@@ -10,52 +10,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from caption_helpers import tiny_detector
 from PIL import Image
-from train_helpers import TINY
 from typer.testing import CliRunner
 
 from cli import app
-from pipeline.caption_data.prepare import prepare_captions
-from pipeline.core.config import load_config
-from pipeline.core.stages import run_stage
-from pipeline.training.api import train_captioner
-from pipeline.world.generate import generate_world
-from pipeline.world.oracle_features import oracle_dim, write_oracle_store
-
-R101_DIM = 2048
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny SAN trained for one epoch on 2048-d oracle features (the random R101 detector's feature size)."""
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("caption")
-    world = root / "world"
-    generate_world(world, load_config("world", None, ["world.num_images=40", "world.num_workers=1"]).world)
-    run = root / "run"
-    cfg = load_config(
-        "prepare",
-        None,
-        [f"prepare.karpathy_json={world / 'annotations/dataset_coco.json'}", "prepare.word_count_threshold=0"],
-    )
-    run_stage(run, "data", cfg.prepare, prepare_captions)
-    write_oracle_store(world, run / "features" / "store", extra_dims=R101_DIM - oracle_dim())
-    tcfg = load_config(
-        "train",
-        None,
-        [
-            "train.model=san",
-            f"train.store={run / 'features/store'}",
-            f"train.data={run / 'data'}",
-            "train.device=cpu",
-            "train.preload=memory",
-            "train.stages=[xe]",
-            "train.xe={epochs: 1, batch_size: 16, lr: 1.0e-3, warmup_iters: 0}",
-            *TINY,
-        ],
-    )
-    return train_captioner(run, tcfg).directory / "best.pt"
+def checkpoint(tiny_captioners: Path) -> Path:
+    """A tiny SAN trained for eight XE epochs on 128-d oracle features (the tiny detector's feature size): it
+    writes a non-empty caption for every photo."""
+    return tiny_captioners / "train-b" / "best.pt"
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory) -> Path:
+    """A seeded random tiny bottom-up detector weights file (:func:`caption_helpers.tiny_detector`)."""
+    return tiny_detector(tmp_path_factory.mktemp("detector") / "tiny.pth")
 
 
 @pytest.fixture()
@@ -74,14 +46,16 @@ def run_caption(*args: str):
     return CliRunner().invoke(app, ["caption", *args, "--set", "caption.min_size=160", "--set", "caption.max_size=256"])
 
 
-def test_captions_real_photos_and_reports_bad_files(checkpoint: Path, mixed_folder: Path, tmp_path: Path) -> None:
+def test_captions_real_photos_and_reports_bad_files(
+    checkpoint: Path, detector: Path, mixed_folder: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "captions.jsonl"
     res = run_caption(
         str(mixed_folder),
         "--model",
         str(checkpoint),
         "--weights",
-        "random",
+        str(detector),
         "--output",
         str(out),
         "--n-best",
@@ -107,12 +81,12 @@ def test_captions_real_photos_and_reports_bad_files(checkpoint: Path, mixed_fold
     assert "skipped" in res.stdout
 
 
-def test_csv_output_and_cache_reuse(checkpoint: Path, shared_data: Path, tmp_path: Path) -> None:
+def test_csv_output_and_cache_reuse(checkpoint: Path, detector: Path, shared_data: Path, tmp_path: Path) -> None:
     photos = [str(shared_data / "photos" / "000456.jpg"), str(shared_data / "photos" / "004545.jpg")]
     out = tmp_path / "c.csv"
     cache = tmp_path / "cache"
     first = run_caption(
-        *photos, "--model", str(checkpoint), "--weights", "random", "--output", str(out), "--cache", str(cache)
+        *photos, "--model", str(checkpoint), "--weights", str(detector), "--output", str(out), "--cache", str(cache)
     )
     assert first.exit_code == 0, first.output
     rows = list(csv.DictReader(out.open()))
@@ -125,7 +99,7 @@ def test_csv_output_and_cache_reuse(checkpoint: Path, shared_data: Path, tmp_pat
         "--model",
         str(checkpoint),
         "--weights",
-        "random",
+        str(detector),
         "--output",
         str(tmp_path / "d.csv"),
         "--cache",

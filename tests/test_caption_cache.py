@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from store_helpers import IDENTITY, add_image, synthetic_image
-from test_caption import checkpoint, run_caption  # noqa: F401  (the module-scoped tiny captioner)
+from test_caption import checkpoint, detector, run_caption  # noqa: F401  (the tiny captioner and detector)
 from typer.testing import CliRunner
 
 from cli import app
@@ -71,7 +71,12 @@ def test_writer_in_features_mode_keeps_the_store_identity_and_dtype(tmp_path: Pa
         open_writer(tmp_path / "s", dict(other, weights_sha256="1" * 64), match="features")
 
 
-def test_caption_reuses_a_store_written_by_extract(checkpoint: Path, shared_data: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_caption_reuses_a_store_written_by_extract(
+    checkpoint: Path,  # noqa: F811
+    detector: Path,  # noqa: F811
+    shared_data: Path,
+    tmp_path: Path,
+) -> None:
     photo = tmp_path / "000456.jpg"
     shutil.copy(shared_data / "photos" / "000456.jpg", photo)
     store = tmp_path / "store"
@@ -81,7 +86,7 @@ def test_caption_reuses_a_store_written_by_extract(checkpoint: Path, shared_data
             "extract",
             str(photo),
             "--weights",
-            "random",
+            str(detector),
             "--store",
             str(store),
             "--workers",
@@ -94,7 +99,7 @@ def test_caption_reuses_a_store_written_by_extract(checkpoint: Path, shared_data
     )
     assert res.exit_code == 0, res.output
     segments = sorted(p.name for p in store.glob("seg-*.h5"))
-    res = run_caption(str(photo), "--model", str(checkpoint), "--weights", "random", "--cache", str(store))
+    res = run_caption(str(photo), "--model", str(checkpoint), "--weights", str(detector), "--cache", str(store))
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in store.glob("seg-*.h5")) == segments  # read from the store, nothing re-extracted
     res = run_caption(
@@ -102,7 +107,7 @@ def test_caption_reuses_a_store_written_by_extract(checkpoint: Path, shared_data
         "--model",
         str(checkpoint),
         "--weights",
-        "random",
+        str(detector),
         "--cache",
         str(store),
         "--set",
