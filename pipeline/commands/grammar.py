@@ -105,6 +105,7 @@ MEANINGS: dict[str, Meaning] = {
     "--keys": Meaning(None, "how image ids of a feature file become store keys"),
     "--sizes": Meaning(None, "a COCO file with each image's width and height"),
     "--skip-bad": Meaning(None, "skip and report bad rows instead of stopping", flag=True),
+    "--fc": Meaning(None, "a folder of per-image pooled vectors imported with the features"),
     "--commit-every": Meaning(None, "commit the store every N images"),
     "--expect": Meaning(None, "a text file of image ids that must be present"),
     "--verify": Meaning(None, "read every row of a feature store and check its checksums", flag=True),
