@@ -1,12 +1,12 @@
-"""``cli.py`` commands in forked children under an address-space limit.
+"""``cli.py`` commands in forked children, optionally under an address-space limit.
 
-:class:`ForkedCli` starts one interpreter (this file run as a script) that imports ``cli.py`` (its commands and the
-extractor modules with their release records, as ``info`` and ``extract`` import them) and then waits for requests.
-Each request forks a child of that interpreter; the child takes the request's environment, points its stdin at
-``/dev/null`` and its stdout and stderr at files, sets ``RLIMIT_AS`` to the requested limit, runs ``cli.main()``
-with the request's arguments and exits with the command's exit code (a traceback and exit 1 for an uncaught
-exception, as the interpreter does). The answer is a ``subprocess.CompletedProcess`` like the ``cli`` fixture's: a
-child killed by a signal has a negative return code.
+:class:`ForkedCli` starts one interpreter (this file run as a script) that imports ``cli.py`` (its commands, the
+plugins that ``BUTD_PLUGINS`` names, and the extractor modules with their release records, as ``info`` and ``extract``
+import them) and then waits for requests. Each request forks a child of that interpreter; the child takes the
+request's environment, points its stdin at ``/dev/null`` and its stdout and stderr at files, sets ``RLIMIT_AS`` to
+the requested limit (if any), runs ``cli.main()`` with the request's arguments and exits with the command's exit code
+(a traceback and exit 1 for an uncaught exception, as the interpreter does). The answer is a
+``subprocess.CompletedProcess`` like the ``cli`` fixture's: a child killed by a signal has a negative return code.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ class ForkedCli:
             raise RuntimeError(f"the cli server did not start (exit code {self.server.returncode})")
 
     def __call__(
-        self, *args: str, env: dict[str, str], address_space: int, timeout: float
+        self, *args: str, env: dict[str, str], address_space: int | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess:
-        """``cli.py ARGS`` in a forked child with environment ``env`` and ``RLIMIT_AS`` = ``address_space`` bytes;
+        """``cli.py ARGS`` in a forked child with environment ``env`` and ``RLIMIT_AS`` = ``address_space`` bytes
+        (None: the limit the server has);
         a child still running after ``timeout`` seconds is killed and raises ``subprocess.TimeoutExpired``."""
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
@@ -95,8 +96,9 @@ def _child(request: dict[str, Any], cli: Any) -> None:
             target = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        limit = int(request["address_space"])
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        if request["address_space"] is not None:
+            limit = int(request["address_space"])
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         sys.argv = [str(REPO / "cli.py"), *request["args"]]
         try:
             cli.main()
@@ -131,7 +133,7 @@ def _wait(pid: int, timeout: float) -> dict[str, Any]:
 
 
 def _serve() -> None:
-    """Import ``cli.py`` and the extractor modules, then answer one request per line of stdin."""
+    """Import ``cli.py`` and the extractor modules, then answer one request per line of stdin until it closes."""
     answers = os.fdopen(os.dup(1), "w")
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
@@ -151,6 +153,8 @@ def _serve() -> None:
             _child(request, cli)
         answers.write(json.dumps(_wait(pid, float(request["timeout"]))) + "\n")
         answers.flush()
+    answers.close()
+    os._exit(0)  # stdin closed: nothing of this interpreter is left to save
 
 
 if __name__ == "__main__":
