@@ -1,18 +1,21 @@
 """docs/extending.md, followed to the letter: its toy captioner (one module + one YAML), toy importer (one
 module + one Format record) and toy detector release (one module + one Release record) are written into a
 temporary folder exactly as printed, loaded through BUTD_PLUGINS, and run through the CLI (import, export,
-info, train, evaluate, extract)."""
+info, train, evaluate, extract): each command in a child forked from an interpreter that started ``cli.py`` with
+the plugins' environment (tests/bounded_cli.py), a plugin that cannot be imported in a ``cli.py`` of its own."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from bounded_cli import ForkedCli
 from detector_helpers import save_layout
 from extract_helpers import tiny_spec
 from PIL import Image
@@ -48,10 +51,31 @@ def plugin_env(tmp_path_factory) -> dict[str, str]:
     )
 
 
-def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_env):
-    help_text = cli("import-features", "--help", env=plugin_env).stdout
+@pytest.fixture(scope="module")
+def plugin_cli(cli):
+    """``plugin_cli(*args, env=ENV)``: ``cli.py ARGS`` in a child forked from an interpreter that started ``cli.py``
+    with ``ENV`` (the plugins its BUTD_PLUGINS names loaded at start-up), one such interpreter per environment."""
+    servers: dict[tuple, ForkedCli] = {}
+
+    def run(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+        full = cli.environment(env)
+        key = tuple(sorted(full.items()))
+        if key not in servers:
+            servers[key] = ForkedCli(full)
+        try:
+            return servers[key](*args, env=full, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after {timeout} s")
+
+    yield run
+    for server in servers.values():
+        server.close()
+
+
+def test_toy_importer_imports_and_exports_through_the_cli(plugin_cli, tmp_path, plugin_env):
+    help_text = plugin_cli("import-features", "--help", env=plugin_env).stdout
     assert "toy-npz" in help_text and "one KEY.npz per image" in help_text
-    assert "toy-npz" in cli("export-features", "--help", env=plugin_env).stdout
+    assert "toy-npz" in plugin_cli("export-features", "--help", env=plugin_env).stdout
     rng = np.random.default_rng(0)
     src = tmp_path / "toy"
     src.mkdir()
@@ -63,10 +87,10 @@ def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_
         np.savez(src / f"{key}.npz", features=feats, boxes=boxes, size=np.array([60, 40]))
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
-    res = cli("import-features", str(src), "--format", "toy-npz", "--store", str(store), env=plugin_env)
+    res = plugin_cli("import-features", str(src), "--format", "toy-npz", "--store", str(store), env=plugin_env)
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # the format names no release
     assert "format 'toy-npz' names no release" in res.stderr and "--release" in res.stderr
-    res = cli(
+    res = plugin_cli(
         "import-features",
         str(src),
         "--format",
@@ -89,11 +113,11 @@ def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_
         np.testing.assert_array_equal(st.get(key)["boxes"], boxes)
         assert st.image_size(key) == (60, 40)
     out = tmp_path / "toy.txt"
-    res = cli("export-features", str(store), "--format", "toy-npz", "--output", str(out), env=plugin_env)
+    res = plugin_cli("export-features", str(store), "--format", "toy-npz", "--output", str(out), env=plugin_env)
     assert res.returncode == 0 and "rows written: 3" in res.stdout, res.stderr
     assert sorted(out.read_text().splitlines()) == ["a\t3", "b\t1", "c\t5"]
     (src / "bad.npz").write_bytes(b"not a zip")  # the reader's PipelineError: one line, exit 2 (a bad input file)
-    res = cli(
+    res = plugin_cli(
         "import-features",
         str(src),
         "--format",
@@ -107,15 +131,15 @@ def test_toy_importer_imports_and_exports_through_the_cli(cli, tmp_path, plugin_
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "not a toy feature file" in res.stderr
 
 
-def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(cli, tmp_path, plugin_env):
-    res = cli("info", "--model", "toy", env=plugin_env)
+def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(plugin_cli, tmp_path, plugin_env):
+    res = plugin_cli("info", "--model", "toy", env=plugin_env)
     assert res.returncode == 0, res.stderr
     # image 2048*32+32, embedding 10000*32, GRU cell 2*(96*32)+2*96, output 32*10000+10000 (vocabulary 10,000)
     assert "parameters: 721904 " in res.stdout and "hidden: 32" in res.stdout
-    assert "parameters: 364416 " in cli("info", "--model", "toy", "--set", "hidden=16", env=plugin_env).stdout
+    assert "parameters: 364416 " in plugin_cli("info", "--model", "toy", "--set", "hidden=16", env=plugin_env).stdout
 
     run = make_world_run(tmp_path, num_images=40)
-    res = cli(
+    res = plugin_cli(
         "train",
         "--out",
         str(tmp_path / "out"),
@@ -142,7 +166,7 @@ def test_toy_captioner_is_built_trained_and_evaluated_through_the_cli(cli, tmp_p
     epochs = sorted({r["epoch"] for r in log if r.get("stage") == "xe" and "epoch" in r})
     assert epochs == [0, 1]  # the card's schedule: xe epochs 2
     metrics = tmp_path / "metrics.json"
-    res = cli(
+    res = plugin_cli(
         "evaluate",
         "--model",
         str(stage / "best.pt"),
@@ -188,7 +212,7 @@ def _photo(path: Path, seed: int, size: tuple[int, int]) -> str:
     return str(path)
 
 
-def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(cli, tmp_path, plugin_env):
+def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(plugin_cli, tmp_path, plugin_env):
     """Weights in the toy layout are recognised by the plugin's record alone: ``info`` describes them, ``extract``
     records the release's identity name and gives exactly the features of the same weights in the MILVLG layout;
     without the plugin the file is refused in one line."""
@@ -199,17 +223,17 @@ def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(cli, t
     torch.save({"detector." + k: v for k, v in sd.items()}, toy)
     photos = [_photo(tmp_path / "a.jpg", 0, (320, 240)), _photo(tmp_path / "b.jpg", 1, (200, 300))]
 
-    res = cli("info", str(toy), env=env)
+    res = plugin_cli("info", str(toy), env=env)
     assert res.returncode == 0, res.stderr
     assert "layout: toy" in res.stdout and "semantics: caffe" in res.stdout and "recipe: caffe" in res.stdout
-    res = cli("info", str(toy), env=plugin_env)  # the plugin not loaded: no release claims the layout
+    res = plugin_cli("info", str(toy), env=plugin_env)  # the plugin not loaded: no release claims the layout
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and str(toy) in res.stderr
-    assert "toy" in cli("import-features", "--help", env=env).stdout.split("--release", 1)[1].split("--", 1)[0]
+    assert "toy" in plugin_cli("import-features", "--help", env=env).stdout.split("--release", 1)[1].split("--", 1)[0]
 
     stores = {}
     for name, weights in (("toy", toy), ("milvlg", milvlg)):
         stores[name] = tmp_path / f"store-{name}"
-        res = cli(
+        res = plugin_cli(
             "extract",
             *photos,
             "--weights",

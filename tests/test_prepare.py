@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from bounded_cli import ForkedCli
 
 from pipeline.caption_data import PreparedCaptions
 from pipeline.caption_data.prepare import prepare_captions
@@ -132,22 +134,38 @@ def test_stage_skips_and_refuses_changed_config(world, tmp_path):
         prep(tmp_path, f"prepare.karpathy_json={src}", "prepare.max_length=10")
 
 
-def test_bad_inputs_via_cli(cli, world, tmp_path):
+@pytest.fixture(scope="module")
+def forked_cli(cli):
+    """``forked_cli(*args)``: ``cli.py ARGS`` in a child forked from one interpreter that has started ``cli.py`` with
+    the environment the ``cli`` fixture gives a child (tests/bounded_cli.py)."""
+    server = ForkedCli(cli.environment())
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        try:
+            return server(*args, env=cli.environment(), timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 300 s")
+
+    yield run
+    server.close()
+
+
+def test_bad_inputs_via_cli(forked_cli, world, tmp_path):
     missing = tmp_path / "nope.json"
-    proc = cli("prepare", "--set", f"prepare.karpathy_json={missing}", "--out", str(tmp_path / "r1"), "-q")
+    proc = forked_cli("prepare", "--set", f"prepare.karpathy_json={missing}", "--out", str(tmp_path / "r1"), "-q")
     assert proc.returncode == 2 and "nope.json" in proc.stderr and "Traceback" not in proc.stderr
     broken = tmp_path / "broken.json"
     broken.write_text('{"images": [')
-    proc = cli("prepare", "--set", f"prepare.karpathy_json={broken}", "--out", str(tmp_path / "r2"), "-q")
+    proc = forked_cli("prepare", "--set", f"prepare.karpathy_json={broken}", "--out", str(tmp_path / "r2"), "-q")
     assert proc.returncode == 2 and "broken.json is not valid JSON" in " ".join(proc.stderr.split())
     bad = json.loads((world / "annotations/dataset_coco.json").read_text())
     del bad["images"][3]["sentences"]
     badfile = tmp_path / "bad.json"
     badfile.write_text(json.dumps(bad))
-    proc = cli("prepare", "--set", f"prepare.karpathy_json={badfile}", "--out", str(tmp_path / "r3"), "-q")
+    proc = forked_cli("prepare", "--set", f"prepare.karpathy_json={badfile}", "--out", str(tmp_path / "r3"), "-q")
     assert proc.returncode == 2 and "bad.json: images[3] lacks 'sentences' or 'split'" in " ".join(proc.stderr.split())
-    proc = cli("prepare", "--out", str(tmp_path / "r4"), "-q")
+    proc = forked_cli("prepare", "--out", str(tmp_path / "r4"), "-q")
     assert proc.returncode == 2 and "exactly one caption source" in proc.stderr
-    proc = cli("prepare", "--set", "prepare.max_lenght=3", "--out", str(tmp_path / "r5"), "-q")
+    proc = forked_cli("prepare", "--set", "prepare.max_lenght=3", "--out", str(tmp_path / "r5"), "-q")
     assert proc.returncode == 2 and "max_lenght" in proc.stderr
     assert not (tmp_path / "r3" / "data" / "manifest.json").exists()

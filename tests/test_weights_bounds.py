@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bounded_cli import ForkedCli
 from detector_helpers import random_grid_feats_file, read_raw, save_layout, save_vinvl
 from extract_helpers import tiny_spec
 from PIL import Image
@@ -231,6 +232,23 @@ def limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
 
+@pytest.fixture(scope="module")
+def bounded(cli):
+    """``bounded(*args)``: ``cli.py ARGS`` in a child limited to :data:`AS_LIMIT` of address space, forked from one
+    interpreter of this module that has imported ``cli.py`` (:mod:`bounded_cli`), with the environment the ``cli``
+    fixture gives a child plus :data:`BOUNDED`."""
+    server = ForkedCli(cli.environment(BOUNDED))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        try:
+            return server(*args, env=cli.environment(BOUNDED), address_space=AS_LIMIT, timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 180 s")
+
+    yield run
+    server.close()
+
+
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path, what: str, reason: str) -> str:
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
     assert res.returncode not in (0, -9) and len(lines) == 1 and "Traceback" not in res.stderr, (
@@ -263,14 +281,14 @@ def extract_args(tmp_path: Path, weights: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("attack,layout", CASES)
-def test_info_refuses_a_file_that_declares_what_it_does_not_hold(cli, tmp_path: Path, attack: str, layout: str) -> None:
+def test_info_refuses_a_file_that_declares_what_it_does_not_hold(
+    bounded, tmp_path: Path, attack: str, layout: str
+) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
     assert path.stat().st_size < 16 << 20
-    refused_in_one_line(
-        cli("info", str(path), env=BOUNDED, timeout=180, preexec_fn=limit_address_space), path, what, reason
-    )
+    refused_in_one_line(bounded("info", str(path)), path, what, reason)
     with pytest.raises(W.WeightsError, match=f"{path.name}.*'{what}'.*{reason}"):
         W.describe(path)
 
@@ -286,36 +304,26 @@ def test_info_refuses_a_file_that_declares_what_it_does_not_hold(cli, tmp_path: 
         ("conv_0d", "butd"),
     ],
 )
-def test_extract_refuses_it_before_building_the_detector(cli, tmp_path: Path, attack: str, layout: str) -> None:
+def test_extract_refuses_it_before_building_the_detector(bounded, tmp_path: Path, attack: str, layout: str) -> None:
     sd = state_of(layout, tmp_path)
     what, reason = ATTACKS[attack](layout, sd)
     path = write(layout, sd, tmp_path / f"detector{SUFFIX[layout]}")
     args = extract_args(tmp_path, path) + (["--boxes", "grid"] if layout == "grid-feats" else [])
-    refused_in_one_line(cli(*args, env=BOUNDED, timeout=180, preexec_fn=limit_address_space), path, what, reason)
+    refused_in_one_line(bounded(*args), path, what, reason)
     assert not (tmp_path / "store" / "store.json").exists()
 
 
 @pytest.mark.parametrize("layout", ["milvlg", "vinvl"])
-def test_an_archive_member_inflating_to_gigabytes_is_refused_unread(cli, tmp_path: Path, layout: str) -> None:
+def test_an_archive_member_inflating_to_gigabytes_is_refused_unread(bounded, tmp_path: Path, layout: str) -> None:
     path = write(layout, state_of(layout, tmp_path), tmp_path / "detector.pth")
     inflating_member(path)
     assert path.stat().st_size < 4 << 20
     with zipfile.ZipFile(path) as zf:
         member = next(i for i in zf.infolist() if i.compress_type == zipfile.ZIP_DEFLATED)
     assert member.file_size > 2 << 30
-    refused_in_one_line(
-        cli("info", str(path), env=BOUNDED, timeout=180, preexec_fn=limit_address_space),
-        path,
-        re.escape(member.filename),
-        "inflates",
-    )
+    refused_in_one_line(bounded("info", str(path)), path, re.escape(member.filename), "inflates")
     args = extract_args(tmp_path, path)
-    refused_in_one_line(
-        cli(*args, env=BOUNDED, timeout=180, preexec_fn=limit_address_space),
-        path,
-        re.escape(member.filename),
-        "inflates",
-    )
+    refused_in_one_line(bounded(*args), path, re.escape(member.filename), "inflates")
 
 
 def test_honest_files_of_every_layout_are_well_within_the_bounds(tmp_path: Path) -> None:

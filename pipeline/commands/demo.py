@@ -14,7 +14,6 @@ from pipeline.core.config import load_config
 from pipeline.core.console import get_logger, stdout_console
 from pipeline.core.errors import UsageError
 from pipeline.core.stages import run_stage
-from pipeline.demo import run_demo
 from pipeline.world.generate import generate_world, world_stage_config
 
 log = get_logger("demo")
@@ -93,6 +92,8 @@ def register(app: typer.Typer) -> None:
             )
             stdout_console().print(f"world: {result.summary} in {out.resolve()}")
             return
+
+        from pipeline.demo import run_demo  # noqa: PLC0415 -- keeps cli --help fast
 
         kinds = [k.strip() for k in features.split(",") if k.strip()] if features else None
         report = run_demo(out, cfg, names, force=opts.force, features=kinds)

@@ -12,7 +12,6 @@ import typer
 
 from extractors import BUILTIN_PRESETS
 from extractors.recipes import BOX_MODES, RECIPES
-from extractors.stage import ExtractJob, extract_features
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
 from pipeline.core.console import get_logger, stdout_console
@@ -189,6 +188,8 @@ def register(app: typer.Typer) -> None:
             )
         if not paths and coco is None and file_list is None:
             raise UsageError("give image folders/files, --file-list or --coco")
+        from extractors.stage import ExtractJob, extract_features  # noqa: PLC0415 -- keeps cli --help fast
+
         parts = _parse_shard(shard)
         torchrun = shard is None and parts is not None
         job = ExtractJob(

@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from extractors.training.stage import evaluate_detector, train_detector
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command, out_option
 from pipeline.core.console import stdout_console
@@ -87,6 +86,8 @@ def register(app: typer.Typer) -> None:
         if reinit_heads:
             first.append("model.reinit_heads=true")
 
+        from extractors.training.stage import train_detector  # noqa: PLC0415 -- keeps cli --help fast
+
         rank = env_context().rank
         cfg = opts.resolve("train_detector", first=first, show=rank == 0)
         check_gpu_per_process(
@@ -133,6 +134,7 @@ def register(app: typer.Typer) -> None:
             butd-caption eval-detector runs/detector/detector.pth -a world/annotations/instances_test.json --batch-size 8 --num-workers 2 --precision bf16
         """  # noqa: E501 -- each example is one shell line (tests/test_cli_grammar.py parses it)
         from extractors.training.evaluate import summary_line  # noqa: PLC0415 -- keeps cli --help fast
+        from extractors.training.stage import evaluate_detector  # noqa: PLC0415 -- keeps cli --help fast
 
         cfg = opts.resolve("train_detector", show=False)
         check_precision(cfg.eval.precision, "eval.precision", fp16=False)
