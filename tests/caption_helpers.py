@@ -28,9 +28,10 @@ ATTRIBUTES = ["__no_attribute__"] + [f"colour{i}" for i in range(1, 11)]
 SMALL = ["--set", "caption.min_size=96", "--set", "caption.max_size=160", "--set", "caption.batch_size=2"]
 
 
-def tiny_detector(path: Path) -> Path:
-    """A seeded random tiny bottom-up detector written as a ``butd`` weights file (128-d region features)."""
-    det = random_detector(tiny_spec(min_size=96, max_size=160), seed=0)
+def tiny_detector(path: Path, **spec: int) -> Path:
+    """A seeded random tiny bottom-up detector written as a ``butd`` weights file (128-d region features);
+    ``spec`` overrides fields of the tiny spec (e.g. ``post_nms_topk``, ``pooler_resolution``)."""
+    det = random_detector(tiny_spec(min_size=96, max_size=160, **spec), seed=0)
     return export_weights(det, path, (1.0, 1.0, 1.0, 1.0), CLASSES, ATTRIBUTES)
 
 

@@ -27,11 +27,18 @@ from pipeline.core import threads as thread_policy
 from pipeline.core.keys import key_from_text
 
 
+#: the tiny detector with 20 proposals per photo pooled to 7x7 (the tiny spec's are 60 at 14x14): its region
+#: features stay 128-d, as the captioners expect; these tests are about streaming, resuming and memory, which
+#: do not depend on how many regions a photo has
+STREAM_DETECTOR = {"post_nms_topk": 20, "pooler_resolution": 7}
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_captioners: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stream")
     run = tiny_captioners
-    return {"root": root, "run": run, "weights": tiny_detector(root / "tiny.pth"), "ckpt": run / "train-a" / "best.pt"}
+    weights = tiny_detector(root / "tiny.pth", **STREAM_DETECTOR)
+    return {"root": root, "run": run, "weights": weights, "ckpt": run / "train-a" / "best.pt"}
 
 
 def caption(env: dict[str, Path], *args: str, model: str | None = None):
