@@ -86,13 +86,17 @@ def small_photos(folder: Path, count: int, size: tuple[int, int] = (120, 90), se
     return paths
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a ``cli.py`` child: this process's, with one thread, no progress bars, 300 columns."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300")
+
+
 def cli_process(*args: str, **kw) -> subprocess.Popen:
     """``cli.py`` in a child process (one thread, no progress bars)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300")
     return subprocess.Popen(
         [sys.executable, str(REPO / "cli.py"), *args],
         cwd=REPO,
-        env=env,
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         **kw,
