@@ -101,6 +101,7 @@ def forked_cli(tmp_path_factory) -> Iterator[ForkedCli]:
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
     server = ForkedCli(env, tmp_path_factory.mktemp("forked") / "server.log")
+    server.open()
     yield server
     server.close()
 

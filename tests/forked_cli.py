@@ -67,13 +67,14 @@ class ForkedChild:
 
 
 class ForkedCli:
-    """The client of one server process (started on the first :meth:`start`, with ``env``: the environment
-    torch and OpenMP read while they load); :meth:`close` ends it."""
+    """The client of one server process (started by :meth:`open` or the first :meth:`start`, with ``env``: the
+    environment torch and OpenMP read while they load); :meth:`close` ends it."""
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
         self.env, self.log = env, log
         self.proc: subprocess.Popen | None = None
         self.pending = b""
+        self.running: ForkedChild | None = None
 
     def start(
         self,
@@ -87,13 +88,10 @@ class ForkedCli:
     ) -> ForkedChild:
         """Run ``argv[0]`` (a script file) with ``sys.argv = argv``, or ``code`` with ``sys.argv = ["-c", *argv]``,
         in a forked child with exactly the environment ``env``."""
-        if self.proc is None or self.proc.poll() is not None:
-            with open(self.log, "ab") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, __file__], cwd=REPO, env=self.env, stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=log,
-                )  # fmt: skip
-            self.pending = b""
+        self.open()
+        if self.running is not None and self.running.poll() is None:  # one a test left running (a failed test's)
+            self.running.kill()
+            self.running.wait(timeout=60)
         argv = ["-c", *argv] if code is not None else [str(a) for a in argv]
         request = {"argv": argv, "code": code, "env": env, "cwd": str(cwd)}
         request.update(stdout=str(stdout), stderr=str(stderr))
@@ -102,7 +100,18 @@ class ForkedCli:
         reply = self.reply(timeout=120)
         if reply is None or "pid" not in reply:
             raise RuntimeError(f"the fork server started no child ({reply}); its log: {self.log}")
-        return ForkedChild(self, int(reply["pid"]), Path(stdout), Path(stderr))
+        self.running = ForkedChild(self, int(reply["pid"]), Path(stdout), Path(stderr))
+        return self.running
+
+    def open(self) -> None:
+        """Start the server unless it runs (it imports ``cli`` while the caller goes on)."""
+        if self.proc is None or self.proc.poll() is not None:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, __file__], cwd=REPO, env=self.env, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log,
+                )  # fmt: skip
+            self.pending = b""
 
     def reply(self, timeout: float) -> dict[str, Any] | None:
         """The server's next answer, or None if none comes within ``timeout`` seconds."""
@@ -120,6 +129,7 @@ class ForkedCli:
         return json.loads(line)
 
     def close(self) -> None:
+        """End the server (after the child that runs, if one does)."""
         if self.proc is not None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
