@@ -254,8 +254,10 @@ def test_peak_rss_of_caption_on_400_photos_stays_within_the_bound(
     The bound rules out keeping more than 40 MB / 360 photos = 114 kB per photo to the end: each photo's decoded
     image (320 x 240 x 3 = 225 kB), or a real detector's regions (36 x 2048 float32 = 288 kB). The test also
     runs the counterfactual, the same command keeping every result with its regions and image (what `caption`
-    did before it streamed), and checks that it breaks the bound. Measured on the 2-core machine (load ~1):
-    40 photos 757-759 MB, 400 photos 755-759 MB, 400 keeping everything 845-848 MB (+88 MB); about 30 s.
+    did before it streamed), and checks that it breaks the bound. Each run is a child forked from an interpreter
+    that has imported the CLI (tests/forked_cli.py), so all three start from the same memory. Measured on the
+    2-core machine (load ~1-2): 40 photos 466-467 MB, 400 photos 468-469 MB, 400 keeping everything 560 MB
+    (+93 MB); about 24 s.
     """
     small_photos(tmp_path / "few", 40, size=(320, 240))
     small_photos(tmp_path / "many", 400, size=(320, 240), seed=1)
