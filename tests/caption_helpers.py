@@ -28,9 +28,10 @@ ATTRIBUTES = ["__no_attribute__"] + [f"colour{i}" for i in range(1, 11)]
 SMALL = ["--set", "caption.min_size=96", "--set", "caption.max_size=160", "--set", "caption.batch_size=2"]
 
 
-def tiny_detector(path: Path) -> Path:
-    """A seeded random tiny bottom-up detector written as a ``butd`` weights file (128-d region features)."""
-    det = random_detector(tiny_spec(min_size=96, max_size=160), seed=0)
+def tiny_detector(path: Path, **spec: int) -> Path:
+    """A seeded random tiny bottom-up detector written as a ``butd`` weights file (128-d region features);
+    ``spec`` overrides fields of the tiny spec (e.g. ``post_nms_topk``, ``pooler_resolution``)."""
+    det = random_detector(tiny_spec(min_size=96, max_size=160, **spec), seed=0)
     return export_weights(det, path, (1.0, 1.0, 1.0, 1.0), CLASSES, ATTRIBUTES)
 
 
@@ -85,13 +86,17 @@ def small_photos(folder: Path, count: int, size: tuple[int, int] = (120, 90), se
     return paths
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a ``cli.py`` child: this process's, with one thread, no progress bars, 300 columns."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300")
+
+
 def cli_process(*args: str, **kw) -> subprocess.Popen:
     """``cli.py`` in a child process (one thread, no progress bars)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", BUTD_NO_PROGRESS="1", COLUMNS="300")
     return subprocess.Popen(
         [sys.executable, str(REPO / "cli.py"), *args],
         cwd=REPO,
-        env=env,
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         **kw,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from caption_helpers import tiny_run
+from forked_cli import ForkedCli
 from typer.testing import CliRunner
 
 from cli import app as cli_app
@@ -85,6 +86,24 @@ class CliRunnerFixture:
 def cli() -> CliRunnerFixture:
     """The one way the tests run ``cli.py``: ``cli(*args)`` in a child process, ``cli.invoke(*args)`` in this one."""
     return CliRunnerFixture()
+
+
+@pytest.fixture(scope="session")
+def forked_cli(tmp_path_factory) -> Iterator[ForkedCli]:
+    """Child processes forked from one interpreter that has imported ``cli`` (:mod:`forked_cli`), for the tests that
+    start many short ``cli.py`` runs (SIGKILLed runs and their resumes, peak RSS); the server loads torch with one
+    OpenMP thread (``OMP_NUM_THREADS=1``), as those tests' children did."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "BUTD_NO_PROGRESS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    server = ForkedCli(env, tmp_path_factory.mktemp("forked") / "server.log")
+    server.open()
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import ForkedCli
 from train_helpers import make_world_run, train_overrides
 
 from models.checkpoints import CaptionerCheckpoint
@@ -46,16 +46,19 @@ def run(tmp_path_factory):
     return make_world_run(tmp_path_factory.mktemp("boundaries"), num_images=40)
 
 
-def train(run: Path, out: Path, kill: str | None = None) -> subprocess.CompletedProcess:
+def train(forked_cli: ForkedCli, run: Path, out: Path, kill: str | None = None) -> subprocess.CompletedProcess:
+    """`cli.py train` in a child process forked from an interpreter that has imported the CLI (tests/forked_cli.py);
+    with ``kill``, tests/train_kill_child.py runs it and SIGKILLs the child at that point."""
     sets = train_overrides(run, "san", *SETS)
     args = [*(a for s in sets for a in ("--set", s)), "--threads", "1"]
-    if kill is None:
-        cmd = [sys.executable, str(ROOT / "cli.py"), "train", "--out", str(out), *args]
-        env = ENV
-    else:
-        cmd = [sys.executable, str(ROOT / "tests" / "train_kill_child.py"), "train", "--out", str(out), *args]
-        env = {**ENV, "BUTD_TEST_KILL": kill}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    script, env = ROOT / "cli.py", ENV
+    if kill is not None:
+        script, env = ROOT / "tests" / "train_kill_child.py", {**ENV, "BUTD_TEST_KILL": kill}
+    logs = out.with_name(f"{out.name}-{kill or 'whole'}".replace(":", "-"))
+    cmd = [str(script), "train", "--out", str(out), *args]
+    child = forked_cli.start(cmd, stdout=logs.with_suffix(".out"), stderr=logs.with_suffix(".err"), env=env)
+    child.wait(timeout=600)
+    return subprocess.CompletedProcess(cmd, child.returncode, *child.output())
 
 
 def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
@@ -73,8 +76,10 @@ def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
         assert a == b, f"{what}: {a!r} != {b!r}"
 
 
-def test_kill_at_every_boundary_then_resume_is_bitwise_identical(run: Path, tmp_path: Path) -> None:
-    ref = train(run, tmp_path / "a")
+def test_kill_at_every_boundary_then_resume_is_bitwise_identical(
+    run: Path, tmp_path: Path, forked_cli: ForkedCli
+) -> None:
+    ref = train(forked_cli, run, tmp_path / "a")
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "b"
     last = out / "train-san" / "last.pt"
@@ -92,13 +97,13 @@ def test_kill_at_every_boundary_then_resume_is_bitwise_identical(run: Path, tmp_
         ("step:scst:6", lambda c: (c.progress.stage, c.progress.epoch, c.progress.position) == ("scst", 1, 1)),
     ]
     for kill, where in checks:
-        res = train(run, out, kill)
+        res = train(forked_cli, run, out, kill)
         assert res.returncode == -signal.SIGKILL, f"{kill}: {res.stderr[-3000:]}"
         ck = CaptionerCheckpoint.load(last)
         assert where(ck), (
             f"{kill}: last.pt at {ck.progress.stage} epoch {ck.progress.epoch} position {ck.progress.position}"
         )
-    done = train(run, out)
+    done = train(forked_cli, run, out)
     assert done.returncode == 0, done.stderr[-3000:]
     rates = [
         r["lr"]
