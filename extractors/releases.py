@@ -42,11 +42,15 @@ class OwnExtraction:
     (model, :class:`FeatureIdentity`, info), what :func:`extractors.factory.load_for_inference` returns; the model
     has the detector's ``spec.feature_stride`` and ``detect``, plus ``configure(section, where)`` -> (recipe,
     selector) and ``settings(identity, selector, precision)`` -> the identity with those recorded, which
-    :func:`extractors.factory.configure_recipe` and :func:`extractors.factory.record_settings` hand over to."""
+    :func:`extractors.factory.configure_recipe` and :func:`extractors.factory.record_settings` hand over to.
+    ``kind``: the ``pipeline.core.catalogue`` kind of this release's catalogue files; ``verify`` (path): their
+    strict reader, run on each download before it takes its name (:func:`pipeline.hub.verify.verifier`)."""
 
     claims: Callable[[Any], str | None]
     check: Callable[[Any, str], str]
     load: Callable[[Any, Any], tuple[Any, Any, dict[str, Any]]]
+    kind: str = ""
+    verify: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)

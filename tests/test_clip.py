@@ -32,7 +32,7 @@ from extractors.clip.model import PRESETS, ClipVisionConfig, expected_shapes, in
 from extractors.clip.recipe import cell_boxes
 from extractors.weights import WeightsError, read_weights
 from models.released.unpickle import load_weights_file
-from pipeline.core.catalogue import CATALOGUE
+from pipeline.core.catalogue import CATALOGUE, KINDS
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.hub.verify import verifier
 from pipeline.importers import import_features
@@ -606,6 +606,9 @@ def test_catalogue_entries_carry_the_url_digest_and_verify(tmp_path):
     torch.save({"visual.nothing": torch.zeros(3)}, tmp_path / "no.pt")
     with pytest.raises(PipelineError, match="no.pt"):
         verifier("clip")(tmp_path / "no.pt")
+    assert all(callable(verifier(kind)) for kind in KINDS)  # every catalogue kind is checked after a download
+    with pytest.raises(KeyError):
+        verifier("no-such-kind")
 
 
 def test_clip_vil_feature_folders_import_as_the_extractor_writes_them(tmp_path, photos):

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from extractors.clip.files import ClipWeightsError, is_torchscript, load_clip
-from extractors.clip.model import PRESETS, ClipVisionConfig
+from extractors.clip.files import ClipWeightsError, check_strict, is_torchscript, load_clip, read_clip
+from extractors.clip.model import PRESETS, ClipVisionConfig, ConfigError, infer_config
 from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, encode, prepare
 from extractors.releases import OwnExtraction, Release, register_release
 from extractors.weights import sha256_file
 from pipeline.core.console import get_logger
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.identity import FeatureIdentity
 from pipeline.core.regions import RegionRecord
 from pipeline.core.tensor_bounds import BoundsError, check_archive
@@ -264,6 +264,17 @@ def load(path: Any, device: Any) -> tuple[ClipEncoder, FeatureIdentity, dict[str
     return model, identity, info
 
 
+def verify(path: Path) -> None:
+    """The strict reader of a downloaded CLIP file (catalogue kind ``clip``): a CLIP image encoder in any of its
+    layouts (docs/extractor.md#clip), every key and shape checked; one :class:`PipelineError` line otherwise."""
+    layout, sd = read_clip(path)
+    try:
+        cfg = infer_config(sd)
+    except (ConfigError, ValueError) as exc:
+        raise PipelineError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
+    check_strict(path, layout, sd, cfg)
+
+
 # The CLIP-ViL grid features: the release the importers name, whose encoders ``cli extract`` and ``caption`` run
 # through the records above (not through the region detectors' layouts and selections).
 register_release(
@@ -271,8 +282,8 @@ register_release(
         name="clip-vil",
         source="clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
         selectors=(),
-        own=OwnExtraction(claims=claims, check=check, load=load),
+        own=OwnExtraction(claims=claims, check=check, load=load, kind="clip", verify=verify),
     )
 )
 
-__all__ = ["ClipEncoder", "ClipInputRule", "ClipSelector", "ClipSpec", "arch_name", "check", "claims", "load"]
+__all__ = ["ClipEncoder", "ClipInputRule", "ClipSelector", "ClipSpec", "arch_name", "check", "claims", "load", "verify"]

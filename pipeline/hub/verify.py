@@ -1,8 +1,9 @@
 """The strict reader of each kind of catalogue file, run once on every download before it is given its name.
 
 A verifier takes the path and raises :class:`pipeline.core.errors.PipelineError` (one line) when the file is
-not what its kind promises: a detector must pass the layout check of docs/extractor.md#weights-layouts, M2's
-weights and vocabulary their release readers (docs/models.md), an HDF5 or zip file must open.
+not what its kind promises: a detector must pass the layout check of docs/extractor.md#weights-layouts, the
+files of a release with its own extraction (CLIP) that release record's ``verify``, M2's weights and vocabulary
+their release readers (docs/models.md), an HDF5 or zip file must open.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from pathlib import Path
 import h5py
 import yaml
 
-from extractors.clip.files import check_strict, read_clip
-from extractors.clip.model import ConfigError, infer_config
 from extractors.factory import read_labelmap
+from extractors.releases import available_releases
 from extractors.weights import describe
 from models.released import load_release
 from models.released.m2 import read_vocab
@@ -30,16 +30,6 @@ def detector(path: Path, layout: str | None = None) -> None:
     found = describe(path)["layout"]  # reads the state dict and checks every key and shape of its layout
     if layout is not None and found != layout:
         raise PipelineError(f"{path} holds detector weights in the {found} layout, not {layout}")
-
-
-def clip_weights(path: Path) -> None:
-    """A CLIP image encoder in any of its layouts (docs/extractor.md#clip), every key and shape checked."""
-    layout, sd = read_clip(path)
-    try:
-        cfg = infer_config(sd)
-    except (ConfigError, ValueError) as exc:
-        raise PipelineError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
-    check_strict(path, layout, sd, cfg)
 
 
 def labelmap(path: Path) -> None:
@@ -95,7 +85,6 @@ def zip_archive(path: Path) -> None:
 VERIFIERS: dict[str, Callable[[Path], None]] = {
     **{layout: partial(detector, layout=layout) for layout in DETECTOR_LAYOUTS},
     "detector": detector,
-    "clip": clip_weights,
     "labelmap": labelmap,
     "hf-config": hf_config,
     "m2-weights": m2_weights,
@@ -107,4 +96,11 @@ VERIFIERS: dict[str, Callable[[Path], None]] = {
 
 
 def verifier(kind: str) -> Callable[[Path], None]:
-    return VERIFIERS[kind]
+    """The reader of ``kind``: :data:`VERIFIERS`, else the ``verify`` of the release whose own files are of that
+    kind (:class:`extractors.releases.OwnExtraction`, e.g. CLIP encoders)."""
+    if kind in VERIFIERS:
+        return VERIFIERS[kind]
+    for release in available_releases():
+        if release.own is not None and release.own.kind == kind and release.own.verify is not None:
+            return release.own.verify
+    raise KeyError(kind)
