@@ -91,8 +91,9 @@ def cli() -> CliRunnerFixture:
 @pytest.fixture(scope="session")
 def forked_cli(tmp_path_factory) -> Iterator[ForkedCli]:
     """Child processes forked from one interpreter that has imported ``cli`` (:mod:`forked_cli`), for the tests that
-    start many short ``cli.py`` runs (SIGKILLed runs and their resumes, peak RSS); the server loads torch with one
-    OpenMP thread (``OMP_NUM_THREADS=1``), as those tests' children did."""
+    start many short ``cli.py`` runs (SIGKILLed runs and their resumes, peak RSS) in this environment; the server
+    loads torch with one OpenMP thread (``OMP_NUM_THREADS=1``). A test that needs the server to start with another
+    environment (plugins, a bounded one) makes its own ``ForkedCli`` and closes it."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -100,10 +101,8 @@ def forked_cli(tmp_path_factory) -> Iterator[ForkedCli]:
         "BUTD_NO_PROGRESS": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
-    server = ForkedCli(env, tmp_path_factory.mktemp("forked") / "server.log")
-    server.open()
-    yield server
-    server.close()
+    with ForkedCli(env, tmp_path_factory.mktemp("forked") / "server.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

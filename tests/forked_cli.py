@@ -1,18 +1,24 @@
-"""Child processes forked from one interpreter that has already imported ``cli`` (torch, torchvision and every
-command module): the tests that start many short ``cli.py`` runs pay the imports once.
+"""``cli.py`` runs in child processes forked from one interpreter that has already imported ``cli`` (torch,
+torchvision, every command module, the plugins ``BUTD_PLUGINS`` names and the extractor modules with their release
+records): the tests that start many short ``cli.py`` runs pay those imports once, and every run starts from the
+same memory.
 
-``python tests/forked_cli.py`` is the server: it imports ``cli``, then reads one JSON request per line on stdin
-and forks a child for it. The child takes the request's working folder, environment, ``sys.argv`` and
-standard files (stdin ``/dev/null``, stdout and stderr the named files), runs the script (a file, as
-``python FILE`` does, or code, as ``python -c CODE`` does) as ``__main__`` and exits as a ``multiprocessing``
-child does: the script's exit code (``SystemExit`` as the interpreter reads it), non-daemon threads joined,
-``atexit`` handlers run, stdout and stderr flushed, then ``os._exit`` (the interpreter's teardown of every module,
-which in a forked child copies most of the parent's memory page by page, is skipped). The server answers
-``{"pid": PID}`` once the child runs and ``{"returncode": RC}`` when it has ended (``-N``: killed by signal N,
-as :attr:`subprocess.Popen.returncode`). One child runs at a time; the server ends when its stdin closes.
+``python tests/forked_cli.py`` is the server: with the environment it was started with (the one torch and OpenMP
+read while they load, and ``BUTD_PLUGINS``), it imports ``cli`` and the extractors, then reads one JSON request per
+line on stdin and forks a child for it. The child takes the request's working folder, environment (it replaces the
+server's), ``sys.argv``, standard files (stdin ``/dev/null``, stdout and stderr the named files) and, if the
+request sets one, an ``RLIMIT_AS`` address-space limit; it runs the script (a file, as ``python FILE`` does, or
+code, as ``python -c CODE`` does) as ``__main__`` and exits as a ``multiprocessing`` child does: the script's exit
+code (``SystemExit`` as the interpreter reads it; a traceback and 1 for an uncaught exception), non-daemon threads
+joined, ``atexit`` handlers run, stdout and stderr flushed, then ``os._exit`` (the interpreter's teardown of every
+module, which in a forked child copies most of the parent's memory page by page, is skipped). The server answers
+``{"pid": PID}`` once the child runs and ``{"returncode": RC}`` when it has ended (``-N``: killed by signal N, as
+:attr:`subprocess.Popen.returncode`). One child runs at a time; the server ends when its stdin closes.
 
-:class:`ForkedCli` is the tests' side: ``start(...)`` returns a :class:`ForkedChild` with the child's pid
-(a real process: it can be signalled, its own children listed in /proc) and ``poll``/``wait`` for its exit status.
+:class:`ForkedCli` is the tests' side, two ways: ``start(argv, ...)`` returns a :class:`ForkedChild` at once, with
+the child's pid (a real process: it can be signalled, its own children listed in /proc), ``poll``/``wait``/``kill``
+and the files it writes; ``server(*args, env=...)`` runs ``cli.py ARGS`` to its end and returns a
+``subprocess.CompletedProcess`` like the ``cli`` fixture's.
 """
 
 from __future__ import annotations
@@ -23,18 +29,21 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+#: seconds the server may take to fork a child, its imports included when the child is its first
+START_TIMEOUT = 300
 
 
 class ForkedChild:
     """One child of the server: ``pid``, ``stdout``/``stderr`` (the files it writes) and its exit status."""
 
-    def __init__(self, server: ForkedCli, pid: int, stdout: Path, stderr: Path) -> None:
-        self.server, self.pid, self.stdout, self.stderr = server, pid, stdout, stderr
+    def __init__(self, server: ForkedCli, argv: list[str], pid: int, stdout: Path, stderr: Path) -> None:
+        self.server, self.argv, self.pid, self.stdout, self.stderr = server, argv, pid, stdout, stderr
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -46,13 +55,16 @@ class ForkedChild:
         return self.returncode
 
     def wait(self, timeout: float = 600) -> int:
-        """Wait for the child to end; past ``timeout`` seconds it is killed and ``TimeoutError`` raised."""
+        """Wait for the child to end; past ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired``
+        raised."""
         if self.returncode is None:
             reply = self.server.reply(timeout=timeout)
             if reply is None:
                 os.kill(self.pid, signal.SIGKILL)
-                self.server.reply(timeout=60)
-                raise TimeoutError(f"the forked child {self.pid} still ran after {timeout} s")
+                reply = self.server.reply(timeout=60)
+                if reply is not None:
+                    self.returncode = int(reply["returncode"])
+                raise subprocess.TimeoutExpired(self.argv, timeout)
             self.returncode = int(reply["returncode"])
         return self.returncode
 
@@ -67,14 +79,41 @@ class ForkedChild:
 
 
 class ForkedCli:
-    """The client of one server process (started by :meth:`open` or the first :meth:`start`, with ``env``: the
-    environment torch and OpenMP read while they load); :meth:`close` ends it."""
+    """The client of one server process, started here with ``env`` (the environment the server imports ``cli``
+    with); its stderr goes to ``log`` (None: this process's stderr). :meth:`close` (or the end of a ``with``
+    block) ends it."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(self, env: dict[str, str], log: Path | None = None) -> None:
         self.env, self.log = env, log
         self.proc: subprocess.Popen | None = None
         self.pending = b""
         self.running: ForkedChild | None = None
+        self.open()
+
+    def __enter__(self) -> ForkedCli:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __call__(
+        self,
+        *args: str,
+        env: dict[str, str],
+        address_space: int | None = None,
+        timeout: float = 300,
+        cwd: Path = REPO,
+    ) -> subprocess.CompletedProcess:
+        """``cli.py ARGS`` run to its end in a forked child (see :meth:`start`); its stdout and stderr as text.
+        A child still running after ``timeout`` seconds is killed and raises ``subprocess.TimeoutExpired``."""
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [str(REPO / "cli.py"), *args]
+            child = self.start(
+                argv, stdout=Path(tmp) / "stdout", stderr=Path(tmp) / "stderr", env=env,
+                address_space=address_space, cwd=cwd,
+            )  # fmt: skip
+            child.wait(timeout=timeout)
+            return subprocess.CompletedProcess(argv, child.returncode, *child.output())
 
     def start(
         self,
@@ -84,34 +123,40 @@ class ForkedCli:
         stderr: Path,
         env: dict[str, str],
         code: str | None = None,
+        address_space: int | None = None,
         cwd: Path = REPO,
     ) -> ForkedChild:
         """Run ``argv[0]`` (a script file) with ``sys.argv = argv``, or ``code`` with ``sys.argv = ["-c", *argv]``,
-        in a forked child with exactly the environment ``env``."""
+        in a forked child with exactly the environment ``env``, in ``cwd``, its ``RLIMIT_AS`` set to
+        ``address_space`` bytes (None: the server's limit); returns without waiting for it."""
         self.open()
         if self.running is not None and self.running.poll() is None:  # one a test left running (a failed test's)
             self.running.kill()
             self.running.wait(timeout=60)
         argv = ["-c", *argv] if code is not None else [str(a) for a in argv]
-        request = {"argv": argv, "code": code, "env": env, "cwd": str(cwd)}
+        request = {"argv": argv, "code": code, "env": env, "cwd": str(cwd), "address_space": address_space}
         request.update(stdout=str(stdout), stderr=str(stderr))
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
-        reply = self.reply(timeout=120)
+        reply = self.reply(timeout=START_TIMEOUT)
         if reply is None or "pid" not in reply:
-            raise RuntimeError(f"the fork server started no child ({reply}); its log: {self.log}")
-        self.running = ForkedChild(self, int(reply["pid"]), Path(stdout), Path(stderr))
+            raise RuntimeError(f"the fork server started no child ({reply}){self._where()}")
+        self.running = ForkedChild(self, argv, int(reply["pid"]), Path(stdout), Path(stderr))
         return self.running
 
     def open(self) -> None:
         """Start the server unless it runs (it imports ``cli`` while the caller goes on)."""
         if self.proc is None or self.proc.poll() is not None:
-            with open(self.log, "ab") as log:
+            log = open(self.log, "ab") if self.log is not None else None
+            try:
                 self.proc = subprocess.Popen(
                     [sys.executable, __file__], cwd=REPO, env=self.env, stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=log,
                 )  # fmt: skip
-            self.pending = b""
+            finally:
+                if log is not None:
+                    log.close()
+            self.pending, self.running = b"", None
 
     def reply(self, timeout: float) -> dict[str, Any] | None:
         """The server's next answer, or None if none comes within ``timeout`` seconds."""
@@ -123,18 +168,31 @@ class ForkedCli:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
-                raise RuntimeError(f"the fork server ended; its log: {self.log}")
+                raise RuntimeError(f"the fork server ended (exit code {self.proc.wait()}){self._where()}")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
     def close(self) -> None:
-        """End the server (after the child that runs, if one does)."""
-        if self.proc is not None:
+        """End the server (a child still running is killed first)."""
+        if self.proc is None:
+            return
+        try:
+            if self.running is not None and self.proc.poll() is None and self.running.poll() is None:
+                self.running.kill()
+                self.running.wait(timeout=60)
+        finally:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self.proc.stdout.close()
-            self.proc = None
+            self.proc, self.running = None, None
+
+    def _where(self) -> str:
+        return f"; its log: {self.log}" if self.log is not None else "; its stderr is this process's"
 
 
 def _child(request: dict[str, Any], source: Any, replies: int) -> int:
@@ -153,9 +211,13 @@ def _child(request: dict[str, Any], source: Any, replies: int) -> int:
         os.dup2(opened, fd)
         os.close(opened)
     sys.argv = list(request["argv"])
+    import resource
     import runpy
 
     try:
+        if request["address_space"] is not None:
+            limit = int(request["address_space"])
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         if request["code"] is not None:
             sys.path[0] = ""
             exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -193,8 +255,11 @@ def _exit(code: int) -> None:
 
 def serve() -> int:
     """The server loop (see the module docstring); the server's exit code (forked children never return)."""
-    import cli  # noqa: F401 - the imports every child shares
+    sys.argv = [str(REPO / "cli.py")]
+    import cli  # noqa: F401 - the imports every child shares (and the plugins BUTD_PLUGINS names)
+    from extractors import available_extractors
 
+    available_extractors()  # every extractor module and its release records, as `info` and `extract` import them
     requests, replies = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -210,6 +275,8 @@ def serve() -> int:
                 pending += chunk
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 _exit(_child(request, source, replies))

@@ -2,7 +2,7 @@
 module + one Format record) and toy detector release (one module + one Release record) are written into a
 temporary folder exactly as printed, loaded through BUTD_PLUGINS, and run through the CLI (import, export,
 info, train, evaluate, extract): each command in a child forked from an interpreter that started ``cli.py`` with
-the plugins' environment (tests/bounded_cli.py), a plugin that cannot be imported in a ``cli.py`` of its own."""
+the plugins' environment (tests/forked_cli.py), a plugin that cannot be imported in a ``cli.py`` of its own."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bounded_cli import ForkedCli
 from detector_helpers import save_layout
 from extract_helpers import tiny_spec
+from forked_cli import ForkedCli
 from PIL import Image
 from train_helpers import make_world_run
 

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from bounded_cli import ForkedCli
+from forked_cli import ForkedCli
 
 from pipeline.caption_data import PreparedCaptions
 from pipeline.caption_data.prepare import prepare_captions
@@ -137,17 +137,16 @@ def test_stage_skips_and_refuses_changed_config(world, tmp_path):
 @pytest.fixture(scope="module")
 def forked_cli(cli):
     """``forked_cli(*args)``: ``cli.py ARGS`` in a child forked from one interpreter that has started ``cli.py`` with
-    the environment the ``cli`` fixture gives a child (tests/bounded_cli.py)."""
-    server = ForkedCli(cli.environment())
+    the environment the ``cli`` fixture gives a child (tests/forked_cli.py)."""
+    with ForkedCli(cli.environment()) as server:
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        try:
-            return server(*args, env=cli.environment(), timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 300 s")
+        def run(*args: str) -> subprocess.CompletedProcess:
+            try:
+                return server(*args, env=cli.environment(), timeout=300)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 300 s")
 
-    yield run
-    server.close()
+        yield run
 
 
 def test_bad_inputs_via_cli(forked_cli, world, tmp_path):

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bounded_cli import ForkedCli
 from detector_helpers import random_grid_feats_file, read_raw, save_layout, save_vinvl
 from extract_helpers import tiny_spec
+from forked_cli import ForkedCli
 from PIL import Image
 
 from extractors import weights as W
@@ -235,18 +235,17 @@ def limit_address_space() -> None:
 @pytest.fixture(scope="module")
 def bounded(cli):
     """``bounded(*args)``: ``cli.py ARGS`` in a child limited to :data:`AS_LIMIT` of address space, forked from one
-    interpreter of this module that has imported ``cli.py`` (:mod:`bounded_cli`), with the environment the ``cli``
+    interpreter of this module that has imported ``cli.py`` (:mod:`forked_cli`), with the environment the ``cli``
     fixture gives a child plus :data:`BOUNDED`."""
-    server = ForkedCli(cli.environment(BOUNDED))
+    with ForkedCli(cli.environment(BOUNDED)) as server:
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        try:
-            return server(*args, env=cli.environment(BOUNDED), address_space=AS_LIMIT, timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 180 s")
+        def run(*args: str) -> subprocess.CompletedProcess:
+            try:
+                return server(*args, env=cli.environment(BOUNDED), address_space=AS_LIMIT, timeout=180)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"`cli.py {' '.join(args[:2])}` still ran after 180 s")
 
-    yield run
-    server.close()
+        yield run
 
 
 def refused_in_one_line(res: subprocess.CompletedProcess, path: Path, what: str, reason: str) -> str:
