@@ -1,4 +1,5 @@
-"""The store's optional per-image ``pooled`` vector: round trip, checksums, merge/compact, old stores, mixed writers."""
+"""The store's optional per-image ``pooled`` vector: round trip, checksums, merge/compact, stores without the
+field, mixed writers."""
 
 from __future__ import annotations
 
