@@ -10,26 +10,72 @@ Batching: images whose blobs have the same size share one backbone pass (no padd
 the numbers of the image alone to float rounding: a convolution over another batch sums in another order); the
 res5 head runs once over the RoIs of the whole batch.
 Presets are registered in :data:`extractors.EXTRACTORS` as spec factories.
+
+The detector is assembled from :class:`BottomUpParts`: the proposal stage (:class:`extractors.rpn.RPN`, the
+Caffe ``ProposalLayer``, or :class:`extractors.rpn.DetectronRPN`), the box coder of the box head's regression and
+the attribute probabilities. Each release record below names its parts (``Release.parts``); a detector built from
+a spec alone takes the parts of the release of the spec's semantics (:func:`parts_of`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from extractors import EXTRACTORS
+from extractors import EXTRACTORS, box_coding
 from extractors.box_head import Res5ROIHeads
 from extractors.detector import Detector
 from extractors.preprocess import Frame
-from extractors.releases import Release, register_release
+from extractors.releases import Release, register_release, release_of_flavor
 from extractors.resnet_caffe import ResNetC4
-from extractors.rpn import RPN
+from extractors.rpn import RPN, DetectronRPN
 from extractors.selector import Selector, to_resized
 from extractors.spec import BottomUpSpec, caffe_r101, d2_r101
 from extractors.to_host import records_to_host, stack_to_device
 from pipeline.core.regions import RegionRecord
+
+
+def caffe_attr_probs(attr_logits: torch.Tensor) -> torch.Tensor:
+    """Caffe ``attr_prob[:, 1:]``: softmax over all A attributes, then "no attribute" (index 0) dropped."""
+    return torch.softmax(attr_logits, dim=1)[:, 1:]
+
+
+def d2_attr_probs(attr_logits: torch.Tensor) -> torch.Tensor:
+    """HF ``ROIOutputs``: softmax over the A-1 real attributes (the last logit, "no attribute", left out)."""
+    return torch.softmax(attr_logits[:, :-1], dim=1)
+
+
+@dataclass(frozen=True)
+class BottomUpParts:
+    """The parts of the bottom-up network that differ between its releases.
+
+    ``proposals``: the proposal stage class, built as ``proposals(spec, in_channels)``; ``box_coder``: the coder of
+    the box head's class-specific regression (:class:`extractors.selector.NMSLadder`); ``attr_probs``: attribute
+    logits (R, A) -> probabilities (R, A-1) without "no attribute"; ``trainable``: :mod:`extractors.training`
+    implements these parts (softmax RPN, ``+1`` boxes, background first)."""
+
+    proposals: type[RPN]
+    box_coder: box_coding.BoxCoder
+    attr_probs: Callable[[torch.Tensor], torch.Tensor]
+    trainable: bool = False
+
+
+CAFFE_PARTS = BottomUpParts(RPN, box_coding.LEGACY, caffe_attr_probs, trainable=True)
+"""Caffe ``test.prototxt`` / MILVLG caffe mode: ``ProposalLayer``, ``+1`` boxes, softmax over all attributes."""
+
+DETECTRON2_PARTS = BottomUpParts(DetectronRPN, box_coding.DETECTRON2, d2_attr_probs)
+"""The detectron2 ports (airsplay, HF-lxmert): detectron2 RPN and box coder, ``ROIOutputs`` attributes."""
+
+
+def parts_of(spec: BottomUpSpec) -> BottomUpParts | None:
+    """The parts the release of ``spec``'s semantics builds its bottom-up detector from (None: that release's
+    detector is another network)."""
+    parts = release_of_flavor(spec.flavor).parts
+    return parts if isinstance(parts, BottomUpParts) else None
 
 
 class BottomUpDetector(Detector):
@@ -51,14 +97,23 @@ class BottomUpDetector(Detector):
         "anchor_ratios",
     )
 
-    def __init__(self, spec: BottomUpSpec) -> None:
+    def __init__(self, spec: BottomUpSpec, parts: BottomUpParts | None = None) -> None:
+        """``parts``: those of the release of ``spec``'s semantics (:func:`parts_of`) when not given."""
         super().__init__(spec)
+        parts = parts_of(spec) if parts is None else parts
+        if parts is None:
+            raise ValueError(f"no bottom-up parts for {spec.flavor} semantics: their release builds another detector")
+        self.parts = parts
         self.backbone = ResNetC4(
             spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps
         )
-        self.proposal_generator = RPN(spec, self.backbone.out_channels)
+        self.proposal_generator = parts.proposals(spec, self.backbone.out_channels)
         self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
         self.freeze()
+
+    @property
+    def trainable(self) -> bool:
+        return self.parts.trainable
 
     def share_spec(self, spec: BottomUpSpec) -> None:
         self.proposal_generator.spec = self.roi_heads.spec = spec
@@ -149,11 +204,9 @@ class BottomUpDetector(Detector):
         return prob[:, 1:] if bg == 0 else prob[:, :bg]
 
     def attr_probs(self, attr_logits: torch.Tensor) -> torch.Tensor:
-        """Attribute probabilities (R, A-1) without "no attribute": caffe = softmax over all A then drop index 0
-        (``attr_prob[:, 1:]``); d2 = softmax over the A-1 real attributes (HF ``ROIOutputs``)."""
-        if self.spec.flavor == "caffe":
-            return torch.softmax(attr_logits, dim=1)[:, 1:]
-        return torch.softmax(attr_logits[:, :-1], dim=1)
+        """Attribute probabilities (R, A-1) without "no attribute", by the parts' rule (:func:`caffe_attr_probs`,
+        :func:`d2_attr_probs`)."""
+        return self.parts.attr_probs(attr_logits)
 
     def _regions(self, rois, per_image, feats, logits, deltas, attr_logits, frames, selector) -> list[RegionRecord]:
         n = len(rois)
@@ -228,6 +281,7 @@ register_release(
         preset="bottom-up-caffe-r101",
         catalogue=("bua-r101", "bua-r101-fix36", "bua-r152"),
         detector=BottomUpDetector,
+        parts=CAFFE_PARTS,
         random_identity="bottom-up-random",
     )
 )
@@ -240,6 +294,7 @@ register_release(
         preset="bottom-up-d2-r101",
         catalogue=("frcnn-vg-finetuned",),
         detector=BottomUpDetector,
+        parts=DETECTRON2_PARTS,
         random_identity="bottom-up-random",
     )
 )
@@ -250,5 +305,6 @@ register_release(
         layouts=("airsplay",),
         preset="bottom-up-d2-r101",
         detector=BottomUpDetector,
+        parts=DETECTRON2_PARTS,
     )
 )

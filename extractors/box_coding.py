@@ -14,6 +14,7 @@ Both decoders divide the deltas by ``weights`` and clamp ``dw, dh`` at ``log(100
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -109,3 +110,30 @@ def nms_boxes(
     if idxs is None:
         return nms(boxes, scores, thresh)
     return batched_nms(boxes, scores, idxs, thresh)
+
+
+@dataclass(frozen=True)
+class BoxCoder:
+    """One convention of the module docstring as a part a detector is built with: ``legacy`` (``+1`` widths, clip
+    to ``size - 1``, Caffe ``cpu_nms``) or detectron2's (no ``+1``, clip to ``size``, torchvision NMS)."""
+
+    legacy: bool
+
+    def decode(self, deltas: torch.Tensor, boxes: torch.Tensor, weights, scale_clamp: float) -> torch.Tensor:
+        """:func:`decode` in this convention."""
+        return decode(deltas, boxes, weights, legacy=self.legacy, scale_clamp=scale_clamp)
+
+    def clip(self, boxes: torch.Tensor, height: float, width: float) -> torch.Tensor:
+        """:func:`clip` in this convention."""
+        return clip(boxes, height, width, legacy=self.legacy)
+
+    def nms(self, boxes: torch.Tensor, scores: torch.Tensor, thresh: float) -> torch.Tensor:
+        """:func:`nms_boxes` in this convention."""
+        return nms_boxes(boxes, scores, thresh, legacy=self.legacy)
+
+
+LEGACY = BoxCoder(legacy=True)
+"""py-faster-rcnn ``bbox_transform_inv`` / ``clip_boxes`` / ``cpu_nms`` (Caffe)."""
+
+DETECTRON2 = BoxCoder(legacy=False)
+"""detectron2 ``Box2BoxTransform`` / ``Boxes.clip`` / torchvision ``nms``."""

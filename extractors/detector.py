@@ -35,6 +35,12 @@ class Detector(nn.Module):
     #: spec fields that shape the weights: :meth:`set_test_recipe` refuses to change them
     SHAPING: tuple[str, ...] = ()
 
+    @property
+    def trainable(self) -> bool:
+        """Whether :mod:`extractors.training` trains this detector (the bottom-up detector built from the Caffe
+        parts); False by default."""
+        return False
+
     def __init__(self, spec: BottomUpSpec) -> None:
         super().__init__()
         self.spec = spec

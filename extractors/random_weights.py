@@ -6,7 +6,6 @@ import torch
 
 from extractors.releases import release_of_flavor
 from extractors.resnet_caffe import ConvNorm
-from extractors.rpn import AnchorGenerator
 from extractors.spec import BottomUpSpec
 
 
@@ -34,8 +33,9 @@ def random_detector(spec: BottomUpSpec, seed: int = 0):
                 gamma = 0.2 if name.endswith("conv3") or name.endswith("shortcut") else 1.0
                 m.norm.weight.copy_(gamma * (1.0 + 0.1 * torch.randn(n, generator=gen)))
                 m.norm.bias.copy_(torch.randn(n, generator=gen) * 0.1)
-        # the anchors are data, not weights: the flavor's own table
-        model.proposal_generator.anchor_generator.cell_anchors[0].copy_(AnchorGenerator(spec).cell_anchors[0])
+        # the anchors are data, not weights: the table the detector's anchor generator was built with
+        anchors = model.proposal_generator.anchor_generator
+        anchors.cell_anchors[0].copy_(anchors.table(spec))
         # small box deltas (proposals near their anchors, as in a trained RPN) and a classifier with some
         # confidence so that the selection thresholds matter
         model.proposal_generator.rpn_head.anchor_deltas.weight.mul_(0.02)

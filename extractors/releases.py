@@ -69,7 +69,9 @@ class Release:
     The parts that make a layout loadable: ``detect`` names the layout from a torch state dict's keys (None: not
     this release's); ``normalise`` rewrites the keys once detected; ``load`` and ``describe`` are the strict loader
     and the ``cli info`` facts. Releases without them use the bottom-up layouts of :mod:`extractors.weights`.
-    ``detector``: the class built from a spec (random weights, shape tables); ``random_weights``: (spec, seed) ->
+    ``detector``: the class built from a spec (random weights, shape tables); ``parts``: the parts that detector
+    is assembled from for this release (:class:`extractors.bottom_up.BottomUpParts`: proposal stage, box coder,
+    attribute probabilities; None: the detector class fixes its own); ``random_weights``: (spec, seed) ->
     a detector with seeded random weights; ``random_identity``: the identity name of such a detector;
     ``selectors``: the test-time selections its detector runs; ``grid_only``: the weights hold a backbone only,
     so only the ``grid`` selection runs; ``own``: how its weights run when they are not a region detector's
@@ -89,6 +91,7 @@ class Release:
     load: Loader | None = None
     describe: Describer | None = None
     detector: Callable[[Any], Any] | None = None
+    parts: Any = None
     random_weights: Callable[[Any, int], Any] | None = None
     random_identity: str = ""
     selectors: tuple[str, ...] = ("per-class-nms", "nms-ladder", "given", "grid")

@@ -1,19 +1,27 @@
-"""Region proposal network on C4 (Ren et al. 2015, §3.1) with the Caffe and detectron2 test-time recipes.
+"""Region proposal network on C4 (Ren et al. 2015, §3.1): the Caffe and detectron2 test-time proposal stages.
 
 Head: 3x3 conv (C4 -> ``rpn_channels``) + ReLU, then 1x1 ``objectness_logits`` and 1x1 ``anchor_deltas``
-(4 per anchor, channel ``4a + k``). Objectness:
+(4 per anchor, channel ``4a + k``). The parts a release builds its proposal stage from:
 
-* caffe: 2A channels read as (2, A): channels ``0..A-1`` background, ``A..2A-1`` foreground, probability =
-  2-way softmax (``rpn_cls_prob_reshape``), score = foreground probability.
-* d2: A logits, score = the logit (sigmoid is monotone; detectron2 ranks by logits).
+* the anchor table (spec -> cell anchors): :func:`caffe_anchor_table` (py-faster-rcnn ``generate_anchors`` with
+  ``anchor_scales``) or :func:`d2_anchor_table` (detectron2 ``DefaultAnchorGenerator`` at ``anchor_sizes``), passed
+  to :class:`AnchorGenerator`;
+* the proposal stage, :class:`RPN` or :class:`DetectronRPN`, with its objectness and its box coder
+  (:class:`extractors.box_coding.BoxCoder`).
+
+Objectness: :class:`RPN` (Caffe) reads 2A channels as (2, A): channels ``0..A-1`` background, ``A..2A-1``
+foreground, probability = 2-way softmax (``rpn_cls_prob_reshape``), score = foreground probability.
+:class:`DetectronRPN`: A logits, score = the logit (sigmoid is monotone; detectron2 ranks by logits).
 
 Proposals (``ProposalLayer.forward`` / MILVLG ``find_top_bua_rpn_proposals``, docs/extractor.md#region-proposals):
-caffe: decode (``+1``), clip to [0, W-1], drop boxes with ``w + 1 < min_size * scale``, top ``pre_nms`` by
-score, NMS 0.7 (``+1`` areas, ``>=``), first ``post_nms``. d2: top ``pre_nms`` by logit first, then decode, clip
-to [0, W], drop empty boxes, NMS 0.7 (torchvision), first ``post_nms``.
+:class:`RPN`: decode (``+1``), clip to [0, W-1], drop boxes with ``w + 1 < min_size * scale``, top ``pre_nms`` by
+score, NMS 0.7 (``+1`` areas, ``>=``), first ``post_nms``. :class:`DetectronRPN`: top ``pre_nms`` by logit first,
+then decode, clip to [0, W], drop empty boxes, NMS 0.7 (torchvision), first ``post_nms``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +30,19 @@ from torch import nn
 from extractors import box_coding
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
 from extractors.spec import BottomUpSpec
+
+AnchorTable = Callable[[BottomUpSpec], torch.Tensor]
+"""spec -> the (A, 4) cell anchors a detector holds by default (the checkpoint's own table replaces them)."""
+
+
+def caffe_anchor_table(spec: BottomUpSpec) -> torch.Tensor:
+    """py-faster-rcnn ``generate_anchors(base anchor_stride, anchor_ratios, anchor_scales)`` (Caffe)."""
+    return caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, spec.anchor_scales)
+
+
+def d2_anchor_table(spec: BottomUpSpec) -> torch.Tensor:
+    """detectron2 ``DefaultAnchorGenerator`` at ``anchor_sizes``, ``anchor_ratios``."""
+    return d2_cell_anchors(spec.anchor_sizes, spec.anchor_ratios)
 
 
 class _BufferList(nn.Module):
@@ -37,19 +58,12 @@ class _BufferList(nn.Module):
 
 
 class AnchorGenerator(nn.Module):
-    """Holds the cell anchors loaded from the checkpoint (defaults: the flavor's own table)."""
+    """Holds the cell anchors loaded from the checkpoint (defaults: ``table(spec)``, the release's own table)."""
 
-    def __init__(self, spec: BottomUpSpec) -> None:
+    def __init__(self, spec: BottomUpSpec, table: AnchorTable) -> None:
         super().__init__()
-        if spec.flavor == "caffe":
-            cell = caffe_cell_anchors(spec.anchor_stride, spec.anchor_ratios, spec.anchor_scales)
-        elif spec.flavor == "vinvl":  # maskrcnn_benchmark generate_anchors: the legacy table at sizes / stride
-            cell = caffe_cell_anchors(
-                spec.anchor_stride, spec.anchor_ratios, tuple(s / spec.anchor_stride for s in spec.anchor_sizes)
-            )
-        else:
-            cell = d2_cell_anchors(spec.anchor_sizes, spec.anchor_ratios)
-        self.cell_anchors = _BufferList([cell])
+        self.table = table
+        self.cell_anchors = _BufferList([table(spec)])
         self.stride = spec.anchor_stride
 
     def forward(self, feat_h: int, feat_w: int) -> torch.Tensor:
@@ -72,26 +86,35 @@ class RPNHead(nn.Module):
 
 
 class RPN(nn.Module):
-    """``proposal_generator`` of the detector: anchors + head + test-time proposal selection."""
+    """``proposal_generator``: anchors + head + test-time proposal selection, as the Caffe ``ProposalLayer``
+    (softmax objectness, :data:`~extractors.box_coding.LEGACY` box coder, :func:`caffe_anchor_table` unless
+    ``anchor_table`` is given)."""
 
-    def __init__(self, spec: BottomUpSpec, in_channels: int) -> None:
+    anchor_table: AnchorTable = staticmethod(caffe_anchor_table)
+    coder: box_coding.BoxCoder = box_coding.LEGACY
+    softmax_objectness = True
+
+    def __init__(self, spec: BottomUpSpec, in_channels: int, anchor_table: AnchorTable | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.legacy = spec.flavor == "caffe"
-        self.anchor_generator = AnchorGenerator(spec)
-        self.rpn_head = RPNHead(in_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=self.legacy)
+        self.anchor_generator = AnchorGenerator(spec, anchor_table or self.anchor_table)
+        self.rpn_head = RPNHead(
+            in_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=self.softmax_objectness
+        )
+
+    def objectness(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, 2A, H, W) logits -> (N, H*W*A) foreground probabilities (``rpn_cls_prob_reshape``)."""
+        n, _, h, w = logits.shape
+        a = self.spec.num_anchors
+        prob = torch.softmax(logits.view(n, 2, a, h, w), dim=1)[:, 1]  # foreground = second half
+        return prob.permute(0, 2, 3, 1).reshape(n, -1)
 
     def scores_and_deltas(self, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per image (N, H*W*A) scores and (N, H*W*A, 4) deltas in the (h, w, a) anchor order."""
         logits, deltas = self.rpn_head(feat)
         n, _, h, w = logits.shape
         a = self.spec.num_anchors
-        logits = logits.float()
-        if self.legacy:
-            prob = torch.softmax(logits.view(n, 2, a, h, w), dim=1)[:, 1]  # foreground = second half
-            scores = prob.permute(0, 2, 3, 1).reshape(n, -1)
-        else:
-            scores = logits.view(n, a, h, w).permute(0, 2, 3, 1).reshape(n, -1)
+        scores = self.objectness(logits.float())
         deltas = deltas.float().view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
         return scores, deltas
 
@@ -113,32 +136,60 @@ class RPN(nn.Module):
         pre_nms_topk: int | None = None,
         post_nms_topk: int | None = None,
     ) -> torch.Tensor:
-        """One image's proposals; ``pre_nms_topk`` / ``post_nms_topk`` override the spec's test values (training
-        uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
+        """One image's proposals (``ProposalLayer.forward``); ``pre_nms_topk`` / ``post_nms_topk`` override the
+        spec's test values (training uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
         s = self.spec
         pre = s.pre_nms_topk if pre_nms_topk is None else pre_nms_topk
         post = s.post_nms_topk if post_nms_topk is None else post_nms_topk
         h, w = size
-        if self.legacy:
-            boxes = box_coding.decode(deltas, anchors, (1.0, 1.0, 1.0, 1.0), legacy=True, scale_clamp=s.scale_clamp)
-            boxes = box_coding.clip(boxes, h, w, legacy=True)
-            min_size = s.rpn_min_size * scale
-            keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= min_size)
-            if not bool(keep.any()):
-                # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
-                # would fail on it - we fall back to the whole image as the single proposal
-                return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
-            boxes, scores = boxes[keep], scores[keep]
-            order = torch.argsort(scores, descending=True, stable=True)[:pre]
-            boxes, scores = boxes[order], scores[order]
-        else:
-            order = torch.argsort(scores, descending=True, stable=True)[:pre]
-            boxes = box_coding.decode(
-                deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), legacy=False, scale_clamp=s.scale_clamp
-            )
-            scores = scores[order]
-            boxes = box_coding.clip(boxes, h, w, legacy=False)
-            keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)
-            boxes, scores = boxes[keep], scores[keep]
-        keep = box_coding.nms_boxes(boxes, scores, s.rpn_nms_thresh, legacy=self.legacy)[:post]
+        boxes = self.coder.decode(deltas, anchors, (1.0, 1.0, 1.0, 1.0), s.scale_clamp)
+        boxes = self.coder.clip(boxes, h, w)
+        min_size = s.rpn_min_size * scale
+        keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= min_size)
+        if not bool(keep.any()):
+            # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
+            # would fail on it - we fall back to the whole image as the single proposal
+            return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
+        boxes, scores = boxes[keep], scores[keep]
+        order = torch.argsort(scores, descending=True, stable=True)[:pre]
+        boxes, scores = boxes[order], scores[order]
+        keep = self.coder.nms(boxes, scores, s.rpn_nms_thresh)[:post]
+        return boxes[keep]
+
+
+class DetectronRPN(RPN):
+    """The proposal stage of the detectron2 ports (``RPN`` + ``find_top_rpn_proposals``): objectness logits,
+    :data:`~extractors.box_coding.DETECTRON2` box coder, :func:`d2_anchor_table` unless ``anchor_table`` is given."""
+
+    anchor_table: AnchorTable = staticmethod(d2_anchor_table)
+    coder: box_coding.BoxCoder = box_coding.DETECTRON2
+    softmax_objectness = False
+
+    def objectness(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, A, H, W) logits -> (N, H*W*A) logits (detectron2 ranks by logits)."""
+        n, a, h, w = logits.shape
+        return logits.view(n, a, h, w).permute(0, 2, 3, 1).reshape(n, -1)
+
+    def _select(
+        self,
+        scores: torch.Tensor,
+        deltas: torch.Tensor,
+        anchors: torch.Tensor,
+        size: tuple[int, int],
+        scale: float,
+        pre_nms_topk: int | None = None,
+        post_nms_topk: int | None = None,
+    ) -> torch.Tensor:
+        """One image's proposals (``find_top_rpn_proposals``); the top-k overrides as in :meth:`RPN._select`."""
+        s = self.spec
+        pre = s.pre_nms_topk if pre_nms_topk is None else pre_nms_topk
+        post = s.post_nms_topk if post_nms_topk is None else post_nms_topk
+        h, w = size
+        order = torch.argsort(scores, descending=True, stable=True)[:pre]
+        boxes = self.coder.decode(deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), s.scale_clamp)
+        scores = scores[order]
+        boxes = self.coder.clip(boxes, h, w)
+        keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)
+        boxes, scores = boxes[keep], scores[keep]
+        keep = self.coder.nms(boxes, scores, s.rpn_nms_thresh)[:post]
         return boxes[keep]

@@ -141,7 +141,8 @@ def to_resized(boxes: torch.Tensor, frame: Frame, rescale: str) -> torch.Tensor:
 
 
 class Selector:
-    """Base: ``__call__(rois, fg, deltas, frames)`` -> one :class:`Selected` per image.
+    """Base: ``__call__(rois, fg, deltas, frames)`` -> one :class:`Selected` per image; ``box_coder``: the coder
+    of the detector's box regression (:class:`extractors.box_coding.BoxCoder`, for selectors that decode it).
 
     ``rois`` (R_i, 4) proposals in resized pixels, ``fg`` (R_i, K) foreground class probabilities, ``deltas``
     (R_i, 4 * bbox_classes) box regression, ``frames`` the images' :class:`Frame`.
@@ -150,8 +151,8 @@ class Selector:
     name = "selector"
     given = False
 
-    def __init__(self, recipe, spec) -> None:
-        self.recipe, self.spec = recipe, spec
+    def __init__(self, recipe, spec, box_coder: box_coding.BoxCoder | None = None) -> None:
+        self.recipe, self.spec, self.box_coder = recipe, spec, box_coder
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -197,10 +198,10 @@ class NMSLadder(Selector):
     name = "nms-ladder"
 
     def class_boxes(self, rois: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """(R, K, 4) regressed box per foreground class in resized pixels (the weights' own box coder)."""
+        """(R, K, 4) regressed box per foreground class in resized pixels (the box coder the detector was built
+        with)."""
         spec = self.spec
-        legacy = spec.flavor == "caffe"
-        boxes = box_coding.decode(deltas, rois, spec.box_reg_weights, legacy=legacy, scale_clamp=spec.scale_clamp)
+        boxes = self.box_coder.decode(deltas, rois, spec.box_reg_weights, spec.scale_clamp)
         boxes = boxes.view(rois.shape[0], spec.bbox_classes, 4)
         if spec.bbox_classes == spec.num_classes:  # regression rows include the background: drop it
             bg = spec.background_index
@@ -259,12 +260,14 @@ res5 map, no proposals)."""
 
 
 def make_selector(recipe, spec) -> Selector:
-    """The selector a recipe names, bound to the detector's spec (box coder, class layout). The release of the
-    spec's semantics names the selections its detector runs; another one is a one-line :class:`UsageError`."""
+    """The selector a recipe names, bound to the detector's spec (class layout) and to the box coder of the parts
+    its release builds the detector from (``Release.parts``). The release of the spec's semantics names the
+    selections its detector runs; another one is a one-line :class:`UsageError`."""
     release = release_of_flavor(spec.flavor)  # every extractor module imported: each selection is registered
     if recipe.selector not in release.selectors:
         raise UsageError(
             f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
             f"their detector ({release.name} release) runs {', '.join(release.selectors)}"
         )
-    return SELECTORS[recipe.selector](recipe, spec)
+    coder = getattr(release.parts, "box_coder", None)  # None: the release's detector decodes its own boxes
+    return SELECTORS[recipe.selector](recipe, spec, coder)

@@ -98,9 +98,14 @@ class BottomUpSpec:
         return self.flavor != "d2"
 
     @property
+    def anchor_field(self) -> str:
+        """The field whose entries, times ``anchor_ratios``, make the cell anchors: ``anchor_scales`` (the Caffe
+        table) or ``anchor_sizes`` (detectron2's and maskrcnn_benchmark's)."""
+        return "anchor_scales" if self.flavor == "caffe" else "anchor_sizes"
+
+    @property
     def num_anchors(self) -> int:
-        n = len(self.anchor_scales) if self.flavor == "caffe" else len(self.anchor_sizes)
-        return n * len(self.anchor_ratios)
+        return len(getattr(self, self.anchor_field)) * len(self.anchor_ratios)
 
     @property
     def c4_channels(self) -> int:

@@ -31,6 +31,7 @@ from torch import nn
 from torchvision.ops import roi_align
 
 from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
+from extractors.anchors import caffe_cell_anchors
 from extractors.detector import Detector, spec_backbone
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
@@ -40,6 +41,13 @@ from extractors.selector import to_original, to_resized
 from extractors.spec import BottomUpSpec, vinvl_x152c4
 from extractors.to_host import records_to_host, stack_to_device
 from pipeline.core.regions import RegionRecord
+
+
+def maskrcnn_anchor_table(spec: BottomUpSpec) -> torch.Tensor:
+    """maskrcnn_benchmark ``generate_anchors``: py-faster-rcnn's table at scales ``anchor_sizes / anchor_stride``."""
+    return caffe_cell_anchors(
+        spec.anchor_stride, spec.anchor_ratios, tuple(s / spec.anchor_stride for s in spec.anchor_sizes)
+    )
 
 
 class AttributeHead(nn.Module):
@@ -86,7 +94,7 @@ class VinVLDetector(Detector):
         super().__init__(spec)
         self.backbone = spec_backbone(spec, spec.stage_blocks)
         self.proposal_generator = nn.Module()
-        self.proposal_generator.anchor_generator = AnchorGenerator(spec)
+        self.proposal_generator.anchor_generator = AnchorGenerator(spec, maskrcnn_anchor_table)
         self.proposal_generator.rpn_head = RPNHead(
             self.backbone.out_channels, spec.rpn_channels, spec.num_anchors, softmax_objectness=False
         )

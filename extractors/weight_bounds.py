@@ -120,8 +120,7 @@ def check_spec(spec: BottomUpSpec, path: Any, layout: str, key: str = "spec") ->
     except TypeError:
         anchors = 0
     if not 1 <= anchors <= 64:
-        field = "anchor_sizes" if spec.flavor != "caffe" else "anchor_scales"
-        raise refuse(field, "from 1 to 64 anchors per cell are expected")
+        raise refuse(spec.anchor_field, "from 1 to 64 anchors per cell are expected")
     return spec
 
 

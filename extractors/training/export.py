@@ -80,7 +80,7 @@ def reinit_heads(det: BottomUpDetector, num_classes: int, num_attributes: int, s
     normalised-target space of training (no un-normalising, unlike the file's own head)."""
     spec = det.spec.with_(num_classes=num_classes, num_attributes=num_attributes)
     torch.manual_seed(seed)
-    new = BottomUpDetector(spec)
+    new = BottomUpDetector(spec, det.parts)
     kept = {k: v for k, v in det.state_dict().items() if not k.startswith(HEAD_KEYS)}
     missing, unexpected = new.load_state_dict(kept, strict=False)
     assert not unexpected and all(k.startswith(HEAD_KEYS) for k in missing), (missing, unexpected)

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from extractors import EXTRACTORS
-from extractors.bottom_up import BottomUpDetector
+from extractors.bottom_up import BottomUpDetector, parts_of
 from extractors.spec import BottomUpSpec
 from extractors.training.checkpoint import DetectorCheckpoint
 from extractors.training.data import InstanceSet, TrainBatches, collate_one, load_instances, pad_blobs
@@ -75,7 +75,7 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
         if mcfg.spec:
             det_spec = det.spec.with_overrides(dict(mcfg.spec), "model.spec")
             det.spec = det.proposal_generator.spec = det.roi_heads.spec = det_spec
-        if det.spec.flavor != "caffe":
+        if not det.trainable or parts_of(det.spec) is not det.parts:  # model.spec may not change the semantics
             raise UsageError(
                 f"{mcfg.init_weights}: detector training implements the caffe flavor only ({info['layout']} files have "
                 "detectron2 semantics)"
@@ -116,10 +116,11 @@ def build_detector(cfg: Config, data: InstanceSet) -> BottomUpDetector:
                 "give "
                 f"{data.num_classes} / {data.num_attributes}"
             )
-        if spec.flavor != "caffe":
+        parts = parts_of(spec)
+        if parts is None or not parts.trainable:
             raise UsageError("detector training implements the caffe flavor only (model.preset bottom-up-caffe-r101)")
         seed_everything(int(cfg.detector_train.seed))
-        det = BottomUpDetector(spec)
+        det = BottomUpDetector(spec, parts)
     return det
 
 

@@ -44,11 +44,12 @@ class LossConfig:
 
 
 class DetectorForTraining(nn.Module):
-    """``forward(images, sizes, targets) -> {loss name: scalar}`` for a caffe-flavor detector."""
+    """``forward(images, sizes, targets) -> {loss name: scalar}`` for a detector built from the Caffe parts
+    (``detector.trainable``: softmax RPN, ``+1`` boxes, background first)."""
 
     def __init__(self, detector: BottomUpDetector, sampling: SamplingConfig, losses: LossConfig) -> None:
         super().__init__()
-        if detector.spec.flavor != "caffe":
+        if not detector.trainable:
             raise ValueError("detector training implements the Caffe flavor (softmax RPN, +1 boxes, background first)")
         self.detector = detector
         self.sampling = sampling
