@@ -19,7 +19,7 @@ and normalised over regions. It answers "which regions did this word depend on",
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +122,8 @@ class FeatureCache:
         return self.reader.get(key)
 
     def add(self, key: str, record: RegionRecord) -> None:
-        if record.pooled is not None and self.writer.pooled_dim == 0:  # a store of regions only (e.g. an older one)
-            record = RegionRecord.from_mapping({**record.to_dict(), "pooled": None})
+        if record.pooled is not None and self.writer.pooled_dim == 0:  # a store of regions only stays one
+            record = replace(record, pooled=None)
         self.writer.add(key, record)
 
     def commit(self) -> None:
