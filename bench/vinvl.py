@@ -28,7 +28,8 @@ from extractors.preprocess import recipe_blob
 from extractors.random_weights import random_detector
 from extractors.recipes import apply_recipe, recipe_from_config
 from extractors.selector import make_selector
-from extractors.spec import caffe_r101, vinvl_x152c4
+from extractors.spec import caffe_r101
+from extractors.vinvl import vinvl_x152c4
 from pipeline.core.precision import autocast
 
 

@@ -9,7 +9,7 @@ A detector is built from a :class:`~extractors.spec.BottomUpSpec`, runs frozen a
   place, the fields that shape the weights (:attr:`Detector.SHAPING`) refused;
 * :meth:`Detector.fold_batchnorm` - the frozen batch norms folded into their convolutions (same function).
 
-:class:`~extractors.bottom_up.BottomUpDetector`, :class:`~extractors.vinvl.VinVLDetector` and
+:class:`~extractors.bottom_up.BottomUpDetector`, :class:`~extractors.vinvl.detector.VinVLDetector` and
 :class:`~extractors.grid.GridFeatsModel` subclass it; the VinVL and grid-feats detectors build their backbone from
 the spec with :func:`spec_backbone`.
 """

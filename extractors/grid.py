@@ -3,6 +3,9 @@
 
 * grid-feats-vqa models (``grid-feats`` layout, :class:`GridFeatsModel`): the detectron2 backbone through res5
   with ``RES5_DILATION`` forced to 1 (stride 2 on the first res5 block), FrozenBN eps 1e-5.
+* the ``grid-feats`` weights layout (docs/extractor.md#weights-layouts): grid-feats-vqa's detectron2 checkpoints
+  (R-50, X-101, X-152, X-152++), ``backbone.stem`` / ``backbone.res2..res5`` (``conv{k}.norm``, ``shortcut``), plus
+  the RPN, box head and attribute predictor, which grid extraction does not run (checked by name, not loaded).
 * C4 detectors: res5 is the RoI head's; it runs on the whole C4 map. VinVL's head already has stride 2 (the
   release's ``get_conv5_features`` equivalent); the Caffe R-101's dilated res5 (stride 1, dilation 2) is switched
   to stride 2 / dilation 1 with the same weights (``res5_dilation: 1``, what grid-feats-vqa does to its own
@@ -19,6 +22,8 @@
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -26,18 +31,25 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import deform_conv2d
 
-from extractors import layouts
 from extractors.detector import Detector, spec_backbone
-from extractors.layouts import _err, _stage_blocks
+from extractors.layouts import layout_error, normalise, plain_keys, stage_blocks, state_table, strict_check
 from extractors.preprocess import Frame
 from extractors.releases import Release, register_release
 from extractors.resnet_caffe import ConvNorm
 from extractors.selector import SELECTORS, Selector, to_original
-from extractors.spec import VINVL_PIXEL_MEANS_BGR, BottomUpSpec
+from extractors.spec import DETECTRON2_PIXEL_MEANS_BGR, BottomUpSpec
 from extractors.weight_bounds import check_spec, dims, groups_of
 from pipeline.core.regions import RegionRecord
 
+L = "grid-feats"
 X101_PIXEL_STD = (57.375, 57.120, 58.395)
+GRID_HEADS = (
+    "proposal_generator.",
+    "roi_heads.box_head.",
+    "roi_heads.box_predictor.",
+    "roi_heads.attribute_predictor.",
+)
+"""Key prefixes of the heads a grid-feats-vqa file holds: checked by name, not loaded (grid extraction runs none)."""
 
 
 class GridFeatsModel(Detector):
@@ -185,21 +197,20 @@ class GridCells(Selector):
 # --------------------------------------------------------------------------------------------------------
 def infer_grid_spec(sd, path="?") -> BottomUpSpec:
     """The architecture of a grid-feats-vqa state dict (depth, widths, groups; the X-101 pixel std)."""
-    L = "grid-feats"
     deform = tuple(
         sorted({int(k.split(".")[1][3:]) for k in sd if re.match(r"^backbone\.res\d\.\d+\.conv2_offset\.weight$", k)})
     )
     for k in sd:
         if k.endswith("conv2_offset.weight") and tuple(sd[k].shape[:1]) != (18,):
-            raise _err(
+            raise layout_error(
                 path,
                 L,
                 f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one "
                 "deformable group (18, the X-152++ model) is supported, not modulated or grouped offsets",
             )
-    stages = _stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
+    stages = stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:
-        raise _err(path, L, "backbone.res2 .. backbone.res5 not found")
+        raise layout_error(path, L, "backbone.res2 .. backbone.res5 not found")
     bott, groups = groups_of(sd, "backbone.res2.0.conv2.weight", path, L)
     out2 = dims(sd, "backbone.res2.0.conv3.weight", 4, path, L)[0]
     blocks = tuple(stages[s] for s in (2, 3, 4))
@@ -217,11 +228,51 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
         stride_in_1x1=groups == 1,
         stem_pool="pad1",
         has_attributes=False,
-        pixel_means=VINVL_PIXEL_MEANS_BGR,
+        pixel_means=DETECTRON2_PIXEL_MEANS_BGR,
         pixel_std=std,
         deform_stages=deform,
     )
     return check_spec(spec, path, L, "architecture")
+
+
+def detect_grid_feats(sd: Mapping[str, Any]) -> str | None:
+    """``grid-feats`` when the backbone runs through ``backbone.res5`` (no ``roi_heads.res5``), else None."""
+    keys = plain_keys(sd)
+    if any(k.startswith("backbone.res5.") for k in keys):
+        if not any(k.startswith("roi_heads.res5.") for k in keys):
+            return L
+    return None
+
+
+def load_grid_feats(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
+    """Strictly check a grid-feats-vqa state dict (backbone loaded, heads checked by name) -> (model, info)."""
+    spec = infer_grid_spec(sd, path)
+    strict_check(path, L, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
+    model = GridFeatsModel(spec)
+    model.load_state_dict(OrderedDict((k, v.float()) for k, v in sd.items() if k.startswith("backbone.")), strict=True)
+    return model, {"anchors_from_file": False}
+
+
+def describe_grid_feats(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
+    """``cli info`` facts (strict-checked) for a ``grid-feats`` file."""
+    spec = infer_grid_spec(sd, path)
+    strict_check(path, L, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
+    depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
+    name = (
+        f"ResNeXt-{depth} {spec.groups}x{spec.res2_bottleneck // spec.groups}d"
+        if spec.groups > 1
+        else f"ResNet-{depth}"
+    )
+    return {
+        "layout": L,
+        "semantics": "d2 (detectron2 backbone through res5; grid features only)",
+        "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), "
+        f"feature {spec.feature_dim}-d",
+        "pixel_std": ", ".join(f"{v:g}" for v in spec.pixel_std),
+        "classes": 0,
+        "attributes": 0,
+        "deformable": ", ".join(f"res{s}" for s in spec.deform_stages) or "none",
+    }, spec
 
 
 SELECTORS["grid"] = GridCells
@@ -230,13 +281,13 @@ register_release(
     Release(
         name="grid-feats",
         source="facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
-        layouts=("grid-feats",),
+        layouts=(L,),
         catalogue=("grid-r-50", "grid-x-101", "grid-x-152", "grid-x-152pp"),
         identity="grid-feats",
-        detect=layouts.detect_grid_feats,
-        normalise=layouts.normalise,
-        load=layouts.load_grid_feats,
-        describe=layouts.describe_grid_feats,
+        detect=detect_grid_feats,
+        normalise=normalise,
+        load=load_grid_feats,
+        describe=describe_grid_feats,
         detector=GridFeatsModel,
         selectors=("grid",),
         grid_only=True,

@@ -5,7 +5,7 @@ them: the weights layouts it wrote (and how to recognise and load a layout the b
 the test-time recipe its features were made with (``extract.recipes.<recipe>``), the preset of its architecture,
 the maker of seeded random weights of its kind, the line an imported store records as its source, and the
 catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``,
-:mod:`extractors.vinvl` registers ``vinvl`` and :mod:`extractors.grid` registers ``grid-feats``; every table of
+:mod:`extractors.vinvl` (a package: detector, selection, layout) registers ``vinvl`` and :mod:`extractors.grid` registers ``grid-feats``; every table of
 the extractors, the importers and ``cli import-features`` reads this registry
 (docs/extending.md#a-new-detector-release-one-module--one-release-record).
 

@@ -241,22 +241,13 @@ class GivenBoxes(Selector):
         return out
 
 
-class VinVLPostProcess(Selector):
-    """VinVL's ``PostProcessor`` (``nms_filter`` 0/1/2) and attribute post-processing: run inside
-    :meth:`extractors.vinvl.VinVLDetector.detect` (:mod:`extractors.vinvl_select`), which needs the full class
-    probabilities, the proposals in resized pixels and the attribute head."""
-
-    name = "vinvl"
-
-
 SELECTORS: dict[str, type[Selector]] = {
     "per-class-nms": PerClassNMS,
     "nms-ladder": NMSLadder,
     "given": GivenBoxes,
-    "vinvl": VinVLPostProcess,
 }
-"""Selection name -> class; :mod:`extractors.grid` adds ``grid`` (:class:`extractors.grid.GridCells`, the whole-image
-res5 map, no proposals)."""
+"""Selection name -> class; a release module adds the selections only its detector runs (``grid``: the whole-image
+res5 map of :mod:`extractors.grid`; ``vinvl``: :mod:`extractors.vinvl.select`)."""
 
 
 def make_selector(recipe, spec) -> Selector:

@@ -15,8 +15,9 @@ from pipeline.core.errors import UsageError
 CAFFE_PIXEL_MEANS_BGR = (102.9801, 115.9465, 122.7717)
 """py-faster-rcnn ``PIXEL_MEANS`` in BGR order (``lib/fast_rcnn/config.py``; docs/recipes.md)."""
 
-VINVL_PIXEL_MEANS_BGR = (103.530, 116.280, 123.675)
-"""``PIXEL_MEAN`` of VinVL ``vinvl_x152c4.yaml`` and of detectron2's defaults (BGR, 0-255; docs/recipes.md#vinvl)."""
+DETECTRON2_PIXEL_MEANS_BGR = (103.530, 116.280, 123.675)
+"""detectron2's default ``PIXEL_MEAN`` (BGR, 0-255), which maskrcnn_benchmark configs (VinVL's ``vinvl_x152c4.yaml``)
+and grid-feats-vqa use too (docs/recipes.md#vinvl)."""
 
 FLAVORS = ("caffe", "d2", "vinvl")
 
@@ -40,7 +41,7 @@ class BottomUpSpec:
       the 3x3 conv, FrozenBN without eps, stem pool pad 1; 15 sigmoid anchors of the legacy generator (``+1``,
       centre 7.5, ``anchor_sizes``), ``+1`` box coder (``x2 = ctr + w/2 - 1``), ROIAlign 14x14 (aligned=False),
       res5 with stride 2 on the 3x3 conv (7x7), background first with class-specific boxes over all classes,
-      the attribute head fed with the *selected* label (:mod:`extractors.vinvl`).
+      the attribute head fed with the *selected* label (:mod:`extractors.vinvl.detector`).
     """
 
     flavor: str = "caffe"
@@ -174,31 +175,6 @@ NEWER_DEFAULTS: dict[str, Any] = {
 def caffe_r101() -> BottomUpSpec:
     """The Caffe / MILVLG caffe-mode R-101 (docs/extractor.md#flavors)."""
     return BottomUpSpec()
-
-
-def vinvl_x152c4() -> BottomUpSpec:
-    """VinVL ``vinvl_vg_x152c4``: ResNeXt-152 32x8d C4, 1594 classes + background, 524 attributes + none
-    (microsoft/scene_graph_benchmark ``sgg_configs/vgattr/vinvl_x152c4.yaml``; docs/recipes.md#vinvl)."""
-    return BottomUpSpec(
-        flavor="vinvl",
-        stem_channels=64,
-        res2_bottleneck=256,
-        expansion=1,
-        stage_blocks=(3, 8, 36),
-        res5_blocks=3,
-        res5_dilation=1,
-        bn_eps=0.0,
-        groups=32,
-        stride_in_1x1=False,
-        stem_pool="pad1",
-        rpn_channels=1024,
-        anchor_sizes=(32.0, 64.0, 128.0, 256.0, 512.0),
-        rpn_min_size=0.0,
-        num_classes=1595,
-        num_attributes=525,
-        box_reg_weights=(10.0, 10.0, 5.0, 5.0),
-        pixel_means=VINVL_PIXEL_MEANS_BGR,
-    )
 
 
 def d2_r101() -> BottomUpSpec:

@@ -2,7 +2,7 @@
 (docs/extractor.md#bounds-on-weights-files).
 
 The layouts infer the architecture from the keys and shapes of the file (:func:`extractors.weights.infer_spec`,
-:func:`extractors.layouts.infer_vinvl_spec`, :func:`extractors.grid.infer_grid_spec`) or read it from the file
+:func:`extractors.vinvl.layout.infer_vinvl_spec`, :func:`extractors.grid.infer_grid_spec`) or read it from the file
 (a ``butd`` file's ``spec``). Before that architecture is built, even on the meta device:
 
 * every key's block index is below :data:`MAX_BLOCKS` (:func:`check_keys`; a stray ``res4.999999`` key would

@@ -1,8 +1,9 @@
 """Writers of detector weights files in the releases' own layouts, and other helpers the detector tests share.
 
-The product reads these layouts (:mod:`extractors.weights`, :mod:`extractors.layouts`); writing them is what the
-tests need to make seeded random files of every release: MILVLG / airsplay / HF bottom-up files, VinVL's
-scene_graph_benchmark state dict and a grid-feats-vqa detectron2 checkpoint.
+The product reads these layouts (:mod:`extractors.weights`, :mod:`extractors.vinvl.layout`,
+:mod:`extractors.grid`); writing them is what the tests need to make seeded random files of every release:
+MILVLG / airsplay / HF bottom-up files, VinVL's scene_graph_benchmark state dict and a grid-feats-vqa detectron2
+checkpoint.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import numpy as np
 import torch
 
 from extractors import grid as G
-from extractors import layouts as L
 from extractors import weights as W
 from extractors.grid import GridFeatsModel
 from extractors.preprocess import Frame
 from extractors.resnet_caffe import ConvNorm
+from extractors.vinvl import layout as L
 from pipeline.core.errors import UsageError
 from pipeline.core.regions import RegionRecord
 

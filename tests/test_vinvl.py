@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from cli import app
 from extractors.preprocess import mrcnn_size
 from extractors.random_weights import random_detector
-from extractors.spec import vinvl_x152c4
+from extractors.vinvl import vinvl_x152c4
 from pipeline.store import FeatureStore
 
 PHOTOS = [
@@ -490,7 +490,7 @@ def test_nms_variants_and_the_shared_graph_path():
     one-overlap-graph path of ``nms_filter`` 1 keeps what the per-class loop keeps."""
     from types import SimpleNamespace
 
-    from extractors import vinvl_select
+    from extractors.vinvl import select as vinvl_select
 
     boxes = torch.tensor([[0.0, 0.0, 9.0, 9.0], [0.0, 0.0, 9.0, 4.0]])  # IoU 36/81 without +1, 50/100 with +1
     scores = torch.tensor([0.9, 0.8])

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
-from extractors import box_coding, vinvl_select
+from extractors import box_coding
+from extractors.vinvl import select as vinvl_select
 
 
 def _recipe(**kw):

@@ -25,7 +25,8 @@ from PIL import Image
 
 from extractors import weights as W
 from extractors.random_weights import random_detector
-from extractors.spec import BottomUpSpec, vinvl_x152c4
+from extractors.spec import BottomUpSpec
+from extractors.vinvl import vinvl_x152c4
 
 AS_LIMIT = 5 << 30  # importing torch maps ~3.6 GB of address space; a refusal must stay within ~1.4 GB more
 SUFFIX = {"milvlg": ".pth", "airsplay": ".pkl", "hf": ".bin", "butd": ".pth", "vinvl": ".pth", "grid-feats": ".pth"}

@@ -34,6 +34,7 @@ from torchvision.ops import nms as tv_nms
 
 from extractors import box_coding
 from extractors import nms as pcnms
+from extractors.selector import SELECTORS, Selector
 
 NMS_VARIANTS = ("torchvision", "legacy-cuda", "legacy-cpu")
 
@@ -193,3 +194,14 @@ def attribute_top(attr_logits: torch.Tensor, thresh: float, per_image: int) -> t
     top, idx = scores.max(dim=1)
     idx = torch.where(top > 0, idx, raw_best)  # nothing survived: the most probable attribute, score 0
     return idx, top
+
+
+class VinVLPostProcess(Selector):
+    """The ``vinvl`` selection: the post-processing above, run inside
+    :meth:`extractors.vinvl.detector.VinVLDetector.detect`, which needs the full class probabilities, the proposals
+    in resized pixels and the attribute head."""
+
+    name = "vinvl"
+
+
+SELECTORS["vinvl"] = VinVLPostProcess

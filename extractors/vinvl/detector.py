@@ -10,7 +10,7 @@ Test time, per image (one backbone pass per equal-sized group, no padding, so ba
    first ``post_nms_topk`` (NMS keep order);
 3. ``ROIAlign(14, 1/16, sampling_ratio=0, aligned=False)`` -> res5 (stride 2) -> mean over 7x7 = the 2048-d
    ``box_features`` -> ``cls_score`` / ``bbox_pred``;
-4. the recipe's post-processing (:mod:`extractors.vinvl_select`, ``nms_filter`` 0/1/2);
+4. the recipe's post-processing (:mod:`extractors.vinvl.select`, ``nms_filter`` 0/1/2);
 5. attribute head on the *selected* boxes: pooled res5 of those boxes ``‖ cls_embedding(label)`` ->
    ``fc_attr`` + ReLU -> ``attr_score`` (``AttributeRCNNPredictor``); with ``ignore_box_regression`` the boxes
    are the proposals themselves, so their pooled features are the rows already computed (the release
@@ -30,17 +30,42 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import roi_align
 
-from extractors import EXTRACTORS, box_coding, layouts, vinvl_select
+from extractors import box_coding
 from extractors.anchors import caffe_cell_anchors
 from extractors.detector import Detector, spec_backbone
 from extractors.preprocess import Frame
-from extractors.releases import Release, register_release
 from extractors.resnet_caffe import make_res5
 from extractors.rpn import AnchorGenerator, RPNHead
 from extractors.selector import to_original, to_resized
-from extractors.spec import BottomUpSpec, vinvl_x152c4
+from extractors.spec import DETECTRON2_PIXEL_MEANS_BGR, BottomUpSpec
 from extractors.to_host import records_to_host, stack_to_device
+from extractors.vinvl import select as vinvl_select
 from pipeline.core.regions import RegionRecord
+
+
+def vinvl_x152c4() -> BottomUpSpec:
+    """VinVL ``vinvl_vg_x152c4``: ResNeXt-152 32x8d C4, 1594 classes + background, 524 attributes + none
+    (microsoft/scene_graph_benchmark ``sgg_configs/vgattr/vinvl_x152c4.yaml``; docs/recipes.md#vinvl)."""
+    return BottomUpSpec(
+        flavor="vinvl",
+        stem_channels=64,
+        res2_bottleneck=256,
+        expansion=1,
+        stage_blocks=(3, 8, 36),
+        res5_blocks=3,
+        res5_dilation=1,
+        bn_eps=0.0,
+        groups=32,
+        stride_in_1x1=False,
+        stem_pool="pad1",
+        rpn_channels=1024,
+        anchor_sizes=(32.0, 64.0, 128.0, 256.0, 512.0),
+        rpn_min_size=0.0,
+        num_classes=1595,
+        num_attributes=525,
+        box_reg_weights=(10.0, 10.0, 5.0, 5.0),
+        pixel_means=DETECTRON2_PIXEL_MEANS_BGR,
+    )
 
 
 def maskrcnn_anchor_table(spec: BottomUpSpec) -> torch.Tensor:
@@ -86,7 +111,7 @@ class VinVLHeads(nn.Module):
 
 class VinVLDetector(Detector):
     """``backbone`` + ``proposal_generator`` + ``roi_heads`` with internal (detectron2-style) key names; the
-    ``vinvl`` weights layout maps them to scene_graph_benchmark's (:mod:`extractors.layouts`)."""
+    ``vinvl`` weights layout maps them to scene_graph_benchmark's (:mod:`extractors.vinvl.layout`)."""
 
     SHAPING = ("stage_blocks", "res2_bottleneck", "groups", "num_classes", "num_attributes", "rpn_channels")
 
@@ -235,29 +260,3 @@ class VinVLDetector(Detector):
             "attr_ids": None if attr is None else attr[0] - 1,
             "attr_scores": None if attr is None else attr[1],
         }
-
-
-@EXTRACTORS.register("vinvl-x152c4")
-def preset_vinvl_x152c4() -> BottomUpSpec:
-    """VinVL ``vinvl_vg_x152c4`` (ResNeXt-152 32x8d C4, 1594 classes, 524 attributes)."""
-    return vinvl_x152c4()
-
-
-register_release(
-    Release(
-        name="vinvl",
-        source="microsoft/scene_graph_benchmark AttrRCNN (VinVL vinvl_vg_x152c4)",
-        layouts=("vinvl",),
-        flavor="vinvl",
-        preset="vinvl-x152c4",
-        catalogue=("vinvl-x152c4",),
-        identity="vinvl",
-        detect=layouts.detect_vinvl,
-        normalise=layouts.normalise,
-        load=layouts.load_vinvl,
-        describe=layouts.describe_vinvl,
-        detector=VinVLDetector,
-        random_identity="vinvl-random",
-        selectors=("vinvl", "given", "grid"),
-    )
-)
