@@ -11,9 +11,10 @@ the numbers of the image alone to float rounding: a convolution over another bat
 res5 head runs once over the RoIs of the whole batch.
 Presets are registered in :data:`extractors.EXTRACTORS` as spec factories.
 
-The detector is assembled from :class:`BottomUpParts`: the proposal stage (:class:`extractors.rpn.RPN`, the
-Caffe ``ProposalLayer``, or :class:`extractors.rpn.DetectronRPN`), the box coder of the box head's regression and
-the attribute probabilities. Each release record below names its parts (``Release.parts``); a detector built from
+The detector is assembled from :class:`BottomUpParts`: the backbone (:func:`c4_backbone`), the proposal stage
+(:class:`extractors.rpn.RPN`, the Caffe ``ProposalLayer``, or :class:`extractors.rpn.DetectronRPN`), the box head
+(:class:`extractors.box_head.Res5ROIHeads`), the box coder of the box head's regression and the attribute
+probabilities. Each release record below names its parts (``Release.parts``); a detector built from
 a spec alone takes the parts of the release of the spec's semantics (:func:`parts_of`).
 """
 
@@ -25,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from extractors import EXTRACTORS, box_coding
 from extractors.box_head import Res5ROIHeads
@@ -49,19 +51,28 @@ def d2_attr_probs(attr_logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(attr_logits[:, :-1], dim=1)
 
 
+def c4_backbone(spec: BottomUpSpec) -> ResNetC4:
+    """The C4 ResNet of every bottom-up release (res2..res4; the stem and strides as the spec says)."""
+    return ResNetC4(spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps)
+
+
 @dataclass(frozen=True)
 class BottomUpParts:
-    """The parts of the bottom-up network that differ between its releases.
+    """The parts the bottom-up network is assembled from, as torchvision's ``FasterRCNN`` takes its components.
 
     ``proposals``: the proposal stage class, built as ``proposals(spec, in_channels)``; ``box_coder``: the coder of
     the box head's class-specific regression (:class:`extractors.selector.NMSLadder`); ``attr_probs``: attribute
     logits (R, A) -> probabilities (R, A-1) without "no attribute"; ``trainable``: :mod:`extractors.training`
-    implements these parts (softmax RPN, ``+1`` boxes, background first)."""
+    implements these parts (softmax RPN, ``+1`` boxes, background first); ``backbone``: spec -> the backbone
+    (``out_channels``: its C4 width); ``box_head``: (spec, in_channels) -> the RoI head (pooling, res5, box,
+    class and attribute predictors)."""
 
     proposals: type[RPN]
     box_coder: box_coding.BoxCoder
     attr_probs: Callable[[torch.Tensor], torch.Tensor]
     trainable: bool = False
+    backbone: Callable[[BottomUpSpec], nn.Module] = c4_backbone
+    box_head: Callable[[BottomUpSpec, int], nn.Module] = Res5ROIHeads
 
 
 CAFFE_PARTS = BottomUpParts(RPN, box_coding.LEGACY, caffe_attr_probs, trainable=True)
@@ -104,11 +115,9 @@ class BottomUpDetector(Detector):
         if parts is None:
             raise ValueError(f"no bottom-up parts for {spec.flavor} semantics: their release builds another detector")
         self.parts = parts
-        self.backbone = ResNetC4(
-            spec.stage_blocks, spec.stem_channels, spec.res2_bottleneck, spec.expansion, spec.bn_eps
-        )
+        self.backbone = parts.backbone(spec)
         self.proposal_generator = parts.proposals(spec, self.backbone.out_channels)
-        self.roi_heads = Res5ROIHeads(spec, self.backbone.out_channels)
+        self.roi_heads = parts.box_head(spec, self.backbone.out_channels)
         self.freeze()
 
     @property

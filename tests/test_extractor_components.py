@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,9 +13,11 @@ from extract_helpers import tiny_spec
 
 from extractors import box_coding, selector
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
+from extractors.bottom_up import CAFFE_PARTS, BottomUpDetector, c4_backbone
 from extractors.box_head import Res5ROIHeads
 from extractors.random_weights import random_detector
 from extractors.resnet_caffe import BasicStem, ConvNorm, ResNetC4
+from extractors.rpn import DetectronRPN
 
 CAFFE_TABLE = [
     [-38, -16, 53, 31],
@@ -339,3 +342,26 @@ def test_rpn_softmax_objectness_and_proposals_follow_the_caffe_proposal_layer():
     ref = _proposal_layer_reference(scores[0].numpy(), flat[0].numpy(), anchors, im_h, im_w, scale, 200, 40, 0.7)
     assert got.shape == ref.shape and got.shape[0] > 5
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_the_bottom_up_detector_is_built_from_the_parts_it_is_given():
+    """Backbone, proposal stage and box head come from the ``BottomUpParts`` passed in, in that order; the
+    release's own parts give the same state-dict keys and shapes as the detector built from the spec alone."""
+    calls = []
+
+    def backbone(spec):
+        calls.append("backbone")
+        return c4_backbone(spec)
+
+    def head(spec, in_channels):
+        calls.append(("box_head", in_channels))
+        return Res5ROIHeads(spec, in_channels)
+
+    spec = tiny_spec()
+    parts = dataclasses.replace(CAFFE_PARTS, backbone=backbone, box_head=head, proposals=DetectronRPN)
+    det = BottomUpDetector(spec, parts)
+    assert calls == ["backbone", ("box_head", det.backbone.out_channels)]
+    assert type(det.proposal_generator) is DetectronRPN and det.parts is parts
+    plain = BottomUpDetector(spec).state_dict()
+    given = BottomUpDetector(spec, CAFFE_PARTS).state_dict()
+    assert [(k, tuple(v.shape)) for k, v in plain.items()] == [(k, tuple(v.shape)) for k, v in given.items()]
