@@ -13,14 +13,6 @@ from pipeline.core.registry import Registry
 
 EXTRACTORS: Registry = Registry("extractor")
 
-#: the presets this package registers (importing the extractor modules to list them loads torchvision, which
-#: ``cli --help`` should not wait for); tests/test_cli_grammar.py keeps it equal to the registry's names
-BUILTIN_PRESETS = ("bottom-up-caffe-r101", "bottom-up-d2-r101", "vinvl-x152c4")
-
-#: the releases this package registers (:mod:`extractors.releases`), for the same reason: the help of
-#: ``import-features --release``; tests/test_releases.py keeps it equal to the registry's names
-BUILTIN_RELEASES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats", "clip-vil")
-
 _LOADED = False
 
 
@@ -34,8 +26,10 @@ def _import_all() -> None:
 
 
 def available_extractors() -> list[str]:
+    """Every registered preset (the extractor modules imported first, which loads torchvision; ``cli info
+    --releases`` lists them)."""
     _import_all()
     return EXTRACTORS.names()
 
 
-__all__ = ["BUILTIN_PRESETS", "BUILTIN_RELEASES", "EXTRACTORS", "available_extractors"]
+__all__ = ["EXTRACTORS", "available_extractors"]

@@ -32,11 +32,6 @@ from extractors.releases import available_releases, layout_recipes, release_of_f
 from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
 
-RECIPES = ("caffe", "hf", "airsplay", "vinvl", "grid-feats")
-"""The recipes of ``configs/extract.yaml`` (``extract.recipes``; the help of ``--recipe``, which cannot wait for
-the config to load; tests/test_releases.py keeps them equal). The recipe a weights layout defaults to is its
-release's (:func:`extractors.releases.layout_recipes`)."""
-
 CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),
     "resize": ("caffe", "shortest-edge", "mrcnn"),
@@ -245,6 +240,14 @@ def _plain(value: Any) -> Any:
 def default_recipes() -> dict[str, Any]:
     """The release recipes of ``configs/extract.yaml`` (``extract.recipes``): the one place they are written."""
     return _plain(load_config("extract").extract.recipes)
+
+
+def recipe_names() -> list[str]:
+    """Every recipe ``--recipe`` takes: the ``extract.recipes`` entries of ``configs/extract.yaml``, then the
+    releases' own (:attr:`extractors.releases.OwnExtraction.recipes`: CLIP's); ``cli info --releases`` prints
+    them. Imports the extractor modules."""
+    own = [name for release in available_releases() for name in release.recipes if release.own is not None]
+    return list(dict.fromkeys([*default_recipes(), *own]))
 
 
 def recipe_name_for(layout: str, flavor: str = "caffe") -> str:

@@ -9,8 +9,8 @@ catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, `
 the extractors, the importers and ``cli import-features`` reads this registry
 (docs/extending.md#a-new-detector-release-one-module--one-release-record).
 
-This module imports no torch, so the importers can name the releases cheaply; :func:`available_releases` imports
-the extractor modules (which register their records) the first time a record is needed.
+This module imports no torch; :func:`available_releases` imports the extractor modules (which register their
+records, and load torchvision) the first time a record is needed. ``cli info --releases`` prints the registry.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from extractors import BUILTIN_RELEASES, available_extractors
+from extractors import available_extractors
 from pipeline.core.errors import UsageError
 from pipeline.core.registry import Registry
 
@@ -44,13 +44,19 @@ class OwnExtraction:
     selector) and ``settings(identity, selector, precision)`` -> the identity with those recorded, which
     :func:`extractors.factory.configure_recipe` and :func:`extractors.factory.record_settings` hand over to.
     ``kind``: the ``pipeline.core.catalogue`` kind of this release's catalogue files; ``verify`` (path): their
-    strict reader, run on each download before it takes its name (:func:`pipeline.hub.verify.verifier`)."""
+    strict reader, run on each download before it takes its name (:func:`pipeline.hub.verify.verifier`).
+    ``recipes``: the recipes these weights run (``--recipe`` / ``extract.recipe``), the default first; they are the
+    release's own, not entries of ``extract.recipes``. ``layouts``: the weights layouts ``claims`` names; they stay
+    apart from :attr:`Release.layouts`, the layouts the detector loaders read (a CLIP ``hf`` file is not the
+    bottom-up ``hf`` layout)."""
 
     claims: Callable[[Any], str | None]
     check: Callable[[Any, str], str]
     load: Callable[[Any, Any], tuple[Any, Any, dict[str, Any]]]
     kind: str = ""
     verify: Callable[[Any], None] | None = None
+    recipes: tuple[str, ...] = ()
+    layouts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,18 @@ class Release:
     def recipe_name(self) -> str:
         return self.recipe or self.name
 
+    @property
+    def recipes(self) -> tuple[str, ...]:
+        """The recipes this release's weights run, the default first: its own extraction's, else
+        :attr:`recipe_name`."""
+        return self.own.recipes if self.own is not None and self.own.recipes else (self.recipe_name,)
+
+    @property
+    def weights_layouts(self) -> tuple[str, ...]:
+        """The layouts of this release's weights files: the detector layouts, then those its own extraction
+        claims."""
+        return self.layouts + (self.own.layouts if self.own is not None else ())
+
     def identity_name(self, layout: str) -> str:
         """The feature-identity name of features extracted with this release's weights of ``layout``."""
         return self.identity or f"bottom-up-{layout}"
@@ -138,12 +156,6 @@ def available_releases() -> list[Release]:
 
 def release_names() -> list[str]:
     return [r.name for r in available_releases()]
-
-
-def listed_release_names() -> list[str]:
-    """The built-in releases and every release registered so far (plugins), without importing the extractor
-    modules: what command help lists (``cli --help`` does not wait for torchvision)."""
-    return list(dict.fromkeys([*BUILTIN_RELEASES, *RELEASES.names()]))
 
 
 def get_release(name: str, what: str = "release") -> Release:
@@ -206,7 +218,6 @@ __all__ = [
     "detect_layout",
     "get_release",
     "layout_recipes",
-    "listed_release_names",
     "register_release",
     "release_names",
     "release_of_flavor",

@@ -1,12 +1,15 @@
 """One CLI grammar (docs/cli.md): each option name and short flag has one meaning across the commands, old
 spellings are refused in one line, every example of every ``--help`` parses against its command and the config
-schema, the help lists the registries' own choices, and the stages chain through the default run directory."""
+schema, the help lists the registries' own choices (``info --releases`` the detector releases, presets and recipes,
+which help reads without loading torchvision), and the stages chain through the default run directory."""
 
 from __future__ import annotations
 
 import functools
 import json
 import shlex
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -212,21 +215,86 @@ def test_parse_errors_are_one_line(cli) -> None:
 
 
 def test_help_lists_the_registries_own_choices() -> None:
-    import extractors
-    from extractors.recipes import RECIPES
-    from extractors.releases import release_names
+    """Captioners and metrics are named in the help; presets, recipes and releases are named by ``info
+    --releases`` (listing them loads torchvision), which the help of their options points to."""
     from pipeline.metrics.coco import METRICS
 
-    assert tuple(extractors.available_extractors()) == extractors.BUILTIN_PRESETS
     helps = {u.command + " " + u.long: " ".join(u.help.split()) for u in option_uses(GROUP)}
-    assert all(name in helps["extract --recipe"] for name in RECIPES) and "vinvl" in helps["extract --recipe"]
-    assert "grid-feats" in helps["extract --recipe"]
-    assert all(name in helps["extract --preset"] for name in extractors.BUILTIN_PRESETS)
     assert all(
         name in helps["train --model"] and name in helps["info --model"] for name in models.available_captioners()
     )
-    assert all(name in helps["import-features --release"] for name in release_names())
     assert all(name in helps["evaluate --metrics"] for name in METRICS)
+    for option in ("extract --preset", "extract --recipe", "import-features --release"):
+        assert "butd-caption info --releases" in helps[option], option
+
+
+def test_info_releases_lists_every_release_preset_and_recipe(cli) -> None:
+    import extractors
+    from extractors.recipes import default_recipes
+    from extractors.releases import available_releases
+
+    res = cli.invoke("info", "--releases")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    releases = available_releases()
+    assert len(lines) == len(releases) + 2
+    for release, line in zip(releases, lines):
+        head, _, rest = line.partition(": ")
+        assert head == f"release {release.name}"
+        fields = dict(part.split(" ", 1) for part in rest.split("; ", 5))
+        assert fields["layouts"].split(", ") == list(release.weights_layouts or ["-"])
+        assert fields["recipe"].split(" ", 1)[0] == release.recipe_name
+        assert fields["preset"] == (release.preset or "-") and fields["source"] == release.source
+        assert set(release.catalogue) <= set(fields["catalogue"].split(", "))
+    assert lines[-2] == f"presets: {', '.join(extractors.available_extractors())}"
+    recipes = lines[-1].removeprefix("recipes: ").split(", ")
+    assert set(recipes) == set(default_recipes()) | {r for release in releases for r in release.recipes}
+    assert {"caffe", "vinvl", "grid-feats", "clip-vil", "clip"} <= set(recipes)
+    clip = next(line for line in lines if line.startswith("release clip-vil: "))
+    assert "layouts openai, open_clip, hf;" in clip and "recipe clip-vil (or clip);" in clip and "clip-rn50x4" in clip
+
+
+def test_info_releases_takes_no_target(cli) -> None:
+    res = cli.invoke("info", "--releases", "runs/demo")
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(errors) == 1 and errors[0].startswith("error:") and "TARGET" in errors[0]
+    assert res.stdout == ""
+
+
+def test_unknown_preset_recipe_and_release_are_one_line_naming_the_known(cli, tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (64, 48)).save(tmp_path / "a.jpg")
+    extract = ["extract", str(tmp_path / "a.jpg"), "--weights", "random", "--store", str(tmp_path / "s")]
+    for args, known in (
+        ([*extract, "--preset", "nosuch"], "bottom-up-caffe-r101"),
+        ([*extract, "--recipe", "nosuch"], "grid-feats"),
+        (
+            ["import-features", str(tmp_path / "a.jpg"), "-f", "butd-tsv", "--store", str(tmp_path / "i")]
+            + ["--release", "nosuch"],
+            "clip-vil",
+        ),
+    ):
+        res = cli.invoke(*args, "--device", "cpu") if args[0] == "extract" else cli.invoke(*args)
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert res.exit_code == 2 and len(errors) == 1, (args, res.stderr)
+        assert "'nosuch'" in errors[0] and "known:" in errors[0] and known in errors[0], errors[0]
+
+
+def test_help_does_not_import_torchvision(cli) -> None:
+    """``cli --help`` and every command's help are read without loading torchvision or the extractor modules."""
+    code = (
+        "import json, sys, typer, cli; from typer.testing import CliRunner; "
+        "names = list(typer.main.get_command(cli.app).commands); "
+        "codes = [CliRunner().invoke(cli.app, [*n, '--help']).exit_code for n in [[], *([n] for n in names)]]; "
+        "print(json.dumps([codes, [m for m in ('torchvision', 'extractors.bottom_up') if m in sys.modules]]))"
+    )
+    env = cli.environment(unset=["BUTD_PLUGINS"])
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    codes, loaded = json.loads(res.stdout.splitlines()[-1])
+    assert len(codes) == len(GROUP.commands) + 1 and set(codes) == {0}
+    assert loaded == []
 
 
 def test_no_help_tells_the_history_of_the_project() -> None:

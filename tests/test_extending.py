@@ -213,9 +213,10 @@ def _photo(path: Path, seed: int, size: tuple[int, int]) -> str:
 
 
 def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(plugin_cli, tmp_path, plugin_env):
-    """Weights in the toy layout are recognised by the plugin's record alone: ``info`` describes them, ``extract``
-    records the release's identity name and gives exactly the features of the same weights in the MILVLG layout;
-    without the plugin the file is refused in one line."""
+    """Weights in the toy layout are recognised by the plugin's record alone: ``info`` describes them, ``info
+    --releases`` lists the release, ``extract`` records the release's identity name and gives exactly the features
+    of the same weights in the MILVLG layout; without the plugin the file is refused in one line and the release is
+    not listed."""
     env = dict(plugin_env, BUTD_PLUGINS="toy_release")
     sd = random_detector(tiny_spec(flavor="caffe"), 5).state_dict()
     milvlg = save_layout(sd, "milvlg", tmp_path / "bua.pth")
@@ -228,7 +229,14 @@ def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(plugin
     assert "layout: toy" in res.stdout and "semantics: caffe" in res.stdout and "recipe: caffe" in res.stdout
     res = plugin_cli("info", str(toy), env=plugin_env)  # the plugin not loaded: no release claims the layout
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and str(toy) in res.stderr
-    assert "toy" in plugin_cli("import-features", "--help", env=env).stdout.split("--release", 1)[1].split("--", 1)[0]
+    toy_lines = {
+        name: [line for line in plugin_cli("info", "--releases", env=e).stdout.splitlines() if "release toy:" in line]
+        for name, e in (("with", env), ("without", plugin_env))
+    }
+    assert toy_lines["without"] == [] and toy_lines["with"] == [
+        "release toy: layouts toy; recipe caffe; preset -; selectors per-class-nms, nms-ladder, given, grid; "
+        "catalogue -; source a MILVLG bottom-up detector saved with a 'detector.' key prefix"
+    ]
 
     stores = {}
     for name, weights in (("toy", toy), ("milvlg", milvlg)):

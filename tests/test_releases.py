@@ -7,18 +7,16 @@ import pytest
 import torch
 from extract_helpers import selector_for, tiny_spec
 
-import extractors
 from extractors.bottom_up import BottomUpDetector
 from extractors.detector import Detector
 from extractors.grid import GridFeatsModel
 from extractors.random_weights import random_detector
-from extractors.recipes import RECIPES, default_recipes, recipe_name_for
+from extractors.recipes import default_recipes, recipe_name_for, recipe_names
 from extractors.releases import (
     Release,
     available_releases,
     get_release,
     layout_recipes,
-    listed_release_names,
     register_release,
     release_names,
     release_of_layout,
@@ -30,9 +28,8 @@ from pipeline.importers import default_identity
 from pipeline.importers.formats import import_formats
 
 
-def test_the_builtin_list_is_the_registry():
-    assert tuple(release_names()) == tuple(sorted(extractors.BUILTIN_RELEASES))
-    assert listed_release_names()[: len(extractors.BUILTIN_RELEASES)] == list(extractors.BUILTIN_RELEASES)
+def test_the_registry_holds_every_builtin_release():
+    assert release_names() == ["airsplay", "caffe", "clip-vil", "grid-feats", "hf", "vinvl"]
 
 
 def test_each_layout_runs_its_release_recipe():
@@ -46,7 +43,17 @@ def test_each_layout_runs_its_release_recipe():
     }
     assert [recipe_name_for("random", flavor) for flavor in ("caffe", "d2", "vinvl")] == ["caffe", "hf", "vinvl"]
     assert release_of_layout("no-such-layout") is None
-    assert set(RECIPES) == set(default_recipes()) >= set(layout_recipes().values())
+    assert set(default_recipes()) >= set(layout_recipes().values())
+
+
+def test_recipe_names_are_the_config_table_then_the_releases_own():
+    """``--recipe`` takes the ``extract.recipes`` entries and the recipes of releases that run their own
+    extraction (CLIP's, from its record), each once."""
+    own = get_release("clip-vil")
+    assert own.recipes == ("clip-vil", "clip") and own.weights_layouts == ("openai", "open_clip", "hf")
+    assert get_release("caffe").recipes == ("caffe",) and get_release("caffe").weights_layouts == ("milvlg", "butd")
+    assert recipe_names() == [*default_recipes(), "clip-vil", "clip"]
+    assert list(default_recipes()) == ["caffe", "hf", "airsplay", "vinvl", "grid-feats"]
 
 
 def test_catalogue_names_and_formats_point_at_their_release():

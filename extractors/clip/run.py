@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from extractors.clip.files import ClipWeightsError, check_strict, is_torchscript, load_clip, read_clip
+from extractors.clip.files import LAYOUTS, ClipWeightsError, check_strict, is_torchscript, load_clip, read_clip
 from extractors.clip.model import PRESETS, ClipVisionConfig, ConfigError, infer_config
 from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, encode, prepare
 from extractors.releases import OwnExtraction, Release, register_release
@@ -282,7 +282,9 @@ register_release(
         name="clip-vil",
         source="clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
         selectors=(),
-        own=OwnExtraction(claims=claims, check=check, load=load, kind="clip", verify=verify),
+        own=OwnExtraction(
+            claims=claims, check=check, load=load, kind="clip", verify=verify, recipes=RECIPES, layouts=LAYOUTS
+        ),
     )
 )
 

@@ -10,8 +10,7 @@ from typing import Annotated, Any, Optional
 import torch.distributed as dist
 import typer
 
-from extractors import BUILTIN_PRESETS
-from extractors.recipes import BOX_MODES, RECIPES
+from extractors.recipes import BOX_MODES
 from pipeline.commands.grammar import DEFAULT_RUN
 from pipeline.commands.options import CommandOptions, Everyday, command
 from pipeline.core.console import get_logger, stdout_console
@@ -116,16 +115,16 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--preset",
-                help=f"Detector architecture: auto (from the weights file) | {' | '.join(BUILTIN_PRESETS)} "
-                "(extract.preset).",
+                help="Detector architecture: auto (from the weights file) | a preset name (`butd-caption info "
+                "--releases` lists them) (extract.preset).",
             ),
         ] = None,
         recipe: Annotated[
             Optional[str],
             typer.Option(
                 "--recipe",
-                help=f"Test-time recipe: auto (from the weights' layout) | {' | '.join(RECIPES)}; "
-                "CLIP weights: clip-vil | clip (docs/recipes.md).",
+                help="Test-time recipe: auto (from the weights' layout) | a recipe name (`butd-caption info "
+                "--releases` lists them; docs/recipes.md).",
             ),
         ] = None,
         shard: Annotated[

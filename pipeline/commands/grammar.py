@@ -70,6 +70,7 @@ MEANINGS: dict[str, Meaning] = {
     "--vocab": Meaning(None, "a released captioner's vocabulary file"),
     "--weights": Meaning("-w", "the detector: a weights file, a catalogue name or hf: id, or `random`"),
     "--list": Meaning(None, "print the catalogue of public weights and data", flag=True),
+    "--releases": Meaning(None, "list the detector releases, presets and recipes", flag=True),
     "--out": Meaning("-o", "the run directory the command writes its stages into"),
     "--output": Meaning(None, "the file the command writes its results to"),
     "--format": Meaning("-f", "format of the file the command reads or writes"),

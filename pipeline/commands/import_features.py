@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from extractors.releases import listed_release_names
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
@@ -51,8 +50,8 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--release",
-                help=f"Release (test-time recipe) the features came from: {' | '.join(listed_release_names())} "
-                f"(default: the format's public files: {release_defaults()}).",
+                help="Release (test-time recipe) the features came from: a release name (`butd-caption info "
+                f"--releases` lists them; default: the format's public files: {release_defaults()}).",
             ),
         ] = None,
         keys: Annotated[

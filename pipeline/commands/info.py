@@ -1,4 +1,5 @@
-"""`cli info`: the environment, or what a run directory, store, checkpoint or weights file holds."""
+"""`cli info`: the environment, the detector releases, or what a run directory, store, checkpoint or weights file
+holds."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import torch
 import typer
 from rich.table import Table
 
 import models
-from extractors.recipes import describe_recipe, recipe_from_config, resolve_recipe
+from extractors import available_extractors
+from extractors.recipes import describe_recipe, recipe_from_config, recipe_names, resolve_recipe
+from extractors.releases import available_releases
 from extractors.weights import describe_with_spec
 from models.released import describe_captioner
 from pipeline import __version__
@@ -56,18 +59,35 @@ def register(app: typer.Typer) -> None:
                 "1 if any).",
             ),
         ] = False,
+        releases: Annotated[
+            bool,
+            typer.Option(
+                "--releases",
+                help="List the detector releases (one line each: weights layouts, default recipe, preset, selectors, "
+                "catalogue names, source), the presets and the recipes, plugins' included.",
+            ),
+        ] = False,
     ) -> None:
-        """Show the environment (versions, devices, Java), or inspect TARGET: a run directory (stages and their
-        status), a feature store, a captioner or sentence-encoder checkpoint, or detector weights.
+        """Show the environment (versions, devices, Java), list the detector releases, presets and recipes
+        (--releases), or inspect TARGET: a run directory (stages and their status), a feature store, a captioner or
+        sentence-encoder checkpoint, or detector weights.
 
         Examples:
 
             butd-caption info
 
+            butd-caption info --releases
+
             butd-caption info runs/demo
 
             butd-caption info --model ngsan --set num_layers=6
         """
+        if releases:
+            given = [name for name, value in (("TARGET", target), ("--model", model), ("--verify", verify)) if value]
+            if given:
+                raise UsageError(f"--releases lists the registries and takes no {' or '.join(given)}")
+            _releases()
+            return
         if target is not None and not target.exists() and _is_catalogue_name(str(target)):
             target = Path(resolve_file(target, "file", "detector"))  # fetched on first use, then the cached file
         if model is not None:
@@ -161,6 +181,38 @@ def _environment() -> None:
     table.add_row("torchvision ops", ops)
     table.add_row("java", _java_version())
     stdout_console().print(table)
+
+
+def _releases() -> None:
+    """One line per registered release (:func:`extractors.releases.available_releases`, plugins' included), then
+    the presets and the recipe names. Listing them imports the extractor modules (torchvision), which is why
+    command help points here instead of naming them."""
+    con = stdout_console()
+    for r in available_releases():
+        con.print(
+            f"release {r.name}: layouts {_names(r.weights_layouts)}; recipe {r.recipes[0]}{_others(r.recipes[1:])}; "
+            f"preset {r.preset or '-'}; selectors {_names(r.selectors)}; catalogue {_names(_catalogue_names(r))}; "
+            f"source {r.source}",
+            highlight=False,
+            markup=False,
+        )
+    con.print(f"presets: {_names(available_extractors())}", highlight=False, markup=False)
+    con.print(f"recipes: {_names(recipe_names())}", highlight=False, markup=False)
+
+
+def _catalogue_names(release: Any) -> tuple[str, ...]:
+    """The catalogue names of a release's files: its record's, and for a release with its own extraction every
+    entry of its catalogue kind (``OwnExtraction.kind``)."""
+    kind = release.own.kind if release.own is not None else None
+    return tuple(release.catalogue) + tuple(name for name, e in CATALOGUE.items() if kind and e.kind == kind)
+
+
+def _names(values: Any) -> str:
+    return ", ".join(values) if values else "-"
+
+
+def _others(recipes: tuple[str, ...]) -> str:
+    return f" (or {', '.join(recipes)})" if recipes else ""
 
 
 def _run_dir(path: Path) -> None:
