@@ -4,10 +4,10 @@ A release is everything the toolkit knows about one family of published detector
 them: the weights layouts it wrote (and how to recognise and load a layout the bottom-up loader does not know),
 the test-time recipe its features were made with (``extract.recipes.<recipe>``), the preset of its architecture,
 the maker of seeded random weights of its kind, the line an imported store records as its source, and the
-catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``,
-:mod:`extractors.vinvl` (a package: detector, selection, layout) registers ``vinvl`` and :mod:`extractors.grid` registers ``grid-feats``; every table of
-the extractors, the importers and ``cli import-features`` reads this registry
-(docs/extending.md#a-new-detector-release-one-module--one-release-record).
+catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``, the
+packages :mod:`extractors.vinvl` and :mod:`extractors.clip` register ``vinvl`` and ``clip-vil``, and
+:mod:`extractors.grid` registers ``grid-feats``; every table of the extractors, the importers and the commands
+reads this registry (docs/extending.md#a-new-detector-release-one-module--one-release-record).
 
 This module imports no torch; :func:`available_releases` imports the extractor modules (which register their
 records, and load torchvision) the first time a record is needed. ``cli info --releases`` prints the registry.
