@@ -22,9 +22,6 @@ from extractors import available_extractors
 from pipeline.core.errors import UsageError
 from pipeline.core.registry import Registry
 
-#: the test-time selections a detector can run (``extract.recipes.*.selector``)
-ALL_SELECTORS = ("per-class-nms", "nms-ladder", "given", "vinvl", "grid")
-
 #: (path, layout, state dict, spec or None) -> (detector, info)
 Loader = Callable[[Any, str, Mapping[str, Any], Any], tuple[Any, dict[str, Any]]]
 #: (layout, state dict, path) -> (``cli info`` facts, spec)
@@ -76,11 +73,13 @@ class Release:
     this release's); ``normalise`` rewrites the keys once detected; ``load`` and ``describe`` are the strict loader
     and the ``cli info`` facts. Releases without them use the bottom-up layouts of :mod:`extractors.weights`.
     ``detector``: the class built from a spec (random weights, shape tables); ``parts``: the parts that detector
-    is assembled from for this release (:class:`extractors.bottom_up.BottomUpParts`: proposal stage, box coder,
-    attribute probabilities; None: the detector class fixes its own); ``random_weights``: (spec, seed) ->
-    a detector with seeded random weights; ``random_identity``: the identity name of such a detector;
-    ``selectors``: the test-time selections its detector runs; ``grid_only``: the weights hold a backbone only,
-    so only the ``grid`` selection runs; ``own``: how its weights run when they are not a region detector's
+    is assembled from for this release (:class:`extractors.bottom_up.BottomUpParts`: backbone, proposal stage,
+    box head, box coder, attribute probabilities; None: the detector class fixes its own); ``random_weights``:
+    (spec, seed) -> a detector with seeded random weights; ``random_identity``: the identity name of such a
+    detector; ``selectors``: the test-time selections its detector runs (names in
+    :data:`extractors.selector.SELECTORS`, where the module of each selection registers it); ``grid_only``: the
+    weights hold a backbone only, so only the ``grid`` selection runs; ``own``: how its weights run when they are
+    not a region detector's
     (:class:`OwnExtraction`).
     """
 
@@ -105,9 +104,6 @@ class Release:
     own: OwnExtraction | None = None
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.selectors) - set(ALL_SELECTORS))
-        if bad:
-            raise ValueError(f"release {self.name}: unknown selector {bad[0]!r} (known: {', '.join(ALL_SELECTORS)})")
         if (self.load is None) != (self.describe is None):
             raise ValueError(f"release {self.name}: a loader needs its describer and the other way round")
 
@@ -210,7 +206,6 @@ def layout_recipes() -> dict[str, str]:
 
 
 __all__ = [
-    "ALL_SELECTORS",
     "RELEASES",
     "OwnExtraction",
     "Release",

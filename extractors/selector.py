@@ -260,5 +260,7 @@ def make_selector(recipe, spec) -> Selector:
             f"recipe {recipe.name!r} (selector {recipe.selector}) does not run on {spec.flavor} weights: "
             f"their detector ({release.name} release) runs {', '.join(release.selectors)}"
         )
+    if recipe.selector not in SELECTORS:
+        raise ValueError(f"release {release.name} runs selection {recipe.selector!r}, which no module registers")
     coder = getattr(release.parts, "box_coder", None)  # None: the release's detector decodes its own boxes
     return SELECTORS[recipe.selector](recipe, spec, coder)
