@@ -13,7 +13,14 @@ from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.keys import key_from_text
 from pipeline.importers import export_tsv, import_features, read_sizes
-from pipeline.importers.formats import KEY_RULES, format_choices, format_help, import_formats, sizes_formats
+from pipeline.importers.formats import (
+    KEY_RULES,
+    format_choices,
+    format_help,
+    import_formats,
+    option_formats,
+    sizes_formats,
+)
 from pipeline.store import load_identity_file, merge_stores
 
 
@@ -74,8 +81,8 @@ def register(app: typer.Typer) -> None:
             Optional[Path],
             typer.Option(
                 "--fc",
-                help="clip-vil: the release's *_fc folder of <cocoid>.npy pooled vectors, stored per image (default: "
-                "the *_fc folder beside the *_att one, if there is one).",
+                help=f"Folder of one pooled vector per image (<id>.npy), stored per image ({option_formats('fc')}; "
+                "default: the *_fc folder beside the *_att one, if there is one).",
             ),
         ] = None,
     ) -> None:

@@ -92,6 +92,11 @@ def sizes_formats() -> str:
     return ", ".join(f.name for f in import_formats() if f.needs_sizes)
 
 
+def option_formats(option: str) -> str:
+    """``a, b``: the formats whose reader takes ``option`` (:attr:`Format.options`)."""
+    return ", ".join(f.name for f in import_formats() if option in f.options)
+
+
 def format_help(export: bool = False) -> str:
     """One help paragraph listing the formats (generated from the registry)."""
     if export:
