@@ -128,3 +128,40 @@ def test_each_release_owns_its_files():
 
 def test_every_selection_a_release_names_is_registered():
     assert {s for r in available_releases() for s in r.selectors} <= set(SELECTORS)
+
+
+#: a release's own file -> {product file outside the release that imports it: why}
+IMPORTERS: dict[str, dict[str, str]] = {
+    "extractors/clip/": {
+        "pipeline/demo.py": "the demo writes a seeded random CLIP encoder for its `clip` feature kind"
+    },
+    "extractors/bottom_up.py": {
+        f"extractors/training/{name}.py": "detector training trains the bottom-up network"
+        for name in ("evaluate", "export", "loop", "model", "optim")
+    },
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_no_other_product_module_imports_a_release():
+    """Every other module reaches a release through the registry (``cli extract``, ``caption``, ``info``)."""
+    stray = []
+    owned = {o for release in available_releases() for o in own_files(release)} - {"extractors/weights.py"}
+    for own in sorted(owned):  # extractors.weights: the bottom-up loader every release's files go through
+        module = own.removesuffix(".py").removesuffix("/").replace("/", ".")
+        for path in product_files():
+            if path == own or (own.endswith("/") and path.startswith(own)):
+                continue
+            hits = [m for m in _imported_modules(REPO / path) if m == module or m.startswith(module + ".")]
+            if hits and path not in IMPORTERS.get(own, {}):
+                stray.append(f"{path} imports {hits[0]}")
+    assert not stray, "; ".join(stray)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from extractors.bottom_up import BottomUpDetector
+from extractors.detector import Detector
 from extractors.inputs import ImageItem
 from extractors.photos import Need, Photo, PhotoDataset, detect_guarded, photo_batches
 from extractors.selector import Selector
@@ -138,7 +138,7 @@ class PhotoCaptioner:
 
     def __init__(
         self,
-        detector: BottomUpDetector,
+        detector: Detector,
         rule: Selector,
         model: Captioner,
         vocab: Vocab,
