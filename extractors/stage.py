@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from extractors import available_extractors
 from extractors.factory import configure_recipe, load_for_inference, record_settings
 from extractors.inputs import items_from_coco, items_from_file_list, items_from_paths, shard_items
 from extractors.recipes import BOX_MODES, validate_config
@@ -109,9 +110,12 @@ def stage_config(section: Config, job: ExtractJob) -> Config:
 
 
 def selection_mode(section: Config, weights: str | None = None) -> str | None:
-    """Check the recipe settings of an ``extract:`` section (``recipe``, ``recipes``, the shorthands) before any
-    work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself is built by
-    :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
+    """Check the preset and the recipe settings of an ``extract:`` section (``preset``, ``recipe``, ``recipes``, the
+    shorthands) before any work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself
+    is built by :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
+    preset = str(section.preset)
+    if preset != "auto" and preset not in available_extractors():
+        raise UsageError(f"unknown preset {preset!r} for --preset (known: auto, {', '.join(available_extractors())})")
     claimed = release_of_weights(weights)  # weights with their own recipes (CLIP encoders): the release checks
     if claimed is not None:
         return claimed[0].own.check(section, "extract")

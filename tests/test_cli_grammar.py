@@ -279,6 +279,7 @@ def test_unknown_preset_recipe_and_release_are_one_line_naming_the_known(cli, tm
         errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
         assert res.exit_code == 2 and len(errors) == 1, (args, res.stderr)
         assert "'nosuch'" in errors[0] and "known:" in errors[0] and known in errors[0], errors[0]
+    assert not (tmp_path / "s").exists()  # refused before the stage takes its folder
 
 
 def test_help_does_not_import_torchvision(cli) -> None:
