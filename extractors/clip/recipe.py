@@ -18,8 +18,12 @@ BICUBIC)`` (short side to n_px, the long side ``int(n_px * long / short)``), ``C
 ``int(round((side - n_px) / 2))``), ``ToTensor``, ``Normalize(mean, std)``. The grid is as above; the pooled
 vector is ``encode_image`` (the attention pool, or ``ln_post(class token) @ proj``).
 
-Both run in float32; the released CLIP-ViL features were computed on a GPU with the fp16 weights ``clip.load``
-keeps there, so they agree with these to fp16 precision, not bit for bit. Each grid cell is a region whose box is
+Both run in float32. ``clip-vil`` follows CLIP-ViL after its maintainers made the attention pool and the resized
+positional embedding follow openai/CLIP (its pull request #14); its ViT rule is the evident intent of a block of
+the script that does not run as written (an undefined ``model_type``), and ViTs other than B/32 extend it. The
+feature folders CLIP-ViL released come from its first version: their ``layer4`` grids agree with these to fp16
+precision (a GPU with the fp16 weights ``clip.load`` keeps there), their ResNet ``_fc`` vectors do not (a zero
+positional embedding and an all-ones output projection, docs/recipes.md#clip). Each grid cell is a region whose box is
 the cell's span in the encoder input (``stride`` pixels a side) mapped back to original pixels (per-axis scale,
 plus the crop offset for ``clip``); cells are row-major (``reshape(h * w, C)``).
 """

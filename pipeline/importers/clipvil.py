@@ -76,6 +76,29 @@ def _load_pooled(path: Path, key: str, grid_path: Path) -> np.ndarray:
         raise PipelineError(f"{path}: not a readable .npy file ({str(exc).splitlines()[0][:80]})") from None
 
 
+def _warn_if_constant(pooled_dir: Path) -> None:
+    """Warn when the folder's first vector has every entry equal: the signature of the ``_fc`` files CLIP-ViL's
+    first feature script wrote (``caption/clip/model.py`` @ ba46052: an attention pool with a zero positional
+    embedding and an all-ones output projection, clip-vil/CLIP-ViL issues #13 and #18), which are not the CLIP
+    embedding ``extract`` stores as the pooled vector. They are imported as they are."""
+    first = next(iter(sorted(pooled_dir.glob("*.npy"))), None)
+    if first is None:
+        return
+    try:
+        with open(first, "rb") as fp:
+            vec = read_npy(fp, str(first), "pooled vector", ndim=1)
+    except (OSError, PipelineError):
+        return  # the row that reads it reports the file
+    if vec.size > 1 and bool(np.all(vec == vec.flat[0])):
+        log.warning(
+            "clip-vil: every entry of %s is equal (%d values): vectors of CLIP-ViL's first feature script (an "
+            "attention pool with an all-ones output projection), not comparable with the pooled vectors of "
+            "`extract` (docs/recipes.md#clip); imported as they are",
+            first,
+            vec.size,
+        )
+
+
 def read_clipvil(
     sources: list[Path], sizes: dict[str, tuple[int, int]] | None = None, fc: Path | None = None, **_: Any
 ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
@@ -87,6 +110,7 @@ def read_clipvil(
     pooled_dir = fc_folder(sources[0], fc)
     if pooled_dir is not None:
         log.info("clip-vil: pooled vectors from %s", pooled_dir)
+        _warn_if_constant(pooled_dir)
     for path in sorted(sources[0].glob("*.npz")):
         key = path.stem
 
