@@ -164,6 +164,15 @@ class GridCells(Selector):
 
     name = "grid"
     whole_image = True
+    fields = ("grid", "res5_dilation")
+
+    @classmethod
+    def describe(cls, recipe) -> str:
+        r = recipe
+        return (
+            f"grid: res5 map of the whole image (res5 dilation {r.res5_dilation}), "
+            f"{'every cell' if r.grid == 0 else f'average-pooled to {r.grid}x{r.grid}'}; boxes = cells"
+        )
 
     def detect(self, model: nn.Module, blobs, frames) -> list[RegionRecord]:
         r = self.recipe

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from extractors import available_extractors
 from extractors.releases import available_releases, layout_recipes, release_of_flavor
 from pipeline.core.config import load_config
 from pipeline.core.errors import UsageError
@@ -36,7 +37,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "colour": ("bgr", "rgb"),
     "resize": ("caffe", "shortest-edge", "mrcnn"),
     "interpolation": ("cv2-linear", "torch-bilinear", "pil-bilinear"),
-    "selector": ("per-class-nms", "nms-ladder", "given", "vinvl", "grid"),
     "nms_variant": ("torchvision", "legacy-cuda", "legacy-cpu"),
     "rescale": ("im-scale", "per-axis"),
     "clip": ("none", "resized", "resized-and-original"),
@@ -98,14 +98,13 @@ class Recipe:
     res5_dilation: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (tuples as lists) for JSON, the store identity and ``cli info``. The VinVL and grid fields
-        appear only for their selector (``to_bgr255`` when true), so the identity of a bottom-up recipe is what it
-        was before they existed."""
+        """Plain values (tuples as lists) for JSON, the store identity and ``cli info``. The fields only one
+        selection reads (its ``fields``: VinVL's post-processing, the grid's pooling) appear only for that selection
+        (``to_bgr255`` when true), so the identity of a bottom-up recipe holds the bottom-up values alone."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        for key in VINVL_FIELDS if self.selector != "vinvl" else ():
-            out.pop(key)
-        for key in GRID_FIELDS if self.selector != "grid" else ():
-            out.pop(key)
+        for name, selection in selections().items():
+            for key in selection.fields if name != self.selector else ():
+                out.pop(key)
         if not self.to_bgr255:
             out.pop("to_bgr255")
         return out
@@ -119,15 +118,15 @@ class Recipe:
         return all(getattr(self, k) is not None for k in _NULLABLE)
 
 
-VINVL_FIELDS = (
-    "nms_filter",
-    "ignore_box_regression",
-    "roi_nms_thresh",
-    "nms_variant",
-    "attr_thresh",
-    "max_attrs_per_image",
-)
-GRID_FIELDS = ("grid", "res5_dilation")
+def selections() -> dict[str, Any]:
+    """Selection name -> its :class:`extractors.selector.Selector` class (each release module imported first, so
+    that the selections only its detector runs are registered)."""
+    available_extractors()
+    from extractors.selector import SELECTORS  # noqa: PLC0415 -- loads torch: command help imports this module
+
+    return SELECTORS
+
+
 _INT = (
     "min_size",
     "max_size",
@@ -167,6 +166,11 @@ def check_value(where: str, key: str, value: Any) -> Any:
     """One recipe field, type-checked and normalised; a wrong type or value is a :class:`UsageError` naming it."""
     if value is None and key in _NULLABLE:
         return None
+    if key == "selector":
+        names = list(selections())
+        if value not in names:
+            raise UsageError(f"{where}.selector must be one of {', '.join(names)}, not {value!r}")
+        return value
     if key in CHOICES:
         if value not in CHOICES[key]:
             raise UsageError(f"{where}.{key} must be one of {', '.join(CHOICES[key])}, not {value!r}")
@@ -216,11 +220,7 @@ def check_recipe(recipe: Recipe, where: str) -> Recipe:
     """Combinations the releases cannot run (one-line :class:`UsageError`)."""
     if recipe.min_boxes > recipe.max_boxes:
         raise UsageError(f"{where}: min_boxes {recipe.min_boxes} exceeds max_boxes {recipe.max_boxes}")
-    if recipe.selector == "vinvl" and recipe.nms_filter == 2 and not recipe.ignore_box_regression:
-        raise UsageError(
-            f"{where}: nms_filter 2 needs ignore_box_regression true (with regression the release writes "
-            "boxes of the wrong proposal; docs/recipes.md#vinvl)"
-        )
+    selections()[recipe.selector].check(recipe, where)
     return recipe
 
 
@@ -356,45 +356,6 @@ def describe_recipe(recipe: Recipe) -> list[tuple[str, str]]:
             f"top {r.pre_nms_topk or 'own'} -> NMS {r.rpn_nms_thresh or 'own'} -> first {r.post_nms_topk or 'own'}",
         ),
     ]
-    if r.selector == "per-class-nms":
-        rows.append(
-            (
-                "selection",
-                f"per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
-                f"{r.min_boxes}..{r.max_boxes} boxes; proposal boxes",
-            )
-        )
-    elif r.selector == "nms-ladder":
-        rows.append(
-            (
-                "selection",
-                f"best class per proposal, its regressed box; NMS ladder {', '.join(f'{t:g}' for t in r.ladder)} "
-                f"until >= {r.min_boxes}, first {r.max_boxes}",
-            )
-        )
-    elif r.selector == "vinvl":
-        how = {
-            0: f"per class: score > {r.conf_thresh:g}, NMS {r.roi_nms_thresh:g}",
-            1: f"per-class NMS {r.nms_thresh:g} over the proposals, keep best kept score >= {r.conf_thresh:g}",
-            2: f"best class, one NMS {r.roi_nms_thresh:g}, keep >= {r.conf_thresh:g}",
-        }[r.nms_filter]
-        rows.append(
-            (
-                "selection",
-                f"VinVL nms_filter {r.nms_filter}: {how}, {r.min_boxes}..{r.max_boxes} boxes; "
-                f"{'proposal' if r.ignore_box_regression else 'regressed'} boxes, {r.nms_variant} NMS; "
-                f"attributes > {r.attr_thresh:g}, at most {r.max_attrs_per_image} per image",
-            )
-        )
-    elif r.selector == "grid":
-        rows.append(
-            (
-                "selection",
-                f"grid: res5 map of the whole image (res5 dilation {r.res5_dilation}), "
-                f"{'every cell' if r.grid == 0 else f'average-pooled to {r.grid}x{r.grid}'}; boxes = cells",
-            )
-        )
-    else:
-        rows.append(("selection", "given boxes (features pooled on supplied boxes)"))
+    rows.append(("selection", selections()[r.selector].describe(r)))
     rows.append(("rescale", f"{r.rescale}, clip {r.clip}{', drop empty boxes' if r.drop_empty else ''}"))
     return rows

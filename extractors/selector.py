@@ -150,9 +150,22 @@ class Selector:
 
     name = "selector"
     given = False
+    #: the recipe fields only this selection reads: a recipe of another selection leaves them out of its
+    #: identity (:meth:`extractors.recipes.Recipe.to_dict`)
+    fields: tuple[str, ...] = ()
 
     def __init__(self, recipe, spec, box_coder: box_coding.BoxCoder | None = None) -> None:
         self.recipe, self.spec, self.box_coder = recipe, spec, box_coder
+
+    @classmethod
+    def check(cls, recipe, where: str) -> None:
+        """Refuse, in one :class:`UsageError` line, recipe values this selection cannot run together."""
+
+    @classmethod
+    def describe(cls, recipe) -> str:  # pragma: no cover - interface
+        """The ``selection`` row of ``cli info WEIGHTS`` and of the run's log
+        (:func:`extractors.recipes.describe_recipe`)."""
+        raise NotImplementedError
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -162,6 +175,14 @@ class PerClassNMS(Selector):
     """Caffe / MILVLG: per-class NMS over the proposals, ``max_conf`` threshold, [min, max] clamp."""
 
     name = "per-class-nms"
+
+    @classmethod
+    def describe(cls, recipe) -> str:
+        r = recipe
+        return (
+            f"per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
+            f"{r.min_boxes}..{r.max_boxes} boxes; proposal boxes"
+        )
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
         r = self.recipe
@@ -197,6 +218,14 @@ class NMSLadder(Selector):
 
     name = "nms-ladder"
 
+    @classmethod
+    def describe(cls, recipe) -> str:
+        r = recipe
+        return (
+            f"best class per proposal, its regressed box; NMS ladder {', '.join(f'{t:g}' for t in r.ladder)} "
+            f"until >= {r.min_boxes}, first {r.max_boxes}"
+        )
+
     def class_boxes(self, rois: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """(R, K, 4) regressed box per foreground class in resized pixels (the box coder the detector was built
         with)."""
@@ -231,6 +260,10 @@ class GivenBoxes(Selector):
 
     name = "given"
     given = True
+
+    @classmethod
+    def describe(cls, recipe) -> str:
+        return "given boxes (features pooled on supplied boxes)"
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
         r = self.recipe

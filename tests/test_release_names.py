@@ -27,7 +27,6 @@ OTHER_MEANINGS: dict[str, dict[str, str]] = {
         "vinvl": "the spec semantics of maskrcnn_benchmark detectors",
     },
     "extractors/recipes.py": {
-        "vinvl": "the selection rule `selector: vinvl` of a recipe and the fields only it reads",
         "caffe": "the `resize: caffe` rule and the semantics a config check resolves `recipe: auto` with",
         "milvlg": "the layout a config check resolves `recipe: auto` with",
     },

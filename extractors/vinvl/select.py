@@ -35,6 +35,7 @@ from torchvision.ops import nms as tv_nms
 from extractors import box_coding
 from extractors import nms as pcnms
 from extractors.selector import SELECTORS, Selector
+from pipeline.core.errors import UsageError
 
 NMS_VARIANTS = ("torchvision", "legacy-cuda", "legacy-cpu")
 
@@ -202,6 +203,38 @@ class VinVLPostProcess(Selector):
     in resized pixels and the attribute head."""
 
     name = "vinvl"
+    fields = (
+        "nms_filter",
+        "ignore_box_regression",
+        "roi_nms_thresh",
+        "nms_variant",
+        "attr_thresh",
+        "max_attrs_per_image",
+    )
+
+    @classmethod
+    def check(cls, recipe, where: str) -> None:
+        """``nms_filter`` 2 indexes the proposals with the rows of the regressed boxes: it runs only on the
+        proposals themselves (``ignore_box_regression``)."""
+        if recipe.nms_filter == 2 and not recipe.ignore_box_regression:
+            raise UsageError(
+                f"{where}: nms_filter 2 needs ignore_box_regression true (with regression the release writes "
+                "boxes of the wrong proposal; docs/recipes.md#vinvl)"
+            )
+
+    @classmethod
+    def describe(cls, recipe) -> str:
+        r = recipe
+        how = {
+            0: f"per class: score > {r.conf_thresh:g}, NMS {r.roi_nms_thresh:g}",
+            1: f"per-class NMS {r.nms_thresh:g} over the proposals, keep best kept score >= {r.conf_thresh:g}",
+            2: f"best class, one NMS {r.roi_nms_thresh:g}, keep >= {r.conf_thresh:g}",
+        }[r.nms_filter]
+        return (
+            f"VinVL nms_filter {r.nms_filter}: {how}, {r.min_boxes}..{r.max_boxes} boxes; "
+            f"{'proposal' if r.ignore_box_regression else 'regressed'} boxes, {r.nms_variant} NMS; "
+            f"attributes > {r.attr_thresh:g}, at most {r.max_attrs_per_image} per image"
+        )
 
 
 SELECTORS["vinvl"] = VinVLPostProcess
