@@ -6,29 +6,15 @@ config (``extract.preset``) or, with ``preset: auto``, from the weights file's l
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from pipeline.core.registry import Registry
+from pipeline.core.registry import Registry, import_modules_of
 
 EXTRACTORS: Registry = Registry("extractor")
-
-_LOADED = False
-
-
-def _import_all() -> None:
-    global _LOADED  # one-time import guard, not configuration
-    if _LOADED:
-        return
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
-    _LOADED = True
 
 
 def available_extractors() -> list[str]:
     """Every registered preset (the extractor modules imported first, which loads torchvision; ``cli info
     --releases`` lists them)."""
-    _import_all()
+    import_modules_of(__name__)
     return EXTRACTORS.names()
 
 

@@ -161,11 +161,13 @@ class Selector:
     def check(cls, recipe, where: str) -> None:
         """Refuse, in one :class:`UsageError` line, recipe values this selection cannot run together."""
 
+    #: the ``selection`` row of ``cli info WEIGHTS`` and of the run's log, formatted with the recipe as ``r``
+    summary = ""
+
     @classmethod
-    def describe(cls, recipe) -> str:  # pragma: no cover - interface
-        """The ``selection`` row of ``cli info WEIGHTS`` and of the run's log
-        (:func:`extractors.recipes.describe_recipe`)."""
-        raise NotImplementedError
+    def describe(cls, recipe) -> str:
+        """The ``selection`` row for ``recipe`` (:func:`extractors.recipes.describe_recipe`)."""
+        return cls.summary.format(r=recipe)
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -176,13 +178,10 @@ class PerClassNMS(Selector):
 
     name = "per-class-nms"
 
-    @classmethod
-    def describe(cls, recipe) -> str:
-        r = recipe
-        return (
-            f"per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
-            f"{r.min_boxes}..{r.max_boxes} boxes; proposal boxes"
-        )
+    summary = (
+        "per-class NMS {r.nms_thresh:g} over the proposals, keep max score >= {r.conf_thresh:g}, "
+        "{r.min_boxes}..{r.max_boxes} boxes; proposal boxes"
+    )
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
         r = self.recipe
@@ -261,9 +260,7 @@ class GivenBoxes(Selector):
     name = "given"
     given = True
 
-    @classmethod
-    def describe(cls, recipe) -> str:
-        return "given boxes (features pooled on supplied boxes)"
+    summary = "given boxes (features pooled on supplied boxes)"
 
     def __call__(self, rois, fg, deltas, frames) -> list[Selected]:
         r = self.recipe

@@ -18,8 +18,6 @@ Imports go one way: layers <- captioners <- decoding; checkpoints <- released <-
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,24 +27,9 @@ from typing import Any
 from models.captioners.base import Captioner, index_state
 from pipeline.core.config import CONFIG_DIR, Config, load_yaml_with_bases, validate_against
 from pipeline.core.errors import ConfigError
-from pipeline.core.registry import Registry
+from pipeline.core.registry import Registry, import_modules_of
 
 CAPTIONERS: Registry = Registry("captioner")
-
-_LOADED = False
-
-
-def _import_all() -> None:
-    """Import every module of :mod:`models.captioners` once so that their ``register`` decorators run."""
-    global _LOADED  # one-time import guard, not configuration
-    if _LOADED:
-        return
-    captioners = importlib.import_module("models.captioners")
-    for info in pkgutil.iter_modules(captioners.__path__):
-        if info.name not in ("base",):
-            importlib.import_module(f"{captioners.__name__}.{info.name}")
-    _LOADED = True
-
 
 _CARD_FILES: dict[str, Path] = {}  # captioner name -> its model card file, recorded at registration
 
@@ -102,7 +85,7 @@ def _section(data: Mapping[str, Any], key: str, path: Path, required: bool = Fal
 def model_card(name: str) -> ModelCard:
     """The :class:`ModelCard` of captioner ``name`` (unknown names fail listing the known ones; a missing or
     malformed card names its file)."""
-    _import_all()
+    import_modules_of("models.captioners", skip=("base",))
     CAPTIONERS.get(name)
     path = _CARD_FILES.get(name, CONFIG_DIR / "models" / f"{name}.yaml")
     if not path.is_file():
@@ -133,7 +116,7 @@ def build_captioner(name: str, vocab_size: int, **overrides: Any) -> Captioner:
 
 def available_captioners() -> list[str]:
     """The registered captioner names, sorted."""
-    _import_all()
+    import_modules_of("models.captioners", skip=("base",))
     return CAPTIONERS.names()
 
 

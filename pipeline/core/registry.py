@@ -9,6 +9,9 @@ Three registries use it: captioners (``models.CAPTIONERS``, filled by the decora
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -53,3 +56,13 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._items))
+
+
+@functools.cache
+def import_modules_of(package: str, skip: tuple[str, ...] = ()) -> None:
+    """Import every module and subpackage of ``package`` (but ``skip``) once, so that each registers what it
+    defines; the registries' ``available_*`` functions call it before they answer."""
+    root = importlib.import_module(package)
+    for info in pkgutil.iter_modules(root.__path__):
+        if info.name not in skip:
+            importlib.import_module(f"{package}.{info.name}")
