@@ -201,7 +201,7 @@ def extract_work(
         if labelmap:
             labelmap = resolve_file(labelmap, "extract.labelmap file", "labelmap")
         model, identity, _info = load_for_inference(
-            job.weights, str(section.preset), spec, int(section.random_seed), dev, labelmap=labelmap
+            job.weights, str(section.preset), spec, int(section.random_seed), dev, labelmap=labelmap, section=section
         )
         recipe, selector = configure_recipe(model, identity.layout, section)
         model.roi_chunk = int(section.roi_chunk)

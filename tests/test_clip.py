@@ -351,6 +351,14 @@ def save_open_clip(model: RefCLIP, path: Path) -> Path:
     return path
 
 
+def save_open_clip_config(folder: Path, quick_gelu: bool = True, **vision_cfg) -> Path:
+    """open_clip's ``open_clip_config.json`` beside the weights in ``folder`` (``model_cfg.quick_gelu``: the
+    references here run QuickGELU, as OpenAI-pretrained open_clip models do; ``vision_cfg`` as given)."""
+    path = folder / "open_clip_config.json"
+    path.write_text(json.dumps({"model_cfg": {"quick_gelu": quick_gelu, "vision_cfg": vision_cfg}}))
+    return path
+
+
 def hf_state_dict(model: RefCLIP, with_projection: bool) -> dict[str, torch.Tensor]:
     """transformers ``CLIPVisionModel`` names (``CLIPModel`` with ``visual_projection``)."""
     v = model.visual.state_dict()
@@ -465,6 +473,7 @@ def test_archive_reader_agrees_with_torch_jit_load(tmp_path):
 
 
 def test_open_clip_checkpoints_match(tmp_path, photos):
+    save_open_clip_config(tmp_path)
     for kind in ("rn", "vit"):
         ref = make_release(kind, seed=3)
         _compare_clip_vil(save_open_clip(ref, tmp_path / f"{kind}.pt"), ref, photos, "open_clip")
@@ -482,6 +491,7 @@ def test_hf_weights_match(tmp_path, photos):
 
 
 def test_clip_recipe_is_encode_image(tmp_path, photos):
+    save_open_clip_config(tmp_path)
     for kind, seed in (("rn", 5), ("vit", 6)):
         ref = make_release(kind, seed)
         model, _ = load_clip(save_open_clip(ref, tmp_path / f"{kind}.pt"))
@@ -499,6 +509,7 @@ def test_clip_recipe_is_encode_image(tmp_path, photos):
 
 def test_a_batch_gives_each_image_its_own_features(tmp_path, photos):
     ref = make_release("vit", seed=16)
+    save_open_clip_config(tmp_path)
     model, _ = load_clip(save_open_clip(ref, tmp_path / "vit.pt"))
     images = [np.asarray(p) for p in photos] + [np.asarray(photos[0].transpose(Image.Transpose.TRANSPOSE))]
     for recipe in (ClipRecipe("clip-vil"), ClipRecipe("clip", size=0)):

@@ -43,6 +43,7 @@ def _weights(layout: str, folder: Path) -> tuple[Path, ref.RefCLIP]:
         return ref.save_openai(model, folder / "RN-tiny.pt"), model
     model = ref.make_release("vit", seed=22)
     if layout == "open_clip":
+        ref.save_open_clip_config(folder)
         return ref.save_open_clip(model, folder / "open_clip_pytorch_model.bin"), model
     if layout == "hf-safetensors":
         return ref.save_safetensors(ref.hf_state_dict(model, True), folder / "model.safetensors"), model

@@ -10,8 +10,9 @@
   A plain ``torch.save`` of OpenAI's state dict (no ``code/``) has open_clip's names and reads as ``open_clip``.
 * ``open_clip`` - open_clip checkpoints (``open_clip_pytorch_model.bin``, ``open_clip_model.safetensors``, training
   checkpoints): a state dict (bare, or under ``state_dict`` with a ``module.`` prefix
-  from distributed training) with the OpenAI names; read with ``torch.load(weights_only=True)`` after the
-  archive bounds (:func:`pipeline.core.tensor_bounds.check_archive`, which refuses TorchScript archives there).
+  from distributed training) with the OpenAI names (a ``CustomTextCLIP``'s text tower under ``text.``); read with
+  ``torch.load(weights_only=True)`` after the archive bounds (:func:`pipeline.core.tensor_bounds.check_archive`,
+  which refuses TorchScript archives there).
 * ``hf`` - Hugging Face ``CLIPModel`` / ``CLIPVisionModel`` weights (``pytorch_model.bin`` or
   ``model.safetensors``): ``vision_model.embeddings.patch_embedding`` -> ``conv1``, ``position_embedding`` ->
   ``positional_embedding``, ``pre_layrnorm`` -> ``ln_pre``, ``encoder.layers.N.self_attn.{q,k,v}_proj``
@@ -24,6 +25,10 @@ Loading is strict: the encoder's keys (:func:`extractors.clip.model.expected_sha
 their shapes; the text tower's keys are recognised and skipped; any other key is refused. Every refusal is one
 :class:`ClipWeightsError` line naming the file and the key. Half-precision tensors (OpenAI's archives hold
 fp16 convolution, linear and projection weights) are widened to float32, as ``clip.load`` on a CPU does.
+
+Two settings of the network are not in the weights: the ViT MLP's activation and the attention head count.
+:func:`companion_config` reads them from the release's config beside the weights (:data:`COMPANION_FILES`);
+:func:`load_clip` takes them from there, from the caller, or from OpenAI's rules where those are known to hold.
 """
 
 from __future__ import annotations
@@ -37,13 +42,23 @@ import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from extractors.clip.model import ACTIVATIONS, ClipVisionConfig, ConfigError, build, expected_shapes, infer_config
+from extractors.clip.model import (
+    ACTIVATIONS,
+    DEFAULT_HEAD_WIDTH,
+    ClipVisionConfig,
+    ConfigError,
+    build,
+    expected_shapes,
+    infer_config,
+    is_vit,
+)
 from extractors.weights import strict_mismatch
 from pipeline.core.errors import PipelineError
 from pipeline.core.fileio import read_json
@@ -53,11 +68,18 @@ from pipeline.core.unpickle import RestrictedUnpickler
 LAYOUTS = ("openai", "open_clip", "hf")
 #: attributes a TorchScript module tree may hold (OpenAI's ViT-L/14 archive holds a few thousand)
 MAX_VISITS = 1_000_000
-#: top-level names of the text tower in the OpenAI / open_clip state dict (recognised, not loaded)
+#: top-level names of the text tower in the OpenAI / open_clip state dict (recognised, not loaded); ``text.``:
+#: open_clip ``CustomTextCLIP``'s text tower
 TEXT_KEYS = re.compile(
-    r"^(transformer\..+|token_embedding\.weight|positional_embedding|ln_final\.(weight|bias)|text_projection|"
-    r"logit_scale|input_resolution|context_length|vocab_size)$"
+    r"^(transformer\..+|text\..+|token_embedding\.weight|positional_embedding|ln_final\.(weight|bias)|"
+    r"text_projection|logit_scale|input_resolution|context_length|vocab_size)$"
 )
+#: the release's config file beside weights of a layout (what :func:`companion_config` reads)
+COMPANION_FILES = {"hf": "config.json", "open_clip": "open_clip_config.json"}
+#: ViT widths whose released encoders have heads wider than 64 channels (open_clip ``vision_cfg.head_width``:
+#: ViT-H/14 1280 / 80, ViT-g/14 1408 / 88, ViT-bigG/14 1664 / 104, 16 heads each): OpenAI's rule is known to be
+#: wrong there, so without a config or a head count given these are refused
+WIDE_HEAD_WIDTHS = (1280, 1408, 1664)
 HF_TEXT_KEYS = re.compile(
     r"^(text_model\..+|text_projection\.weight|logit_scale|vision_model\.embeddings\.position_ids)$"
 )
@@ -77,6 +99,15 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 
 class ClipWeightsError(PipelineError):
     """A CLIP weights file that cannot be read or does not hold a CLIP image encoder (exit 1)."""
+
+
+class MissingSettingError(ClipWeightsError):
+    """A CLIP file whose ``setting`` (``activation`` or ``heads``) neither a config beside it nor the caller gives,
+    where OpenAI's value is known not to hold."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 # ------------------------------------------------------------------------------------------------ TorchScript
@@ -399,12 +430,37 @@ def check_strict(path: Path, layout: str, sd: Mapping[str, torch.Tensor], cfg: C
         raise ClipWeightsError(f"{path} ({layout}): {mismatch}")
 
 
-def companion_activation(path: Path, layout: str) -> tuple[str, str] | None:
-    """(MLP activation, the config file it was read from) when a release's config sits beside the weights: Hugging
-    Face ``config.json`` (``vision_config.hidden_act``, or ``hidden_act`` of a ``CLIPVisionConfig``; absent means
-    transformers' default ``quick_gelu``) or open_clip's ``open_clip_config.json`` (``model_cfg.quick_gelu``; absent
-    means ``gelu``, open_clip's default). None when there is none (OpenAI's archives all use ``quick_gelu``)."""
-    name = {"hf": "config.json", "open_clip": "open_clip_config.json"}.get(layout)
+@dataclass(frozen=True)
+class Companion:
+    """What the release's config beside a weights file says of its image encoder: ``file`` (its name),
+    ``activation`` of the ViT MLP, ``heads`` (a head count) or ``head_width`` (channels per head), 0 when the file
+    does not say, and ``heads_key``, the key the one it says was read from."""
+
+    file: str
+    activation: str
+    heads: int = 0
+    head_width: int = 0
+    heads_key: str = ""
+
+
+def _positive(value: Any, key: str, cfg_path: Path) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ClipWeightsError(f"{cfg_path}: '{key}' must be a positive integer, not {value!r}")
+    return value
+
+
+def companion_config(path: Path, layout: str) -> Companion | None:
+    """What the release's config beside the weights (:data:`COMPANION_FILES`) says, None when there is none
+    (OpenAI's archives have none: they all use ``quick_gelu`` and 64-wide heads).
+
+    * Hugging Face ``config.json`` (``vision_config``, or the top level of a ``CLIPVisionConfig``): ``hidden_act``
+      (absent: transformers' default ``quick_gelu``) and ``num_attention_heads`` (absent: not said, so OpenAI's
+      64-wide heads, which are transformers' default 12 at its default width 768).
+    * open_clip ``open_clip_config.json`` (``model_cfg``): ``quick_gelu`` (absent: ``gelu``, open_clip's default)
+      and ``vision_cfg.head_width`` (absent: 64, open_clip's default).
+
+    A value of the wrong kind is refused in one line naming the config file."""
+    name = COMPANION_FILES.get(layout)
     cfg_path = path.with_name(name) if name else None
     if cfg_path is None or not cfg_path.is_file():
         return None
@@ -412,36 +468,118 @@ def companion_activation(path: Path, layout: str) -> tuple[str, str] | None:
         data = read_json(cfg_path, what="CLIP config")
     except PipelineError as exc:
         raise ClipWeightsError(str(exc)) from None
+    heads = head_width = 0
+    key = ""
     if layout == "hf":
+        prefix = "vision_config." if "vision_config" in data else ""
         vision = data.get("vision_config", data)
-        act = vision.get("hidden_act", "quick_gelu") if isinstance(vision, dict) else None
+        if not isinstance(vision, dict):
+            raise ClipWeightsError(f"{cfg_path}: 'vision_config' is not a mapping")
+        act = vision.get("hidden_act", "quick_gelu")
+        if vision.get("num_attention_heads") is not None:
+            key = f"{prefix}num_attention_heads"
+            heads = _positive(vision["num_attention_heads"], key, cfg_path)
     else:
         model_cfg = data.get("model_cfg")
         quick = model_cfg.get("quick_gelu", False) if isinstance(model_cfg, dict) else None
         act = {True: "quick_gelu", False: "gelu"}.get(quick) if isinstance(quick, bool) else None
+        vision = model_cfg.get("vision_cfg", {}) if isinstance(model_cfg, dict) else {}
+        if not isinstance(vision, dict):
+            raise ClipWeightsError(f"{cfg_path}: 'model_cfg.vision_cfg' is not a mapping")
+        key = "model_cfg.vision_cfg.head_width"
+        head_width = _positive(vision.get("head_width", DEFAULT_HEAD_WIDTH), key, cfg_path)
     if act not in ACTIVATIONS:
         raise ClipWeightsError(
             f"{cfg_path}: the image encoder's activation {act!r} is not one of {', '.join(ACTIVATIONS)}"
         )
-    return act, cfg_path.name
+    return Companion(cfg_path.name, act, heads, head_width, key)
 
 
-def load_clip(path: str | Path, activation: str | None = None, device: str | torch.device = "cpu"):
+def _activation(path: Path, layout: str, sd: Mapping[str, Any], found: Companion | None, given: str | None):
+    """(activation, where it came from): the one given (refused when the config beside the file says another),
+    else the config's, else OpenAI's ``quick_gelu`` (OpenAI's archives; transformers' default). An open_clip ViT
+    without its config is refused: open_clip's default is ``gelu`` while its OpenAI-pretrained files use
+    ``quick_gelu``, and nothing in the weights tells them apart."""
+    if given is not None and given not in ACTIVATIONS:
+        raise ClipWeightsError(f"{path}: activation {given!r} is not one of {', '.join(ACTIVATIONS)}")
+    if given is not None and found is not None and found.activation != given:
+        raise ClipWeightsError(f"{path}: activation {given!r} was asked for but {found.file} says {found.activation!r}")
+    if given is not None:
+        return given, "given"
+    if found is not None:
+        return found.activation, found.file
+    if layout == "open_clip" and is_vit(sd):
+        name = COMPANION_FILES[layout]
+        raise MissingSettingError(
+            f"{path} ({layout}): the ViT's MLP activation is not in the weights and no {name} sits beside them "
+            f"(open_clip's default is gelu, its OpenAI-pretrained files use quick_gelu): put the release's {name} "
+            f"there or give the activation: {' | '.join(ACTIVATIONS)}",
+            "activation",
+        )
+    return "quick_gelu", "default (OpenAI's quick_gelu)"
+
+
+def _head_width(path: Path, layout: str, shape: ClipVisionConfig, found: Companion | None, given: int | None):
+    """(channels per head, 0 for OpenAI's 64, and where the head count came from) for the encoder of ``shape``;
+    every head count is checked to divide the attention channels, a count given against the config's is refused."""
+    channels = shape.grid_dim
+    if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
+        raise ClipWeightsError(f"{path}: the head count must be a positive integer, not {given!r}")
+    said = found is not None and bool(found.heads or found.head_width)
+    if said:
+        value = found.heads or found.head_width
+        if channels % value:
+            raise ClipWeightsError(
+                f"{path.with_name(found.file)}: '{found.heads_key}' {value} does not divide the {channels} attention "
+                f"channels of {path.name}"
+            )
+        width = channels // found.heads if found.heads else found.head_width
+        if given is not None and channels // width != given:
+            raise ClipWeightsError(
+                f"{path}: {given} attention heads were asked for but {found.file} says {channels // width}"
+            )
+        return width, found.file
+    if given is not None:
+        if channels % given:
+            raise ClipWeightsError(f"{path}: {given} attention heads do not divide its {channels} attention channels")
+        return channels // given, "given"
+    if shape.kind == "vit" and channels in WIDE_HEAD_WIDTHS:
+        name = COMPANION_FILES.get(layout, " or ".join(COMPANION_FILES.values()))
+        raise MissingSettingError(
+            f"{path} ({layout}): the head count of a ViT {channels} wide cannot be known without the release's "
+            f"{name} (the ViT-H/14, g/14 and bigG/14 releases have 16 heads, not {channels // DEFAULT_HEAD_WIDTH}): "
+            "put it beside the weights or give the heads",
+            "heads",
+        )
+    if channels % DEFAULT_HEAD_WIDTH:
+        raise MissingSettingError(
+            f"{path} ({layout}): its {channels} attention channels do not split into OpenAI's 64-wide heads and no "
+            "config beside the weights names the head count: give the heads",
+            "heads",
+        )
+    return 0, "default (OpenAI's 64-wide heads)"
+
+
+def load_clip(
+    path: str | Path, activation: str | None = None, device: str | torch.device = "cpu", heads: int | None = None
+):
     """Read, check strictly and load a CLIP weights file -> (encoder module, info dict: layout, config, where the
-    activation came from). ``activation`` None takes it from the release's config beside the file
-    (:func:`companion_activation`), else ``quick_gelu``; a value given that contradicts that config is refused."""
+    activation and the head count came from). ``activation`` and ``heads`` None take them from the release's config
+    beside the file (:func:`companion_config`), else OpenAI's ``quick_gelu`` and 64-wide heads; a value given that
+    contradicts that config is refused. Refused as well, before any encoder is built: an open_clip ViT without its
+    config or an activation given, and a ViT of a width in :data:`WIDE_HEAD_WIDTHS` without a head count."""
     path = Path(path)
     layout, sd = read_clip(path)
-    found = companion_activation(path, layout)
-    if activation is not None and found is not None and found[0] != activation:
-        raise ClipWeightsError(f"{path}: activation {activation!r} was asked for but {found[1]} says {found[0]!r}")
-    act = activation or (found[0] if found else "quick_gelu")
-    source = "given" if activation else (found[1] if found else "default (OpenAI's quick_gelu)")
+    found = companion_config(path, layout)
+    act, act_source = _activation(path, layout, sd, found, activation)
     try:
-        cfg = infer_config(sd, act)
+        shape = infer_config(sd, act, head_width=1)  # the shapes only; the heads are settled below
     except (ConfigError, ValueError) as exc:
         raise ClipWeightsError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
+    head_width, heads_source = _head_width(path, layout, shape, found, heads)
+    cfg = shape.with_(head_width=head_width)
     check_strict(path, layout, sd, cfg)
     model = build(cfg)
     model.load_state_dict(sd, strict=False)
-    return model.to(device), {"layout": layout, "config": cfg, "weights_file": path.name, "activation_from": source}
+    info = {"layout": layout, "config": cfg, "weights_file": path.name, "activation_from": act_source}
+    return model.to(device), info | {"heads_from": heads_source}

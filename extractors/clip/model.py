@@ -9,11 +9,13 @@ Supervision", Sec. 2.4), in plain PyTorch, with the module and parameter names o
 * :class:`VisionTransformer` (ViT-B/32, B/16, L/14, L/14@336px): patch embedding by a strided convolution
   without bias, a class token, learned positional embedding, ``ln_pre`` before the pre-norm residual blocks
   (multi-head self-attention, an MLP with QuickGELU ``x * sigmoid(1.702 x)``), ``ln_post`` on the class token
-  and the projection ``proj``.
+  and the projection ``proj``. open_clip's larger ViTs (H/14, g/14, bigG/14) are the same network with heads
+  wider than 64 channels (``vision_cfg.head_width``) and, for g and bigG, an MLP ratio other than 4.
 
 :class:`ClipVisionConfig` holds an architecture; :data:`PRESETS` the nine OpenAI releases; :func:`infer_config`
 reads one from a state dict the way openai/CLIP ``build_model`` does (ViT when ``proj`` is present; stage depths
-counted from the ``layerN.i`` block indices; resolution = 32 x the attention pool's grid, or patch x grid).
+counted from the ``layerN.i`` block indices; resolution = 32 x the attention pool's grid, or patch x grid; the
+MLP width from ``c_fc``). The head count is not in the weights: it is given to :func:`infer_config`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ from torch import nn
 
 ACTIVATIONS = ("quick_gelu", "gelu")
 POS_RESIZE = ("bicubic", "bilinear")
+#: channels per attention head in OpenAI's encoders (openai/CLIP ``build_model``; open_clip's default ``head_width``)
+DEFAULT_HEAD_WIDTH = 64
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,10 @@ class ClipVisionConfig:
     token width); ``layers`` (four stage depths, or one block count); ``resolution`` (the training input side);
     ``embed_dim`` (the output of the attention pool's ``c_proj`` or of ``proj``; 0 for a ViT without ``proj``, as
     a Hugging Face ``CLIPVisionModel`` holds); ``patch`` (ViT patch side); ``activation`` of the ViT MLP
-    (``quick_gelu`` for OpenAI's weights; open_clip's LAION ViTs use ``gelu``)."""
+    (``quick_gelu`` for OpenAI's weights; open_clip's LAION ViTs use ``gelu``); ``head_width``: channels per
+    attention head (open_clip ``vision_cfg.head_width``; 0 = OpenAI's 64); ``mlp_dim``: the ViT MLP's hidden
+    width (0 = 4 x ``width``). A ``head_width`` of 64 and an ``mlp_dim`` of 4 x ``width`` are stored as 0, so
+    one network has one record and :meth:`to_dict` leaves the two fields out at their defaults."""
 
     kind: str
     width: int
@@ -47,21 +54,52 @@ class ClipVisionConfig:
     embed_dim: int
     patch: int = 0
     activation: str = "quick_gelu"
+    head_width: int = 0
+    mlp_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("resnet", "vit"):
             raise ValueError(f"CLIP encoder kind {self.kind!r} is neither 'resnet' nor 'vit'")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"CLIP activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        for name in ("head_width", "mlp_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CLIP {name} must be an integer >= 0 (0: the default), not {value!r}")
+        if self.head_width == DEFAULT_HEAD_WIDTH:
+            object.__setattr__(self, "head_width", 0)
+        if self.kind == "vit" and self.mlp_dim == 4 * self.width:
+            object.__setattr__(self, "mlp_dim", 0)
         if self.kind == "resnet" and (len(self.layers) != 4 or self.width % 2):
             raise ValueError("a CLIP ResNet has four stages and an even stem width")
-        if self.kind == "vit" and (len(self.layers) != 1 or self.patch < 1 or self.width % 64):
-            raise ValueError("a CLIP ViT has one block count, a patch size and a width that is a multiple of 64")
+        if self.kind == "resnet" and self.mlp_dim:
+            raise ValueError("a CLIP ResNet has no MLP width (mlp_dim 0)")
+        if self.kind == "vit" and (len(self.layers) != 1 or self.patch < 1):
+            raise ValueError("a CLIP ViT has one block count and a patch size")
+        if self.kind == "vit" and not self.head_width and self.width % DEFAULT_HEAD_WIDTH:
+            raise ValueError("a CLIP ViT with 64-wide heads has a width that is a multiple of 64")
+        if self.head_width and self.grid_dim % self.head_width:
+            raise ValueError(f"{self.grid_dim} attention channels do not split into heads of {self.head_width}")
 
     @property
     def heads(self) -> int:
-        """openai/CLIP ``CLIP.__init__``: ``width * 32 // 64`` for the attention pool, ``width // 64`` for a ViT."""
-        return self.width * 32 // 64 if self.kind == "resnet" else self.width // 64
+        """Attention heads: ``grid_dim // head_width`` (open_clip); with 64-wide heads openai/CLIP
+        ``CLIP.__init__``'s ``width * 32 // 64`` for the attention pool and ``width // 64`` for a ViT."""
+        return self.grid_dim // (self.head_width or DEFAULT_HEAD_WIDTH)
+
+    @property
+    def mlp_width(self) -> int:
+        """The ViT MLP's hidden width: ``mlp_dim``, else 4 x ``width`` (``mlp_ratio`` 4)."""
+        return self.mlp_dim or 4 * self.width
+
+    def to_dict(self) -> dict:
+        """The record as plain values (what the feature identity stores as ``config.spec``): the dataclass fields,
+        ``head_width`` and ``mlp_dim`` only where they differ from the defaults."""
+        out = asdict(self)
+        for name in ("head_width", "mlp_dim"):
+            if not out[name]:
+                del out[name]
+        return out
 
     @property
     def stride(self) -> int:
@@ -239,16 +277,17 @@ class SelfAttention(nn.Module):
 
 
 class ResidualAttentionBlock(nn.Module):
-    """openai/CLIP ``ResidualAttentionBlock``: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (c_fc 4x, GELU
-    variant, c_proj)."""
+    """openai/CLIP ``ResidualAttentionBlock``: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (c_fc to ``mlp``
+    channels, 4x unless given (open_clip ``mlp_ratio``), GELU variant, c_proj)."""
 
-    def __init__(self, dim: int, heads: int, activation: str) -> None:
+    def __init__(self, dim: int, heads: int, activation: str, mlp: int = 0) -> None:
         super().__init__()
         self.attn = SelfAttention(dim, heads)
         self.ln_1 = nn.LayerNorm(dim)
         act = QuickGELU() if activation == "quick_gelu" else nn.GELU()
+        hidden = mlp or dim * 4
         self.mlp = nn.Sequential(
-            OrderedDict([("c_fc", nn.Linear(dim, dim * 4)), ("gelu", act), ("c_proj", nn.Linear(dim * 4, dim))])
+            OrderedDict([("c_fc", nn.Linear(dim, hidden)), ("gelu", act), ("c_proj", nn.Linear(hidden, dim))])
         )
         self.ln_2 = nn.LayerNorm(dim)
 
@@ -258,9 +297,9 @@ class ResidualAttentionBlock(nn.Module):
 
 
 class _Blocks(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int, activation: str) -> None:
+    def __init__(self, dim: int, layers: int, heads: int, activation: str, mlp: int = 0) -> None:
         super().__init__()
-        self.resblocks = nn.Sequential(*[ResidualAttentionBlock(dim, heads, activation) for _ in range(layers)])
+        self.resblocks = nn.Sequential(*[ResidualAttentionBlock(dim, heads, activation, mlp) for _ in range(layers)])
 
 
 class VisionTransformer(nn.Module):
@@ -275,7 +314,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(torch.zeros(w))
         self.positional_embedding = nn.Parameter(torch.zeros(g * g + 1, w))
         self.ln_pre = nn.LayerNorm(w)
-        self.transformer = _Blocks(w, cfg.layers[0], cfg.heads, cfg.activation)
+        self.transformer = _Blocks(w, cfg.layers[0], cfg.heads, cfg.activation, cfg.mlp_width)
         self.ln_post = nn.LayerNorm(w)
         self.proj = nn.Parameter(torch.zeros(w, cfg.embed_dim)) if cfg.embed_dim else None
 
@@ -333,16 +372,46 @@ def _side(n_positions: int, key: str) -> int:
     return side
 
 
-def infer_config(sd: Mapping[str, torch.Tensor], activation: str = "quick_gelu") -> ClipVisionConfig:
-    """The architecture of an encoder state dict (internal names), as openai/CLIP ``build_model`` reads it."""
-    if "proj" in sd or "class_embedding" in sd:
+def is_vit(sd: Mapping[str, torch.Tensor]) -> bool:
+    """A ViT's state dict (``proj`` or ``class_embedding``), as openai/CLIP ``build_model`` tells them apart."""
+    return "proj" in sd or "class_embedding" in sd
+
+
+def _head_width(channels: int, heads: int) -> int:
+    if not heads:
+        return 0
+    if channels % heads:
+        raise ConfigError(f"{channels} attention channels do not split into {heads} heads")
+    return channels // heads
+
+
+def infer_config(
+    sd: Mapping[str, torch.Tensor], activation: str = "quick_gelu", heads: int = 0, head_width: int = 0
+) -> ClipVisionConfig:
+    """The architecture of an encoder state dict (internal names), as openai/CLIP ``build_model`` reads it; the MLP
+    width from ``transformer.resblocks.0.mlp.c_fc.weight`` (4 x width when that key is absent: the strict check
+    then names it). The attention heads are not in the weights: ``heads`` (a count) or ``head_width`` (channels
+    per head), 0 for OpenAI's 64-wide heads."""
+    if is_vit(sd):
         width, _, patch, _ = _shape(sd, "conv1.weight", 4)
         layers = sum(1 for k in sd if _BLOCK.match(k))
         grid = _side(_shape(sd, "positional_embedding", 2)[0], "positional_embedding")
         embed = _shape(sd, "proj", 2)[1] if "proj" in sd else 0
         if layers < 1:
             raise ConfigError("no 'transformer.resblocks.0.attn.in_proj_weight'")
-        return ClipVisionConfig("vit", width, (layers,), patch * grid, embed, patch=patch, activation=activation)
+        fc = "transformer.resblocks.0.mlp.c_fc.weight"
+        mlp = _shape(sd, fc, 2)[0] if fc in sd else 0
+        return ClipVisionConfig(
+            "vit",
+            width,
+            (layers,),
+            patch * grid,
+            embed,
+            patch=patch,
+            activation=activation,
+            head_width=head_width or _head_width(width, heads),
+            mlp_dim=mlp,
+        )
     stages = [set() for _ in range(4)]
     for k in sd:
         m = _LAYER.match(k)
@@ -353,4 +422,5 @@ def infer_config(sd: Mapping[str, torch.Tensor], activation: str = "quick_gelu")
     width = _shape(sd, "layer1.0.conv1.weight", 4)[0]
     grid = _side(_shape(sd, "attnpool.positional_embedding", 2)[0], "attnpool.positional_embedding")
     embed = _shape(sd, "attnpool.c_proj.weight", 2)[0]
-    return ClipVisionConfig("resnet", width, tuple(len(s) for s in stages), grid * 32, embed)
+    head_width = head_width or _head_width(width * 32, heads)
+    return ClipVisionConfig("resnet", width, tuple(len(s) for s in stages), grid * 32, embed, head_width=head_width)

@@ -13,6 +13,8 @@ commits and signals are the detectors' own:
   pixels (:func:`extractors.clip.recipe.cell_boxes`) and the recipe's pooled vector as ``pooled`` (float32).
 * The feature identity is ``clip-<architecture>`` (``clip-RN50``, ``clip-ViT-B-16``), the weights' SHA-256, the
   layout, the encoder config (``config.spec``), the recipe (name, input side, positional resize) and the precision.
+* ``extract.clip_encoder`` gives the two settings the weights do not hold, the ViT MLP ``activation`` and the
+  attention ``heads``, for files whose release config does not sit beside them (:func:`encoder_settings`).
 
 The store keeps the pooled vector of each image beside its cells (the attention pool's output for the ResNets;
 for the ViTs the class token under ``clip-vil``, ``encode_image`` under ``clip``): ``FeatureStore(S).get(key)
@@ -25,7 +27,7 @@ import functools
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from extractors.clip.files import LAYOUTS, ClipWeightsError, check_strict, is_torchscript, load_clip, read_clip
-from extractors.clip.model import PRESETS, ClipVisionConfig, ConfigError, infer_config
+from extractors.clip.model import ACTIVATIONS, PRESETS, ClipVisionConfig, ConfigError, infer_config
 from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, encode, prepare
 from extractors.releases import OwnExtraction, Release, register_release
 from extractors.weights import sha256_file
@@ -50,6 +52,8 @@ log = get_logger("extract")
 RECIPE_SIZES = {"clip-vil": 448, "clip": 0}
 #: the ``extract:`` / ``caption:`` shorthands a grid of cells has no use for
 _BOX_SHORTHANDS = ("min_boxes", "max_boxes", "conf_thresh", "nms_thresh", "min_size", "max_size")
+#: the ``extract:`` key of :func:`encoder_settings`
+SETTINGS_KEY = "clip_encoder"
 
 
 def _get(section: Any, key: str, default: Any = None) -> Any:
@@ -100,9 +104,33 @@ def claims(path: Any) -> str | None:
     return _claims(str(p.resolve()), st.st_mtime_ns, st.st_size) if p.is_file() else None
 
 
+def encoder_settings(section: Any, where: str = "extract") -> tuple[str | None, int | None]:
+    """(activation, heads) of the section's ``clip_encoder`` mapping (None each: from the release's config beside
+    the weights, else OpenAI's rules); a section without the key gives (None, None). One :class:`UsageError` line
+    for an activation other than ``quick_gelu`` / ``gelu`` or a head count that is not a positive integer."""
+    settings = _get(section, SETTINGS_KEY) if section is not None else None
+    if settings is None:
+        return None, None
+    if not isinstance(settings, Mapping):
+        raise UsageError(f"{where}.{SETTINGS_KEY} must be a mapping (activation, heads), not {settings!r}")
+    unknown = sorted(set(settings) - {"activation", "heads"})
+    if unknown:
+        raise UsageError(f"{where}.{SETTINGS_KEY}.{unknown[0]}: unknown key (known here: activation, heads)")
+    activation, heads = _get(settings, "activation"), _get(settings, "heads")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise UsageError(
+            f"{where}.{SETTINGS_KEY}.activation must be null, {' or '.join(ACTIVATIONS)}, not {activation!r}"
+        )
+    if heads is not None and (not isinstance(heads, int) or isinstance(heads, bool) or heads < 1):
+        raise UsageError(f"{where}.{SETTINGS_KEY}.heads must be null or a positive integer, not {heads!r}")
+    return activation, heads
+
+
 def check(section: Any, where: str = "extract") -> str:
-    """The recipe and box settings of an ``extract:`` (or ``caption:``) section for CLIP weights -> ``grid``; one
-    :class:`UsageError` line for a region detector's recipe or a box selection other than the grid."""
+    """The recipe, box and encoder settings (:func:`encoder_settings`) of an ``extract:`` (or ``caption:``)
+    section for CLIP weights -> ``grid``; one :class:`UsageError` line for a region detector's recipe, a box
+    selection other than the grid or an encoder setting out of its range."""
+    encoder_settings(section, where)
     name = str(_get(section, "recipe", "auto"))
     if name != "auto" and name not in RECIPES:
         raise UsageError(
@@ -129,10 +157,11 @@ def recipe_of(section: Any) -> ClipRecipe:
 # ------------------------------------------------------------------------------------------------ identity
 def arch_name(cfg: ClipVisionConfig) -> str:
     """``RN50``, ``ViT-B-16``, ``ViT-L-14-336px`` for OpenAI's architectures (whatever the layout, projection or
-    activation); ``RN-w<width>-<depths>`` or ``ViT-w<width>-d<blocks>-p<patch>`` for others."""
+    activation); ``RN-w<width>-<depths>`` or ``ViT-w<width>-d<blocks>-p<patch>`` for others (the head and MLP
+    widths, where they are not OpenAI's, stand in the identity's ``config.spec``)."""
     for name, preset in PRESETS.items():
-        same = (preset.kind, preset.width, preset.layers, preset.resolution, preset.patch)
-        if same == (cfg.kind, cfg.width, cfg.layers, cfg.resolution, cfg.patch):
+        same = (preset.kind, preset.width, preset.layers, preset.resolution, preset.patch, 0, 0)
+        if same == (cfg.kind, cfg.width, cfg.layers, cfg.resolution, cfg.patch, cfg.head_width, cfg.mlp_dim):
             return name.replace("/", "-").replace("@", "-")
     if cfg.kind == "resnet":
         return f"RN-w{cfg.width}-{'.'.join(str(n) for n in cfg.layers)}"
@@ -154,7 +183,7 @@ class ClipSpec:
         return self.config.stride
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self.config)))
+        return json.loads(json.dumps(self.config.to_dict()))
 
 
 @dataclass(frozen=True)
@@ -242,16 +271,20 @@ class ClipEncoder(nn.Module):
         ]
 
 
-def load(path: Any, device: Any) -> tuple[ClipEncoder, FeatureIdentity, dict[str, Any]]:
+def load(path: Any, device: Any, section: Any = None) -> tuple[ClipEncoder, FeatureIdentity, dict[str, Any]]:
     """A CLIP weights file -> (encoder behind the detectors' interface, identity, info), as
-    :func:`extractors.factory.load_for_inference` returns for a detector."""
+    :func:`extractors.factory.load_for_inference` returns for a detector. ``section``: the ``extract:`` section
+    whose ``clip_encoder`` gives the activation and head count (:func:`encoder_settings`; None: none given)."""
+    activation, heads = encoder_settings(section)
     try:
-        encoder, info = load_clip(path, device="cpu")
+        encoder, info = load_clip(path, activation=activation, device="cpu", heads=heads)
     except ClipWeightsError as exc:
-        raise UsageError(str(exc)) from None
+        setting = getattr(exc, "setting", None)
+        hint = f" (extract.{SETTINGS_KEY}.{setting})" if setting and section is not None else ""
+        raise UsageError(f"{exc}{hint}") from None
     cfg = info["config"]
     model = ClipEncoder(encoder).to(device).eval()
-    info = {**info, "weights_sha256": sha256_file(path), "config": asdict(cfg)}
+    info = {**info, "weights_sha256": sha256_file(path), "config": cfg.to_dict()}
     identity = FeatureIdentity(
         name=f"clip-{arch_name(cfg)}",
         weights_sha256=info["weights_sha256"],
@@ -259,7 +292,14 @@ def load(path: Any, device: Any) -> tuple[ClipEncoder, FeatureIdentity, dict[str
         spec=model.spec.to_dict(),
     )
     log.info(
-        "CLIP %s encoder (%s weights, activation %s) from %s", arch_name(cfg), info["layout"], cfg.activation, path
+        "CLIP %s encoder (%s weights, activation %s from %s, %d heads from %s) from %s",
+        arch_name(cfg),
+        info["layout"],
+        cfg.activation,
+        info["activation_from"],
+        cfg.heads,
+        info["heads_from"],
+        path,
     )
     return model, identity, info
 
@@ -269,7 +309,7 @@ def verify(path: Path) -> None:
     layouts (docs/extractor.md#clip), every key and shape checked; one :class:`PipelineError` line otherwise."""
     layout, sd = read_clip(path)
     try:
-        cfg = infer_config(sd)
+        cfg = infer_config(sd, head_width=1)  # the head count changes no shape
     except (ConfigError, ValueError) as exc:
         raise PipelineError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
     check_strict(path, layout, sd, cfg)

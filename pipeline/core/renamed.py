@@ -93,7 +93,9 @@ def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: st
 
 
 #: keys added with a default that gives the numbers of before (a stage config recorded without them is the same config)
-ADDED_DEFAULTS = {"extract": {"bucket_window": "auto", "channels_last": False}}
+ADDED_DEFAULTS = {
+    "extract": {"bucket_window": "auto", "channels_last": False, "clip_encoder": {"activation": None, "heads": None}}
+}
 
 
 def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
