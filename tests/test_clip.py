@@ -726,7 +726,8 @@ def test_activation_comes_from_the_release_config_beside_the_weights(tmp_path):
     torch.save(hf_state_dict(ref, with_projection=True), hf_dir / "pytorch_model.bin")
     model, info = load_clip(hf_dir / "pytorch_model.bin")
     assert model.config.activation == "quick_gelu" and info["activation_from"].startswith("default")
-    (hf_dir / "config.json").write_text(json.dumps({"vision_config": {"hidden_act": "gelu", "hidden_size": 128}}))
+    hf_config = {"vision_config": {"hidden_act": "gelu", "hidden_size": 128, "num_attention_heads": 2}}
+    (hf_dir / "config.json").write_text(json.dumps(hf_config))
     model, info = load_clip(hf_dir / "pytorch_model.bin")
     assert model.config.activation == "gelu" and info["activation_from"] == "config.json"
     assert isinstance(model.transformer.resblocks[0].mlp.gelu, nn.GELU)

@@ -119,6 +119,22 @@ def test_hf_num_attention_heads_gives_the_head_count(tmp_path):
         _one_line(err, str(tmp_path / "config.json"), "must be a positive integer")
 
 
+def test_hf_config_without_a_head_count_runs_transformers_default_twelve(tmp_path):
+    """``save_pretrained`` leaves ``num_attention_heads`` out when it is transformers' default 12: a 192-wide
+    encoder with such a config runs 12 heads of 16 channels, not OpenAI's 3 heads of 64."""
+    release = vit_release(width=192, heads=12, seed=35)
+    torch.save(ref.hf_state_dict(release, with_projection=True), tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"hidden_size": 192}}))
+    model, info = load_clip(tmp_path / "pytorch_model.bin")
+    assert model.config.heads == 12 and info["heads_from"] == "config.json"
+    _same_as_reference(model, release)
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"hidden_size": 320}}))
+    torch.save(ref.hf_state_dict(vit_release(**WIDE, seed=36), with_projection=True), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ClipWeightsError) as err:  # 12 heads do not divide 320 channels
+        load_clip(tmp_path / "pytorch_model.bin")
+    _one_line(err, str(tmp_path / "config.json"), "12 does not divide the 320")
+
+
 def test_bad_head_width_in_open_clip_config_is_refused(tmp_path):
     path = ref.save_open_clip(vit_release(**WIDE, seed=34), tmp_path / "w.bin")
     for head_width, words in ((0, "must be a positive integer"), ("80", "must be a positive integer"),
@@ -179,9 +195,10 @@ def test_wide_vits_without_a_head_count_are_refused(tmp_path, width):
         load_clip(hf)
     _one_line(err, str(hf), "cannot be known without the release's config.json")
     (hf.parent / "config.json").write_text(json.dumps({"vision_config": {"hidden_act": "gelu"}}))
-    with pytest.raises(ClipWeightsError) as err:  # a config that does not name the heads
+    with pytest.raises(ClipWeightsError) as err:  # a config that does not name the heads: transformers' 12
         load_clip(hf)
-    _one_line(err, "cannot be known without")
+    _one_line(err, str(hf.parent / "config.json"), f"12 does not divide the {width}")
+    (hf.parent / "config.json").unlink()
     for path, kw in ((oc, {"activation": "gelu", "heads": 16}), (hf, {"heads": 16})):
         with pytest.raises(ClipWeightsError) as err:  # with a head count the strict check comes next
             load_clip(path, **kw)

@@ -449,13 +449,17 @@ def _positive(value: Any, key: str, cfg_path: Path) -> int:
     return value
 
 
+#: ``transformers.CLIPVisionConfig``'s default head count (what a ``config.json`` without the key runs with)
+HF_DEFAULT_HEADS = 12
+
+
 def companion_config(path: Path, layout: str) -> Companion | None:
     """What the release's config beside the weights (:data:`COMPANION_FILES`) says, None when there is none
     (OpenAI's archives have none: they all use ``quick_gelu`` and 64-wide heads).
 
     * Hugging Face ``config.json`` (``vision_config``, or the top level of a ``CLIPVisionConfig``): ``hidden_act``
-      (absent: transformers' default ``quick_gelu``) and ``num_attention_heads`` (absent: not said, so OpenAI's
-      64-wide heads, which are transformers' default 12 at its default width 768).
+      (absent: transformers' default ``quick_gelu``) and ``num_attention_heads`` (absent: transformers' default 12,
+      which ``save_pretrained`` leaves out of the file when it holds).
     * open_clip ``open_clip_config.json`` (``model_cfg``): ``quick_gelu`` (absent: ``gelu``, open_clip's default)
       and ``vision_cfg.head_width`` (absent: 64, open_clip's default).
 
@@ -476,9 +480,8 @@ def companion_config(path: Path, layout: str) -> Companion | None:
         if not isinstance(vision, dict):
             raise ClipWeightsError(f"{cfg_path}: 'vision_config' is not a mapping")
         act = vision.get("hidden_act", "quick_gelu")
-        if vision.get("num_attention_heads") is not None:
-            key = f"{prefix}num_attention_heads"
-            heads = _positive(vision["num_attention_heads"], key, cfg_path)
+        key = f"{prefix}num_attention_heads"
+        heads = _positive(vision.get("num_attention_heads", HF_DEFAULT_HEADS), key, cfg_path)
     else:
         model_cfg = data.get("model_cfg")
         quick = model_cfg.get("quick_gelu", False) if isinstance(model_cfg, dict) else None
