@@ -53,20 +53,22 @@ def load_for_inference(
     device: torch.device,
     labelmap: str | None = None,
     section: Any = None,
+    where: str = "extract",
 ) -> tuple[Any, FeatureIdentity, dict[str, Any]]:
     """-> (detector, its :class:`FeatureIdentity`, loader info incl. class/attribute names when the file has them).
 
     The detector carries the weights' own test values; :func:`configure_recipe` then applies a recipe and
     :func:`record_settings` records it in the identity. ``labelmap``: a VinVL labelmap json naming the classes and
-    attributes (its SHA-256 goes in the identity). ``section``: the ``extract:`` section, handed to a release that
-    loads its own weights (:attr:`extractors.releases.OwnExtraction.load`; None: no settings of its own given).
+    attributes (its SHA-256 goes in the identity). ``section``: the command's config section (``where``:
+    ``extract`` or ``caption``), handed to a release that loads its own weights
+    (:attr:`extractors.releases.OwnExtraction.load`; None: no settings of its own given).
     """
     known = available_extractors()  # imports the preset modules so that the registry is filled
     claimed = release_of_weights(weights)
     if claimed is not None:  # weights that are not a region detector's (CLIP encoders): the release loads them
         if preset != "auto" or spec_overrides or labelmap:
             raise UsageError(f"{weights}: {claimed[0].name} weights take no extract.preset, extract.spec or labelmap")
-        return claimed[0].own.load(weights, device, section)
+        return claimed[0].own.load(weights, device, section, where)
     if preset != "auto" and preset not in known:
         EXTRACTORS.get(preset)  # raises the UsageError listing the known presets
     if weights == "random":

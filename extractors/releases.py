@@ -36,9 +36,9 @@ class OwnExtraction:
     ``claims`` (path) -> the weights layout of a file this release runs, or None: asked, by the file's layout only,
     before the detector loaders read it. ``check`` (config section, where) -> the box mode: refuses, in one
     :class:`UsageError` line, recipe, ``boxes`` and other settings these weights cannot run. ``load`` (path, device,
-    section) -> (model, :class:`FeatureIdentity`, info), what :func:`extractors.factory.load_for_inference` returns;
-    ``section`` is the ``extract:`` section (None where a command has none to give: ``caption``), whose release
-    settings shape what is built (CLIP's ``extract.clip_encoder``); the model
+    section, where) -> (model, :class:`FeatureIdentity`, info), what :func:`extractors.factory.load_for_inference`
+    returns; ``section`` is the command's config section (``where``: ``extract`` or ``caption``; None: no settings
+    given), whose release settings shape what is built (CLIP's ``clip_encoder``); the model
     has the detector's ``spec.feature_stride`` and ``detect``, plus ``configure(section, where)`` -> (recipe,
     selector) and ``settings(identity, selector, precision)`` -> the identity with those recorded, which
     :func:`extractors.factory.configure_recipe` and :func:`extractors.factory.record_settings` hand over to.
@@ -51,7 +51,7 @@ class OwnExtraction:
 
     claims: Callable[[Any], str | None]
     check: Callable[[Any, str], str]
-    load: Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]
+    load: Callable[[Any, Any, Any, str], tuple[Any, Any, dict[str, Any]]]
     kind: str = ""
     verify: Callable[[Any], None] | None = None
     recipes: tuple[str, ...] = ()

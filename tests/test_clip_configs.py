@@ -19,7 +19,9 @@ import test_clip as ref
 import torch
 from PIL import Image
 from torch import nn
+from typer.testing import CliRunner
 
+from cli import app
 from extractors.clip import ClipRecipe, ClipWeightsError, load_clip, prepare
 from extractors.clip.files import WIDE_HEAD_WIDTHS
 from extractors.clip.model import PRESETS, ClipVisionConfig, build, infer_config
@@ -353,3 +355,39 @@ def test_extract_takes_the_encoder_settings(cli, pictures, tmp_path):
     assert again.identity["config"]["spec"] == spec
     for key in store.keys():
         np.testing.assert_array_equal(again.get(key)["features"], store.get(key)["features"])
+
+
+# ------------------------------------------------------------------ caption
+def test_caption_takes_the_encoder_settings_from_its_own_section(tiny_captioners, shared_data, tmp_path):
+    """``caption --weights`` with an open_clip ViT and no config beside it: refused in one line naming
+    ``caption.clip_encoder.activation``; with that setting the photos are captioned (a captioner of 128-d features,
+    the ViT's width)."""
+    photo = shared_data / "photos" / ref.PHOTOS[0]
+    if not photo.is_file():
+        pytest.skip(f"photo {photo} not found")
+    path = ref.save_open_clip(vit_release(128, 2, seed=41, gelu=True), tmp_path / "open_clip_pytorch_model.bin")
+    ckpt = tiny_captioners / "train-b" / "best.pt"
+    args = ["caption", "--device", "cpu", str(photo), "--model", str(ckpt), "--weights", str(path)]
+    res = CliRunner().invoke(app, [*args, "--output", str(tmp_path / "refused.jsonl")])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert "caption.clip_encoder.activation" in errors[0] and str(path) in errors[0]
+    out = tmp_path / "caps.jsonl"
+    res = CliRunner().invoke(app, [*args, "--output", str(out), "--set", "caption.clip_encoder.activation=gelu"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and isinstance(rows[0].get("caption"), str)
+    res = CliRunner().invoke(app, [*args, "--output", str(out), "--set", "caption.clip_encoder.heads=0"])
+    assert res.exit_code == 2 and "caption.clip_encoder.heads must be null or a positive integer" in res.output
+
+
+def test_a_recorded_caption_section_without_the_setting_is_the_same_config():
+    """The demo's pictures stage records the ``caption:`` section: one recorded before ``clip_encoder`` existed
+    reads as the current one."""
+    cap = load_config("caption").caption.to_dict()
+    assert cap["clip_encoder"] == {"activation": None, "heads": None}
+    old = {"count": 3, "caption": {k: v for k, v in cap.items() if k != "clip_encoder"}, "decoding": {}}
+    new = {"count": 3, "caption": cap, "decoding": {}}
+    assert Config(upgrade_recorded_config(old)).digest() == Config(new).digest()
+    changed = {**new, "caption": {**cap, "clip_encoder": {"activation": "gelu", "heads": None}}}
+    assert Config(upgrade_recorded_config(changed)).digest() != Config(new).digest()

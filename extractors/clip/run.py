@@ -271,16 +271,19 @@ class ClipEncoder(nn.Module):
         ]
 
 
-def load(path: Any, device: Any, section: Any = None) -> tuple[ClipEncoder, FeatureIdentity, dict[str, Any]]:
+def load(
+    path: Any, device: Any, section: Any = None, where: str = "extract"
+) -> tuple[ClipEncoder, FeatureIdentity, dict[str, Any]]:
     """A CLIP weights file -> (encoder behind the detectors' interface, identity, info), as
-    :func:`extractors.factory.load_for_inference` returns for a detector. ``section``: the ``extract:`` section
-    whose ``clip_encoder`` gives the activation and head count (:func:`encoder_settings`; None: none given)."""
-    activation, heads = encoder_settings(section)
+    :func:`extractors.factory.load_for_inference` returns for a detector. ``section``: the ``extract:`` (or, with
+    ``where`` ``caption``, the ``caption:``) section whose ``clip_encoder`` gives the activation and head count
+    (:func:`encoder_settings`; None: none given)."""
+    activation, heads = encoder_settings(section, where)
     try:
         encoder, info = load_clip(path, activation=activation, device="cpu", heads=heads)
     except ClipWeightsError as exc:
         setting = getattr(exc, "setting", None)
-        hint = f" (extract.{SETTINGS_KEY}.{setting})" if setting and section is not None else ""
+        hint = f" ({where}.{SETTINGS_KEY}.{setting})" if setting and section is not None else ""
         raise UsageError(f"{exc}{hint}") from None
     cfg = info["config"]
     model = ClipEncoder(encoder).to(device).eval()

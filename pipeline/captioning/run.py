@@ -143,7 +143,7 @@ def build_engine(
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
 
-    detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device)
+    detector, identity, info = load_for_inference(det_weights, "auto", {}, 0, device, section=cfg, where="caption")
     # caption.max_boxes is what the captioner gets, not a recipe field
     recipe, rule = configure_recipe(
         detector, identity.layout, cfg, "caption", ("min_size", "max_size", "conf_thresh", "nms_thresh")

@@ -94,7 +94,8 @@ def renamed_key_line(key: str, value: Any, schema: Mapping[str, Any], prefix: st
 
 #: keys added with a default that gives the numbers of before (a stage config recorded without them is the same config)
 ADDED_DEFAULTS = {
-    "extract": {"bucket_window": "auto", "channels_last": False, "clip_encoder": {"activation": None, "heads": None}}
+    "extract": {"bucket_window": "auto", "channels_last": False, "clip_encoder": {"activation": None, "heads": None}},
+    "caption": {"clip_encoder": {"activation": None, "heads": None}},
 }
 
 
@@ -125,9 +126,9 @@ def upgrade_recorded_config(recorded: Mapping[str, Any]) -> dict[str, Any]:
         # their defaults (the checkpoint's beam, one caption) are what an empty decoding: section gives
         out["caption"] = {k: v for k, v in caption.items() if k not in ("beam_size", "n_best")}
         out["decoding"] = {}
-    added = ADDED_DEFAULTS["extract"]
-    if isinstance(out.get("extract"), Mapping):
-        out["extract"] = {**added, **out["extract"]}
-    elif "feature_dtype" in out and "roi_chunk" in out:  # a bare extract section
-        out = {**added, **out}
+    for name, added in ADDED_DEFAULTS.items():
+        if isinstance(out.get(name), Mapping):
+            out[name] = {**added, **out[name]}
+    if "feature_dtype" in out and "roi_chunk" in out:  # a bare extract section
+        out = {**ADDED_DEFAULTS["extract"], **out}
     return out
