@@ -41,7 +41,7 @@ from extractors.spec import DETECTRON2_PIXEL_MEANS_BGR, BottomUpSpec
 from extractors.weight_bounds import check_spec, dims, groups_of
 from pipeline.core.regions import RegionRecord
 
-L = "grid-feats"
+LAYOUT = "grid-feats"
 X101_PIXEL_STD = (57.375, 57.120, 58.395)
 GRID_HEADS = (
     "proposal_generator.",
@@ -213,18 +213,18 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
         if k.endswith("conv2_offset.weight") and tuple(sd[k].shape[:1]) != (18,):
             raise layout_error(
                 path,
-                L,
+                LAYOUT,
                 f"key '{k}' has {sd[k].shape[0] if sd[k].dim() else 'no'} offset channels: only DCNv1 with one "
                 "deformable group (18, the X-152++ model) is supported, not modulated or grouped offsets",
             )
     stages = stage_blocks(sd, r"^backbone\.res(\d)\.(\d+)\.conv1\.weight$")
     if sorted(stages) != [2, 3, 4, 5]:
-        raise layout_error(path, L, "backbone.res2 .. backbone.res5 not found")
-    bott, groups = groups_of(sd, "backbone.res2.0.conv2.weight", path, L)
-    out2 = dims(sd, "backbone.res2.0.conv3.weight", 4, path, L)[0]
+        raise layout_error(path, LAYOUT, "backbone.res2 .. backbone.res5 not found")
+    bott, groups = groups_of(sd, "backbone.res2.0.conv2.weight", path, LAYOUT)
+    out2 = dims(sd, "backbone.res2.0.conv3.weight", 4, path, LAYOUT)[0]
     blocks = tuple(stages[s] for s in (2, 3, 4))
     std = X101_PIXEL_STD if (groups > 1 and blocks == (3, 4, 23)) else (1.0, 1.0, 1.0)
-    stem = dims(sd, "backbone.stem.conv1.weight", 4, path, L)[0]
+    stem = dims(sd, "backbone.stem.conv1.weight", 4, path, LAYOUT)[0]
     spec = BottomUpSpec(
         flavor="d2",
         stem_channels=stem,
@@ -241,22 +241,23 @@ def infer_grid_spec(sd, path="?") -> BottomUpSpec:
         pixel_std=std,
         deform_stages=deform,
     )
-    return check_spec(spec, path, L, "architecture")
+    return check_spec(spec, path, LAYOUT, "architecture")
 
 
 def detect_grid_feats(sd: Mapping[str, Any]) -> str | None:
-    """``grid-feats`` when the backbone runs through ``backbone.res5`` (no ``roi_heads.res5``), else None."""
+    """``grid-feats`` when the backbone runs through ``backbone.res5`` with detectron2's names (no
+    ``roi_heads.res5``, no maskrcnn_benchmark ``backbone.body``), else None."""
     keys = plain_keys(sd)
     if any(k.startswith("backbone.res5.") for k in keys):
-        if not any(k.startswith("roi_heads.res5.") for k in keys):
-            return L
+        if not any(k.startswith(("roi_heads.res5.", "backbone.body.")) for k in keys):
+            return LAYOUT
     return None
 
 
 def load_grid_feats(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
     """Strictly check a grid-feats-vqa state dict (backbone loaded, heads checked by name) -> (model, info)."""
     spec = infer_grid_spec(sd, path)
-    strict_check(path, L, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
+    strict_check(path, LAYOUT, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
     model = GridFeatsModel(spec)
     model.load_state_dict(OrderedDict((k, v.float()) for k, v in sd.items() if k.startswith("backbone.")), strict=True)
     return model, {"anchors_from_file": False}
@@ -265,7 +266,7 @@ def load_grid_feats(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec
 def describe_grid_feats(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tuple[dict[str, Any], BottomUpSpec]:
     """``cli info`` facts (strict-checked) for a ``grid-feats`` file."""
     spec = infer_grid_spec(sd, path)
-    strict_check(path, L, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
+    strict_check(path, LAYOUT, sd, state_table(GridFeatsModel, spec), set(), GRID_HEADS)
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
     name = (
         f"ResNeXt-{depth} {spec.groups}x{spec.res2_bottleneck // spec.groups}d"
@@ -273,7 +274,7 @@ def describe_grid_feats(layout: str, sd: Mapping[str, torch.Tensor], path: Any) 
         else f"ResNet-{depth}"
     )
     return {
-        "layout": L,
+        "layout": LAYOUT,
         "semantics": "d2 (detectron2 backbone through res5; grid features only)",
         "architecture": f"{name} through res5 (blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), "
         f"feature {spec.feature_dim}-d",
@@ -290,7 +291,7 @@ register_release(
     Release(
         name="grid-feats",
         source="facebookresearch/grid-feats-vqa extract_grid_feature.py (RSTNet / DLCT 7x7 pooling)",
-        layouts=(L,),
+        layouts=(LAYOUT,),
         catalogue=("grid-r-50", "grid-x-101", "grid-x-152", "grid-x-152pp"),
         identity="grid-feats",
         detect=detect_grid_feats,

@@ -147,9 +147,20 @@ def _records() -> list[Release]:
 
 
 def available_releases() -> list[Release]:
-    """Every registered release (the extractor modules imported first, so that theirs are there)."""
+    """Every registered release (the extractor modules imported first, so that theirs are there); a release
+    naming a selection no module registers (a plugin's misspelling) is one :class:`UsageError` line."""
     available_extractors()
-    return _records()
+    records = _records()
+    from extractors.selector import SELECTORS  # noqa: PLC0415 -- loads torch: command help imports this module
+
+    for release in records:
+        missing = [name for name in release.selectors if name not in SELECTORS]
+        if missing:
+            raise UsageError(
+                f"release {release.name}: selection {missing[0]!r} is registered by no module "
+                f"(known: {', '.join(SELECTORS)})"
+            )
+    return records
 
 
 def release_names() -> list[str]:

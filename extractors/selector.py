@@ -162,7 +162,8 @@ class Selector:
         """Refuse, in one :class:`UsageError` line, recipe values this selection cannot run together."""
 
     #: the ``selection`` row of ``cli info WEIGHTS`` and of the run's log, formatted with the recipe as ``r``
-    summary = ""
+    #: (a selection whose row needs more than a format string overrides :meth:`describe`)
+    summary = "{r.selector}"
 
     @classmethod
     def describe(cls, recipe) -> str:

@@ -114,8 +114,9 @@ def selection_mode(section: Config, weights: str | None = None) -> str | None:
     shorthands) before any work; returns its ``boxes`` mode (``None``: the recipe's own). The run's recipe itself
     is built by :func:`extractors.recipes.recipe_from_config` once the weights' layout is known."""
     preset = str(section.preset)
-    if preset != "auto" and preset not in available_extractors():
-        raise UsageError(f"unknown preset {preset!r} for --preset (known: auto, {', '.join(available_extractors())})")
+    known = available_extractors()
+    if preset != "auto" and preset not in known:
+        raise UsageError(f"unknown preset {preset!r} for extract.preset / --preset (known: auto, {', '.join(known)})")
     claimed = release_of_weights(weights)  # weights with their own recipes (CLIP encoders): the release checks
     if claimed is not None:
         return claimed[0].own.check(section, "extract")

@@ -423,7 +423,7 @@ def run_demo(
         encoder = run_stage(
             out,
             "clip-encoder",
-            Config({"clip": _plain(cfg.demo.clip)}),
+            Config({"clip": _plain(cfg.demo.clip), "files": ["clip-random.pt", "open_clip_config.json"]}),
             _clip_encoder_work(clip_arch, clip_seed),
             force=force,
         )

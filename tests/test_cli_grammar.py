@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 import typer
+from PIL import Image
 
+import extractors
 import models
 from cli import app
+from extractors.recipes import default_recipes
+from extractors.releases import available_releases
 from pipeline.commands.grammar import DEFAULT_RUN, MEANINGS, TABLE_BEGIN, TABLE_END, option_uses, options_table
 from pipeline.core.config import load_config
 from pipeline.core.renamed import RENAMED_OPTIONS
@@ -229,10 +233,6 @@ def test_help_lists_the_registries_own_choices() -> None:
 
 
 def test_info_releases_lists_every_release_preset_and_recipe(cli) -> None:
-    import extractors
-    from extractors.recipes import default_recipes
-    from extractors.releases import available_releases
-
     res = cli.invoke("info", "--releases")
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
@@ -262,8 +262,6 @@ def test_info_releases_takes_no_target(cli) -> None:
 
 
 def test_unknown_preset_recipe_and_release_are_one_line_naming_the_known(cli, tmp_path: Path) -> None:
-    from PIL import Image
-
     Image.new("RGB", (64, 48)).save(tmp_path / "a.jpg")
     extract = ["extract", str(tmp_path / "a.jpg"), "--weights", "random", "--store", str(tmp_path / "s")]
     for args, known in (
@@ -370,8 +368,6 @@ def test_prepare_train_evaluate_chain_through_the_default_run(cli, tmp_path: Pat
     assert trained.returncode == 2 and f"{DEFAULT_RUN / 'features' / 'store'} does not exist" in trained.stderr
     evaluated = run("evaluate")
     assert evaluated.returncode == 2 and f"{DEFAULT_RUN / 'features' / 'store'} not found" in evaluated.stderr
-    from PIL import Image
-
     Image.new("RGB", (32, 24), (200, 40, 40)).save(tmp_path / "photo.jpg")
     captioned = run("caption", "photo.jpg")
     assert captioned.returncode == 2 and f"{DEFAULT_RUN} holds no trained captioner" in captioned.stderr

@@ -259,7 +259,7 @@ def test_custom_text_clip_keys_are_skipped(tmp_path):
 
 
 # ------------------------------------------------------------------ records and identities
-def test_default_records_and_identities_keep_their_fields():
+def test_default_settings_leave_records_and_identities_without_the_fields():
     fields = ["kind", "width", "layers", "resolution", "embed_dim", "patch", "activation"]
     for name, cfg in PRESETS.items():
         assert list(ClipSpec(cfg).to_dict()) == fields, name
@@ -279,12 +279,11 @@ def test_default_records_and_identities_keep_their_fields():
 def test_a_recorded_extract_config_without_the_setting_is_the_same_config():
     ex = load_config("extract").extract.to_dict()
     assert ex["clip_encoder"] == {"activation": None, "heads": None}
-    old = {k: v for k, v in ex.items() if k != "clip_encoder"}
-    new = {"extract": ex, "job": {"weights": "random"}}
-    assert (
-        Config(upgrade_recorded_config({"extract": old, "job": {"weights": "random"}})).digest() == Config(new).digest()
-    )
-    assert Config(upgrade_recorded_config(old)).digest() == Config(ex).digest()
+    recorded = {k: v for k, v in ex.items() if k != "clip_encoder"}
+    current = {"extract": ex, "job": {"weights": "random"}}
+    upgraded = upgrade_recorded_config({"extract": recorded, "job": {"weights": "random"}})
+    assert Config(upgraded).digest() == Config(current).digest()
+    assert Config(upgrade_recorded_config(recorded)).digest() == Config(ex).digest()
 
 
 def test_random_encoders_are_written_with_their_config(tmp_path):
@@ -382,12 +381,12 @@ def test_caption_takes_the_encoder_settings_from_its_own_section(tiny_captioners
 
 
 def test_a_recorded_caption_section_without_the_setting_is_the_same_config():
-    """The demo's pictures stage records the ``caption:`` section: one recorded before ``clip_encoder`` existed
-    reads as the current one."""
+    """The demo's pictures stage records the ``caption:`` section: a recorded section without ``clip_encoder`` reads
+    as one with its default (null, null), and a set value still counts."""
     cap = load_config("caption").caption.to_dict()
     assert cap["clip_encoder"] == {"activation": None, "heads": None}
-    old = {"count": 3, "caption": {k: v for k, v in cap.items() if k != "clip_encoder"}, "decoding": {}}
-    new = {"count": 3, "caption": cap, "decoding": {}}
-    assert Config(upgrade_recorded_config(old)).digest() == Config(new).digest()
-    changed = {**new, "caption": {**cap, "clip_encoder": {"activation": "gelu", "heads": None}}}
-    assert Config(upgrade_recorded_config(changed)).digest() != Config(new).digest()
+    recorded = {"count": 3, "caption": {k: v for k, v in cap.items() if k != "clip_encoder"}, "decoding": {}}
+    current = {"count": 3, "caption": cap, "decoding": {}}
+    assert Config(upgrade_recorded_config(recorded)).digest() == Config(current).digest()
+    changed = {**current, "caption": {**cap, "clip_encoder": {"activation": "gelu", "heads": None}}}
+    assert Config(upgrade_recorded_config(changed)).digest() != Config(current).digest()

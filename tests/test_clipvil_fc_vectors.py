@@ -28,7 +28,7 @@ def _warnings(caplog):
 
 def test_constant_fc_vectors_are_imported_with_one_warning(tmp_path, caplog):
     vectors = {"1": np.full(8, 3.25, np.float32), "2": np.full(8, -1.5, np.float32)}
-    att = _folders(tmp_path / "old", vectors)
+    att = _folders(tmp_path / "constant", vectors)
     with caplog.at_level(logging.WARNING):
         import_features("clip-vil", [att], tmp_path / "s", sizes={k: (64, 48) for k in vectors})
     found = _warnings(caplog)
@@ -41,7 +41,7 @@ def test_constant_fc_vectors_are_imported_with_one_warning(tmp_path, caplog):
 def test_clip_embeddings_import_without_the_warning(tmp_path, caplog):
     rng = np.random.default_rng(5)
     vectors = {"1": rng.normal(0, 1, 8).astype(np.float32), "2": rng.normal(0, 1, 8).astype(np.float32)}
-    att = _folders(tmp_path / "new", vectors)
+    att = _folders(tmp_path / "embeddings", vectors)
     with caplog.at_level(logging.WARNING):
         import_features("clip-vil", [att], tmp_path / "s", sizes={k: (64, 48) for k in vectors})
     assert _warnings(caplog) == []

@@ -10,11 +10,16 @@ release name anywhere else fails here.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
-from extractors.releases import Release, available_releases
+import pytest
+
+from extractors.recipes import Recipe
+from extractors.releases import RELEASES, Release, available_releases, register_release
 from extractors.selector import SELECTORS
+from pipeline.core.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("pipeline", "extractors", "models")
@@ -129,6 +134,25 @@ def test_every_selection_a_release_names_is_registered():
     assert {s for r in available_releases() for s in r.selectors} <= set(SELECTORS)
 
 
+def test_a_release_naming_an_unregistered_selection_is_one_line():
+    register_release(Release(name="misspelt", source="a plugin", selectors=("per-class-nms", "gird")))
+    try:
+        with pytest.raises(UsageError) as err:
+            available_releases()
+        assert str(err.value).startswith("release misspelt: selection 'gird' is registered by no module")
+        assert "\n" not in str(err.value)
+    finally:
+        RELEASES._items.pop("misspelt")  # the registry is shared by the tests of this process
+    assert "misspelt" not in [r.name for r in available_releases()]
+
+
+def test_each_selection_reads_recipe_fields_only():
+    """A selection's ``fields`` are fields of the recipe, and no two selections claim the same one."""
+    names = {f.name for f in dataclasses.fields(Recipe)}
+    claimed = [key for selection in SELECTORS.values() for key in selection.fields]
+    assert set(claimed) <= names and len(claimed) == len(set(claimed))
+
+
 #: a release's own file -> {product file outside the release that imports it: why}
 IMPORTERS: dict[str, dict[str, str]] = {
     "extractors/clip/": {
@@ -148,6 +172,7 @@ def _imported_modules(path: Path) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)  # from extractors import grid
     return out
 
 

@@ -11,6 +11,8 @@ the project's extractor.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from typer.testing import CliRunner
 from cli import app
 from extractors.preprocess import mrcnn_size
 from extractors.random_weights import random_detector
+from extractors.vinvl import select as vinvl_select
 from extractors.vinvl import vinvl_x152c4
 from pipeline.store import FeatureStore
 
@@ -488,10 +491,6 @@ def test_labelmap_names_and_refusals(tmp_path, shared_data, vinvl_file):
 def test_nms_variants_and_the_shared_graph_path():
     """``nms_variant``: torchvision (IoU > t, no +1), legacy-cuda (+1 areas, >), legacy-cpu (+1 areas, >=); the
     one-overlap-graph path of ``nms_filter`` 1 keeps what the per-class loop keeps."""
-    from types import SimpleNamespace
-
-    from extractors.vinvl import select as vinvl_select
-
     boxes = torch.tensor([[0.0, 0.0, 9.0, 9.0], [0.0, 0.0, 9.0, 4.0]])  # IoU 36/81 without +1, 50/100 with +1
     scores = torch.tensor([0.9, 0.8])
     assert vinvl_select.nms_keep(boxes, scores, 0.5, "torchvision").tolist() == [0, 1]

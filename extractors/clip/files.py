@@ -80,6 +80,8 @@ COMPANION_FILES = {"hf": "config.json", "open_clip": "open_clip_config.json"}
 #: ViT-H/14 1280 / 80, ViT-g/14 1408 / 88, ViT-bigG/14 1664 / 104, 16 heads each): OpenAI's rule is known to be
 #: wrong there, so without a config or a head count given these are refused
 WIDE_HEAD_WIDTHS = (1280, 1408, 1664)
+#: ``transformers.CLIPVisionConfig``'s default head count (what a ``config.json`` without the key runs with)
+HF_DEFAULT_HEADS = 12
 HF_TEXT_KEYS = re.compile(
     r"^(text_model\..+|text_projection\.weight|logit_scale|vision_model\.embeddings\.position_ids)$"
 )
@@ -434,7 +436,7 @@ def check_strict(path: Path, layout: str, sd: Mapping[str, torch.Tensor], cfg: C
 class Companion:
     """What the release's config beside a weights file says of its image encoder: ``file`` (its name),
     ``activation`` of the ViT MLP, ``heads`` (a head count) or ``head_width`` (channels per head), 0 when the file
-    does not say, and ``heads_key``, the key the one it says was read from."""
+    does not say, and ``heads_key``: the config key the head count or width was read from."""
 
     file: str
     activation: str
@@ -447,10 +449,6 @@ def _positive(value: Any, key: str, cfg_path: Path) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ClipWeightsError(f"{cfg_path}: '{key}' must be a positive integer, not {value!r}")
     return value
-
-
-#: ``transformers.CLIPVisionConfig``'s default head count (what a ``config.json`` without the key runs with)
-HF_DEFAULT_HEADS = 12
 
 
 def companion_config(path: Path, layout: str) -> Companion | None:
@@ -522,7 +520,7 @@ def _activation(path: Path, layout: str, sd: Mapping[str, Any], found: Companion
     return "quick_gelu", "default (OpenAI's quick_gelu)"
 
 
-def _head_width(path: Path, layout: str, shape: ClipVisionConfig, found: Companion | None, given: int | None):
+def _resolve_heads(path: Path, layout: str, shape: ClipVisionConfig, found: Companion | None, given: int | None):
     """(channels per head, 0 for OpenAI's 64, and where the head count came from) for the encoder of ``shape``;
     every head count is checked to divide the attention channels, a count given against the config's is refused."""
     channels = shape.grid_dim
@@ -579,7 +577,7 @@ def load_clip(
         shape = infer_config(sd, act, head_width=1)  # the shapes only; the heads are settled below
     except (ConfigError, ValueError) as exc:
         raise ClipWeightsError(f"{path} ({layout}): not a CLIP image encoder: {exc}") from None
-    head_width, heads_source = _head_width(path, layout, shape, found, heads)
+    head_width, heads_source = _resolve_heads(path, layout, shape, found, heads)
     cfg = shape.with_(head_width=head_width)
     check_strict(path, layout, sd, cfg)
     model = build(cfg)

@@ -23,7 +23,7 @@ from extractors.spec import BottomUpSpec
 from extractors.vinvl.detector import VinVLDetector, vinvl_x152c4
 from extractors.weight_bounds import check_spec, dims, groups_of
 
-L = "vinvl"
+LAYOUT = "vinvl"
 FLAVOR = "vinvl"  # the spec semantics of maskrcnn_benchmark detectors (extractors.spec.FLAVORS)
 ANCHORS = "proposal_generator.anchor_generator.cell_anchors.0"
 _CONV = re.compile(r"^(backbone|roi_heads)\.(res(\d)|stem)\.(?:(\d+)\.)?(conv\d|shortcut)\.(norm\.)?(\w+)$")
@@ -61,7 +61,7 @@ def detect_vinvl(sd: Mapping[str, Any]) -> str | None:
     """``vinvl`` when the key names are scene_graph_benchmark's (a ``module.`` prefix ignored), else None."""
     keys = plain_keys(sd)
     if any(k.startswith("backbone.body.") for k in keys) and any(k.startswith("roi_heads.box.") for k in keys):
-        return L
+        return LAYOUT
     return None
 
 
@@ -70,22 +70,24 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
     stages = stage_blocks(sd, r"^backbone\.body\.layer(\d+)\.(\d+)\.conv1\.weight$")
     res5 = stage_blocks(sd, r"^roi_heads\.box\.feature_extractor\.head\.layer(4)\.(\d+)\.conv1\.weight$").get(4, 0)
     if sorted(stages) != list(range(1, 1 + len(stages))) or not stages or not res5:
-        raise layout_error(path, L, "backbone.body.layer1.. and roi_heads.box.feature_extractor.head.layer4 not found")
-    stem = dims(sd, "backbone.body.stem.conv1.weight", 4, path, L)[0]
-    bott, groups = groups_of(sd, "backbone.body.layer1.0.conv2.weight", path, L)
-    out2 = dims(sd, "backbone.body.layer1.0.conv3.weight", 4, path, L)[0]
-    a = dims(sd, "rpn.head.cls_logits.weight", 4, path, L)[0]
+        raise layout_error(
+            path, LAYOUT, "backbone.body.layer1.. and roi_heads.box.feature_extractor.head.layer4 not found"
+        )
+    stem = dims(sd, "backbone.body.stem.conv1.weight", 4, path, LAYOUT)[0]
+    bott, groups = groups_of(sd, "backbone.body.layer1.0.conv2.weight", path, LAYOUT)
+    out2 = dims(sd, "backbone.body.layer1.0.conv3.weight", 4, path, LAYOUT)[0]
+    a = dims(sd, "rpn.head.cls_logits.weight", 4, path, LAYOUT)[0]
     if a % 3 or out2 % bott:
         raise layout_error(
-            path, L, f"{a} anchors per cell or res2 widths {bott}/{out2} do not fit the VinVL architecture"
+            path, LAYOUT, f"{a} anchors per cell or res2 widths {bott}/{out2} do not fit the VinVL architecture"
         )
     kw: dict[str, Any] = {}
     has_attr = "attribute.predictor.attr_score.weight" in sd
     if has_attr:
         kw = {
-            "num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, L)[0],
-            "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, L)[1],
-            "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, L)[0],
+            "num_attributes": dims(sd, "attribute.predictor.attr_score.weight", 2, path, LAYOUT)[0],
+            "attr_embed_dim": dims(sd, "attribute.predictor.cls_embedding.weight", 2, path, LAYOUT)[1],
+            "attr_hidden": dims(sd, "attribute.predictor.fc_attr.weight", 2, path, LAYOUT)[0],
         }
     spec = vinvl_x152c4().with_(
         stem_channels=stem,
@@ -94,13 +96,13 @@ def infer_vinvl_spec(sd: Mapping[str, torch.Tensor], path: Any = "?") -> BottomU
         groups=groups,
         stage_blocks=tuple(stages[s] for s in sorted(stages)),
         res5_blocks=res5,
-        rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, L)[0],
+        rpn_channels=dims(sd, "rpn.head.conv.weight", 4, path, LAYOUT)[0],
         anchor_sizes=tuple(32.0 * 2**i for i in range(a // 3)),
-        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, L)[0],
+        num_classes=dims(sd, "roi_heads.box.predictor.cls_score.weight", 2, path, LAYOUT)[0],
         has_attributes=has_attr,
         **kw,
     )
-    return check_spec(spec, path, L, "architecture")
+    return check_spec(spec, path, LAYOUT, "architecture")
 
 
 def vinvl_tables(spec: BottomUpSpec) -> tuple["OrderedDict[str, tuple[int, ...]]", set[str]]:
@@ -118,10 +120,12 @@ def vinvl_tables(spec: BottomUpSpec) -> tuple["OrderedDict[str, tuple[int, ...]]
 def check_vinvl(path: Any, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec) -> None:
     """Strict key / shape check; the attribute head's res5 copy must equal the box head's (one shared module)."""
     table, optional = vinvl_tables(spec)
-    strict_check(path, L, sd, table, optional)
+    strict_check(path, LAYOUT, sd, table, optional)
     for k in sd:
         if k.startswith(VINVL_RES5_COPY) and not torch.equal(sd[k], sd[VINVL_RES5 + k[len(VINVL_RES5_COPY) :]]):
-            raise layout_error(path, L, f"key '{k}' differs from the box head's res5 (the release shares one module)")
+            raise layout_error(
+                path, LAYOUT, f"key '{k}' differs from the box head's res5 (the release shares one module)"
+            )
 
 
 def load_vinvl(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: BottomUpSpec | None = None):
@@ -131,7 +135,7 @@ def load_vinvl(path: Any, layout: str, sd: Mapping[str, torch.Tensor], spec: Bot
     if spec.flavor != FLAVOR:
         raise layout_error(
             path,
-            L,
+            LAYOUT,
             f"the preset expects {spec.flavor} semantics, the file is a VinVL (maskrcnn_benchmark) detector",
         )
     check_vinvl(path, sd, spec)
@@ -149,7 +153,7 @@ def describe_vinvl(layout: str, sd: Mapping[str, torch.Tensor], path: Any) -> tu
     depth = 3 * (sum(spec.stage_blocks) + spec.res5_blocks) + 2
     width = spec.res2_bottleneck // spec.groups
     return {
-        "layout": L,
+        "layout": LAYOUT,
         "semantics": "vinvl (maskrcnn_benchmark: +1 boxes, sigmoid RPN, ROIAlign, background first)",
         "architecture": f"ResNeXt-{depth} {spec.groups}x{width}d C4 "
         f"(blocks {list(spec.stage_blocks) + [spec.res5_blocks]}), feature {spec.feature_dim}-d",

@@ -34,10 +34,11 @@ from torchvision.ops import nms as tv_nms
 
 from extractors import box_coding
 from extractors import nms as pcnms
+from extractors.recipes import CHOICES
 from extractors.selector import SELECTORS, Selector
 from pipeline.core.errors import UsageError
 
-NMS_VARIANTS = ("torchvision", "legacy-cuda", "legacy-cpu")
+NMS_VARIANTS = CHOICES["nms_variant"]
 
 
 @dataclass

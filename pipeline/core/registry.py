@@ -1,9 +1,10 @@
 """A tiny name -> factory registry: ``Registry(kind)`` with ``register(name)`` (a decorator), ``get``, ``names``.
 
-Three registries use it: captioners (``models.CAPTIONERS``, filled by the decorator
-``models.register_captioner("name")``, which also sets the class's ``name``), detector presets
-(``extractors.EXTRACTORS``, ``@EXTRACTORS.register("name")`` on a spec factory) and learning-rate schedules
-(``pipeline.training.schedules.SCHEDULES``). Adding a captioner is one module in ``models/`` decorated with
+Registries of captioners (``models.CAPTIONERS``, filled by the decorator ``models.register_captioner("name")``,
+which also sets the class's ``name``), detector presets (``extractors.EXTRACTORS``, ``@EXTRACTORS.register("name")``
+on a spec factory), detector releases (``extractors.releases.RELEASES``) and learning-rate schedules
+(``pipeline.training.schedules.SCHEDULES``) use it; :func:`import_modules_of` imports the modules of a package
+that register into one before its names are listed. Adding a captioner is one module in ``models/`` decorated with
 ``@register_captioner("name")`` plus ``configs/models/name.yaml`` (docs/extending.md).
 """
 
