@@ -34,8 +34,9 @@ class OwnExtraction:
     encoders, :mod:`extractors.clip.run`).
 
     ``claims`` (path) -> the weights layout of a file this release runs, or None: asked, by the file's layout only,
-    before the detector loaders read it. ``check`` (config section, where) -> the box mode: refuses, in one
-    :class:`UsageError` line, recipe, ``boxes`` and other settings these weights cannot run. ``load`` (path, device,
+    before the detector loaders read it. ``check`` (config section, where, weights path) -> the box mode: refuses,
+    in one :class:`UsageError` line and before any work, recipe, ``boxes`` and other settings these weights cannot
+    run. ``load`` (path, device,
     section, where) -> (model, :class:`FeatureIdentity`, info), what :func:`extractors.factory.load_for_inference`
     returns; ``section`` is the command's config section (``where``: ``extract`` or ``caption``; None: no settings
     given), whose release settings shape what is built (CLIP's ``clip_encoder``); the model
@@ -50,7 +51,7 @@ class OwnExtraction:
     bottom-up ``hf`` layout)."""
 
     claims: Callable[[Any], str | None]
-    check: Callable[[Any, str], str]
+    check: Callable[[Any, str, Any], str]
     load: Callable[[Any, Any, Any, str], tuple[Any, Any, dict[str, Any]]]
     kind: str = ""
     verify: Callable[[Any], None] | None = None

@@ -119,7 +119,7 @@ def selection_mode(section: Config, weights: str | None = None) -> str | None:
         raise UsageError(f"unknown preset {preset!r} for extract.preset / --preset (known: auto, {', '.join(known)})")
     claimed = release_of_weights(weights)  # weights with their own recipes (CLIP encoders): the release checks
     if claimed is not None:
-        return claimed[0].own.check(section, "extract")
+        return claimed[0].own.check(section, "extract", weights)
     mode = None if section.boxes is None else str(section.boxes)
     if mode is not None and mode not in BOX_MODES:
         raise UsageError(f"--boxes must be one of {', '.join(BOX_MODES)}, not {mode!r}")

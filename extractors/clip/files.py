@@ -496,7 +496,7 @@ def companion_config(path: Path, layout: str) -> Companion | None:
     return Companion(cfg_path.name, act, heads, head_width, key)
 
 
-def _activation(path: Path, layout: str, sd: Mapping[str, Any], found: Companion | None, given: str | None):
+def resolve_activation(path: Path, layout: str, vit: bool, found: Companion | None, given: str | None):
     """(activation, where it came from): the one given (refused when the config beside the file says another),
     else the config's, else OpenAI's ``quick_gelu`` (OpenAI's archives; transformers' default). An open_clip ViT
     without its config is refused: open_clip's default is ``gelu`` while its OpenAI-pretrained files use
@@ -509,7 +509,7 @@ def _activation(path: Path, layout: str, sd: Mapping[str, Any], found: Companion
         return given, "given"
     if found is not None:
         return found.activation, found.file
-    if layout == "open_clip" and is_vit(sd):
+    if layout == "open_clip" and vit:
         name = COMPANION_FILES[layout]
         raise MissingSettingError(
             f"{path} ({layout}): the ViT's MLP activation is not in the weights and no {name} sits beside them "
@@ -572,7 +572,7 @@ def load_clip(
     path = Path(path)
     layout, sd = read_clip(path)
     found = companion_config(path, layout)
-    act, act_source = _activation(path, layout, sd, found, activation)
+    act, act_source = resolve_activation(path, layout, is_vit(sd), found, activation)
     try:
         shape = infer_config(sd, act, head_width=1)  # the shapes only; the heads are settled below
     except (ConfigError, ValueError) as exc:

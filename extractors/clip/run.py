@@ -35,7 +35,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from extractors.clip.files import LAYOUTS, ClipWeightsError, check_strict, is_torchscript, load_clip, read_clip
+from extractors.clip.files import (
+    LAYOUTS,
+    ClipWeightsError,
+    check_strict,
+    companion_config,
+    is_torchscript,
+    load_clip,
+    read_clip,
+    resolve_activation,
+)
 from extractors.clip.model import ACTIVATIONS, PRESETS, ClipVisionConfig, ConfigError, infer_config
 from extractors.clip.recipe import RECIPES, ClipInput, ClipRecipe, cell_boxes, encode, prepare
 from extractors.releases import OwnExtraction, Release, register_release
@@ -126,11 +135,28 @@ def encoder_settings(section: Any, where: str = "extract") -> tuple[str | None, 
     return activation, heads
 
 
-def check(section: Any, where: str = "extract") -> str:
+def _refusal(exc: ClipWeightsError, section: Any, where: str) -> UsageError:
+    """The loader's refusal as one usage line, naming the setting that would answer it."""
+    setting = getattr(exc, "setting", None)
+    hint = f" ({where}.{SETTINGS_KEY}.{setting})" if setting and section is not None else ""
+    return UsageError(f"{exc}{hint}")
+
+
+def check(section: Any, where: str = "extract", path: Any = None) -> str:
     """The recipe, box and encoder settings (:func:`encoder_settings`) of an ``extract:`` (or ``caption:``)
     section for CLIP weights -> ``grid``; one :class:`UsageError` line for a region detector's recipe, a box
-    selection other than the grid or an encoder setting out of its range."""
-    encoder_settings(section, where)
+    selection other than the grid or an encoder setting out of its range. With the weights ``path``, also what
+    the file's names alone decide before any work: an open_clip ViT whose activation neither the config beside
+    it nor the section gives (:func:`extractors.clip.files.resolve_activation`)."""
+    activation, _heads = encoder_settings(section, where)
+    if path is not None and activation is None and claims(path) == "open_clip":
+        p = Path(str(path))
+        names = {k[len("module.") :] if k.startswith("module.") else k for k in _keys(p)}
+        vit = bool({"visual.proj", "visual.class_embedding"} & names)
+        try:
+            resolve_activation(p, "open_clip", vit, companion_config(p, "open_clip"), None)
+        except ClipWeightsError as exc:
+            raise _refusal(exc, section, where) from None
     name = str(_get(section, "recipe", "auto"))
     if name != "auto" and name not in RECIPES:
         raise UsageError(
@@ -282,9 +308,7 @@ def load(
     try:
         encoder, info = load_clip(path, activation=activation, device="cpu", heads=heads)
     except ClipWeightsError as exc:
-        setting = getattr(exc, "setting", None)
-        hint = f" ({where}.{SETTINGS_KEY}.{setting})" if setting and section is not None else ""
-        raise UsageError(f"{exc}{hint}") from None
+        raise _refusal(exc, section, where) from None
     cfg = info["config"]
     model = ClipEncoder(encoder).to(device).eval()
     info = {**info, "weights_sha256": sha256_file(path), "config": cfg.to_dict()}
