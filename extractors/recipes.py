@@ -102,9 +102,10 @@ class Recipe:
         selection reads (its ``fields``: VinVL's post-processing, the grid's pooling) appear only for that selection
         (``to_bgr255`` when true), so the identity of a bottom-up recipe holds the bottom-up values alone."""
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        chosen = selections().get(self.selector)
+        registered = selections()
+        chosen = registered.get(self.selector)
         own = set(chosen.fields) if chosen is not None else set()
-        for selection in selections().values():
+        for selection in registered.values():
             for key in set(selection.fields) - own:
                 out.pop(key, None)
         if not self.to_bgr255:

@@ -90,11 +90,16 @@ def _keys(path: Path) -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
+def _names(path: Path) -> list[str]:
+    """The tensor names of a weights file (:func:`_keys`) without a DataParallel ``module.`` prefix."""
+    return [k[len("module.") :] if k.startswith("module.") else k for k in _keys(path)]
+
+
 def _claims(path: str, _mtime_ns: int, _size: int) -> str | None:
     p = Path(path)
     if is_torchscript(p):
         return "openai"
-    keys = [k[len("module.") :] if k.startswith("module.") else k for k in _keys(p)]
+    keys = _names(p)
     if any(k.startswith("vision_model.") for k in keys):
         return "hf"
     if any(k.startswith("visual.") for k in keys):
@@ -151,8 +156,7 @@ def check(section: Any, where: str = "extract", path: Any = None) -> str:
     activation, _heads = encoder_settings(section, where)
     if path is not None and activation is None and claims(path) == "open_clip":
         p = Path(str(path))
-        names = {k[len("module.") :] if k.startswith("module.") else k for k in _keys(p)}
-        vit = bool({"visual.proj", "visual.class_embedding"} & names)
+        vit = bool({"visual.proj", "visual.class_embedding"} & set(_names(p)))
         try:
             resolve_activation(p, "open_clip", vit, companion_config(p, "open_clip"), None)
         except ClipWeightsError as exc:
