@@ -27,6 +27,7 @@ from pipeline.core.errors import Failure, PipelineError
 from pipeline.core.fileio import open_own_file
 from pipeline.core.keys import key_to_text
 from pipeline.core.precision import resolve_precision
+from pipeline.core.stages import RunTally
 from pipeline.core.training.signals import StopOnSignal
 
 log = get_logger("extract")
@@ -39,11 +40,9 @@ class ExtractionInterrupted(PipelineError):
 
 
 @dataclass
-class RunSummary:
-    total: int = 0
-    skipped: int = 0
-    extracted: int = 0
-    failed: int = 0
+class RunSummary(RunTally):
+    """An extraction run's tally, the boxes it stored, its time and the failures it listed."""
+
     boxes: int = 0
     seconds: float = 0.0
     failures: list[dict[str, str]] = field(default_factory=list)
@@ -74,9 +73,9 @@ def run_extraction(
     precision = resolve_precision(precision, dev, "extract.precision", fp16=False)
     summary = RunSummary(total=len(items))
     todo = [it for it in items if not writer.has(it.key)]
-    summary.skipped = len(items) - len(todo)
-    if summary.skipped:
-        log.info("resuming: %d of %d images already in the store", summary.skipped, len(items))
+    summary.already_done = len(items) - len(todo)
+    if summary.already_done:
+        log.info("resuming: %d of %d images already in the store", summary.already_done, len(items))
     fail_fh = (
         os.fdopen(open_own_file(failures_path, "failures list", truncate=True), "w", encoding="utf-8")
         if failures_path is not None
@@ -142,7 +141,7 @@ def run_extraction(
                 if stop.signum is not None:
                     writer.commit()
                     raise ExtractionInterrupted(
-                        f"stopped by {signal.Signals(stop.signum).name} after {summary.extracted} new images, "
+                        f"stopped by {signal.Signals(stop.signum).name} after {summary.done} new images, "
                         f"all committed to {writer.path}: run the same command again to resume"
                     )
             detect(buckets.flush() if buckets is not None else [])
@@ -174,6 +173,6 @@ def _store(photo: Photo, o: Any, writer: Any, fail: Any, summary: RunSummary) ->
     except PipelineError as exc:  # e.g. NaN features: this image only, never the batch
         fail(photo, Failure("invalid_output", str(exc)))
         return 0
-    summary.extracted += 1
+    summary.done += 1
     summary.boxes += int(o.boxes.shape[0])
     return 1

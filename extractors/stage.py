@@ -237,12 +237,12 @@ def extract_work(
             reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1
         return {"store": job.store, "failures": FAILURES}, {
             "images": summary.total,
-            "extracted": summary.extracted,
-            "already_in_store": summary.skipped,
+            "extracted": summary.done,
+            "already_in_store": summary.already_done,
             "failed": summary.failed,
             "boxes": summary.boxes,
-            "boxes_per_image": round(summary.boxes / max(summary.extracted, 1), 2),
-            "images_per_second": round(summary.extracted / summary.seconds, 2) if summary.seconds > 0 else 0.0,
+            "boxes_per_image": round(summary.boxes / max(summary.done, 1), 2),
+            "images_per_second": round(summary.done / summary.seconds, 2) if summary.seconds > 0 else 0.0,
             "failure_reasons": dict(sorted(reasons.items())),
         }
 

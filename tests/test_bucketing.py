@@ -101,7 +101,7 @@ def test_extraction_batches_equal_shapes_across_the_folder_and_writes_in_input_o
     assert many.order == [f"k{i}" for i in range(6)] == one.order  # input order, the missing photo skipped
     assert [f["key"] for f in s_many.failures] == ["missing"] == [
         f["key"] for f in s_one.failures
-    ] and s_many.extracted == 6
+    ] and s_many.done == 6
     for k in many.order:  # the same regions (a CPU convolution over another batch differs in float rounding only)
         a, b = many.records[k], one.records[k]
         assert a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1e-3)

@@ -39,6 +39,7 @@ from pipeline.core.identity import FeatureIdentity
 from pipeline.core.keys import key_to_text, markup_escape
 from pipeline.core.locks import acquire_lock
 from pipeline.core.precision import check_precision
+from pipeline.core.stages import RunTally
 from pipeline.core.vocab import Vocab
 from pipeline.hub import resolve_file
 
@@ -49,13 +50,10 @@ log = get_logger("caption")
 
 
 @dataclass
-class CaptionSummary:
-    """What a ``caption`` run did: photos given, already done by an earlier run, captioned now, failed now."""
+class CaptionSummary(RunTally):
+    """What a ``caption`` run did (photos given, already captioned by an earlier run, captioned now, failed now),
+    the pictures it drew and where it wrote."""
 
-    total: int = 0
-    already_done: int = 0
-    captioned: int = 0
-    failed: int = 0
     pictures: int = 0
     output: Path | None = None
     gallery: Path | None = None
@@ -388,7 +386,7 @@ def _run_batches(
                         "failures": [failure_row(r) for r in fresh if r.error],
                     }
                 )
-            summary.captioned += sum(r.error is None for r in batch)
+            summary.done += sum(r.error is None for r in batch)
             summary.failed += sum(r.error is not None for r in batch)
             _print_batch(progress, batch, n_best, first)
             first = False

@@ -65,6 +65,17 @@ class StageResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class RunTally:
+    """The counts a resumable run over items reports: items given, already done by an earlier run (found in its
+    output and left alone), done now, failed now (listed, not raised). Extraction and captioning extend it."""
+
+    total: int = 0
+    already_done: int = 0
+    done: int = 0
+    failed: int = 0
+
+
 def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     """The stage's manifest, or None if it never finished; a corrupt manifest is an error naming the file."""
     path = stage_dir / MANIFEST
