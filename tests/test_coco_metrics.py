@@ -14,7 +14,7 @@ import pytest
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.coco import EvalOptions, evaluate_files, score_captions
 from pipeline.metrics.coco_files import load_predictions, load_references, match_predictions
-from pipeline.metrics.java import JavaMissing, find_java, pycocoevalcap_dir
+from pipeline.metrics.java import JavaMissing, JavaRun, find_java, pycocoevalcap_dir
 from pipeline.metrics.meteor import meteor_scores
 from pipeline.metrics.spice import spice_available
 from pipeline.metrics.tokenize import ptb_tokenize, simple_tokenize
@@ -203,7 +203,7 @@ def test_broken_java_gives_one_line_errors(tmp_path: Path) -> None:
     if false is None:
         pytest.skip("no `false` executable")
     with pytest.raises(PipelineError, match="METEOR exited") as exc:
-        meteor_scores(["a dog"], [["a dog runs"]], false, timeout_s=30)
+        meteor_scores(["a dog"], [["a dog runs"]], JavaRun(false, 30, "2G"))
     assert "\n" not in str(exc.value)
     with pytest.raises(PipelineError, match="PTB tokenizer failed"):
         score_captions({1: ["a dog"]}, {1: "a dog"}, EvalOptions(java=false, metrics=("bleu",)))

@@ -30,7 +30,7 @@ from pipeline.core.console import get_logger
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.metrics.cider import CiderD
 from pipeline.metrics.coco_files import load_predictions, load_references, match_predictions
-from pipeline.metrics.java import JavaMissing, find_java
+from pipeline.metrics.java import JavaMissing, JavaRun, find_java
 from pipeline.metrics.meteor import meteor_scores
 from pipeline.metrics.spice import spice_available, spice_scores
 from pipeline.metrics.tokenize import ptb_tokenize, simple_tokenize
@@ -176,9 +176,7 @@ def score_captions(
                 score, scores = meteor_scores(
                     [res[i][0] for i in image_ids],
                     [gts[i] for i in image_ids],
-                    java,
-                    options.timeout_s,
-                    options.meteor_max_memory,  # type: ignore[arg-type]
+                    JavaRun(java, options.timeout_s, options.meteor_max_memory),  # type: ignore[arg-type]
                 )
             except PipelineError as exc:
                 skipped[name] = str(exc)
@@ -196,9 +194,7 @@ def score_captions(
                     image_ids,
                     [res[i][0] for i in image_ids],
                     [gts[i] for i in image_ids],
-                    java,  # type: ignore[arg-type]
-                    max(options.timeout_s, 1800.0),
-                    options.spice_max_memory,
+                    JavaRun(java, max(options.timeout_s, 1800.0), options.spice_max_memory),  # type: ignore[arg-type]
                 )
             except PipelineError as exc:
                 skipped[name] = str(exc)

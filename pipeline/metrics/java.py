@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,6 +21,20 @@ from pipeline.core.errors import PipelineError
 
 #: JVM flags given to every Java metric: English number formatting and UTF-8 I/O
 JVM_FLAGS = ("-Duser.language=en", "-Duser.country=US", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8")
+
+
+@dataclass(frozen=True)
+class JavaRun:
+    """How a Java metric is run: the ``java`` executable, a wall-clock limit, the JVM heap (``-Xmx``)."""
+
+    java: str
+    timeout_s: float
+    max_memory: str
+
+    def command(self, jar: Path, *args: str, flags: tuple[str, ...] = ()) -> list[str]:
+        """``java <JVM_FLAGS> <flags> -jar -Xmx<max_memory> <jar name> <args>``, run from the jar's folder (the
+        argument order of pycocoevalcap's wrappers)."""
+        return [self.java, *JVM_FLAGS, *flags, "-jar", f"-Xmx{self.max_memory}", jar.name, *args]
 
 
 class JavaMissing(PipelineError):

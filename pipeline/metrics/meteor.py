@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from pipeline.core.errors import PipelineError
-from pipeline.metrics.java import JVM_FLAGS, meteor_jar
+from pipeline.metrics.java import JavaRun, meteor_jar
 
 
 def _hypothesis(text: str) -> str:
@@ -24,21 +24,18 @@ def _hypothesis(text: str) -> str:
 
 
 def meteor_scores(
-    hypotheses: Sequence[str],
-    references: Sequence[Sequence[str]],
-    java: str,
-    timeout_s: float = 600.0,
-    max_memory: str = "2G",
+    hypotheses: Sequence[str], references: Sequence[Sequence[str]], run: JavaRun
 ) -> tuple[float, list[float]]:
-    """Corpus METEOR and per-image scores for tokenised ``hypotheses`` against their ``references``."""
+    """Corpus METEOR and per-image scores for tokenised ``hypotheses`` against their ``references`` (pycocoevalcap
+    runs it with a 2G heap)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     if not hypotheses:
         raise ValueError("METEOR needs at least one hypothesis")
     jar = meteor_jar()
-    cmd = [java, *JVM_FLAGS, "-jar", f"-Xmx{max_memory}", jar.name, "-", "-", "-stdio", "-l", "en", "-norm"]
+    cmd = run.command(jar, "-", "-", "-stdio", "-l", "en", "-norm")
     proc = subprocess.Popen(cmd, cwd=jar.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    timer = threading.Timer(timeout_s, proc.kill)
+    timer = threading.Timer(run.timeout_s, proc.kill)
     timer.start()
     stderr_chunks: list[bytes] = []
     drain = threading.Thread(target=lambda: stderr_chunks.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from pipeline.core.errors import PipelineError
-from pipeline.metrics.java import JVM_FLAGS, java_major_version, spice_corenlp_jars, spice_jar
+from pipeline.metrics.java import JavaRun, java_major_version, spice_corenlp_jars, spice_jar
 
 ADD_OPENS = ("--add-opens", "java.base/java.lang=ALL-UNNAMED", "--add-opens", "java.base/java.util=ALL-UNNAMED")
 
@@ -46,36 +46,23 @@ def spice_scores(
     image_ids: Sequence[Hashable],
     hypotheses: Sequence[str],
     references: Sequence[Sequence[str]],
-    java: str,
-    timeout_s: float = 1800.0,
-    max_memory: str = "8G",
+    run: JavaRun,
 ) -> tuple[float, list[float]]:
-    """Mean SPICE F-score and per-image F-scores (NaN where SPICE gives none), like pycocoevalcap."""
+    """Mean SPICE F-score and per-image F-scores (NaN where SPICE gives none), like pycocoevalcap (which runs it
+    with an 8G heap)."""
     jar = spice_jar()
-    flags = list(ADD_OPENS) if (java_major_version(java) or 8) >= 9 else []
+    flags = ADD_OPENS if (java_major_version(run.java) or 8) >= 9 else ()
     with tempfile.TemporaryDirectory(prefix="butd-spice-") as tmp:
         in_file, out_file, cache = Path(tmp) / "in.json", Path(tmp) / "out.json", Path(tmp) / "cache"
         data = [{"image_id": i, "test": h, "refs": list(r)} for i, h, r in zip(image_ids, hypotheses, references)]
         in_file.write_text(json.dumps(data), encoding="utf-8")
-        cmd = [
-            java,
-            *JVM_FLAGS,
-            *flags,
-            "-jar",
-            f"-Xmx{max_memory}",
-            jar.name,
-            str(in_file),
-            "-cache",
-            str(cache),
-            "-out",
-            str(out_file),
-            "-subset",
-            "-silent",
-        ]
+        cmd = run.command(
+            jar, str(in_file), "-cache", str(cache), "-out", str(out_file), "-subset", "-silent", flags=flags
+        )
         try:
-            proc = subprocess.run(cmd, cwd=jar.parent, capture_output=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=jar.parent, capture_output=True, timeout=run.timeout_s)
         except subprocess.TimeoutExpired:
-            raise PipelineError(f"SPICE timed out after {timeout_s:.0f} s") from None
+            raise PipelineError(f"SPICE timed out after {run.timeout_s:.0f} s") from None
         if proc.returncode != 0 or not out_file.is_file():
             err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
             raise PipelineError(f"SPICE failed (exit {proc.returncode}): {err[-1] if err else 'no message'}")
