@@ -139,8 +139,6 @@ def build_optimizer(model: torch.nn.Module, tc: Config) -> torch.optim.Optimizer
 
 def _sampling_kwargs(cfg: Config) -> dict[str, Any]:
     d = cfg.sampling.to_dict()
-    d.pop("rpn_pre_nms_topk")
-    d.pop("rpn_post_nms_topk")
     d["bbox_normalize_stds"] = tuple(float(v) for v in d["bbox_normalize_stds"])
     return d
 
@@ -151,12 +149,8 @@ def sampling_config(cfg: Config) -> SamplingConfig:
 
 
 def loss_config(cfg: Config) -> LossConfig:
-    """The loss settings of a ``train_detector`` config (``loss`` plus the RPN proposal counts of ``sampling``)."""
-    return LossConfig(
-        rpn_pre_nms_topk=int(cfg.sampling.rpn_pre_nms_topk),
-        rpn_post_nms_topk=int(cfg.sampling.rpn_post_nms_topk),
-        **cfg.loss.to_dict(),
-    )
+    """The loss settings of a ``train_detector`` config (its ``loss`` section)."""
+    return LossConfig(**cfg.loss.to_dict())
 
 
 def _training_identity(cfg: Config) -> dict[str, Any]:

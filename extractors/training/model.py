@@ -36,11 +36,12 @@ from extractors.training.targets import SamplingConfig, anchor_targets, sample_r
 
 @dataclass(frozen=True)
 class LossConfig:
+    """The ``loss`` section of a ``train_detector`` config: smooth-L1 sigmas (RPN, box head) and the attribute
+    loss weight (bottom-up ``train.prototxt``)."""
+
     rpn_smooth_l1_sigma: float = 3.0
     smooth_l1_sigma: float = 1.0
     attr_loss_weight: float = 0.5
-    rpn_pre_nms_topk: int = 12000
-    rpn_post_nms_topk: int = 2000
 
 
 class DetectorForTraining(nn.Module):
@@ -100,8 +101,8 @@ class DetectorForTraining(nn.Module):
                     anchors,
                     sizes[i],
                     batch[i].scale,
-                    pre_nms_topk=self.losses.rpn_pre_nms_topk,
-                    post_nms_topk=self.losses.rpn_post_nms_topk,
+                    pre_nms_topk=self.sampling.rpn_pre_nms_topk,
+                    post_nms_topk=self.sampling.rpn_post_nms_topk,
                 )
                 s = sample_rois(
                     props,

@@ -26,10 +26,15 @@ from extractors import box_coding
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """The ``sampling`` section of a ``train_detector`` config: anchor and RoI sampling (py-faster-rcnn
+    ``TRAIN.RPN_*`` / ``TRAIN.*``) and the training-time proposal counts before and after the RPN's NMS."""
+
     rpn_batch_size: int = 64
     rpn_positive_fraction: float = 0.5
     rpn_positive_overlap: float = 0.7
     rpn_negative_overlap: float = 0.3
+    rpn_pre_nms_topk: int = 12000
+    rpn_post_nms_topk: int = 2000
     roi_batch_size: int = 64
     roi_positive_fraction: float = 0.5
     fg_thresh: float = 0.5
