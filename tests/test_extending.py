@@ -235,7 +235,7 @@ def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(plugin
     }
     assert toy_lines["without"] == [] and toy_lines["with"] == [
         "release toy: layouts toy; recipe caffe; preset -; selectors per-class-nms, nms-ladder, given, grid; "
-        "catalogue -; source a MILVLG bottom-up detector saved with a 'detector.' key prefix"
+        "catalogue -; formats -; source a MILVLG bottom-up detector saved with a 'detector.' key prefix"
     ]
 
     stores = {}
