@@ -88,8 +88,8 @@ def test_toy_importer_imports_and_exports_through_the_cli(plugin_cli, tmp_path, 
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
     res = plugin_cli("import-features", str(src), "--format", "toy-npz", "--store", str(store), env=plugin_env)
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # the format names no release
-    assert "format 'toy-npz' names no release" in res.stderr and "--release" in res.stderr
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # no release claims the format
+    assert "no release claims the files of format 'toy-npz'" in res.stderr and "--release" in res.stderr
     res = plugin_cli(
         "import-features",
         str(src),
