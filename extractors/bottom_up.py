@@ -289,6 +289,9 @@ register_release(
         flavor="caffe",
         preset="bottom-up-caffe-r101",
         catalogue=("bua-r101", "bua-r101-fix36", "bua-r152"),
+        # the bottom-up TSVs (generate_tsv.py; LXMERT's obj36 files ran the same model) and the files made from
+        # them: ruotianluo's cocobu npz/npy (from the adaptive TSVs) and M2's coco_detections.hdf5
+        import_formats=("butd-tsv", "obj36-tsv", "cocobu", "m2-hdf5"),
         detector=BottomUpDetector,
         parts=CAFFE_PARTS,
         random_identity="bottom-up-random",

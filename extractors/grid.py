@@ -294,6 +294,7 @@ register_release(
         layouts=(LAYOUT,),
         catalogue=("grid-r-50", "grid-x-101", "grid-x-152", "grid-x-152pp"),
         identity="grid-feats",
+        import_formats=("grid-hdf5",),  # RSTNet's and DLCT's 7x7 grid HDF5 files
         detect=detect_grid_feats,
         normalise=normalise,
         load=load_grid_feats,

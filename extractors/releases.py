@@ -3,11 +3,12 @@
 A release is everything the toolkit knows about one family of published detector weights and the code that ran
 them: the weights layouts it wrote (and how to recognise and load a layout the bottom-up loader does not know),
 the test-time recipe its features were made with (``extract.recipes.<recipe>``), the preset of its architecture,
-the maker of seeded random weights of its kind, the line an imported store records as its source, and the
-catalogue names of its files. :mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``, the
-packages :mod:`extractors.vinvl` and :mod:`extractors.clip` register ``vinvl`` and ``clip-vil``, and
-:mod:`extractors.grid` registers ``grid-feats``; every table of the extractors, the importers and the commands
-reads this registry (docs/extending.md#a-new-detector-release-one-module--one-release-record).
+the maker of seeded random weights of its kind, the line an imported store records as its source, the
+``import-features`` formats of the public files it made, and the catalogue names of its files.
+:mod:`extractors.bottom_up` registers ``caffe``, ``hf`` and ``airsplay``, the packages :mod:`extractors.vinvl` and
+:mod:`extractors.clip` register ``vinvl`` and ``clip-vil``, and :mod:`extractors.grid` registers ``grid-feats``;
+every table of the extractors, the importers and the commands reads this registry
+(docs/extending.md#a-new-detector-release-one-module--one-release-record).
 
 This module imports no torch; :func:`available_releases` imports the extractor modules (which register their
 records, and load torchvision) the first time a record is needed. ``cli info --releases`` prints the registry.
@@ -70,7 +71,10 @@ class Release:
     :class:`~extractors.spec.BottomUpSpec` semantics of its detector (a random detector of that flavor follows
     this release); ``preset``: the :data:`extractors.EXTRACTORS` preset of its architecture; ``catalogue``:
     names of its weights files in ``pipeline.core.catalogue``; ``identity``: the feature-identity name of
-    features extracted with its weights (``bottom-up-<layout>`` when empty).
+    features extracted with its weights (``bottom-up-<layout>`` when empty); ``import_formats``: the
+    ``import-features --format`` names of the public feature files this release made, whose imported stores
+    record this release when no ``--release`` is given (at most one release claims a format,
+    :func:`release_of_format`).
 
     The parts that make a layout loadable: ``detect`` names the layout from a torch state dict's keys (None: not
     this release's); ``normalise`` rewrites the keys once detected; ``load`` and ``describe`` are the strict loader
@@ -94,6 +98,7 @@ class Release:
     preset: str | None = None
     catalogue: tuple[str, ...] = ()
     identity: str = ""
+    import_formats: tuple[str, ...] = ()
     detect: Callable[[Mapping[str, Any]], str | None] | None = None
     normalise: Callable[[Any], Any] | None = None
     load: Loader | None = None
@@ -149,11 +154,13 @@ def _records() -> list[Release]:
 
 def available_releases() -> list[Release]:
     """Every registered release (the extractor modules imported first, so that theirs are there); a release
-    naming a selection no module registers (a plugin's misspelling) is one :class:`UsageError` line."""
+    naming a selection no module registers (a plugin's misspelling), or claiming an import format another release
+    claims, is one :class:`UsageError` line."""
     available_extractors()
     records = _records()
     from extractors.selector import SELECTORS  # noqa: PLC0415 -- loads torch: command help imports this module
 
+    claimed: dict[str, str] = {}
     for release in records:
         missing = [name for name in release.selectors if name not in SELECTORS]
         if missing:
@@ -161,6 +168,13 @@ def available_releases() -> list[Release]:
                 f"release {release.name}: selection {missing[0]!r} is registered by no module "
                 f"(known: {', '.join(SELECTORS)})"
             )
+        for fmt in release.import_formats:
+            if fmt in claimed:
+                raise UsageError(
+                    f"releases {claimed[fmt]} and {release.name} both claim the public files of format {fmt!r}: "
+                    "one release made them"
+                )
+            claimed[fmt] = release.name
     return records
 
 
@@ -180,6 +194,15 @@ def release_of_layout(layout: str) -> Release | None:
     """The release that wrote weights of ``layout`` (None: no release claims it)."""
     for release in available_releases():
         if layout in release.layouts:
+            return release
+    return None
+
+
+def release_of_format(fmt: str) -> Release | None:
+    """The release whose public feature files ``fmt`` (an ``import-features --format`` name) reads: the one
+    release listing it in :attr:`Release.import_formats` (None: no release claims it, the files name none)."""
+    for release in available_releases():
+        if fmt in release.import_formats:
             return release
     return None
 
@@ -230,6 +253,7 @@ __all__ = [
     "register_release",
     "release_names",
     "release_of_flavor",
+    "release_of_format",
     "release_of_layout",
     "release_of_weights",
 ]

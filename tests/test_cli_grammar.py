@@ -241,17 +241,20 @@ def test_info_releases_lists_every_release_preset_and_recipe(cli) -> None:
     for release, line in zip(releases, lines):
         head, _, rest = line.partition(": ")
         assert head == f"release {release.name}"
-        fields = dict(part.split(" ", 1) for part in rest.split("; ", 5))
+        fields = dict(part.split(" ", 1) for part in rest.split("; ", 6))
         assert fields["layouts"].split(", ") == list(release.weights_layouts or ["-"])
         assert fields["recipe"].split(" ", 1)[0] == release.recipe_name
         assert fields["preset"] == (release.preset or "-") and fields["source"] == release.source
         assert set(release.catalogue) <= set(fields["catalogue"].split(", "))
+        assert fields["formats"].split(", ") == list(release.import_formats or ["-"])
     assert lines[-2] == f"presets: {', '.join(extractors.available_extractors())}"
     recipes = lines[-1].removeprefix("recipes: ").split(", ")
     assert set(recipes) == set(default_recipes()) | {r for release in releases for r in release.recipes}
     assert {"caffe", "vinvl", "grid-feats", "clip-vil", "clip"} <= set(recipes)
     clip = next(line for line in lines if line.startswith("release clip-vil: "))
     assert "layouts openai, open_clip, hf;" in clip and "recipe clip-vil (or clip);" in clip and "clip-rn50x4" in clip
+    caffe = next(line for line in lines if line.startswith("release caffe: "))
+    assert "; formats butd-tsv, obj36-tsv, cocobu, m2-hdf5; source peteanderson80/" in caffe
 
 
 def test_info_releases_takes_no_target(cli) -> None:

@@ -88,8 +88,8 @@ def test_toy_importer_imports_and_exports_through_the_cli(plugin_cli, tmp_path, 
         expected[key] = (feats, boxes)
     store = tmp_path / "store"
     res = plugin_cli("import-features", str(src), "--format", "toy-npz", "--store", str(store), env=plugin_env)
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # the format names no release
-    assert "format 'toy-npz' names no release" in res.stderr and "--release" in res.stderr
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0  # no release claims the format
+    assert "no release claims the files of format 'toy-npz'" in res.stderr and "--release" in res.stderr
     res = plugin_cli(
         "import-features",
         str(src),
@@ -235,7 +235,7 @@ def test_toy_release_weights_extract_the_same_features_as_the_milvlg_file(plugin
     }
     assert toy_lines["without"] == [] and toy_lines["with"] == [
         "release toy: layouts toy; recipe caffe; preset -; selectors per-class-nms, nms-ladder, given, grid; "
-        "catalogue -; source a MILVLG bottom-up detector saved with a 'detector.' key prefix"
+        "catalogue -; formats -; source a MILVLG bottom-up detector saved with a 'detector.' key prefix"
     ]
 
     stores = {}

@@ -3,6 +3,7 @@ release names, and the Detector base every release's detector implements."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from extract_helpers import selector_for, tiny_spec
@@ -13,19 +14,33 @@ from extractors.grid import GridFeatsModel
 from extractors.random_weights import random_detector
 from extractors.recipes import default_recipes, recipe_name_for, recipe_names
 from extractors.releases import (
+    RELEASES,
     Release,
     available_releases,
     get_release,
     layout_recipes,
     register_release,
     release_names,
+    release_of_format,
     release_of_layout,
 )
 from extractors.vinvl import VinVLDetector
 from pipeline.core.catalogue import CATALOGUE
 from pipeline.core.errors import UsageError
-from pipeline.importers import default_identity
-from pipeline.importers.formats import import_formats
+from pipeline.importers import default_identity, import_features
+from pipeline.importers.formats import FORMATS, Format, import_formats, register_format
+from pipeline.store import FeatureStore
+
+#: the release (its recipe name) a store imported from each built-in format records
+IMPORTED_RELEASES = {
+    "butd-tsv": "caffe",
+    "obj36-tsv": "caffe",
+    "cocobu": "caffe",
+    "m2-hdf5": "caffe",
+    "vinvl-tsv": "vinvl",
+    "grid-hdf5": "grid-feats",
+    "clip-vil": "clip-vil",
+}
 
 
 def test_the_registry_holds_every_builtin_release():
@@ -60,18 +75,100 @@ def test_catalogue_names_and_formats_point_at_their_release():
     for release in available_releases():
         for name in release.catalogue:
             assert CATALOGUE[name].kind in release.layouts, (release.name, name)
-    claimed = {f.name: f.release for f in import_formats() if f.release is not None}
-    assert claimed == {
-        "butd-tsv": "caffe",
-        "obj36-tsv": "caffe",
-        "cocobu": "caffe",
-        "m2-hdf5": "caffe",
-        "vinvl-tsv": "vinvl",
-        "grid-hdf5": "grid-feats",
-        "clip-vil": "clip-vil",
-    }
+    claimed = {fmt: r.name for r in available_releases() for fmt in r.import_formats}
+    assert claimed == IMPORTED_RELEASES
+    assert set(claimed) <= {f.name for f in import_formats()}  # each claim names a registered format
     assert default_identity("vinvl-tsv")["release"] == {"recipe": "vinvl", "source": get_release("vinvl").source}
     assert default_identity("butd-tsv", "airsplay")["release"]["recipe"] == "airsplay"
+
+
+@pytest.mark.parametrize("fmt", sorted(IMPORTED_RELEASES))
+def test_each_builtin_format_records_the_release_that_made_its_files(fmt):
+    recipe = IMPORTED_RELEASES[fmt]
+    assert release_of_format(fmt) is get_release(recipe)
+    assert default_identity(fmt) == {
+        "name": f"imported:{fmt}",
+        "config": {"format": fmt},
+        "release": {"recipe": recipe, "source": get_release(recipe).source},
+    }
+
+
+def test_the_caffe_formats_record_the_bottom_up_script():
+    source = (
+        "peteanderson80/bottom-up-attention tools/generate_tsv.py (Caffe; = MILVLG bottom-up-attention.pytorch "
+        "caffe mode)"
+    )
+    for fmt in ("butd-tsv", "obj36-tsv", "cocobu", "m2-hdf5"):
+        assert default_identity(fmt)["release"] == {"recipe": "caffe", "source": source}
+
+
+def read_one_image(sources, keys="raw", sizes=None, **_):
+    """A plugin format's reader: one image of two 8-d regions per source."""
+    for path in sources:
+        rec = {
+            "key": path.stem,
+            "features": np.ones((2, 8), np.float32),
+            "boxes": np.array([[0, 0, 4, 4], [2, 2, 8, 6]], np.float32),
+            "image_w": 10,
+            "image_h": 8,
+        }
+        yield str(path), (lambda rec=rec: rec)
+
+
+@pytest.fixture
+def plugin_registry():
+    """``add(format=..., release=...)`` registers a plugin's format or release; both are removed afterwards (the
+    registries are shared by the tests of this process)."""
+    formats, releases = [], []
+
+    def add(fmt: Format | None = None, release: Release | None = None) -> None:
+        if fmt is not None:
+            register_format(fmt)
+            formats.append(fmt.name)
+        if release is not None:
+            register_release(release)
+            releases.append(release.name)
+
+    yield add
+    for name in formats:
+        FORMATS._items.pop(name)
+    for name in releases:
+        RELEASES._items.pop(name)
+
+
+def test_a_plugin_release_claiming_a_new_format_is_recorded(plugin_registry, tmp_path):
+    plugin_registry(fmt=Format("plugin-npz", read_one_image, help="one image per file"))
+    assert release_of_format("plugin-npz") is None
+    plugin_registry(release=Release(name="plugin-det", source="a plugin's extract.py", import_formats=("plugin-npz",)))
+    assert release_of_format("plugin-npz").name == "plugin-det"
+    expected = {"recipe": "plugin-det", "source": "a plugin's extract.py"}
+    assert default_identity("plugin-npz")["release"] == expected
+    (tmp_path / "img1.npz").write_bytes(b"")
+    import_features("plugin-npz", [tmp_path / "img1.npz"], tmp_path / "store")
+    store = FeatureStore(tmp_path / "store")
+    assert store.keys() == ["img1"] and store.identity["release"] == expected
+    assert default_identity("plugin-npz", "vinvl")["release"]["recipe"] == "vinvl"  # --release still wins
+
+
+def test_two_releases_claiming_one_format_are_one_line(plugin_registry):
+    plugin_registry(release=Release(name="plugin-det", source="a plugin", import_formats=("m2-hdf5",)))
+    for call in (available_releases, lambda: release_of_format("m2-hdf5"), lambda: default_identity("butd-tsv")):
+        with pytest.raises(UsageError) as err:
+            call()
+        message = str(err.value)
+        assert "caffe" in message and "plugin-det" in message and "'m2-hdf5'" in message, message
+        assert "\n" not in message
+
+
+def test_a_format_no_release_claims_asks_for_release(plugin_registry):
+    plugin_registry(fmt=Format("plugin-npz", read_one_image, help="one image per file"))
+    assert release_of_format("plugin-npz") is None
+    with pytest.raises(UsageError) as err:
+        default_identity("plugin-npz")
+    message = str(err.value)
+    assert message.startswith("no release claims the files of format 'plugin-npz': pass --release (")
+    assert "caffe" in message and "\n" not in message
+    assert default_identity("plugin-npz", "hf")["release"] == {"recipe": "hf", "source": get_release("hf").source}
 
 
 @pytest.mark.parametrize(

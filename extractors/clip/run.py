@@ -353,6 +353,7 @@ register_release(
         name="clip-vil",
         source="clip-vil/CLIP-ViL CLIP-ViL-Direct/caption/scripts/clip_prepro_feats.py (CLIP grid at 448x448)",
         selectors=(),
+        import_formats=("clip-vil",),  # the *_clip_<model>_att / *_fc folders of clip_prepro_feats.py
         own=OwnExtraction(
             claims=claims, check=check, load=load, kind="clip", verify=verify, recipes=RECIPES, layouts=LAYOUTS
         ),

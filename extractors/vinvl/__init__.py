@@ -29,6 +29,7 @@ register_release(
         preset="vinvl-x152c4",
         catalogue=("vinvl-x152c4",),
         identity="vinvl",
+        import_formats=("vinvl-tsv",),
         detect=detect_vinvl,
         normalise=normalise,
         load=load_vinvl,

@@ -17,16 +17,10 @@ from pipeline.importers.formats import (
     KEY_RULES,
     format_choices,
     format_help,
-    import_formats,
     option_formats,
     sizes_formats,
 )
 from pipeline.store import load_identity_file, merge_stores
-
-
-def release_defaults() -> str:
-    """Which release each format's public files come from, for ``--release``'s help (``butd-tsv caffe, ...``)."""
-    return ", ".join(f"{f.name} {f.release}" for f in import_formats() if f.release is not None)
 
 
 def _user_error(exc: PipelineError) -> UsageError:
@@ -58,7 +52,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--release",
                 help="Release (test-time recipe) the features came from: a release name (`butd-caption info "
-                f"--releases` lists them; default: the format's public files: {release_defaults()}).",
+                "--releases` lists them, each with the formats of the public files it made; default: the release "
+                "that made the format's public files).",
             ),
         ] = None,
         keys: Annotated[

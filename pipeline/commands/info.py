@@ -64,7 +64,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--releases",
                 help="List the detector releases (one line each: weights layouts, default recipe, preset, selectors, "
-                "catalogue names, source), the presets and the recipes, plugins' included.",
+                "catalogue names, the import-features formats of the public files it made, source), the presets and "
+                "the recipes, plugins' included.",
             ),
         ] = False,
     ) -> None:
@@ -192,7 +193,7 @@ def _releases() -> None:
         con.print(
             f"release {r.name}: layouts {_names(r.weights_layouts)}; recipe {r.recipes[0]}{_others(r.recipes[1:])}; "
             f"preset {r.preset or '-'}; selectors {_names(r.selectors)}; catalogue {_names(_catalogue_names(r))}; "
-            f"source {r.source}",
+            f"formats {_names(r.import_formats)}; source {r.source}",
             highlight=False,
             markup=False,
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extractors.releases import get_release, release_names
+from extractors.releases import get_release, release_names, release_of_format
 from pipeline.core.console import get_logger, make_progress
 from pipeline.core.errors import PipelineError, UsageError
 from pipeline.core.fileio import atomic_write, read_json
@@ -54,14 +54,14 @@ class ImportReport:
 def default_identity(fmt: str, release: str | None = None) -> dict[str, Any]:
     """Identity recorded for imported features when none is given: the public format they came from and the
     release (:mod:`extractors.releases`: its test-time recipe and source) that produced them, ``release`` or the
-    format's own (:attr:`Format.release`). A format that names no release needs ``release``; an unknown format
-    or release is a one-line :class:`UsageError` naming it."""
-    name = release or FORMATS.get(fmt).release
-    if name is None:
+    one whose record claims the format (:attr:`~extractors.releases.Release.import_formats`). A format no release
+    claims needs ``release``; an unknown format or release is a one-line :class:`UsageError` naming it."""
+    FORMATS.get(fmt)  # an unknown format is a usage error listing the known ones
+    found = get_release(release, "--release") if release else release_of_format(fmt)
+    if found is None:
         raise UsageError(
-            f"format {fmt!r} names no release its files came from: pass --release ({' | '.join(release_names())})"
+            f"no release claims the files of format {fmt!r}: pass --release ({' | '.join(release_names())})"
         )
-    found = get_release(name, "--release")
     return {
         "name": f"imported:{fmt}",
         "config": {"format": fmt},

@@ -138,7 +138,6 @@ register_format(
         None,
         help="CLIP-ViL *_clip_<model>_att directory of <cocoid>.npz grids (feat: g x g x C); cells become regions, "
         "the *_fc <cocoid>.npy vectors (--fc, default the sibling *_fc folder) the pooled vector",
-        release="clip-vil",
         options=("fc",),
     )
 )

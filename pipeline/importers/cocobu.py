@@ -89,6 +89,5 @@ register_format(
         True,
         None,
         help="ruotianluo cocobu_att and cocobu_box directories of npz/npy: give ATT_DIR, optionally BOX_DIR",
-        release="caffe",  # made from the adaptive bottom-up TSVs
     )
 )

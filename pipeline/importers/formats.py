@@ -35,11 +35,13 @@ class Format:
     ``name``: the ``--format`` value; ``reader``: see the module docstring; ``default_keys``: ``raw`` (ids as in
     the file) or ``coco-id`` (``COCO_train2014_000000123`` -> ``123``); ``needs_sizes``: the files carry no image
     sizes (``--sizes COCO_JSON`` is required); ``exporter``: writes a store back in this format (None: import
-    only); ``help``: one line for the CLI help and the README table; ``release``: the detector release
-    (:mod:`extractors.releases`) the format's public files came from, recorded in an imported store's identity
-    (None: the files name none, and ``import-features`` asks for ``--release``); ``options``: the reader's
-    keyword options beyond ``keys`` and ``sizes`` (``fc``: the folder of per-image pooled vectors, ``--fc``), which
-    other formats refuse.
+    only); ``help``: one line for the CLI help and the README table; ``options``: the reader's keyword options
+    beyond ``keys`` and ``sizes`` (``fc``: the folder of per-image pooled vectors, ``--fc``), which other formats
+    refuse.
+
+    A format names no detector release: the release that made a format's public files lists the format in its
+    record (:attr:`extractors.releases.Release.import_formats`), and an imported store records that release; the
+    files of a format no release claims need ``import-features --release``.
     """
 
     name: str
@@ -48,7 +50,6 @@ class Format:
     needs_sizes: bool = False
     exporter: Exporter | None = None
     help: str = ""
-    release: str | None = None
     options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -72,6 +72,5 @@ register_format(
         True,
         None,
         help="M2 Transformer coco_detections.hdf5",
-        release="caffe",  # the bottom-up features
     )
 )

@@ -266,6 +266,5 @@ for fmt, decode, default_keys, help_line in (
             False,
             partial(write_tsv, fmt=fmt),
             help=help_line,
-            release="caffe",
         )
     )

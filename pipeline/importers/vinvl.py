@@ -187,7 +187,6 @@ register_format(
         write_vinvl,
         help="VinVL / Oscar feature TSV (2054-d rows with the 6-d box position) "
         "or scene_graph_benchmark predictions TSV",
-        release="vinvl",
     )
 )
 register_format(
@@ -198,6 +197,5 @@ register_format(
         True,
         None,
         help="RSTNet / DLCT grid features HDF5 ('<id>_grids', 7x7 = 49 cells)",
-        release="grid-feats",
     )
 )
