@@ -37,12 +37,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu import _fusable, _greedy_sampled
 from bench.harness import Case
+from bench.tiny import narrow_caffe_r101
 from bench.train import VOCAB_SIZE, fitted_model, make_batch, reference_corpus, trainer_step
 from extractors.preprocess import recipe_blob
 from extractors.random_weights import random_detector
 from extractors.recipes import apply_recipe, recipe_from_config
 from extractors.selector import make_selector
-from extractors.spec import caffe_r101
 from models.decoding import DecodeOptions, beam_search
 from pipeline.core.precision import autocast
 from pipeline.core.vocab import Vocab
@@ -156,16 +156,7 @@ def step_rows(name: str, batch_size: int, fit_steps: int = 25, fit_cache: str | 
 
 
 def extract_row(images: int = 4) -> dict[str, Any]:
-    spec = caffe_r101().with_(
-        min_size=200,
-        max_size=333,
-        post_nms_topk=100,
-        stage_blocks=(1, 1, 1),
-        res5_blocks=1,
-        res2_bottleneck=4,
-        stem_channels=8,
-        rpn_channels=16,
-    )
+    spec = narrow_caffe_r101(min_size=200, max_size=333, post_nms_topk=100)
     model = random_detector(spec, seed=0).fold_batchnorm()
     recipe = apply_recipe(model, recipe_from_config({"recipe": "caffe", "boxes": "adaptive"}, "milvlg"))
     rule = make_selector(recipe, model.spec)

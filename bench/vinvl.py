@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bench.harness import Case
-from bench.tiny import tiny_caffe_r101
+from bench.tiny import tiny_caffe_r101, tiny_vinvl_x152c4
 from extractors.preprocess import recipe_blob
 from extractors.random_weights import random_detector
 from extractors.recipes import apply_recipe, recipe_from_config
@@ -86,19 +86,7 @@ def _sync(dev: torch.device) -> Callable[[], None]:
 def cases(size: str, device: str = "cpu") -> list[Case]:
     dev, photos, short, long, props = _workload(size, device)
     images = len(photos)
-    x152, r101 = vinvl_x152c4(), caffe_r101()
-    if size == "tiny":
-        x152 = x152.with_(
-            stem_channels=16,
-            res2_bottleneck=16,
-            groups=4,
-            stage_blocks=(1, 1, 1),
-            res5_blocks=1,
-            rpn_channels=16,
-            num_classes=21,
-            num_attributes=11,
-        )
-        r101 = tiny_caffe_r101()
+    x152, r101 = (tiny_vinvl_x152c4(), tiny_caffe_r101()) if size == "tiny" else (vinvl_x152c4(), caffe_r101())
     scale = {"min_size": short, "max_size": long}
     region = {**scale, "post_nms_topk": props}
     grid = {**scale, "grid": 7}

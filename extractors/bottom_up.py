@@ -199,13 +199,6 @@ class BottomUpDetector(Detector):
             start += c
         return self._regions(rois_per_image, per_image, feats, logits, deltas, attr_logits, frames, selector)
 
-    def _res5(self, pooled: torch.Tensor) -> torch.Tensor:
-        heads = self.roi_heads
-        if pooled.shape[0] == 0:
-            return pooled.new_zeros((0, heads.out_channels))
-        step = self.roi_chunk if self.roi_chunk > 0 else pooled.shape[0]
-        return torch.cat([heads.res5(pooled[i : i + step]).mean(dim=(2, 3)) for i in range(0, pooled.shape[0], step)])
-
     def class_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Foreground class probabilities (R, C-1) in vocabulary order (softmax over all C, background dropped)."""
         prob = torch.softmax(logits, dim=1)

@@ -11,7 +11,8 @@ A detector is built from a :class:`~extractors.spec.BottomUpSpec`, runs frozen a
 
 :class:`~extractors.bottom_up.BottomUpDetector`, :class:`~extractors.vinvl.detector.VinVLDetector` and
 :class:`~extractors.grid.GridFeatsModel` subclass it; the VinVL and grid-feats detectors build their backbone from
-the spec with :func:`spec_backbone`.
+the spec with :func:`spec_backbone`; the bottom-up and VinVL detectors run their res5 RoI head with
+:meth:`Detector._res5`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class Detector(nn.Module):
         """Fold the frozen BNs into the convs (faster inference, same function)."""
         fold_all(self)
         return self
+
+    def _res5(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The res5 RoI head (``roi_heads.res5``, ``roi_heads.out_channels``: the bottom-up and VinVL detectors) on
+        pooled RoIs (K, C, r, r), ``roi_chunk`` RoIs per call, mean over H, W -> (K, ``out_channels``)."""
+        heads = self.roi_heads
+        if pooled.shape[0] == 0:
+            return pooled.new_zeros((0, heads.out_channels))
+        step = self.roi_chunk if self.roi_chunk > 0 else pooled.shape[0]
+        return torch.cat([heads.res5(pooled[i : i + step]).mean(dim=(2, 3)) for i in range(0, pooled.shape[0], step)])
 
     def detect(
         self,

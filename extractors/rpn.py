@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from extractors import box_coding
 from extractors.anchors import caffe_cell_anchors, d2_cell_anchors, grid_anchors
@@ -128,33 +128,47 @@ class RPN(nn.Module):
 
     def _select(
         self,
-        scores: torch.Tensor,
-        deltas: torch.Tensor,
-        anchors: torch.Tensor,
+        scores: Tensor,
+        deltas: Tensor,
+        anchors: Tensor,
         size: tuple[int, int],
         scale: float,
         pre_nms_topk: int | None = None,
         post_nms_topk: int | None = None,
-    ) -> torch.Tensor:
-        """One image's proposals (``ProposalLayer.forward``); ``pre_nms_topk`` / ``post_nms_topk`` override the
-        spec's test values (training uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
+    ) -> Tensor:
+        """One image's proposals: the release's candidates (:meth:`_candidates`), NMS at ``rpn_nms_thresh``, the
+        first ``post_nms_topk`` kept. ``pre_nms_topk`` / ``post_nms_topk`` override the spec's test values
+        (training uses 12000 / 2000, py-faster-rcnn ``TRAIN.RPN_PRE/POST_NMS_TOP_N``)."""
         s = self.spec
         pre = s.pre_nms_topk if pre_nms_topk is None else pre_nms_topk
         post = s.post_nms_topk if post_nms_topk is None else post_nms_topk
+        found = self._candidates(scores, deltas, anchors, size, scale, pre)
+        if found is None:
+            # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
+            # would fail on it - we fall back to the whole image as the single proposal, NMS and cut skipped
+            h, w = size
+            return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=deltas.device)
+        boxes, scores = found
+        keep = self.coder.nms(boxes, scores, s.rpn_nms_thresh)[:post]
+        return boxes[keep]
+
+    def _candidates(
+        self, scores: Tensor, deltas: Tensor, anchors: Tensor, size: tuple[int, int], scale: float, pre: int
+    ) -> tuple[Tensor, Tensor] | None:
+        """py-faster-rcnn ``ProposalLayer.forward`` up to its NMS: decode (``+1``), clip to [0, W-1], drop boxes
+        with ``w + 1`` or ``h + 1`` below ``rpn_min_size * scale``, sort by score, the first ``pre``. The boxes and
+        their scores; None when the size filter leaves no box."""
+        s = self.spec
         h, w = size
         boxes = self.coder.decode(deltas, anchors, (1.0, 1.0, 1.0, 1.0), s.scale_clamp)
         boxes = self.coder.clip(boxes, h, w)
         min_size = s.rpn_min_size * scale
         keep = ((boxes[:, 2] - boxes[:, 0] + 1) >= min_size) & ((boxes[:, 3] - boxes[:, 1] + 1) >= min_size)
         if not bool(keep.any()):
-            # an image smaller than min_size (16 px at original scale) has no admissible proposal; Caffe
-            # would fail on it - we fall back to the whole image as the single proposal
-            return torch.tensor([[0.0, 0.0, w - 1.0, h - 1.0]], device=boxes.device)
+            return None
         boxes, scores = boxes[keep], scores[keep]
         order = torch.argsort(scores, descending=True, stable=True)[:pre]
-        boxes, scores = boxes[order], scores[order]
-        keep = self.coder.nms(boxes, scores, s.rpn_nms_thresh)[:post]
-        return boxes[keep]
+        return boxes[order], scores[order]
 
 
 class DetectronRPN(RPN):
@@ -170,26 +184,17 @@ class DetectronRPN(RPN):
         n, a, h, w = logits.shape
         return logits.view(n, a, h, w).permute(0, 2, 3, 1).reshape(n, -1)
 
-    def _select(
-        self,
-        scores: torch.Tensor,
-        deltas: torch.Tensor,
-        anchors: torch.Tensor,
-        size: tuple[int, int],
-        scale: float,
-        pre_nms_topk: int | None = None,
-        post_nms_topk: int | None = None,
-    ) -> torch.Tensor:
-        """One image's proposals (``find_top_rpn_proposals``); the top-k overrides as in :meth:`RPN._select`."""
+    def _candidates(
+        self, scores: Tensor, deltas: Tensor, anchors: Tensor, size: tuple[int, int], scale: float, pre: int
+    ) -> tuple[Tensor, Tensor]:
+        """detectron2 ``find_top_rpn_proposals`` up to its NMS: the first ``pre`` by logit, decode, clip to
+        [0, W], drop boxes not wider and taller than ``rpn_min_size`` (blob pixels: ``scale`` is not used). The
+        boxes and their scores, possibly none."""
         s = self.spec
-        pre = s.pre_nms_topk if pre_nms_topk is None else pre_nms_topk
-        post = s.post_nms_topk if post_nms_topk is None else post_nms_topk
         h, w = size
         order = torch.argsort(scores, descending=True, stable=True)[:pre]
         boxes = self.coder.decode(deltas[order], anchors[order], (1.0, 1.0, 1.0, 1.0), s.scale_clamp)
         scores = scores[order]
         boxes = self.coder.clip(boxes, h, w)
         keep = ((boxes[:, 2] - boxes[:, 0]) > s.rpn_min_size) & ((boxes[:, 3] - boxes[:, 1]) > s.rpn_min_size)
-        boxes, scores = boxes[keep], scores[keep]
-        keep = self.coder.nms(boxes, scores, s.rpn_nms_thresh)[:post]
-        return boxes[keep]
+        return boxes[keep], scores[keep]

@@ -165,13 +165,6 @@ class VinVLDetector(Detector):
             out.append(boxes[vinvl_select.nms_keep(boxes, score, s.rpn_nms_thresh, variant)[: s.post_nms_topk]])
         return out
 
-    def _res5_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
-        heads = self.roi_heads
-        if pooled.shape[0] == 0:
-            return pooled.new_zeros((0, heads.out_channels))
-        step = self.roi_chunk if self.roi_chunk > 0 else pooled.shape[0]
-        return torch.cat([heads.res5(pooled[i : i + step]).mean(dim=(2, 3)) for i in range(0, pooled.shape[0], step)])
-
     def box_features(self, feat: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
         """Pooled res5 features (sum K_i, D) of resized-pixel boxes on an equal-sized batch's C4 map."""
         dev = feat.device
@@ -181,7 +174,7 @@ class VinVLDetector(Detector):
                 for j, b in enumerate(boxes)
             ]
         )
-        return self._res5_pooled(self.roi_heads.pool(feat, rois)).float()
+        return self._res5(self.roi_heads.pool(feat, rois)).float()
 
     @torch.inference_mode()
     def detect(
