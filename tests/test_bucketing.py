@@ -99,9 +99,7 @@ def test_extraction_batches_equal_shapes_across_the_folder_and_writes_in_input_o
     # loader batches of 3 (k0 k1 k2 | missing k3 k4 | k5): 5 passes; across the folder: 60x80 x3, 80x60 x2, 90x90
     assert b_one == [2, 1, 1, 1, 1] and b_many == [3, 2, 1], (b_one, b_many)
     assert many.order == [f"k{i}" for i in range(6)] == one.order  # input order, the missing photo skipped
-    assert [f["key"] for f in s_many.failures] == ["missing"] == [
-        f["key"] for f in s_one.failures
-    ] and s_many.done == 6
+    assert [f["key"] for f in s_many.failures] == ["missing"] == [f["key"] for f in s_one.failures] and s_many.done == 6
     for k in many.order:  # the same regions (a CPU convolution over another batch differs in float rounding only)
         a, b = many.records[k], one.records[k]
         assert a.boxes.shape == b.boxes.shape and np.allclose(a.boxes, b.boxes, atol=1e-3)
