@@ -1,0 +1,28 @@
+"""Bad user input is refused in one `error:` line naming the file or option, with the usage exit code 2 and no
+Python traceback (a corpus of malformed configs, files and options run through the CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _one_error_line(res, code: int = 2) -> str:
+    """The single ``error:`` line of a refused run (exit ``code``, no traceback)."""
+    assert res.exit_code == code, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+def test_a_config_with_a_recursive_yaml_anchor_is_refused_naming_the_file(cli, tmp_path: Path) -> None:
+    config = tmp_path / "loop.yaml"
+    config.write_text("train: &x\n  stages: [*x]\n")
+    line = _one_error_line(cli.invoke("train", "--config", str(config), "--out", str(tmp_path / "run")))
+    assert str(config) in line and "refers to itself" in line
+
+
+def test_a_set_value_with_a_recursive_yaml_anchor_is_refused_naming_the_key(cli, tmp_path: Path) -> None:
+    line = _one_error_line(cli.invoke("train", "--set", "train.stages=&x [*x]", "--out", str(tmp_path / "run")))
+    assert "--set train.stages" in line and "refers to itself" in line
