@@ -26,3 +26,12 @@ def test_a_config_with_a_recursive_yaml_anchor_is_refused_naming_the_file(cli, t
 def test_a_set_value_with_a_recursive_yaml_anchor_is_refused_naming_the_key(cli, tmp_path: Path) -> None:
     line = _one_error_line(cli.invoke("train", "--set", "train.stages=&x [*x]", "--out", str(tmp_path / "run")))
     assert "--set train.stages" in line and "refers to itself" in line
+
+
+def test_info_refuses_a_set_it_has_nothing_to_apply_to(cli, tiny_captioner: Path) -> None:
+    line = _one_error_line(cli.invoke("info", "--set", "a.b"))
+    assert "--set applies to --model NAME" in line
+    for target in (tiny_captioner, tiny_captioner / "features" / "store", tiny_captioner / "train-a" / "best.pt"):
+        line = _one_error_line(cli.invoke("info", str(target), "--set", "num_layers=1"))
+        assert "--set applies to --model NAME" in line and str(target) in line
+    assert cli.invoke("info", "--model", "san", "--set", "num_layers=1").exit_code == 0
