@@ -7,11 +7,11 @@ from pathlib import Path
 
 
 def _one_error_line(res, code: int = 2) -> str:
-    """The single ``error:`` line of a refused run (exit ``code``, no traceback)."""
+    """The single ``error:`` line of a refused run (exit ``code``, no traceback; INFO log lines aside)."""
     assert res.exit_code == code, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert "Traceback" not in res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
+    lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith("INFO ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.output
     return lines[0]
 
@@ -35,3 +35,11 @@ def test_info_refuses_a_set_it_has_nothing_to_apply_to(cli, tiny_captioner: Path
         line = _one_error_line(cli.invoke("info", str(target), "--set", "num_layers=1"))
         assert "--set applies to --model NAME" in line and str(target) in line
     assert cli.invoke("info", "--model", "san", "--set", "num_layers=1").exit_code == 0
+
+
+def test_a_file_list_with_a_utf16_mark_but_odd_bytes_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    listing = tmp_path / "photos.txt"
+    listing.write_bytes(b"\xff\xfe\x00bad\nline\x80\n")  # the UTF-16 mark, then an odd number of bytes
+    for command in ("extract", "caption"):
+        line = _one_error_line(cli.invoke(command, "--file-list", str(listing), "--weights", "random"))
+        assert f"file list {listing}" in line and "UTF-16" in line
