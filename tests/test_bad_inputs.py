@@ -43,3 +43,13 @@ def test_a_file_list_with_a_utf16_mark_but_odd_bytes_is_refused_naming_it(cli, t
     for command in ("extract", "caption"):
         line = _one_error_line(cli.invoke(command, "--file-list", str(listing), "--weights", "random"))
         assert f"file list {listing}" in line and "UTF-16" in line
+
+
+def test_import_features_refuses_a_negative_commit_interval(cli, tmp_path: Path) -> None:
+    source = tmp_path / "rows.tsv"
+    source.write_text("")
+    for value in ("-1", "-5"):
+        res = cli.invoke("import-features", str(source), "-f", "obj36-tsv", "--store", str(tmp_path / "s"),
+                         "--commit-every", value)  # fmt: skip
+        assert _one_error_line(res) == f"error: --commit-every must be 0 (commit by size only) or more, not {value}"
+    assert not (tmp_path / "s").exists()
