@@ -53,3 +53,11 @@ def test_import_features_refuses_a_negative_commit_interval(cli, tmp_path: Path)
                          "--commit-every", value)  # fmt: skip
         assert _one_error_line(res) == f"error: --commit-every must be 0 (commit by size only) or more, not {value}"
     assert not (tmp_path / "s").exists()
+
+
+def test_prepare_refuses_a_split_file_without_images(cli, tmp_path: Path) -> None:
+    karpathy = tmp_path / "dataset_coco.json"
+    karpathy.write_text('{"images": []}')
+    line = _one_error_line(cli.invoke("prepare", str(karpathy), "--out", str(tmp_path / "run")))
+    assert line == f"error: {karpathy}: holds no image to prepare captions for (an empty 'images' list)"
+    assert not (tmp_path / "run" / "data" / "manifest.json").exists()
