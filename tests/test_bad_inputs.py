@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PIL import Image
+
 
 def _one_error_line(res, code: int = 2) -> str:
     """The single ``error:`` line of a refused run (exit ``code``, no traceback; INFO log lines aside)."""
@@ -61,3 +63,19 @@ def test_prepare_refuses_a_split_file_without_images(cli, tmp_path: Path) -> Non
     line = _one_error_line(cli.invoke("prepare", str(karpathy), "--out", str(tmp_path / "run")))
     assert line == f"error: {karpathy}: holds no image to prepare captions for (an empty 'images' list)"
     assert not (tmp_path / "run" / "data" / "manifest.json").exists()
+
+
+def test_a_vocabulary_file_with_a_native_checkpoint_is_refused_not_ignored(cli, tiny_captioner: Path, tmp_path) -> None:
+    vocab = tmp_path / "vocab.pkl"
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    model = ["--model", str(tiny_captioner), "--vocab", str(vocab), "--device", "cpu"]
+    for res in (cli.invoke("evaluate", *model), cli.invoke("caption", str(photo), *model, "--weights", "random")):
+        line = _one_error_line(res)
+        assert "butd-caption checkpoint with its own vocabulary" in line and str(vocab) in line
+
+
+def test_evaluate_refuses_an_unknown_split_as_a_usage_error(cli, tiny_captioner: Path) -> None:
+    line = _one_error_line(cli.invoke("evaluate", "--model", str(tiny_captioner), "--split", "tset", "--device", "cpu"))
+    assert line.startswith("error: --split (evaluate.split) must be a split of the prepared captions (train, val, ")
+    assert line.endswith("not 'tset'")
