@@ -9,11 +9,12 @@ from PIL import Image
 
 
 def _one_error_line(res, code: int = 2) -> str:
-    """The single ``error:`` line of a refused run (exit ``code``, no traceback; INFO log lines aside)."""
+    """The single ``error:`` line of a refused run (exit ``code``, no traceback; log records aside)."""
     assert res.exit_code == code, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert "Traceback" not in res.output
-    lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith("INFO ")]
+    log_lines = ("INFO ", "WARNING ", " " * 9)  # the log's records and their continuation lines
+    lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith(log_lines)]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.output
     return lines[0]
 
@@ -79,3 +80,17 @@ def test_evaluate_refuses_an_unknown_split_as_a_usage_error(cli, tiny_captioner:
     line = _one_error_line(cli.invoke("evaluate", "--model", str(tiny_captioner), "--split", "tset", "--device", "cpu"))
     assert line.startswith("error: --split (evaluate.split) must be a split of the prepared captions (train, val, ")
     assert line.endswith("not 'tset'")
+
+
+def test_caption_does_not_overwrite_a_json_or_csv_output_it_did_not_write(cli, tiny_captioner: Path, tmp_path) -> None:
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    for name in ("captions.csv", "captions.json"):
+        output = tmp_path / name
+        output.write_text("someone else's file\n")
+        res = cli.invoke("caption", str(photo), "--model", str(tiny_captioner), "--weights", "random",
+                         "--output", str(output), "--device", "cpu")  # fmt: skip
+        line = _one_error_line(res)
+        assert f"{output} exists and was not written by `caption`" in line and "--force" in line
+        assert output.read_text() == "someone else's file\n"
+        output.unlink()
