@@ -94,3 +94,17 @@ def test_caption_does_not_overwrite_a_json_or_csv_output_it_did_not_write(cli, t
         assert f"{output} exists and was not written by `caption`" in line and "--force" in line
         assert output.read_text() == "someone else's file\n"
         output.unlink()
+
+
+def test_mistakes_before_the_command_are_one_error_line(cli) -> None:
+    res = cli("captoin", "photos/")
+    assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr
+    assert res.stderr.splitlines() == [
+        "error: No such command 'captoin'. Did you mean 'caption'? (see `butd-caption --help`)"
+    ]
+    for args, line in (
+        (["--nosuch", "info"], "error: No such option: --nosuch (see `butd-caption --help`)"),
+        (["--threads"], "error: Option '--threads' requires an argument. (see `butd-caption --help`)"),
+        (["--threads", "1"], "error: missing command (see `butd-caption --help`)"),
+    ):
+        assert _one_error_line(cli.invoke(*args)) == line
