@@ -108,3 +108,16 @@ def test_mistakes_before_the_command_are_one_error_line(cli) -> None:
         (["--threads", "1"], "error: missing command (see `butd-caption --help`)"),
     ):
         assert _one_error_line(cli.invoke(*args)) == line
+
+
+def test_a_store_identity_mismatch_names_the_differing_values_not_both_identities() -> None:
+    from pipeline.store.format import identity_mismatch
+
+    config = {"recipe": {f"field{i}": i for i in range(60)}, "boxes": {"conf": 0.2, "nms": 0.3}}
+    stored = {"name": "bottom-up-butd", "weights_sha256": "0" * 64, "config": config}
+    given = {**stored, "config": {**config, "boxes": {"conf": 0.3, "nms": 0.3}}}
+    line = identity_mismatch("feats", stored, given)
+    assert line == (
+        'feature store feats was written by a different extractor ("bottom-up-butd"; differs in config): '
+        "config.boxes.conf stored 0.2 vs given 0.3; use another store path"
+    )
