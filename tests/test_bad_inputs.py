@@ -121,3 +121,16 @@ def test_a_store_identity_mismatch_names_the_differing_values_not_both_identitie
         'feature store feats was written by a different extractor ("bottom-up-butd"; differs in config): '
         "config.boxes.conf stored 0.2 vs given 0.3; use another store path"
     )
+
+
+def test_a_second_extract_into_a_store_being_written_names_the_store_option(cli, tmp_path: Path) -> None:
+    from pipeline.core.locks import acquire_lock
+    from pipeline.core.stages import stage_lock
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    store = tmp_path / "store"
+    with acquire_lock(stage_lock(store), "the first extract"):
+        line = _one_error_line(cli.invoke("extract", str(photo), "--weights", "random", "--store", str(store)))
+    assert "is being written by another process" in line
+    assert line.endswith("wait for it to finish or use another --store")
