@@ -19,6 +19,7 @@ import typer
 
 from pipeline.commands import COMMAND_MODULES, load_plugins
 from pipeline.commands.common import fail
+from pipeline.commands.grammar import GrammarGroup
 from pipeline.core import threads as thread_policy
 from pipeline.core.config import check_config_dir
 from pipeline.core.environment import drop_odd_terminal_size
@@ -33,6 +34,7 @@ drop_odd_openmp_count()
 
 app = typer.Typer(
     name="butd-caption",
+    cls=GrammarGroup,
     help=(
         "Bottom-up region features, attention captioners and captions, end to end.\n\n"
         "Start with `demo` (the whole pipeline on the embedded synthetic world)."

@@ -220,6 +220,11 @@ def items_from_file_list(list_file: Path, base: Path | None = None) -> list[Imag
         text = decode_text(list_file.read_bytes())
     except OSError as exc:
         raise UsageError(f"cannot read file list {list_file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"file list {list_file} starts with a UTF-16 byte-order mark but is not UTF-16 text ({exc.reason} at "
+            f"byte {exc.start}): save it as UTF-8 or UTF-16"
+        ) from None
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):

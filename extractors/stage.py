@@ -273,12 +273,14 @@ def extract_features(
     force: bool = False,
     config: Config | None = None,
     reopen: bool = False,
+    out_option: str = "--out",
 ) -> StageResult:
     """Run (or resume, or skip when done) the extraction stage ``run_dir/name`` through :func:`run_stage`.
 
     ``config`` is the stage config whose digest is recorded (default :func:`stage_config`); ``reopen``: a store
     that accumulates (see the module docstring) instead of the strict stage rule. The selection settings, the
-    inputs and the weights file are checked before the stage folder is touched.
+    inputs and the weights file are checked before the stage folder is touched. ``out_option``: the option that
+    named the folder, for the message refusing a second writer (:func:`run_stage`).
     """
     if job.weights != "random":  # a catalogue name or hf: id becomes its file in the cache (docs/downloads.md)
         job = replace(job, weights=resolve_file(job.weights, "weights file", "detector"))
@@ -288,4 +290,4 @@ def extract_features(
         raise UsageError(f"weights file not found: {job.weights}")
     if reopen:
         _reopen(Path(run_dir) / name, cfg.digest())
-    return run_stage(run_dir, name, cfg, extract_work(section, job, items), force=force)
+    return run_stage(run_dir, name, cfg, extract_work(section, job, items), force=force, out_option=out_option)

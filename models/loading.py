@@ -23,7 +23,7 @@ def read_captioner_file(path: str | Path, companion: str | Path | None = None) -
     model (``models.released``; ``companion`` is its vocab.pkl / infos pickle, found next to it when omitted)."""
     path = Path(path)
     try:
-        return path, CaptionerCheckpoint.load(path)
+        native = CaptionerCheckpoint.load(path)
     except PipelineError as native_error:
         if path.is_file():
             cached = released.cached_native(path, companion)  # converted before: only the native copy is read
@@ -37,6 +37,12 @@ def read_captioner_file(path: str | Path, companion: str | Path | None = None) -
             raise native_error from None
         target = released.ensure_native(path, companion, loaded)
         return target, CaptionerCheckpoint.load(target)
+    if companion is not None:  # silently unused otherwise: the checkpoint's own vocabulary decides the words
+        raise UsageError(
+            f"{path} is a butd-caption checkpoint with its own vocabulary: a vocabulary file ({companion}, --vocab) "
+            "is only for a released M2 / AoANet captioner"
+        )
+    return path, native
 
 
 def load_captioner(

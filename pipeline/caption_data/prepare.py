@@ -230,6 +230,9 @@ def prepare_captions(stage_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict
             entries = read_coco_captions(coco_files, cfg.split_file, cfg.key)
     except PipelineError as exc:  # a corrupt input file is the user's to fix: exit 2
         raise exc if isinstance(exc, UsageError) else UsageError(str(exc)) from None
+    if not entries:
+        source = cfg.karpathy_json or ", ".join(coco_files.values())
+        raise UsageError(f"{source}: holds no image to prepare captions for (an empty 'images' list)")
     if cfg.restval_to_train:
         for e in entries:
             if e.split == "restval":

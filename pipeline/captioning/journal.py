@@ -63,7 +63,9 @@ class Journal:
 
     ``files`` maps a role (``results``, ``failures``, ...) to a path; the first role's rows carry ``key``.
     ``settings`` must match the ones a resumed journal was written with (else a usage error naming the
-    field), unless ``force`` starts every file afresh. One writer: ``lock`` (a held
+    field), unless ``force`` starts every file afresh. ``products`` are files made from the journal (the final
+    ``.json``/``.csv``): like the first file, a fresh start refuses to replace one it did not
+    write (a non-empty file with no position file next to the journal) unless ``force``. One writer: ``lock`` (a held
     :class:`~pipeline.core.locks.WriterLock`, released by :meth:`close`) or else ``<first file>.lock`` is taken
     before anything is read, truncated or cleared, so a second process is refused naming the first.
     """
@@ -74,11 +76,13 @@ class Journal:
         settings: Mapping[str, Any],
         force: bool = False,
         lock: WriterLock | None = None,
+        products: Sequence[Path] = (),
     ) -> None:
         if not files:
             raise ValueError("a journal needs at least one file")
         self.files = {role: Path(p) for role, p in files.items()}
         self.main = next(iter(self.files))
+        self.products = [Path(p) for p in products]
         main = self.files[self.main]
         self.lock = lock or acquire_lock(
             main.with_name(main.name + ".lock"), f"{main}", "wait for it to finish or choose another output"
@@ -129,11 +133,12 @@ class Journal:
         fresh = {"version": VERSION, "files": {}, "rows": 0, "settings": self.settings}
         main = self.files[self.main]
         if force or not self.state_path.exists():
-            if not force and main.exists() and main.stat().st_size > 0:
-                raise UsageError(
-                    f"{main} exists and was not written by `caption` (no {self.state_path.name} next to it): "
-                    "pass --force to overwrite it, or choose another --output"
-                )
+            for path in [] if force else [main, *self.products]:
+                if path.exists() and path.stat().st_size > 0:
+                    raise UsageError(
+                        f"{path} exists and was not written by `caption` (no {self.state_path.name} next to "
+                        f"{main.name}): pass --force to overwrite it, or choose another --output"
+                    )
             return fresh
         state = read_json(self.state_path, "caption position file")
         if state.get("version") != VERSION or not isinstance(state.get("files"), dict):

@@ -344,6 +344,7 @@ def _open_results(
         {**settings, "format": plan.fmt, "n_best": n_best},
         force=force,
         lock=lock,
+        products=[plan.path] if plan.path != plan.journal else [],
     )
 
 

@@ -23,6 +23,7 @@ import typer
 from rich.table import Table
 
 from models.decoding.captions import command_decoding
+from pipeline.caption_data.prepare import KNOWN_SPLITS
 from pipeline.captioning.choose import find_checkpoint
 from pipeline.commands.captioner_opts import CaptionerOpt, VocabOpt
 from pipeline.commands.grammar import DEFAULT_RUN
@@ -120,6 +121,11 @@ def register(app: typer.Typer) -> None:
         if split is not None:
             extra.append(f"evaluate.split={split}")
         cfg = opts.resolve("evaluate", extra, show=opts.verbose)
+        if str(cfg.evaluate.split) not in KNOWN_SPLITS:
+            raise UsageError(
+                f"--split (evaluate.split) must be a split of the prepared captions ({', '.join(KNOWN_SPLITS)}), "
+                f"not {cfg.evaluate.split!r}"
+            )
         if model is None and predictions is None and references is None and retrieval is None:
             model = DEFAULT_RUN  # the stage chain: evaluate what `train` wrote into the default run directory
         if model is not None:

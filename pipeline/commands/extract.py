@@ -205,7 +205,9 @@ def register(app: typer.Typer) -> None:
         target = shard_store_path(store, parts)
         done = False
         try:
-            _print_result(extract_features(target.parent, target.name, cfg, job, reopen=True), strict)
+            _print_result(
+                extract_features(target.parent, target.name, cfg, job, reopen=True, out_option="--store"), strict
+            )
             done = True
         finally:
             if torchrun:

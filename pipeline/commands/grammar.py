@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typer._click.exceptions import NoArgsIsHelpError
 from typer._click.exceptions import UsageError as ClickUsageError
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from pipeline.commands.common import fail
 from pipeline.core.renamed import renamed_option_line
@@ -140,6 +141,36 @@ class GrammarCommand(TyperCommand):
                 raise
             fail(f"{self.name}: {exc.format_message()} (see `{ctx.command_path} --help`)")
             raise  # unreachable: fail() exits
+
+
+class GrammarGroup(TyperGroup):
+    """The command group (``cli.py`` itself): a mistake before the command runs (an unknown command, an unknown
+    global option, a global option without its value, no command at all after global options) is one ``error:``
+    line and exit 2, as a mistake in a command's own options is (:class:`GrammarCommand`)."""
+
+    def _refuse(self, ctx: Any, exc: ClickUsageError) -> None:
+        if ctx.resilient_parsing or isinstance(exc, NoArgsIsHelpError):
+            raise exc
+        fail(f"{exc.format_message()} (see `{ctx.command_path} --help`)")
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except ClickUsageError as exc:
+            self._refuse(ctx, exc)
+            raise  # unreachable: _refuse() exits or re-raises
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except ClickUsageError as exc:
+            self._refuse(ctx, exc)
+            raise  # unreachable
+
+    def invoke(self, ctx: Any) -> Any:
+        if not ctx._protected_args and not self.invoke_without_command and not ctx.resilient_parsing:
+            fail(f"missing command (see `{ctx.command_path} --help`)")
+        return super().invoke(ctx)
 
 
 @dataclass(frozen=True)

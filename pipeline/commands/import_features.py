@@ -71,7 +71,9 @@ def register(app: typer.Typer) -> None:
         skip_bad: Annotated[
             bool, typer.Option("--skip-bad", help="Skip and report bad rows instead of stopping.")
         ] = False,
-        commit_every: Annotated[int, typer.Option("--commit-every", help="Commit every N images.")] = 1000,
+        commit_every: Annotated[
+            int, typer.Option("--commit-every", help="Commit every N images (0: only by size).")
+        ] = 1000,
         fc: Annotated[
             Optional[Path],
             typer.Option(
@@ -89,6 +91,8 @@ def register(app: typer.Typer) -> None:
 
             butd-caption import-features --format butd-tsv trainval_36.tsv --store feats
         """
+        if commit_every < 0:
+            raise UsageError(f"--commit-every must be 0 (commit by size only) or more, not {commit_every}")
         try:
             report = import_features(
                 fmt,

@@ -91,8 +91,11 @@ def register(app: typer.Typer) -> None:
             return
         if target is not None and not target.exists() and _is_catalogue_name(str(target)):
             target = Path(resolve_file(target, "file", "detector"))  # fetched on first use, then the cached file
+        overrides = list(opts.overrides)
+        if overrides and model is None:
+            _refuse_unused_set(target, verify)
         if model is not None:
-            _model_info(model, list(opts.overrides))
+            _model_info(model, overrides)
         elif target is None:
             _environment()
         elif not target.exists():
@@ -109,17 +112,29 @@ def register(app: typer.Typer) -> None:
             print_store_info(target)
         elif target.is_dir():
             _run_dir(target)
-        elif target.suffix in (".pt", ".pth", ".pkl") and _captioner_info(target):
+        elif target.suffix in (".pt", ".pth", ".pkl") and _captioner_info(target, overrides):
             pass
         elif target.suffix == ".pt" and _encoder_info(target):
             pass
         elif target.suffix in (".pth", ".pkl", ".bin"):
-            _weights_info(target, list(opts.overrides))
+            _weights_info(target, overrides)
         else:
             raise UsageError(
                 f"cannot inspect {target}: not a run directory, feature store, checkpoint (.pt/.pth/.pkl) or detector "
                 "weights (.pth/.pkl/.bin)"
             )
+
+
+_SET_APPLIES = "--set applies to --model NAME (its architecture config) or detector weights (the extract recipe)"
+
+
+def _refuse_unused_set(target: Path | None, verify: bool) -> None:
+    """``--set`` with nothing it configures (the environment, a run directory, a store, a checkpoint) is a usage
+    error, not silently ignored; detector weights (.pth/.pkl/.bin) are told apart from captioners later."""
+    if target is None:
+        raise UsageError(f"{_SET_APPLIES}; without either, info has nothing it configures")
+    if target.exists() and (verify or target.is_dir() or target.suffix not in (".pth", ".pkl", ".bin")):
+        raise UsageError(f"{_SET_APPLIES}, not to {target}")
 
 
 def _is_catalogue_name(text: str) -> bool:
@@ -250,11 +265,13 @@ def _model_info(name: str, overrides: list[str]) -> None:
     con.print(cfg.to_yaml().rstrip())
 
 
-def _captioner_info(path: Path) -> bool:
+def _captioner_info(path: Path, overrides: list[str] = ()) -> bool:  # type: ignore[assignment]
     """A native captioner checkpoint or a released M2 / AoANet file (models.released); False if neither."""
     described = describe_captioner(path)
     if described is None:
         return False
+    if overrides:
+        raise UsageError(f"{_SET_APPLIES}, not to the captioner {path}")
     con = stdout_console()
     for key, value in described.items():
         con.print(f"{key}: {value}", highlight=False, markup=False)

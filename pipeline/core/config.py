@@ -57,6 +57,17 @@ def yaml_load(text_or_stream):  # type: ignore[no-untyped-def]
     return yaml.load(text_or_stream, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
+def _reject_cycles(value: Any, source: str, _open: tuple[int, ...] = ()) -> None:
+    """A YAML alias that refers to the node holding it (``a: &x [*x]``) loads as a list or mapping that contains
+    itself, which no config value can be: refused naming ``source`` before anything walks into it."""
+    if not isinstance(value, (dict, list)):
+        return
+    if id(value) in _open:
+        raise ConfigError(f"{source} holds a YAML alias that refers to itself (a recursive anchor)")
+    for item in value.values() if isinstance(value, dict) else value:
+        _reject_cycles(item, source, (*_open, id(value)))
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -69,6 +80,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML{where}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text") from exc
+    _reject_cycles(data, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -233,6 +245,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value '{raw}' is not valid YAML") from exc
+    _reject_cycles(value, f"--set {key}")
     return key.split("."), value
 
 

@@ -137,17 +137,20 @@ def run_stage(
     cfg: Config,
     work: Callable[[Path, Config], Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]]],
     force: bool = False,
+    out_option: str = "--out",
 ) -> StageResult:
     """Run ``work(stage_dir, cfg)`` once per config; skip it when already done with the same config.
 
     ``work`` returns ``outputs`` (name -> relative path or value) or ``(outputs, summary)``; it must be
     resumable on its own (it is called again after a kill, with the partial files still in ``stage_dir``).
+    ``out_option`` is the command's option that chose the folder (``extract``'s is ``--store``), named when a
+    second process is refused.
     """
     stage_dir = Path(run_dir) / name
     digest = cfg.digest()
     # one process per stage folder: a second one is refused (naming the holder) before it reads or clears anything
     with acquire_lock(
-        stage_lock(stage_dir), f"stage {name} in {stage_dir}", "wait for it to finish or use another --out"
+        stage_lock(stage_dir), f"stage {name} in {stage_dir}", f"wait for it to finish or use another {out_option}"
     ):
         return _run_locked(stage_dir, name, cfg, digest, work, force)
 

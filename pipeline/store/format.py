@@ -103,13 +103,36 @@ def identity_text(identity: dict[str, Any]) -> str:
     return json.dumps(identity, sort_keys=True, separators=(",", ":"))
 
 
+#: the most differing values an identity mismatch names (a detector identity holds a hundred nested fields)
+_MISMATCH_SHOWN = 4
+
+
+def _differing_leaves(stored: Any, given: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """The dotted paths (``config.boxes.conf``) where two identities differ, with both values (``...`` absent)."""
+    if isinstance(stored, dict) and isinstance(given, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in sorted(set(stored) | set(given)):
+            out += _differing_leaves(stored.get(key, ...), given.get(key, ...), f"{path}{key}.")
+        return out
+    return [] if stored == given else [(path[:-1], stored, given)]
+
+
+def _short(value: Any) -> str:
+    text = "absent" if value is ... else identity_text(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def identity_mismatch(store: str, stored: dict[str, Any], given: dict[str, Any]) -> str:
-    """A one-line message naming both identities and the first keys that differ."""
+    """A one-line message naming the stored extractor, the top-level keys that differ and the first differing
+    values (dotted paths into the identities, each value cut to a readable length)."""
     keys = sorted(set(stored) | set(given))
     differ = [k for k in keys if stored.get(k) != given.get(k)]
+    leaves = _differing_leaves(stored, given)
+    shown = "; ".join(f"{path} stored {_short(a)} vs given {_short(b)}" for path, a, b in leaves[:_MISMATCH_SHOWN])
+    more = f" (and {len(leaves) - _MISMATCH_SHOWN} more)" if len(leaves) > _MISMATCH_SHOWN else ""
     return (
-        f"feature store {store} was written by a different extractor (differs in {', '.join(differ)}): "
-        f"stored {identity_text(stored)} vs given {identity_text(given)}; use another store path"
+        f"feature store {store} was written by a different extractor ({_short(stored.get('name', ...))}; differs "
+        f"in {', '.join(differ)}): {shown}{more}; use another store path"
     )
 
 

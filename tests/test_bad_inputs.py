@@ -1,0 +1,136 @@
+"""Bad user input is refused in one `error:` line naming the file or option, with the usage exit code 2 and no
+Python traceback (a corpus of malformed configs, files and options run through the CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image
+
+
+def _one_error_line(res, code: int = 2) -> str:
+    """The single ``error:`` line of a refused run (exit ``code``, no traceback; log records aside)."""
+    assert res.exit_code == code, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+    log_lines = ("INFO ", "WARNING ", " " * 9)  # the log's records and their continuation lines
+    lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith(log_lines)]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+def test_a_config_with_a_recursive_yaml_anchor_is_refused_naming_the_file(cli, tmp_path: Path) -> None:
+    config = tmp_path / "loop.yaml"
+    config.write_text("train: &x\n  stages: [*x]\n")
+    line = _one_error_line(cli.invoke("train", "--config", str(config), "--out", str(tmp_path / "run")))
+    assert str(config) in line and "refers to itself" in line
+
+
+def test_a_set_value_with_a_recursive_yaml_anchor_is_refused_naming_the_key(cli, tmp_path: Path) -> None:
+    line = _one_error_line(cli.invoke("train", "--set", "train.stages=&x [*x]", "--out", str(tmp_path / "run")))
+    assert "--set train.stages" in line and "refers to itself" in line
+
+
+def test_info_refuses_a_set_it_has_nothing_to_apply_to(cli, tiny_captioner: Path) -> None:
+    line = _one_error_line(cli.invoke("info", "--set", "a.b"))
+    assert "--set applies to --model NAME" in line
+    for target in (tiny_captioner, tiny_captioner / "features" / "store", tiny_captioner / "train-a" / "best.pt"):
+        line = _one_error_line(cli.invoke("info", str(target), "--set", "num_layers=1"))
+        assert "--set applies to --model NAME" in line and str(target) in line
+    assert cli.invoke("info", "--model", "san", "--set", "num_layers=1").exit_code == 0
+
+
+def test_a_file_list_with_a_utf16_mark_but_odd_bytes_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    listing = tmp_path / "photos.txt"
+    listing.write_bytes(b"\xff\xfe\x00bad\nline\x80\n")  # the UTF-16 mark, then an odd number of bytes
+    for command in ("extract", "caption"):
+        line = _one_error_line(cli.invoke(command, "--file-list", str(listing), "--weights", "random"))
+        assert f"file list {listing}" in line and "UTF-16" in line
+
+
+def test_import_features_refuses_a_negative_commit_interval(cli, tmp_path: Path) -> None:
+    source = tmp_path / "rows.tsv"
+    source.write_text("")
+    for value in ("-1", "-5"):
+        res = cli.invoke("import-features", str(source), "-f", "obj36-tsv", "--store", str(tmp_path / "s"),
+                         "--commit-every", value)  # fmt: skip
+        assert _one_error_line(res) == f"error: --commit-every must be 0 (commit by size only) or more, not {value}"
+    assert not (tmp_path / "s").exists()
+
+
+def test_prepare_refuses_a_split_file_without_images(cli, tmp_path: Path) -> None:
+    karpathy = tmp_path / "dataset_coco.json"
+    karpathy.write_text('{"images": []}')
+    line = _one_error_line(cli.invoke("prepare", str(karpathy), "--out", str(tmp_path / "run")))
+    assert line == f"error: {karpathy}: holds no image to prepare captions for (an empty 'images' list)"
+    assert not (tmp_path / "run" / "data" / "manifest.json").exists()
+
+
+def test_a_vocabulary_file_with_a_native_checkpoint_is_refused_not_ignored(cli, tiny_captioner: Path, tmp_path) -> None:
+    vocab = tmp_path / "vocab.pkl"
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    model = ["--model", str(tiny_captioner), "--vocab", str(vocab), "--device", "cpu"]
+    for res in (cli.invoke("evaluate", *model), cli.invoke("caption", str(photo), *model, "--weights", "random")):
+        line = _one_error_line(res)
+        assert "butd-caption checkpoint with its own vocabulary" in line and str(vocab) in line
+
+
+def test_evaluate_refuses_an_unknown_split_as_a_usage_error(cli, tiny_captioner: Path) -> None:
+    line = _one_error_line(cli.invoke("evaluate", "--model", str(tiny_captioner), "--split", "tset", "--device", "cpu"))
+    assert line.startswith("error: --split (evaluate.split) must be a split of the prepared captions (train, val, ")
+    assert line.endswith("not 'tset'")
+
+
+def test_caption_does_not_overwrite_a_json_or_csv_output_it_did_not_write(cli, tiny_captioner: Path, tmp_path) -> None:
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    for name in ("captions.csv", "captions.json"):
+        output = tmp_path / name
+        output.write_text("someone else's file\n")
+        res = cli.invoke("caption", str(photo), "--model", str(tiny_captioner), "--weights", "random",
+                         "--output", str(output), "--device", "cpu")  # fmt: skip
+        line = _one_error_line(res)
+        assert f"{output} exists and was not written by `caption`" in line and "--force" in line
+        assert output.read_text() == "someone else's file\n"
+        output.unlink()
+
+
+def test_mistakes_before_the_command_are_one_error_line(cli) -> None:
+    res = cli("captoin", "photos/")
+    assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr
+    assert res.stderr.splitlines() == [
+        "error: No such command 'captoin'. Did you mean 'caption'? (see `butd-caption --help`)"
+    ]
+    for args, line in (
+        (["--nosuch", "info"], "error: No such option: --nosuch (see `butd-caption --help`)"),
+        (["--threads"], "error: Option '--threads' requires an argument. (see `butd-caption --help`)"),
+        (["--threads", "1"], "error: missing command (see `butd-caption --help`)"),
+    ):
+        assert _one_error_line(cli.invoke(*args)) == line
+
+
+def test_a_store_identity_mismatch_names_the_differing_values_not_both_identities() -> None:
+    from pipeline.store.format import identity_mismatch
+
+    config = {"recipe": {f"field{i}": i for i in range(60)}, "boxes": {"conf": 0.2, "nms": 0.3}}
+    stored = {"name": "bottom-up-butd", "weights_sha256": "0" * 64, "config": config}
+    given = {**stored, "config": {**config, "boxes": {"conf": 0.3, "nms": 0.3}}}
+    line = identity_mismatch("feats", stored, given)
+    assert line == (
+        'feature store feats was written by a different extractor ("bottom-up-butd"; differs in config): '
+        "config.boxes.conf stored 0.2 vs given 0.3; use another store path"
+    )
+
+
+def test_a_second_extract_into_a_store_being_written_names_the_store_option(cli, tmp_path: Path) -> None:
+    from pipeline.core.locks import acquire_lock
+    from pipeline.core.stages import stage_lock
+
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    store = tmp_path / "store"
+    with acquire_lock(stage_lock(store), "the first extract"):
+        line = _one_error_line(cli.invoke("extract", str(photo), "--weights", "random", "--store", str(store)))
+    assert "is being written by another process" in line
+    assert line.endswith("wait for it to finish or use another --store")
