@@ -31,6 +31,30 @@ def test_a_set_value_with_a_recursive_yaml_anchor_is_refused_naming_the_key(cli,
     assert "--set train.stages" in line and "refers to itself" in line
 
 
+def test_a_config_whose_aliases_expand_to_a_billion_values_is_refused_naming_the_file(cli, tmp_path: Path) -> None:
+    """Nine levels of ten aliases: a small graph once loaded, 10^9 values once expanded (as the config digest
+    would); refused from the graph, without expanding it."""
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    config = tmp_path / "laughs.yaml"
+    config.write_text("prepare:\n" + "".join(f"  {line}\n" for line in lines))
+    line = _one_error_line(cli.invoke("prepare", "--config", str(config), "--out", str(tmp_path / "run")))
+    assert str(config) in line and "more than 1,000,000 values" in line
+
+
+def test_deeply_nested_configs_and_set_values_are_refused_in_one_line(cli, tmp_path: Path) -> None:
+    shallow, deep = tmp_path / "nested.yaml", tmp_path / "deep.yaml"
+    shallow.write_text("prepare:\n  karpathy_json: " + "[" * 100 + "]" * 100 + "\n")
+    deep.write_text("prepare:\n  karpathy_json: " + "[" * 5000 + "]" * 5000 + "\n")  # beyond PyYAML's recursion
+    line = _one_error_line(cli.invoke("prepare", "--config", str(shallow), "--out", str(tmp_path / "run")))
+    assert str(shallow) in line and "more than 64 levels deep" in line
+    line = _one_error_line(cli.invoke("prepare", "--config", str(deep), "--out", str(tmp_path / "run")))
+    assert str(deep) in line and "too deeply" in line
+    value = "[" * 5000 + "]" * 5000
+    line = _one_error_line(cli.invoke("prepare", "--set", f"prepare.karpathy_json={value}", "--out", str(tmp_path)))
+    assert "--set prepare.karpathy_json" in line and "too deeply" in line
+
+
 def test_info_refuses_a_set_it_has_nothing_to_apply_to(cli, tiny_captioner: Path) -> None:
     line = _one_error_line(cli.invoke("info", "--set", "a.b"))
     assert "--set applies to --model NAME" in line

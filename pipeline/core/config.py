@@ -57,15 +57,43 @@ def yaml_load(text_or_stream):  # type: ignore[no-untyped-def]
     return yaml.load(text_or_stream, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
-def _reject_cycles(value: Any, source: str, _open: tuple[int, ...] = ()) -> None:
-    """A YAML alias that refers to the node holding it (``a: &x [*x]``) loads as a list or mapping that contains
-    itself, which no config value can be: refused naming ``source`` before anything walks into it."""
-    if not isinstance(value, (dict, list)):
-        return
-    if id(value) in _open:
-        raise ConfigError(f"{source} holds a YAML alias that refers to itself (a recursive anchor)")
-    for item in value.values() if isinstance(value, dict) else value:
-        _reject_cycles(item, source, (*_open, id(value)))
+#: the most values a config may hold once its YAML aliases are expanded: a few hundred are real; an alias tree
+#: such as "billion laughs" (ten aliases of ten aliases ...) loads as a small graph but expands to 10^9 values
+MAX_CONFIG_VALUES = 1_000_000
+#: the deepest nesting of lists / mappings a config may hold (the stage configs nest four levels)
+MAX_CONFIG_DEPTH = 64
+
+
+def check_structure(value: Any, source: str) -> None:
+    """Refuse, naming ``source``, a YAML alias that refers to the node holding it (``a: &x [*x]`` loads as a list
+    that contains itself, which no config value can be) and an alias tree that expands beyond
+    :data:`MAX_CONFIG_VALUES` values (later steps, the config digest among them, expand it) or nests deeper than
+    :data:`MAX_CONFIG_DEPTH`. One iterative pass over the loaded graph: every list or mapping is entered once,
+    whatever its depth or number of aliases."""
+    expanded: dict[int, int] = {}  # id of a finished list / mapping -> its value count with aliases expanded
+    entered: set[int] = set()  # the lists / mappings on the path from the root to the current node
+    stack: list[tuple[Any, bool, int]] = [(value, False, 0)]
+    while stack:
+        node, leaving, depth = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        key = id(node)
+        children = list(node.values()) if isinstance(node, dict) else node
+        if leaving:
+            entered.discard(key)
+            expanded[key] = 1 + sum(expanded.get(id(child), 1) for child in children)
+            if expanded[key] > MAX_CONFIG_VALUES:
+                raise ConfigError(
+                    f"{source} expands to more than {MAX_CONFIG_VALUES:,} values through its YAML aliases"
+                )
+        elif key in entered:
+            raise ConfigError(f"{source} holds a YAML alias that refers to itself (a recursive anchor)")
+        elif depth >= MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source} nests lists or mappings more than {MAX_CONFIG_DEPTH} levels deep")
+        elif key not in expanded:
+            entered.add(key)
+            stack.append((node, True, depth))
+            stack.extend((child, False, depth + 1) for child in children)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -80,7 +108,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML{where}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text") from exc
-    _reject_cycles(data, f"config file {path}")
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ConfigError(f"config file {path} nests lists or mappings too deeply to read") from None
+    check_structure(data, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -245,7 +275,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value '{raw}' is not valid YAML") from exc
-    _reject_cycles(value, f"--set {key}")
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ConfigError(f"--set {key}: the value nests lists or mappings too deeply to read") from None
+    check_structure(value, f"--set {key}")
     return key.split("."), value
 
 
