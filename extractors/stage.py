@@ -288,6 +288,13 @@ def extract_features(
     items = collect_items(job, selection_mode(section, job.weights))
     if job.weights != "random" and not Path(job.weights).is_file():
         raise UsageError(f"weights file not found: {job.weights}")
-    if reopen:
-        _reopen(Path(run_dir) / name, cfg.digest())
-    return run_stage(run_dir, name, cfg, extract_work(section, job, items), force=force, out_option=out_option)
+    digest = cfg.digest()
+    return run_stage(
+        run_dir,
+        name,
+        cfg,
+        extract_work(section, job, items),
+        force=force,
+        out_option=out_option,
+        reopen=(lambda stage_dir: _reopen(stage_dir, digest)) if reopen else None,  # under the stage's lock
+    )

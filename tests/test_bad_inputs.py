@@ -155,6 +155,9 @@ def test_a_second_extract_into_a_store_being_written_names_the_store_option(cli,
     Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
     store = tmp_path / "store"
     with acquire_lock(stage_lock(store), "the first extract"):
+        marker = store / "running.json"  # the first extract's record of its run, which the refused one leaves alone
+        marker.write_text('{"stage": "store", "config_digest": "0"}')
         line = _one_error_line(cli.invoke("extract", str(photo), "--weights", "random", "--store", str(store)))
+        assert marker.read_text() == '{"stage": "store", "config_digest": "0"}'
     assert "is being written by another process" in line
     assert line.endswith("wait for it to finish or use another --store")

@@ -138,13 +138,15 @@ def run_stage(
     work: Callable[[Path, Config], Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]]],
     force: bool = False,
     out_option: str = "--out",
+    reopen: Callable[[Path], None] | None = None,
 ) -> StageResult:
     """Run ``work(stage_dir, cfg)`` once per config; skip it when already done with the same config.
 
     ``work`` returns ``outputs`` (name -> relative path or value) or ``(outputs, summary)``; it must be
     resumable on its own (it is called again after a kill, with the partial files still in ``stage_dir``).
     ``out_option`` is the command's option that chose the folder (``extract``'s is ``--store``), named when a
-    second process is refused.
+    second process is refused. ``reopen(stage_dir)``, run once the lock is held and before the stage's state is
+    read, may rewrite that state (a stage whose output accumulates lets a finished stage run again).
     """
     stage_dir = Path(run_dir) / name
     digest = cfg.digest()
@@ -152,6 +154,8 @@ def run_stage(
     with acquire_lock(
         stage_lock(stage_dir), f"stage {name} in {stage_dir}", f"wait for it to finish or use another {out_option}"
     ):
+        if reopen is not None:
+            reopen(stage_dir)
         return _run_locked(stage_dir, name, cfg, digest, work, force)
 
 
