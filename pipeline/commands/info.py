@@ -8,6 +8,7 @@ import json
 import platform
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -265,7 +266,7 @@ def _model_info(name: str, overrides: list[str]) -> None:
     con.print(cfg.to_yaml().rstrip())
 
 
-def _captioner_info(path: Path, overrides: list[str] = ()) -> bool:  # type: ignore[assignment]
+def _captioner_info(path: Path, overrides: Sequence[str] = ()) -> bool:
     """A native captioner checkpoint or a released M2 / AoANet file (models.released); False if neither."""
     described = describe_captioner(path)
     if described is None:
