@@ -161,3 +161,22 @@ def test_a_second_extract_into_a_store_being_written_names_the_store_option(cli,
         assert marker.read_text() == '{"stage": "store", "config_digest": "0"}'
     assert "is being written by another process" in line
     assert line.endswith("wait for it to finish or use another --store")
+
+
+def test_a_hub_id_that_would_leave_the_cache_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    env = {"BUTD_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    outside = tmp_path / "outside"
+    for hub_id, component in (
+        (f"hf:owner/name/{outside}/w.bin", "''"),  # an empty component: the file became an absolute path
+        ("hf:owner/name/w.bin@../../../../outside", "'..'"),
+        ("hf:owner/name/./w.bin", "'.'"),
+        ("hf:owner/name/w.bin?x=1", "'w.bin?x=1'"),
+    ):
+        line = _one_error_line(cli.invoke("fetch", hub_id, env=env))
+        assert hub_id in line and component in line and "hf:OWNER/NAME[/FILE][@REVISION]" in line, line
+    assert not outside.exists()
+    # a revision with slashes (refs/pr/1) and a file in a subfolder stay valid hub ids
+    from pipeline.hub.resolve import parse_hub_id
+
+    hub = parse_hub_id("hf:owner/name/sub/w.bin@refs/pr/1")
+    assert (hub.filename, hub.revision) == ("sub/w.bin", "refs/pr/1")
