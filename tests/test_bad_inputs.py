@@ -180,3 +180,30 @@ def test_a_hub_id_that_would_leave_the_cache_is_refused_naming_it(cli, tmp_path:
 
     hub = parse_hub_id("hf:owner/name/sub/w.bin@refs/pr/1")
     assert (hub.filename, hub.revision) == ("sub/w.bin", "refs/pr/1")
+
+
+class _CallsPrint:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_captioner_pth_naming_a_disallowed_global_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    zipped, legacy = tmp_path / "zipped.pth", tmp_path / "legacy.pth"
+    torch.save({"state_dict": {}, "hook": _CallsPrint()}, zipped)
+    legacy.write_bytes(pickle.dumps({"state_dict": _CallsPrint()}, protocol=4))
+    vocab = tmp_path / "vocab.pkl"
+    vocab.write_bytes(pickle.dumps({"itos": ["a"]}))
+    res = cli.invoke("convert-captioner", str(zipped), "--vocab", str(vocab), "--output", str(tmp_path / "o.pt"))
+    line = _one_error_line(res)
+    assert str(zipped) in line and "the global 'print'" in line and "nothing from the file was run" in line, line
+    assert "this ran" not in res.output
+    # a pickle protocol torch's weights-only reader does not take: its reason, without torch's advice or warning
+    line = _one_error_line(
+        cli.invoke("convert-captioner", str(legacy), "--vocab", str(vocab), "--output", str(tmp_path / "o.pt"))
+    )
+    assert str(legacy) in line and "Unsupported operand" in line and "weights_only" not in line, line
+    assert not (tmp_path / "o.pt").exists()
