@@ -207,3 +207,17 @@ def test_a_captioner_pth_naming_a_disallowed_global_is_refused_naming_it(cli, tm
     )
     assert str(legacy) in line and "Unsupported operand" in line and "weights_only" not in line, line
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_convert_captioner_refuses_to_write_over_its_own_input(cli, tmp_path: Path) -> None:
+    import pickle
+
+    source, vocab = tmp_path / "release.pth", tmp_path / "vocab.pkl"
+    source.write_bytes(b"release bytes")
+    vocab.write_bytes(pickle.dumps({"itos": ["a"]}))
+    for output, what in ((source, "SOURCE"), (vocab, "--vocab"), (tmp_path / "." / "release.pth", "SOURCE")):
+        line = _one_error_line(
+            cli.invoke("convert-captioner", str(source), "--vocab", str(vocab), "--output", str(output))
+        )
+        assert str(output) in line and f"is the {what} file" in line, line
+    assert source.read_bytes() == b"release bytes"
