@@ -161,3 +161,63 @@ def test_a_second_extract_into_a_store_being_written_names_the_store_option(cli,
         assert marker.read_text() == '{"stage": "store", "config_digest": "0"}'
     assert "is being written by another process" in line
     assert line.endswith("wait for it to finish or use another --store")
+
+
+def test_a_hub_id_that_would_leave_the_cache_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    env = {"BUTD_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    outside = tmp_path / "outside"
+    for hub_id, component in (
+        (f"hf:owner/name/{outside}/w.bin", "''"),  # an empty component: the file became an absolute path
+        ("hf:owner/name/w.bin@../../../../outside", "'..'"),
+        ("hf:owner/name/./w.bin", "'.'"),
+        ("hf:owner/name/w.bin?x=1", "'w.bin?x=1'"),
+    ):
+        line = _one_error_line(cli.invoke("fetch", hub_id, env=env))
+        assert hub_id in line and component in line and "hf:OWNER/NAME[/FILE][@REVISION]" in line, line
+    assert not outside.exists()
+    # a revision with slashes (refs/pr/1) and a file in a subfolder stay valid hub ids
+    from pipeline.hub.resolve import parse_hub_id
+
+    hub = parse_hub_id("hf:owner/name/sub/w.bin@refs/pr/1")
+    assert (hub.filename, hub.revision) == ("sub/w.bin", "refs/pr/1")
+
+
+class _CallsPrint:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_captioner_pth_naming_a_disallowed_global_is_refused_naming_it(cli, tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    zipped, legacy = tmp_path / "zipped.pth", tmp_path / "legacy.pth"
+    torch.save({"state_dict": {}, "hook": _CallsPrint()}, zipped)
+    legacy.write_bytes(pickle.dumps({"state_dict": _CallsPrint()}, protocol=4))
+    vocab = tmp_path / "vocab.pkl"
+    vocab.write_bytes(pickle.dumps({"itos": ["a"]}))
+    res = cli.invoke("convert-captioner", str(zipped), "--vocab", str(vocab), "--output", str(tmp_path / "o.pt"))
+    line = _one_error_line(res)
+    assert str(zipped) in line and "the global 'print'" in line and "nothing from the file was run" in line, line
+    assert "this ran" not in res.output
+    # a pickle protocol torch's weights-only reader does not take: its reason, without torch's advice or warning
+    line = _one_error_line(
+        cli.invoke("convert-captioner", str(legacy), "--vocab", str(vocab), "--output", str(tmp_path / "o.pt"))
+    )
+    assert str(legacy) in line and "Unsupported operand" in line and "weights_only" not in line, line
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_convert_captioner_refuses_to_write_over_its_own_input(cli, tmp_path: Path) -> None:
+    import pickle
+
+    source, vocab = tmp_path / "release.pth", tmp_path / "vocab.pkl"
+    source.write_bytes(b"release bytes")
+    vocab.write_bytes(pickle.dumps({"itos": ["a"]}))
+    for output, what in ((source, "SOURCE"), (vocab, "--vocab"), (tmp_path / "." / "release.pth", "SOURCE")):
+        line = _one_error_line(
+            cli.invoke("convert-captioner", str(source), "--vocab", str(vocab), "--output", str(output))
+        )
+        assert str(output) in line and f"is the {what} file" in line, line
+    assert source.read_bytes() == b"release bytes"

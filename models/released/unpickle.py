@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextvars
 import io
 import pickle
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -336,11 +338,34 @@ def load_weights_file(path: str | Path, what: str) -> Any:
     except BoundsError as exc:
         raise UsageError(f"{exc} (nothing read from the {what})") from None
     try:
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
+        with torch.serialization.safe_globals(_numpy_safe_globals()), warnings.catch_warnings():
+            # torch warns (two lines on stderr) about a pickle protocol its weights-only reader may not support;
+            # the file is then either read or refused below in one line
+            warnings.simplefilter("ignore", UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated, foreign or unsafe files
-        first = str(exc).strip().splitlines()
-        detail = next(
-            (line for line in first if "Unsupported global" in line or "got <" in line), first[0] if first else ""
+        raise UsageError(_weights_refusal(path, what, exc)) from None
+
+
+#: torch's weights-only reader names a global outside its allowlist as ``GLOBAL module.name``
+_TORCH_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+#: the lines of torch's weights-only refusal that are advice, not the reason (one suggests weights_only=False)
+_TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running")
+
+
+def _weights_refusal(path: Path, what: str, exc: Exception) -> str:
+    """One line for a ``.pth`` torch would not read: the global it names (refused before anything ran), else the
+    reason torch gives, without its advice (which includes loading the file unrestricted)."""
+    text = str(exc)
+    named = _TORCH_GLOBAL.search(text)
+    if isinstance(exc, pickle.UnpicklingError) and named:
+        return (
+            f"{path}: refused to load: it names the global '{named.group(1)}', which a {what} does not hold "
+            "(nothing from the file was run)"
         )
-        raise UsageError(f"{path}: not a readable {what} ({type(exc).__name__}: {detail.strip()[:160]})") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reasons = [line for line in lines if not line.startswith(_TORCH_ADVICE)]
+    detail = reasons[0] if reasons else (lines[0] if lines else "")
+    if isinstance(exc, pickle.UnpicklingError) and "WeightsUnpickler error:" in detail:
+        detail = detail.split("WeightsUnpickler error:", 1)[1].strip() or detail
+    return f"{path}: not a readable {what} ({type(exc).__name__}: {detail[:160]})"

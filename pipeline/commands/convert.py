@@ -10,6 +10,7 @@ import typer
 from models.released import convert_release, write_native
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
+from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -34,6 +35,9 @@ def register(app: typer.Typer) -> None:
 
             butd-caption convert-captioner model-best.pth --vocab infos_aoanet-best.pkl --output aoanet.pt
         """
+        for given, what in ((source, "SOURCE"), (vocab, "--vocab")):
+            if given is not None and output.exists() and given.exists() and output.resolve() == given.resolve():
+                raise UsageError(f"--output {output} is the {what} file: it would be overwritten; choose another path")
         ckpt = convert_release(source, vocab)
         write_native(ckpt, output)
         n = sum(int(w.numel()) for w in ckpt.weights.values())

@@ -22,6 +22,8 @@ from pipeline.core.errors import UsageError
 HUB_PREFIX = "hf:"
 HUB_DEFAULT_FILE = "pytorch_model.bin"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: one component of a hub file's path or of a revision (``refs/pr/1`` has three): no URL syntax, no separator
+_COMPONENT = re.compile(r"^[^/\\?#%\x00-\x1f\x7f]+$")
 #: the reader a hub file is checked with, by the option that names it
 ROLE_KINDS = {"detector": "detector", "vocab": "m2-vocab", "captioner": "m2-weights", "labelmap": "labelmap"}
 
@@ -50,8 +52,17 @@ def parse_hub_id(text: str) -> HubFile:
     body, _, revision = body.partition("@")
     parts = body.split("/")
     repo, filename = "/".join(parts[:2]), "/".join(parts[2:]) or HUB_DEFAULT_FILE
-    if not _REPO.match(repo) or ".." in filename.split("/") or (_ and not revision):
+    if not _REPO.match(repo) or (_ and not revision):
         raise UsageError(f"{text}: a hub id looks like hf:OWNER/NAME[/FILE][@REVISION]")
+    # the file and the revision become folders under the cache: each component a plain name, so that neither an
+    # empty one (``OWNER/NAME//etc/x``, an absolute path) nor ``..`` can place the download outside it
+    for what, value in (("file", filename), ("revision", revision or "main")):
+        bad = [c for c in value.split("/") if c in ("", ".", "..") or not _COMPONENT.match(c)]
+        if bad:
+            raise UsageError(
+                f"{text}: the hub {what} {value!r} has a component {bad[0]!r} that is not a plain name "
+                "(empty, '.', '..', or one of \\ ? # %); a hub id looks like hf:OWNER/NAME[/FILE][@REVISION]"
+            )
     return HubFile(repo, filename, revision or "main")
 
 
