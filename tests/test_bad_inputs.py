@@ -221,3 +221,8 @@ def test_convert_captioner_refuses_to_write_over_its_own_input(cli, tmp_path: Pa
         )
         assert str(output) in line and f"is the {what} file" in line, line
     assert source.read_bytes() == b"release bytes"
+    other = tmp_path / "kept.pt"
+    other.write_bytes(b"another file")
+    line = _one_error_line(cli.invoke("convert-captioner", str(source), "--vocab", str(vocab), "--output", str(other)))
+    assert f"--output {other} exists: pass --force to overwrite it" in line
+    assert other.read_bytes() == b"another file"

@@ -438,3 +438,18 @@ def test_hdf5_runtime_error_of_a_full_disk_is_the_disk_full_os_error(tmp_path, m
             fields=[],
             fsync=False,
         )
+
+
+def test_export_never_replaces_an_existing_file_without_force(tmp_path):
+    store, out = tmp_path / "s", tmp_path / "notes.tsv"
+    _write(store, ["a", "b"])
+    out.write_text("the user's own file\n")
+    res = CliRunner().invoke(app, ["export-features", str(store), "--output", str(out)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"--output {out} exists: pass --force to overwrite it" in res.output
+    assert out.read_text() == "the user's own file\n"
+    res = CliRunner().invoke(app, ["export-features", str(store), "--output", str(out), "--force"])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes().count(b"\n") == 2
+    res = CliRunner().invoke(app, ["export-features", str(store), "--output", str(tmp_path)])
+    assert res.exit_code == 2 and f"--output {tmp_path} is a directory" in res.output

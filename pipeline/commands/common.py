@@ -12,7 +12,7 @@ import typer
 
 from pipeline.core.config import Config, load_config
 from pipeline.core.console import get_logger, setup_logging, stderr_console, stdout_console
-from pipeline.core.errors import PipelineError, os_error_message
+from pipeline.core.errors import PipelineError, UsageError, os_error_message
 from pipeline.core.keys import markup_escape
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,6 +106,15 @@ def _action_from_traceback(exc: BaseException) -> str | None:
         if name in ("open", "_opener", "__init__") and getattr(exc, "filename", None) is not None:
             return "open"
     return None
+
+
+def refuse_existing_output(output: Path, force: bool) -> None:
+    """A command that writes one whole file (``--output``) never replaces a file already there unless ``--force``
+    is given: a directory there, or a file without ``force``, is one usage line."""
+    if output.is_dir():
+        raise UsageError(f"--output {output} is a directory: name the file to write")
+    if output.exists() and not force:
+        raise UsageError(f"--output {output} exists: pass --force to overwrite it, or choose another path")
 
 
 def resolve_config(stage: str, config: Path | None, overrides: list[str] | None, show: bool = True) -> Config:

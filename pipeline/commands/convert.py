@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 import typer
 
 from models.released import convert_release, write_native
+from pipeline.commands.common import refuse_existing_output
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
-    @command(app, "convert-captioner", config=False, overrides=False)
+    @command(app, "convert-captioner", config=False, overrides=False, force=True)
     def convert_command(
         opts: CommandOptions,
         source: Annotated[Path, typer.Argument(help="Released weights file (.pth).")],
@@ -38,6 +39,7 @@ def register(app: typer.Typer) -> None:
         for given, what in ((source, "SOURCE"), (vocab, "--vocab")):
             if given is not None and output.exists() and given.exists() and output.resolve() == given.resolve():
                 raise UsageError(f"--output {output} is the {what} file: it would be overwritten; choose another path")
+        refuse_existing_output(output, opts.force)
         ckpt = convert_release(source, vocab)
         write_native(ckpt, output)
         n = sum(int(w.numel()) for w in ckpt.weights.values())

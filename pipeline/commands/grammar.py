@@ -43,7 +43,9 @@ MEANINGS: dict[str, Meaning] = {
     # common options (pipeline/commands/options.py)
     "--config": Meaning("-c", "YAML config file of the command's stage (default: configs/<stage>.yaml)"),
     "--set": Meaning("-s", "dotted config override KEY=VALUE, repeatable"),
-    "--force": Meaning(None, "redo finished work instead of skipping or resuming it", flag=True),
+    "--force": Meaning(
+        None, "redo finished work instead of skipping or resuming it; write over an existing output file", flag=True
+    ),
     "--verbose": Meaning("-v", "debug logging", flag=True),
     "--quiet": Meaning("-q", "warnings and errors only", flag=True),
     "--threads": Meaning(None, "torch CPU threads per process (also BUTD_THREADS)"),

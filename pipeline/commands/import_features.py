@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.commands.common import refuse_existing_output
 from pipeline.commands.options import CommandOptions, command
 from pipeline.core.console import stdout_console
 from pipeline.core.errors import PipelineError, UsageError
@@ -117,7 +118,14 @@ def register(app: typer.Typer) -> None:
         for where, message in report.bad:
             con.print(f"  bad: {message}", highlight=False, markup=False)
 
-    @command(app, "export-features", config=False, overrides=False, help_fields={"formats": format_help(export=True)})
+    @command(
+        app,
+        "export-features",
+        config=False,
+        overrides=False,
+        force=True,
+        help_fields={"formats": format_help(export=True)},
+    )
     def export_features_command(
         opts: CommandOptions,
         store: Annotated[Path, typer.Argument(help="Store directory or file.")],
@@ -132,6 +140,7 @@ def register(app: typer.Typer) -> None:
 
             butd-caption export-features feats --format butd-tsv --output feats.tsv
         """
+        refuse_existing_output(output, opts.force)
         try:
             n = export_tsv(store, output, fmt)
         except PipelineError as exc:
