@@ -125,9 +125,8 @@ def _short(value: Any) -> str:
 def identity_mismatch(store: str, stored: dict[str, Any], given: dict[str, Any]) -> str:
     """A one-line message naming the stored extractor, the top-level keys that differ and the first differing
     values (dotted paths into the identities, each value cut to a readable length)."""
-    keys = sorted(set(stored) | set(given))
-    differ = [k for k in keys if stored.get(k) != given.get(k)]
     leaves = _differing_leaves(stored, given)
+    differ = sorted({path.split(".", 1)[0] for path, _, _ in leaves})
     shown = "; ".join(f"{path} stored {_short(a)} vs given {_short(b)}" for path, a, b in leaves[:_MISMATCH_SHOWN])
     more = f" (and {len(leaves) - _MISMATCH_SHOWN} more)" if len(leaves) > _MISMATCH_SHOWN else ""
     return (
